@@ -1,0 +1,1 @@
+"""Adapters that bring serving runtimes (SGLang, vLLM) under their GPU's kvcached-broker."""

@@ -1,0 +1,327 @@
+"""``kvcached-broker``: serve, status, limit, evict, demo (DESIGN §7, a contract).
+
+Exit codes: 0 ok, 1 refused, 2 usage, 3 broker unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from msgspec import UNSET
+
+from ..client.admin import AdminClient
+from ..client.endpoint import EndpointError, resolve_endpoint, validate_endpoint
+from ..client.errors import BrokerError, BrokerUnavailable
+from ..client.units import SizeError, parse_headroom, parse_size
+from . import __version__
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+log = logging.getLogger("kvcached_broker")
+
+
+class UsageError(Exception):
+    """Bad arguments found after parsing; exits 2 with one line."""
+
+
+# --------------------------------------------------------------------- types
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except SizeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size_or_none(text: str) -> int | None:
+    return None if text.strip().lower() == "none" else _size(text)
+
+
+def _headroom(text: str) -> str:
+    try:
+        parse_headroom(text)
+    except SizeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"expected a port between 1 and 65535, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _endpoint(text: str) -> str:
+    try:
+        return validate_endpoint(text)
+    except EndpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# -------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcached-broker",
+        description="Per-GPU memory broker for co-located LLM serving instances.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvcached-broker {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    serve = sub.add_parser("serve", help="run the broker for one GPU")
+    serve.add_argument("--device", type=_non_negative_int, default=0, help="NVML index of the GPU (default 0)")
+    serve.add_argument("--simulate", type=_size, metavar="SIZE", help="simulate a GPU of SIZE (e.g. 80GiB) instead of NVML")
+    serve.add_argument("--endpoint", type=_endpoint, metavar="URI", help="ipc:///path.sock or tcp://host:port")
+    serve.add_argument("--headroom", type=_headroom, default="5%", metavar="SIZE|PCT", help="kept free (default 5%%)")
+    serve.add_argument("--state-dir", type=Path, metavar="DIR", help="checkpoint directory (default: per-user state dir)")
+    serve.add_argument("--no-state", action="store_true", help="keep no checkpoint (state is lost if the broker dies)")
+    serve.add_argument("--lease", type=_positive_float, default=10.0, metavar="SECONDS", help="session lease (default 10)")
+    serve.add_argument("--socket-group", metavar="GROUP", help="group that may connect to the ipc socket")
+    serve.add_argument("--admin-group", metavar="GROUP", help="group allowed to run limit/evict")
+    serve.add_argument("--insecure-tcp", action="store_true", help="allow tcp on loopback without CURVE")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    def endpoint_options(p: argparse.ArgumentParser) -> None:
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--device", type=_non_negative_int, default=None, help="GPU index (default 0)")
+        group.add_argument("--endpoint", type=_endpoint, metavar="URI", help="broker endpoint")
+        p.add_argument("--timeout", type=_positive_float, default=3.0, metavar="SECONDS", help=argparse.SUPPRESS)
+
+    status = sub.add_parser("status", help="show the GPU's budget and who holds what")
+    endpoint_options(status)
+    status.add_argument("--json", action="store_true", help="print the status document as JSON")
+    status.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="redraw every SECONDS")
+
+    limit = sub.add_parser("limit", help="set an instance's limits (admin)")
+    limit.add_argument("instance", metavar="INSTANCE")
+    endpoint_options(limit)
+    limit.add_argument("--max", type=_size_or_none, default=UNSET, metavar="SIZE|none", help="cap; 'none' clears it")
+    limit.add_argument("--min", type=_size, default=UNSET, metavar="SIZE", help="guaranteed floor")
+    limit.add_argument("--weight", type=_positive_float, default=UNSET, metavar="W", help="share weight (default 1)")
+    limit.add_argument("--revision", type=_non_negative_int, default=None, help="apply only at this revision")
+
+    evict = sub.add_parser("evict", help="free a session's memory and fence it (admin)")
+    evict.add_argument("session", metavar="SESSION", help="the session id from status (sessions[].id)")
+    endpoint_options(evict)
+    evict.add_argument("--kill", action="store_true", help="SIGKILL the session's process first")
+
+    sim = sub.add_parser("simulate", help="inject usage into a simulated GPU (testing aid, admin)")
+    endpoint_options(sim)
+    sim.add_argument("--external", type=_size, metavar="SIZE", help="memory used by unregistered processes")
+
+    demo = sub.add_parser("demo", help="a simulated GPU with co-located workers, shown live")
+    demo.add_argument("--seconds", type=_positive_float, default=8.0, help="how long to run (default 8)")
+    demo.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+# ------------------------------------------------------------------ commands
+def _target_endpoint(args: argparse.Namespace) -> str:
+    if args.endpoint:
+        return args.endpoint
+    device = 0 if args.device is None else args.device
+    try:
+        endpoint = resolve_endpoint(device, uuid=_nvml_uuid(device))
+    except EndpointError as exc:
+        raise UsageError(str(exc)) from None
+    if endpoint is None:
+        raise UsageError("KVCACHED_BROKER=off: the broker is disabled in this environment")
+    return endpoint
+
+
+def _nvml_uuid(index: int) -> str | None:
+    if "{uuid}" not in os.environ.get("KVCACHED_BROKER", ""):
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return uuid.decode() if isinstance(uuid, bytes) else uuid
+    except Exception:
+        return None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .render import CLEAR_HOME, render_bars, render_table
+
+    endpoint = _target_endpoint(args)
+    if args.watch is None:
+        with AdminClient(endpoint, timeout_s=args.timeout) as admin:
+            status = admin.status()
+        print(json.dumps(status, indent=2) if args.json else render_table(status))
+        return EXIT_OK
+    interactive = sys.stdout.isatty() and not args.json
+    admin = None
+    try:
+        while True:
+            try:
+                if admin is None:
+                    admin = AdminClient(endpoint, timeout_s=args.timeout)
+                status = admin.status()
+                frame = json.dumps(status) if args.json else render_bars(status)
+            except BrokerUnavailable as exc:
+                if admin is not None:
+                    admin.close()
+                    admin = None
+                if args.json:
+                    raise
+                frame = f"kvcached-broker: {exc.message}; retrying every {args.watch:g}s"
+            stamp = time.strftime("%H:%M:%S")
+            if interactive:
+                sys.stdout.write(CLEAR_HOME + f"every {args.watch:g}s  {stamp}  (Ctrl-C to stop)\n\n" + frame + "\n")
+            else:
+                sys.stdout.write(frame + "\n" if args.json else f"--- {stamp}\n{frame}\n")
+            sys.stdout.flush()
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        if admin is not None:
+            admin.close()
+
+
+def cmd_limit(args: argparse.Namespace) -> int:
+    if args.max is UNSET and args.min is UNSET and args.weight is UNSET:
+        raise UsageError("limit: give at least one of --max, --min, --weight")
+    with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
+        result = admin.limit(args.instance, max_bytes=args.max, min_bytes=args.min, weight=args.weight, revision=args.revision)
+    print(json.dumps(result))
+    return EXIT_OK
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
+        result = admin.evict(args.session, kill=args.kill)
+    print(json.dumps(result))
+    return EXIT_OK
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.external is None:
+        raise UsageError("simulate: give --external SIZE")
+    with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
+        print(json.dumps(admin.simulate(external_bytes=args.external)))
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .device import DeviceError, NvmlDevice, SimulatedDevice
+    from .server import BrokerServer, ServeConfig
+    from .security import resolve_group
+    from .state_paths import default_state_dir
+
+    _setup_logging(args.log_level)
+    try:
+        probe = SimulatedDevice(args.device, args.simulate) if args.simulate else NvmlDevice(args.device)
+    except DeviceError as exc:
+        print(f"kvcached-broker: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    endpoint = args.endpoint
+    if endpoint is None:
+        try:
+            endpoint = resolve_endpoint(args.device, uuid=probe.info.uuid)
+        except EndpointError as exc:
+            raise UsageError(str(exc)) from None
+        if endpoint is None:
+            raise UsageError("KVCACHED_BROKER=off: refusing to serve; unset it or pass --endpoint")
+    state_dir = None if args.no_state else (args.state_dir or default_state_dir())
+    config = ServeConfig(
+        endpoint=endpoint,
+        device_index=args.device,
+        headroom=args.headroom,
+        state_dir=state_dir,
+        lease_s=args.lease,
+        socket_group=resolve_group(args.socket_group),
+        admin_group=resolve_group(args.admin_group),
+        insecure_tcp=args.insecure_tcp,
+    )
+    server = BrokerServer(config, probe)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    server.start()
+    server.serve_forever()
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(seconds=args.seconds, keep=args.keep)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "status": cmd_status,
+    "limit": cmd_limit,
+    "evict": cmd_evict,
+    "simulate": cmd_simulate,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"kvcached-broker {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokerUnavailable as exc:
+        print(f"kvcached-broker: cannot reach the broker: {exc.message}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except BrokerError as exc:
+        print(f"kvcached-broker {args.command}: refused [{exc.code}]: {exc.message}", file=sys.stderr)
+        return EXIT_REFUSED
+    except Exception as exc:  # a one-line error for anything that escaped (bad path, lock held)
+        from .security import AlreadyRunning, SecurityError
+        from .checkpoint import CheckpointError
+
+        if isinstance(exc, (AlreadyRunning, SecurityError, CheckpointError, OSError)):
+            print(f"kvcached-broker {args.command}: {exc}", file=sys.stderr)
+            return EXIT_REFUSED
+        raise
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

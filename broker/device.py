@@ -1,0 +1,138 @@
+"""Device probes: what the GPU says about its memory, from NVML or from a simulation.
+
+A probe answers two questions: how big is the device, and who uses how much of it.  The
+broker turns that into ``external_bytes`` (memory used by processes it does not know) and
+per-process measured bytes (for ``charge = max(reported, measured)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+from .ledger import DeviceInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeviceReading:
+    """One reading.  ``used_bytes`` is None on a simulated device, where ``external_bytes``
+    is given directly.  ``per_process`` says whether ``process_bytes`` can be trusted."""
+
+    total_bytes: int
+    used_bytes: int | None = None
+    process_bytes: dict[int, int] = field(default_factory=dict)
+    per_process: bool = True
+    external_bytes: int | None = None
+
+    def external_for(self, registered_pids: Iterable[int], reported_bytes: int) -> int:
+        """Memory in use by processes that are not registered with the broker."""
+        if self.external_bytes is not None:
+            return self.external_bytes
+        assert self.used_bytes is not None
+        if self.per_process:
+            pids = set(registered_pids)
+            mine = sum(size for pid, size in self.process_bytes.items() if pid in pids)
+            return max(0, self.used_bytes - mine)
+        # No per-process figures (MIG, some containers): assume registered processes use what
+        # they reported, so that their own usage is not counted twice as external.
+        return max(0, self.used_bytes - reported_bytes)
+
+
+class DeviceProbe(Protocol):
+    info: DeviceInfo
+
+    def read(self) -> DeviceReading: ...
+
+
+class DeviceError(RuntimeError):
+    """The device cannot be opened (no NVML, no such GPU)."""
+
+
+class SimulatedDevice:
+    """A GPU of ``total_bytes`` that exists only in the broker, for machines without one.
+
+    Tests and demos inject usage by others with :meth:`set_external` and per-process usage
+    with :meth:`set_process_bytes` (reachable over the wire via the admin ``simulate`` op).
+    """
+
+    def __init__(self, index: int, total_bytes: int):
+        if total_bytes <= 0:
+            raise DeviceError(f"simulated device size must be positive, got {total_bytes}")
+        self.info = DeviceInfo(index=index, uuid=f"SIM-GPU-{index}", name=f"simulated GPU {index}", simulated=True)
+        self.total_bytes = total_bytes
+        self._external_bytes = 0
+        self._process_bytes: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def set_external(self, external_bytes: int) -> None:
+        with self._lock:
+            self._external_bytes = external_bytes
+
+    def set_process_bytes(self, process_bytes: dict[int, int]) -> None:
+        with self._lock:
+            self._process_bytes = {pid: size for pid, size in process_bytes.items() if size > 0}
+
+    def read(self) -> DeviceReading:
+        with self._lock:
+            return DeviceReading(
+                total_bytes=self.total_bytes,
+                process_bytes=dict(self._process_bytes),
+                external_bytes=self._external_bytes,
+            )
+
+
+class NvmlDevice:
+    """A physical GPU read through NVML (the ``pynvml`` module of ``nvidia-ml-py``)."""
+
+    def __init__(self, index: int):
+        try:
+            import pynvml
+        except ImportError as exc:
+            raise DeviceError("NVML is not available (pip install nvidia-ml-py); use --simulate SIZE without a GPU") from exc
+        self._nvml = pynvml
+        try:
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:
+            raise DeviceError(f"cannot initialise NVML ({exc}); use --simulate SIZE on a machine without a GPU") from exc
+        if not 0 <= index < count:
+            raise DeviceError(f"no GPU {index}: NVML sees {count} device(s)")
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
+        name = _text(pynvml.nvmlDeviceGetName(self._handle))
+        self.info = DeviceInfo(index=index, uuid=uuid, name=name, simulated=False)
+
+    def read(self) -> DeviceReading:
+        nvml = self._nvml
+        memory = nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        process_bytes: dict[int, int] = {}
+        per_process = True
+        try:
+            processes = list(nvml.nvmlDeviceGetComputeRunningProcesses(self._handle))
+            try:
+                processes += list(nvml.nvmlDeviceGetGraphicsRunningProcesses(self._handle))
+            except nvml.NVMLError:
+                pass
+        except nvml.NVMLError as exc:
+            log.debug("event=nvml_processes_unavailable error=%s", exc)
+            processes, per_process = [], False
+        for proc in processes:
+            used = getattr(proc, "usedGpuMemory", None)
+            if not proc.pid or used is None or used >= (1 << 62):  # NVML_VALUE_NOT_AVAILABLE
+                per_process = False
+                continue
+            process_bytes[int(proc.pid)] = process_bytes.get(int(proc.pid), 0) + int(used)
+        return DeviceReading(
+            total_bytes=int(memory.total),
+            used_bytes=int(memory.used),
+            process_bytes=process_bytes,
+            per_process=per_process,
+        )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

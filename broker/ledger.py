@@ -1,0 +1,667 @@
+"""The ledger: pure accounting of one GPU's memory budget (sans-I/O).
+
+The ledger takes requests and clock readings and returns decisions.  It opens no socket or
+file and starts no thread, so every rule below can be checked by a property test.
+
+Vocabulary (DESIGN §3):
+
+* **session**: one worker process of an instance (a TP rank), with a page size.
+* **reservation**: static bytes a session holds, by pool name; replaced wholesale.
+* **grant**: elastic pages a session holds (``granted_pages``, of which ``reserve_pages`` sit
+  unused in its client's credit reserve).
+* **reported** bytes of a process: its sessions' reservations plus granted pages.
+* **measured** bytes of a process: what the device says it uses (NVML; 0 when simulated).
+* **charge** of a process: ``max(reported, measured)``; ``excess = charge - reported`` is the
+  unreported usage.
+* **budget** = ``total - headroom - external``.
+
+Invariant: at every decision that adds charge, ``sum(charges) <= budget`` afterwards, and
+also ``sum(charges) + unfilled floors of every other instance <= budget``.  A request that would
+break it is refused and changes nothing.  Decreases are always allowed, so a ledger pushed
+over budget by external usage (``overcommitted``) can only move back towards it.
+
+Units: ``*_bytes`` are ints of bytes, ``*_pages`` ints of pages, ``*_s`` float seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..client.errors import BadRequest, BrokerError, BudgetExceeded, LimitExceeded, Overcommitted, StaleRevision
+from ..client.units import format_bytes
+
+#: Sentinel for "leave this limit as it is" in :meth:`Ledger.set_limits`.
+KEEP: Any = object()
+
+
+class SessionState(str, enum.Enum):
+    LIVE = "live"
+    STALE = "stale"  # lease lapsed; still charged (a hung process still holds its memory)
+    RECOVERING = "recovering"  # restored from a checkpoint; waiting for its worker to reconnect
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    uuid: str
+    name: str
+    simulated: bool
+
+
+@dataclass
+class Limits:
+    """An instance's limits.  ``revision`` grows by one on every change."""
+
+    max_bytes: int | None = None
+    min_bytes: int = 0
+    weight: float = 1.0
+    revision: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight, "revision": self.revision}
+
+
+@dataclass(eq=False)
+class Session:
+    """One worker process's holdings.  ``pools`` never holds a zero entry."""
+
+    id: str
+    instance: str
+    pid: int
+    pid_verified: bool
+    tp_rank: int
+    tp_size: int
+    page_bytes: int
+    opened_s: float
+    last_seen_s: float
+    state: SessionState = SessionState.LIVE
+    pools: dict[str, int] = field(default_factory=dict)
+    reserved_bytes: int = 0
+    granted_pages: int = 0
+    reserve_pages: int = 0
+    restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
+
+    @property
+    def granted_bytes(self) -> int:
+        return self.granted_pages * self.page_bytes
+
+    @property
+    def reported_bytes(self) -> int:
+        return self.reserved_bytes + self.granted_pages * self.page_bytes
+
+
+@dataclass(eq=False)
+class _Instance:
+    name: str
+    session_ids: set[str] = field(default_factory=set)
+    reserved_bytes: int = 0
+    granted_bytes: int = 0
+    excess_bytes: int = 0
+
+    @property
+    def charge_bytes(self) -> int:
+        return self.reserved_bytes + self.granted_bytes + self.excess_bytes
+
+
+@dataclass(eq=False)
+class _ProcessAccount:
+    """Charges of one process; sessions without a verified pid each get their own account."""
+
+    instance: str  # unreported excess is attributed to this instance
+    reported_bytes: int = 0
+    measured_bytes: int = 0
+    session_ids: set[str] = field(default_factory=set)
+
+    @property
+    def excess_bytes(self) -> int:
+        return max(0, self.measured_bytes - self.reported_bytes)
+
+    @property
+    def charge_bytes(self) -> int:
+        return max(self.reported_bytes, self.measured_bytes)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The answer to :meth:`Ledger.acquire`: ``pages`` granted (0 is a refusal, not an error)."""
+
+    pages: int
+    refusal: BrokerError | None = None
+
+
+@dataclass
+class LedgerChanges:
+    """What changed since the last :meth:`Ledger.drain_changes` (for the checkpoint journal)."""
+
+    sessions: set[str] = field(default_factory=set)
+    closed: set[str] = field(default_factory=set)
+    limits: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.sessions or self.closed or self.limits)
+
+
+class Ledger:
+    """Accounting state machine for one device."""
+
+    def __init__(self, device: DeviceInfo, *, total_bytes: int, headroom_bytes: int, external_bytes: int = 0):
+        self.device = device
+        self.total_bytes = total_bytes
+        self.headroom_bytes = headroom_bytes
+        self.external_bytes = external_bytes
+        self.sessions: dict[str, Session] = {}
+        self.limits: dict[str, Limits] = {}
+        self._instances: dict[str, _Instance] = {}
+        self._accounts: dict[object, _ProcessAccount] = {}
+        self._measured_by_pid: dict[int, int] = {}
+        self._reserved_total = 0
+        self._granted_total = 0
+        self._excess_total = 0
+        self._unfilled_floor_total = 0
+        self._changes = LedgerChanges()
+        #: Grows on every change; lets the shell cache what it derives (status, metrics).
+        self.version = 0
+
+    # ----------------------------------------------------------------- totals
+    @property
+    def budget_bytes(self) -> int:
+        return max(0, self.total_bytes - self.headroom_bytes - self.external_bytes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved_total
+
+    @property
+    def granted_bytes(self) -> int:
+        return self._granted_total
+
+    @property
+    def unreported_bytes(self) -> int:
+        return self._excess_total
+
+    @property
+    def charged_bytes(self) -> int:
+        return self._reserved_total + self._granted_total + self._excess_total
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.charged_bytes)
+
+    @property
+    def overcommitted(self) -> bool:
+        return self.charged_bytes > self.budget_bytes
+
+    def instance_charge_bytes(self, instance: str) -> int:
+        inst = self._instances.get(instance)
+        return inst.charge_bytes if inst else 0
+
+    def unfilled_floor_bytes(self, instance: str) -> int:
+        limits = self.limits.get(instance)
+        if limits is None or not limits.min_bytes:
+            return 0
+        return max(0, limits.min_bytes - self.instance_charge_bytes(instance))
+
+    def check_invariant(self) -> None:
+        """Recompute every total from scratch and compare (for tests; O(sessions))."""
+        reserved = sum(s.reserved_bytes for s in self.sessions.values())
+        granted = sum(s.granted_bytes for s in self.sessions.values())
+        excess = sum(a.excess_bytes for a in self._accounts.values())
+        assert reserved == self._reserved_total, (reserved, self._reserved_total)
+        assert granted == self._granted_total, (granted, self._granted_total)
+        assert excess == self._excess_total, (excess, self._excess_total)
+        names = set(self.limits) | set(self._instances)
+        unfilled = sum(self.unfilled_floor_bytes(n) for n in names)
+        assert unfilled == self._unfilled_floor_total, (unfilled, self._unfilled_floor_total)
+        for s in self.sessions.values():
+            assert s.reserved_bytes == sum(s.pools.values()) and all(v > 0 for v in s.pools.values())
+            assert 0 <= s.reserve_pages <= s.granted_pages
+
+    # ------------------------------------------------------------ device view
+    def observe_device(
+        self,
+        *,
+        total_bytes: int | None = None,
+        headroom_bytes: int | None = None,
+        external_bytes: int | None = None,
+        measured_by_pid: dict[int, int] | None = None,
+    ) -> None:
+        """Take a new device reading.  May leave the ledger overcommitted; never refuses."""
+        if total_bytes is not None:
+            self.total_bytes = total_bytes
+        if headroom_bytes is not None:
+            self.headroom_bytes = headroom_bytes
+        if external_bytes is not None:
+            self.external_bytes = external_bytes
+        if measured_by_pid is not None:
+            self._measured_by_pid = dict(measured_by_pid)
+            for key, account in self._accounts.items():
+                measured = self._measured_by_pid.get(key, 0) if isinstance(key, int) else 0
+                if measured != account.measured_bytes:
+                    self._recharge(account, measured_delta=measured - account.measured_bytes)
+        self.version += 1
+
+    # --------------------------------------------------------------- sessions
+    def open_session(
+        self,
+        session_id: str,
+        *,
+        instance: str,
+        pid: int,
+        pid_verified: bool,
+        tp_rank: int,
+        tp_size: int,
+        page_bytes: int,
+        now_s: float,
+        pools: dict[str, int] | None = None,
+        granted_pages: int = 0,
+        reserve_pages: int = 0,
+        state: SessionState = SessionState.LIVE,
+        restored: bool = False,
+    ) -> Session:
+        """Register a session.  Holdings passed here are adopted without admission: they
+        describe memory the process already holds (a reconnect after a broker restart)."""
+        if session_id in self.sessions:
+            raise BadRequest(f"session {session_id} is already open")
+        if page_bytes <= 0:
+            raise BadRequest(f"page_bytes must be positive, got {page_bytes}")
+        clean_pools = _clean_pools(pools or {})
+        session = Session(
+            id=session_id,
+            instance=instance,
+            pid=pid,
+            pid_verified=pid_verified,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            page_bytes=page_bytes,
+            opened_s=now_s,
+            last_seen_s=now_s,
+            state=state,
+            restored=restored,
+        )
+        self.sessions[session_id] = session
+        inst = self._instances.get(instance)
+        if inst is None:
+            inst = self._instances[instance] = _Instance(instance)
+        inst.session_ids.add(session_id)
+        self._account_for(session).session_ids.add(session_id)
+        self._apply(session, pools=clean_pools, granted_pages=granted_pages)
+        session.reserve_pages = min(reserve_pages, session.granted_pages)
+        self._changed(session)
+        return session
+
+    def close_session(self, session_id: str) -> Session:
+        """Free everything the session holds and forget it."""
+        session = self._session(session_id)
+        self._apply(session, pools={}, granted_pages=0)
+        key = self._account_key(session)
+        account = self._accounts[key]
+        account.session_ids.discard(session_id)
+        if not account.session_ids:
+            self._recharge(account, measured_delta=-account.measured_bytes)
+            del self._accounts[key]
+        elif account.instance == session.instance:
+            heir = next(iter(account.session_ids))
+            self._reattribute(account, self.sessions[heir].instance)
+        inst = self._instances[session.instance]
+        inst.session_ids.discard(session_id)
+        if not inst.session_ids:
+            old_unfilled = self.unfilled_floor_bytes(session.instance)
+            del self._instances[session.instance]
+            self._unfilled_floor_total += self.unfilled_floor_bytes(session.instance) - old_unfilled
+        del self.sessions[session_id]
+        self._changes.sessions.discard(session_id)
+        self._changes.closed.add(session_id)
+        self.version += 1
+        return session
+
+    def touch(self, session_id: str, now_s: float) -> bool:
+        """Record activity; a stale session comes back to live.  Returns True if it revived."""
+        session = self._session(session_id)
+        session.last_seen_s = now_s
+        if session.state is SessionState.STALE:
+            session.state = SessionState.LIVE
+            self._changed(session)
+            return True
+        return False
+
+    def resume(self, session_id: str, now_s: float, *, holdings: tuple[dict[str, int], int, int] | None) -> Session:
+        """A worker reconnected to its session.
+
+        A session restored from a checkpoint adopts what the worker re-asserts (the worker
+        knows what it holds; the broker may have answered a request it then forgot).  A
+        session that never left this broker keeps the broker's figures: its reply cache
+        covers any request whose answer the worker missed.
+        """
+        session = self._session(session_id)
+        if session.restored and holdings is not None:
+            pools, granted_pages, reserve_pages = holdings
+            self._apply(session, pools=_clean_pools(pools), granted_pages=granted_pages)
+            session.reserve_pages = min(reserve_pages, session.granted_pages)
+        session.restored = False
+        session.state = SessionState.LIVE
+        session.last_seen_s = now_s
+        self._changed(session)
+        return session
+
+    def expire_leases(self, now_s: float, lease_s: float) -> list[Session]:
+        """Mark sessions silent for longer than ``lease_s`` stale (still charged)."""
+        stale = []
+        for session in self.sessions.values():
+            if session.state is not SessionState.STALE and now_s - session.last_seen_s > lease_s:
+                session.state = SessionState.STALE
+                self._changed(session)
+                stale.append(session)
+        return stale
+
+    def set_reserve_pages(self, session_id: str, reserve_pages: int) -> None:
+        session = self._session(session_id)
+        clamped = min(reserve_pages, session.granted_pages)
+        if clamped != session.reserve_pages:
+            session.reserve_pages = clamped
+            self._changed(session)
+
+    # ------------------------------------------------------------ reservations
+    def reserve(self, session_id: str, pools: dict[str, int]) -> dict[str, int]:
+        """Replace the session's reservation map (a pool set to 0 is removed).
+
+        Raises :class:`BudgetExceeded` (or ``LimitExceeded``/``Overcommitted``) naming the
+        pool if the growth does not fit; the ledger is then unchanged.
+        """
+        session = self._session(session_id)
+        new_pools = _clean_pools(pools)
+        growth_bytes = sum(new_pools.values()) - session.reserved_bytes
+        if growth_bytes > 0:
+            pool, pool_growth = _largest_growth(session.pools, new_pools)
+            fit = self._room_for(session, growth_bytes)
+            if fit is not None:
+                code, room_bytes = fit
+                raise _refusal(
+                    code,
+                    what=f"reservation of pool {pool!r} (+{format_bytes(pool_growth)})",
+                    instance=session.instance,
+                    asked_bytes=growth_bytes,
+                    room_bytes=room_bytes,
+                    ledger=self,
+                    details={"pool": pool, "pool_asked_bytes": pool_growth},
+                )
+        self._apply(session, pools=new_pools, granted_pages=session.granted_pages)
+        self._changed(session)
+        return dict(session.pools)
+
+    # ------------------------------------------------------------------ pages
+    def acquire(self, session_id: str, pages: int, min_pages: int | None = None) -> Grant:
+        """Grant ``pages``, or with ``min_pages`` the largest k in [min_pages, pages] that fits.
+
+        A refusal is ``Grant(0, refusal)``, not an exception; the ledger is then unchanged.
+        """
+        session = self._session(session_id)
+        if pages <= 0:
+            raise BadRequest(f"acquire needs a positive page count, got {pages}")
+        floor_pages = pages if min_pages is None else min_pages
+        if not 0 <= floor_pages <= pages:
+            raise BadRequest(f"min_pages must be between 0 and pages ({pages}), got {min_pages}")
+        fit_pages, code, room_bytes = self._pages_that_fit(session, pages)
+        if fit_pages < floor_pages or fit_pages == 0:
+            refusal = _refusal(
+                code or "budget_exceeded",
+                what=f"{pages} page(s) of {format_bytes(session.page_bytes)}",
+                instance=session.instance,
+                asked_bytes=pages * session.page_bytes,
+                room_bytes=room_bytes,
+                ledger=self,
+                details={"pool": "elastic", "asked_pages": pages, "min_pages": min_pages, "fit_pages": fit_pages},
+            )
+            return Grant(0, refusal)
+        self._apply(session, pools=session.pools, granted_pages=session.granted_pages + fit_pages)
+        self._changed(session)
+        return Grant(fit_pages)
+
+    def release(self, session_id: str, pages: int) -> int:
+        """Return pages; releasing more than the session holds is ``bad_request``."""
+        session = self._session(session_id)
+        if pages <= 0:
+            raise BadRequest(f"release needs a positive page count, got {pages}")
+        if pages > session.granted_pages:
+            raise BadRequest(
+                f"release of {pages} page(s) but session {session.id} holds {session.granted_pages}",
+                details={"pages": pages, "granted_pages": session.granted_pages},
+            )
+        self._apply(session, pools=session.pools, granted_pages=session.granted_pages - pages)
+        session.reserve_pages = min(session.reserve_pages, session.granted_pages)
+        self._changed(session)
+        return session.granted_pages
+
+    # ----------------------------------------------------------------- limits
+    def set_limits(
+        self,
+        instance: str,
+        *,
+        max_bytes: int | None = KEEP,
+        min_bytes: int = KEEP,
+        weight: float = KEEP,
+        revision: int | None = None,
+    ) -> Limits:
+        """Change an instance's limits (the instance need not be registered yet).
+
+        Refused with ``limit_exceeded`` if ``min > max`` or the floors would sum past the
+        budget, and with ``stale_revision`` if ``revision`` is given and is not current.
+        """
+        current = self.limits.get(instance, Limits())
+        if revision is not None and revision != current.revision:
+            raise StaleRevision(
+                f"limits of {instance!r} are at revision {current.revision}, not {revision}",
+                details={"instance": instance, "revision": current.revision},
+            )
+        new = Limits(
+            max_bytes=current.max_bytes if max_bytes is KEEP else max_bytes,
+            min_bytes=current.min_bytes if min_bytes is KEEP else min_bytes,
+            weight=current.weight if weight is KEEP else weight,
+            revision=current.revision + 1,
+        )
+        if new.max_bytes is not None and new.min_bytes > new.max_bytes:
+            raise LimitExceeded(
+                f"floor of {instance!r} ({format_bytes(new.min_bytes)}) exceeds its cap ({format_bytes(new.max_bytes)})",
+                details={"instance": instance, "min_bytes": new.min_bytes, "max_bytes": new.max_bytes},
+            )
+        floors = sum(l.min_bytes for name, l in self.limits.items() if name != instance) + new.min_bytes
+        if floors > self.budget_bytes:
+            raise LimitExceeded(
+                f"floors would sum to {format_bytes(floors)}, past the budget of {format_bytes(self.budget_bytes)}",
+                details={"instance": instance, "floors_bytes": floors, "budget_bytes": self.budget_bytes},
+            )
+        self._set_limits_unchecked(instance, new)
+        return new
+
+    def restore_limits(self, instance: str, limits: Limits) -> None:
+        """Load limits from a checkpoint or config as they are (no budget check)."""
+        self._set_limits_unchecked(instance, limits)
+
+    def _set_limits_unchecked(self, instance: str, limits: Limits) -> None:
+        old_unfilled = self.unfilled_floor_bytes(instance)
+        self.limits[instance] = limits
+        self._unfilled_floor_total += self.unfilled_floor_bytes(instance) - old_unfilled
+        self._changes.limits.add(instance)
+        self.version += 1
+
+    # ---------------------------------------------------------------- changes
+    def drain_changes(self) -> LedgerChanges:
+        changes, self._changes = self._changes, LedgerChanges()
+        return changes
+
+    def instance_names(self) -> Iterable[str]:
+        return self._instances.keys()
+
+    def instance_totals(self, instance: str) -> tuple[int, int, int]:
+        """``(reserved_bytes, granted_bytes, unreported_bytes)`` of a registered instance."""
+        inst = self._instances.get(instance)
+        if inst is None:
+            return 0, 0, 0
+        return inst.reserved_bytes, inst.granted_bytes, inst.excess_bytes
+
+    # --------------------------------------------------------------- internals
+    def _session(self, session_id: str) -> Session:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise BadRequest(f"no session {session_id}") from None
+
+    def _changed(self, session: Session) -> None:
+        self._changes.sessions.add(session.id)
+        self.version += 1
+
+    @staticmethod
+    def _account_key(session: Session) -> object:
+        if session.pid_verified and session.pid > 0:
+            return session.pid
+        return ("session", session.id)
+
+    def _account_for(self, session: Session) -> _ProcessAccount:
+        key = self._account_key(session)
+        account = self._accounts.get(key)
+        if account is None:
+            account = self._accounts[key] = _ProcessAccount(instance=session.instance)
+            measured = self._measured_by_pid.get(key, 0) if isinstance(key, int) else 0
+            if measured:
+                self._recharge(account, measured_delta=measured)
+        return account
+
+    def _recharge(self, account: _ProcessAccount, *, reported_delta: int = 0, measured_delta: int = 0) -> None:
+        """Move an account's reported/measured figures and keep every total in step."""
+        old_excess = account.excess_bytes
+        account.reported_bytes += reported_delta
+        account.measured_bytes += measured_delta
+        excess_delta = account.excess_bytes - old_excess
+        if excess_delta:
+            self._excess_total += excess_delta
+            self._move_instance_excess(account.instance, excess_delta)
+
+    def _move_instance_excess(self, instance: str, excess_delta: int) -> None:
+        inst = self._instances.get(instance)
+        if inst is None:
+            return
+        old_unfilled = self.unfilled_floor_bytes(instance)
+        inst.excess_bytes += excess_delta
+        self._unfilled_floor_total += self.unfilled_floor_bytes(instance) - old_unfilled
+
+    def _reattribute(self, account: _ProcessAccount, instance: str) -> None:
+        """Charge a process's unreported excess to another of its instances."""
+        if instance == account.instance:
+            return
+        excess = account.excess_bytes
+        self._move_instance_excess(account.instance, -excess)
+        account.instance = instance
+        self._move_instance_excess(instance, excess)
+
+    def _apply(self, session: Session, *, pools: dict[str, int], granted_pages: int) -> None:
+        """Set a session's holdings and keep instance, process and device totals in step."""
+        reserved_delta = sum(pools.values()) - session.reserved_bytes
+        granted_delta = (granted_pages - session.granted_pages) * session.page_bytes
+        inst = self._instances[session.instance]
+        old_unfilled = self.unfilled_floor_bytes(session.instance)
+        session.pools = dict(pools)
+        session.reserved_bytes += reserved_delta
+        session.granted_pages = granted_pages
+        inst.reserved_bytes += reserved_delta
+        inst.granted_bytes += granted_delta
+        self._reserved_total += reserved_delta
+        self._granted_total += granted_delta
+        self._unfilled_floor_total += self.unfilled_floor_bytes(session.instance) - old_unfilled
+        self._recharge(self._account_for(session), reported_delta=reserved_delta + granted_delta)
+
+    def _growth_room(self, session: Session) -> tuple[int, int | None, int]:
+        """``(device_room, cap_room, slack)`` in bytes for growing this session's reported bytes.
+
+        ``slack`` is measured-but-unreported usage of its process: growth up to it adds no
+        charge (it is already charged).
+        """
+        account = self._accounts[self._account_key(session)]
+        slack = account.excess_bytes
+        others_unfilled = self._unfilled_floor_total - self.unfilled_floor_bytes(session.instance)
+        device_room = self.budget_bytes - self.charged_bytes - others_unfilled + slack
+        limits = self.limits.get(session.instance)
+        cap_room = None
+        if limits is not None and limits.max_bytes is not None:
+            own_slack = slack if account.instance == session.instance else 0
+            cap_room = limits.max_bytes - self.instance_charge_bytes(session.instance) + own_slack
+        return device_room, cap_room, slack
+
+    def _room_for(self, session: Session, growth_bytes: int) -> tuple[str, int] | None:
+        """None if ``growth_bytes`` fits; else the refusal code and the room there is."""
+        if self.overcommitted:
+            return "overcommitted", 0
+        device_room, cap_room, _ = self._growth_room(session)
+        if cap_room is not None and growth_bytes > cap_room:
+            return "limit_exceeded", max(0, cap_room)
+        if growth_bytes > device_room:
+            return "budget_exceeded", max(0, device_room)
+        return None
+
+    def _pages_that_fit(self, session: Session, pages: int) -> tuple[int, str | None, int]:
+        """The most pages (≤ ``pages``) that fit, the binding constraint and its room in bytes."""
+        if self.overcommitted:
+            return 0, "overcommitted", 0
+        device_room, cap_room, _ = self._growth_room(session)
+        device_fit = max(0, device_room) // session.page_bytes
+        cap_fit = device_fit if cap_room is None else max(0, cap_room) // session.page_bytes
+        fit = min(pages, device_fit, cap_fit)
+        if fit == pages:
+            return fit, None, 0
+        if cap_room is not None and cap_fit <= device_fit:
+            return fit, "limit_exceeded", max(0, cap_room)
+        return fit, "budget_exceeded", max(0, device_room)
+
+
+def _clean_pools(pools: dict[str, int]) -> dict[str, int]:
+    for name, size in pools.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BadRequest(f"pool {name!r} needs a non-negative int of bytes, got {size!r}")
+    return {name: size for name, size in pools.items() if size > 0}
+
+
+def _largest_growth(old: dict[str, int], new: dict[str, int]) -> tuple[str, int]:
+    growth = {name: size - old.get(name, 0) for name, size in new.items() if size > old.get(name, 0)}
+    name = max(growth, key=growth.__getitem__)
+    return name, growth[name]
+
+
+def _refusal(
+    code: str,
+    *,
+    what: str,
+    instance: str,
+    asked_bytes: int,
+    room_bytes: int,
+    ledger: Ledger,
+    details: dict[str, Any],
+) -> BrokerError:
+    dev = ledger.device
+    where = f"GPU {dev.index}"
+    if code == "overcommitted":
+        message = (
+            f"{what} for {instance!r} refused: {where} is overcommitted "
+            f"(charges {format_bytes(ledger.charged_bytes)} > budget {format_bytes(ledger.budget_bytes)})"
+        )
+        cls: type[BrokerError] = Overcommitted
+    elif code == "limit_exceeded":
+        limits = ledger.limits.get(instance, Limits())
+        message = (
+            f"{what} for {instance!r} refused: its cap of {format_bytes(limits.max_bytes)} leaves "
+            f"{format_bytes(room_bytes)}"
+        )
+        cls = LimitExceeded
+    else:
+        message = (
+            f"{what} for {instance!r} refused: {format_bytes(room_bytes)} free on {where} "
+            f"(budget {format_bytes(ledger.budget_bytes)}, charged {format_bytes(ledger.charged_bytes)})"
+        )
+        cls = BudgetExceeded
+    details = {
+        **details,
+        "instance": instance,
+        "asked_bytes": asked_bytes,
+        "free_bytes": room_bytes,
+        "budget_bytes": ledger.budget_bytes,
+    }
+    return cls(message, details=details)

@@ -1,0 +1,888 @@
+"""The broker daemon: a thin synchronous shell around the ledger.
+
+One thread runs :meth:`BrokerServer.serve_forever`.  Each poll round it
+
+1. reads every request waiting on the ROUTER socket and decides each one against the ledger,
+2. reclaims sessions whose process exited (pidfds in the same poller),
+3. appends what changed to the journal with one ``write()`` (group commit), and only then
+4. sends the round's replies,
+
+so that no grant is ever answered before it would survive a broker crash.  Timers (leases,
+device readings, snapshots) run between rounds.  A synchronous poller is used on purpose:
+zmq.asyncio halved throughput when measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from ..client import protocol as proto
+from ..client.endpoint import ipc_path, tcp_host
+from ..client.errors import (
+    BadRequest,
+    BrokerError,
+    Forbidden,
+    NotOwner,
+    RateLimited,
+    SessionEvicted,
+    UnknownSession,
+    UnsupportedVersion,
+    WrongDevice,
+)
+from ..client.units import format_bytes, parse_headroom
+from .checkpoint import StateStore
+from .device import DeviceProbe, SimulatedDevice
+from .ledger import KEEP, Ledger, Limits, SessionState
+from .liveness import PidWatcher, process_alive, process_start_ticks
+from .security import (
+    LockFile,
+    Peer,
+    SecurityError,
+    is_admin,
+    parse_peer_address,
+    prepare_socket_dir,
+    secure_socket_file,
+    socket_umask,
+)
+from .sessions import Binding, HelloRateLimiter, SessionTable
+from .status import build_status
+
+log = logging.getLogger("kvcached_broker")
+
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``serve`` can be told.  Sizes in bytes, times in seconds."""
+
+    endpoint: str
+    device_index: int = 0
+    headroom: str = "5%"
+    state_dir: Path | None = None
+    lease_s: float = 10.0
+    socket_group: int | None = None
+    admin_group: int | None = None
+    insecure_tcp: bool = False
+    curve_secret_key: bytes | None = None
+    curve_public_key: bytes | None = None
+    curve_allowed_keys: list[bytes] | None = None
+    probe_interval_s: float = 0.5
+    max_sessions: int = 4096
+    max_sessions_per_pid: int = 64
+    hello_rate_per_s: float = 50.0
+    hello_burst: int = 200
+    max_batch: int = 512
+
+
+@dataclass
+class Counters:
+    """Monotonic counters for metrics and the closing benchmark notes."""
+
+    requests: int = 0
+    grants: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)
+    reclaims: dict[str, int] = field(default_factory=dict)
+    bad_frames: int = 0
+
+    def refused(self, code: str) -> None:
+        self.refusals[code] = self.refusals.get(code, 0) + 1
+
+    def reclaimed(self, cause: str) -> None:
+        self.reclaims[cause] = self.reclaims.get(cause, 0) + 1
+
+
+class BrokerServer:
+    def __init__(self, config: ServeConfig, probe: DeviceProbe, *, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.probe = probe
+        self.clock = clock
+        reading = probe.read()
+        self._headroom_bytes, self._headroom_fraction = parse_headroom(config.headroom, reading.total_bytes)
+        self.ledger = Ledger(
+            probe.info,
+            total_bytes=reading.total_bytes,
+            headroom_bytes=self._headroom_bytes or 0,
+            external_bytes=reading.external_for((), 0),
+        )
+        self.table = SessionTable()
+        self.counters = Counters()
+        self._hellos = HelloRateLimiter(config.hello_rate_per_s, config.hello_burst)
+        self._pids = PidWatcher()
+        self._peers: dict[bytes, Peer] = {}
+        self._store: StateStore | None = None
+        self._locks: list[LockFile] = []
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._pushes: list[tuple[bytes, bytes]] = []
+        self._pending_records: list[dict[str, Any]] = []
+        self._started_s = clock()
+        self._next_probe_s = 0.0
+        self._next_lease_check_s = 0.0
+        self._was_overcommitted = False
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self.ready = threading.Event()
+        self._handlers = {
+            proto.Hello: self._hello,
+            proto.Reserve: self._reserve,
+            proto.Acquire: self._acquire,
+            proto.Release: self._release,
+            proto.Heartbeat: self._heartbeat,
+            proto.Close: self._close,
+            proto.Status: self._status,
+            proto.SetLimit: self._set_limit,
+            proto.Evict: self._evict,
+            proto.Simulate: self._simulate,
+        }
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Take the locks, restore state, bind.  Raises with a one-line reason on failure."""
+        cfg = self.config
+        sock_path = ipc_path(cfg.endpoint)
+        try:
+            if sock_path is not None:
+                prepare_socket_dir(sock_path, cfg.socket_group)
+                self._lock(Path(str(sock_path) + ".lock"), cfg.endpoint)
+            else:
+                self._check_tcp_allowed()
+            if cfg.state_dir is not None:
+                store = StateStore(cfg.state_dir, cfg.device_index)
+                Path(cfg.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._lock(Path(cfg.state_dir) / f"gpu{cfg.device_index}.lock", f"state directory {cfg.state_dir}")
+                self._restore(store)
+                self._store = store  # only now may close() write a snapshot over the old one
+            self._bind(sock_path)
+        except BaseException:
+            self.close()
+            raise
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        for pid in self.table.pids():
+            self._watch_pid(pid)
+        self._probe_device(force=True)
+        log.info(
+            "event=ready endpoint=%s device=%d uuid=%s total=%s budget=%s lease_s=%s state_dir=%s",
+            cfg.endpoint,
+            cfg.device_index,
+            self.ledger.device.uuid,
+            format_bytes(self.ledger.total_bytes),
+            format_bytes(self.ledger.budget_bytes),
+            cfg.lease_s,
+            cfg.state_dir,
+        )
+        self.ready.set()
+
+    def _lock(self, path: Path, what: str) -> None:
+        lock = LockFile(path, what)
+        lock.acquire()
+        self._locks.append(lock)
+
+    def _check_tcp_allowed(self) -> None:
+        cfg = self.config
+        if cfg.curve_secret_key:
+            return
+        host = tcp_host(cfg.endpoint) or ""
+        if not cfg.insecure_tcp:
+            raise SecurityError(
+                f"refusing to serve {cfg.endpoint} without CURVE keys; use an ipc:// endpoint, "
+                "configure CURVE, or pass --insecure-tcp for a loopback address"
+            )
+        if host not in _LOOPBACK:
+            raise SecurityError(f"--insecure-tcp is allowed only on a loopback address, not {host}")
+        log.warning("event=insecure_tcp endpoint=%s detail=no_authentication_or_encryption", cfg.endpoint)
+
+    def _bind(self, sock_path: Path | None) -> None:
+        cfg = self.config
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_REQUEST_BYTES)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        if cfg.curve_secret_key:
+            sock.curve_server = True
+            sock.curve_secretkey = cfg.curve_secret_key
+            if cfg.curve_public_key:
+                sock.curve_publickey = cfg.curve_public_key
+        self._sock = sock
+        if sock_path is not None:
+            with socket_umask():
+                sock.bind(cfg.endpoint)
+            secure_socket_file(sock_path, cfg.socket_group)
+        else:
+            sock.bind(cfg.endpoint)
+
+    def stop(self) -> None:
+        """Ask :meth:`serve_forever` to return (thread- and signal-safe)."""
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._store is not None:
+            try:
+                self._commit()
+                self._store.write_snapshot(self._snapshot_state())
+            except Exception as exc:  # keep the journal; it is enough to recover
+                log.error("event=snapshot_failed error=%s", exc)
+            self._store.close()
+            self._store = None
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        sock_path = ipc_path(self.config.endpoint)
+        if sock_path is not None and self._locks:
+            try:
+                sock_path.unlink()
+            except OSError:
+                pass
+        self._pids.close()
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    def serve_forever(self) -> None:
+        if not self.ready.is_set():
+            self.start()
+        try:
+            while not self._stop.is_set():
+                self.run_round()
+        finally:
+            log.info("event=stopping sessions=%d", len(self.table))
+            self.close()
+
+    # ---------------------------------------------------------------- rounds
+    def run_round(self, timeout_ms: int | None = None) -> None:
+        if timeout_ms is None:
+            timeout_ms = self._poll_timeout_ms()
+        events = self._poller.poll(timeout_ms)
+        now = self.clock()
+        replies: list[tuple[bytes, bytes]] = []
+        for target, _ in events:
+            if target is self._sock:
+                self._read_requests(now, replies)
+            elif target == self._wake_r:
+                os.read(self._wake_r, 4096)
+            else:
+                self._pid_exited(target)
+        self._timers(now)
+        self._commit()
+        self._send(replies)
+
+    def _poll_timeout_ms(self) -> int:
+        return 100
+
+    def _read_requests(self, now: float, replies: list[tuple[bytes, bytes]]) -> None:
+        sock = self._sock
+        assert sock is not None
+        for _ in range(self.config.max_batch):
+            try:
+                rid_frame = sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            rid = rid_frame.bytes
+            if not rid_frame.more:
+                self.counters.bad_frames += 1
+                continue
+            body = sock.recv(zmq.NOBLOCK)
+            extra = False
+            while sock.rcvmore:
+                sock.recv(zmq.NOBLOCK)
+                extra = True
+            peer = self._peers.get(rid)
+            if peer is None:
+                peer = self._learn_peer(rid, rid_frame)
+            self.counters.requests += 1
+            if extra:
+                self.counters.bad_frames += 1
+                replies.append((rid, proto.error_reply(None, "bad_request", "a request is exactly one frame")))
+                continue
+            reply = self._handle(rid, peer, body, now)
+            if reply is not None:
+                replies.append((rid, reply))
+
+    def _learn_peer(self, rid: bytes, frame: zmq.Frame) -> Peer:
+        try:
+            address = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            address = None
+        peer = parse_peer_address(address)
+        if len(self._peers) >= 16384:
+            bound = {b.routing_id for b in self.table}
+            self._peers = {k: v for k, v in self._peers.items() if k in bound}
+        self._peers[rid] = peer
+        return peer
+
+    def _handle(self, rid: bytes, peer: Peer, body: bytes, now: float) -> bytes | None:
+        try:
+            request = proto.decode_request(body)
+        except proto.ProtocolError as exc:
+            self.counters.bad_frames += 1
+            return proto.error_reply(exc.request_id, "bad_request", str(exc))
+        try:
+            return self._handlers[type(request)](request, rid, peer, now)
+        except BrokerError as exc:
+            self.counters.refused(exc.code)
+            return proto.error_reply(request.id, exc.code, exc.message, exc.details)
+        except Exception:
+            log.exception("event=internal_error op=%s", type(request).__name__)
+            return proto.error_reply(request.id, "internal", "internal broker error; the request was not applied")
+
+    def _send(self, replies: list[tuple[bytes, bytes]]) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        if self._pushes:
+            replies = replies + self._pushes
+            self._pushes = []
+        for rid, reply in replies:
+            try:
+                sock.send(rid, zmq.SNDMORE | zmq.NOBLOCK)
+                sock.send(reply, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: it is not reading
+                log.debug("event=reply_dropped errno=%s", exc.errno)
+
+    # ------------------------------------------------------------ handlers
+    def _owned(self, token: str, rid: bytes) -> Binding:
+        binding = self.table.by_token(token)
+        if binding is None:
+            if token in self.table.fenced:
+                raise SessionEvicted(
+                    f"session {self.table.fenced[token]} was evicted by an operator; its memory has been given away"
+                )
+            raise UnknownSession("unknown session; open a new one with hello")
+        if binding.routing_id != rid:
+            raise NotOwner(
+                f"session {binding.session_id} is bound to another connection; its owner may resume it with hello",
+                details={"session_id": binding.session_id, "resume": True},
+            )
+        return binding
+
+    def _session_request(self, request: Any, rid: bytes, now: float) -> tuple[Binding, bytes | None]:
+        binding = self._owned(request.session, rid)
+        cached = binding.cached_reply(request.id)
+        if cached is not None:
+            return binding, cached
+        if self.ledger.touch(binding.session_id, now):
+            log.info("event=session_live session=%s detail=lease_renewed", binding.session_id)
+        reserve = getattr(request, "reserve_pages", None)
+        if reserve is not None:
+            self.ledger.set_reserve_pages(binding.session_id, reserve)
+        return binding, None
+
+    def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
+        reply = proto.ok_reply(request_id, result)
+        binding.remember_reply(request_id, reply, self.table.reply_cache)
+        return reply
+
+    def _hello(self, req: proto.Hello, rid: bytes, peer: Peer, now: float) -> bytes:
+        version = max((v for v in req.versions if v in proto.SUPPORTED_VERSIONS), default=None)
+        if version is None:
+            raise UnsupportedVersion(
+                f"client speaks protocol {sorted(req.versions)}, broker speaks {list(proto.SUPPORTED_VERSIONS)}",
+                details={"supported": list(proto.SUPPORTED_VERSIONS)},
+            )
+        if peer.pid_known and req.pid != peer.pid:
+            raise NotOwner(f"hello claims pid {req.pid} but the connection belongs to pid {peer.pid}")
+        device = self.ledger.device
+        if req.device_uuid and req.device_uuid != device.uuid:
+            raise WrongDevice(
+                f"worker is on GPU {req.device_uuid} but this broker serves GPU {device.index} ({device.uuid})",
+                details={"worker_uuid": req.device_uuid, "broker_uuid": device.uuid},
+            )
+        retried = self.table.by_nonce(req.nonce)
+        if retried is not None and self._same_process(retried, peer):
+            retried.routing_id = rid
+            return proto.ok_reply(req.id, self._hello_result(retried, version, resumed=False))
+        if req.resume is not None:
+            binding = self.table.by_token(req.resume)
+            if binding is None and req.resume in self.table.fenced:
+                raise SessionEvicted(f"session {self.table.fenced[req.resume]} was evicted by an operator")
+            if binding is not None:
+                return self._resume(req, binding, rid, peer, now, version)
+        return self._open(req, rid, peer, now, version)
+
+    def _same_process(self, binding: Binding, peer: Peer) -> bool:
+        if binding.pid_verified:
+            return peer.pid == binding.pid
+        return binding.uid is None or binding.uid == peer.uid
+
+    def _resume(self, req: proto.Hello, binding: Binding, rid: bytes, peer: Peer, now: float, version: int) -> bytes:
+        if not self._same_process(binding, peer):
+            raise NotOwner(f"session {binding.session_id} belongs to another process; a token alone is not enough")
+        binding.routing_id = rid
+        binding.version = version
+        self.table.rekey_nonce(binding, req.nonce)
+        holdings = None
+        if req.holdings is not None:
+            h = req.holdings
+            holdings = (dict(h.pools), h.granted_pages, h.reserve_pages)
+        was = self.ledger.sessions[binding.session_id]
+        restored = was.restored
+        session = self.ledger.resume(binding.session_id, now, holdings=holdings)
+        log.info(
+            "event=session_resumed session=%s instance=%s pid=%d restored=%s reserved=%d granted_pages=%d",
+            session.id,
+            session.instance,
+            session.pid,
+            restored,
+            session.reserved_bytes,
+            session.granted_pages,
+        )
+        return proto.ok_reply(req.id, self._hello_result(binding, version, resumed=True))
+
+    def _open(self, req: proto.Hello, rid: bytes, peer: Peer, now: float, version: int) -> bytes:
+        cfg = self.config
+        rate_key = peer.pid if peer.pid_known else (peer.uid, peer.address)
+        if not self._hellos.allow(rate_key, now):
+            raise RateLimited("too many hellos from this peer; retry shortly")
+        if len(self.table) >= cfg.max_sessions:
+            raise RateLimited(f"the broker already serves {cfg.max_sessions} sessions")
+        if peer.pid_known and self.table.count_for_pid(peer.pid) >= cfg.max_sessions_per_pid:
+            raise RateLimited(f"pid {peer.pid} already has {cfg.max_sessions_per_pid} sessions")
+        if req.page_bytes > self.ledger.total_bytes:
+            raise BadRequest(f"page_bytes {req.page_bytes} is larger than the device ({self.ledger.total_bytes} bytes)")
+        session_id, token = self.table.new_ids()
+        verified = peer.pid_known
+        holdings = req.holdings or proto.Holdings()
+        self.ledger.open_session(
+            session_id,
+            instance=req.instance,
+            pid=req.pid,
+            pid_verified=verified,
+            tp_rank=req.tp_rank,
+            tp_size=req.tp_size,
+            page_bytes=req.page_bytes,
+            now_s=now,
+            pools=dict(holdings.pools),
+            granted_pages=holdings.granted_pages,
+            reserve_pages=holdings.reserve_pages,
+        )
+        binding = Binding(
+            session_id=session_id,
+            token=token,
+            nonce=req.nonce,
+            pid=req.pid,
+            pid_verified=verified,
+            pid_start_ticks=process_start_ticks(req.pid) if verified else None,
+            uid=peer.uid,
+            version=version,
+            client=req.client,
+            routing_id=rid,
+        )
+        self.table.add(binding)
+        if verified:
+            self._watch_pid(req.pid)
+        log.info(
+            "event=session_open session=%s instance=%s pid=%d verified=%s rank=%d tp_size=%d page_bytes=%d adopted_bytes=%d",
+            session_id,
+            req.instance,
+            req.pid,
+            verified,
+            req.tp_rank,
+            req.tp_size,
+            req.page_bytes,
+            self.ledger.sessions[session_id].reported_bytes,
+        )
+        return proto.ok_reply(req.id, self._hello_result(binding, version, resumed=False))
+
+    def _hello_result(self, binding: Binding, version: int, *, resumed: bool) -> dict[str, Any]:
+        session = self.ledger.sessions[binding.session_id]
+        device = self.ledger.device
+        return {
+            "session": binding.token,
+            "session_id": binding.session_id,
+            "version": version,
+            "lease_s": self.config.lease_s,
+            "heartbeat_s": self.config.lease_s / 4,
+            "resumed": resumed,
+            "pid_verified": binding.pid_verified,
+            "device": {"index": device.index, "uuid": device.uuid, "name": device.name, "simulated": device.simulated},
+            "holdings": {
+                "pools": dict(session.pools),
+                "granted_pages": session.granted_pages,
+                "reserve_pages": session.reserve_pages,
+            },
+        }
+
+    def _reserve(self, req: proto.Reserve, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, cached = self._session_request(req, rid, now)
+        if cached is not None:
+            return cached
+        try:
+            pools = self.ledger.reserve(binding.session_id, dict(req.pools))
+        except BrokerError as exc:
+            log.info("event=refusal session=%s op=reserve code=%s detail=%r", binding.session_id, exc.code, exc.message)
+            reply = proto.error_reply(req.id, exc.code, exc.message, exc.details)
+            binding.remember_reply(req.id, reply, self.table.reply_cache)
+            self.counters.refused(exc.code)
+            return reply
+        return self._answer(binding, req.id, {"pools": pools, "reserved_bytes": sum(pools.values())})
+
+    def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, cached = self._session_request(req, rid, now)
+        if cached is not None:
+            return cached
+        grant = self.ledger.acquire(binding.session_id, req.pages, req.min_pages)
+        session = self.ledger.sessions[binding.session_id]
+        result: dict[str, Any] = {"granted": grant.pages, "granted_pages": session.granted_pages}
+        if grant.refusal is not None:
+            refusal = grant.refusal
+            self.counters.refused(refusal.code)
+            result["refused"] = {"code": refusal.code, "message": refusal.message, "details": refusal.details}
+        else:
+            self.counters.grants += 1
+        return self._answer(binding, req.id, result)
+
+    def _release(self, req: proto.Release, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, cached = self._session_request(req, rid, now)
+        if cached is not None:
+            return cached
+        remaining = self.ledger.release(binding.session_id, req.pages)
+        return self._answer(binding, req.id, {"granted_pages": remaining})
+
+    def _heartbeat(self, req: proto.Heartbeat, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, cached = self._session_request(req, rid, now)
+        if cached is not None:
+            return cached
+        session = self.ledger.sessions[binding.session_id]
+        return self._answer(binding, req.id, {"state": session.state.value, "granted_pages": session.granted_pages})
+
+    def _close(self, req: proto.Close, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, cached = self._session_request(req, rid, now)
+        if cached is not None:
+            return cached
+        freed = self._end_session(binding, cause="closed")
+        return proto.ok_reply(req.id, {"closed": binding.session_id, "freed_bytes": freed})
+
+    def _status(self, req: proto.Status, rid: bytes, peer: Peer, now: float) -> bytes:
+        if req.session is not None:
+            binding, _ = self._session_request(req, rid, now)
+        return proto.ok_reply(req.id, self.status(now))
+
+    def _require_admin(self, peer: Peer, op: str) -> None:
+        if not is_admin(peer, self.config.admin_group):
+            who = f"uid {peer.uid}" if peer.uid is not None else f"remote peer {peer.address or '?'}"
+            raise Forbidden(f"{op} is an admin operation; {who} is not root, the broker's user or in the admin group")
+
+    def _set_limit(self, req: proto.SetLimit, rid: bytes, peer: Peer, now: float) -> bytes:
+        self._require_admin(peer, "limit")
+        limits = self.ledger.set_limits(
+            req.instance,
+            max_bytes=KEEP if req.max_bytes is proto.UNSET else req.max_bytes,
+            min_bytes=KEEP if req.min_bytes is proto.UNSET else req.min_bytes,
+            weight=KEEP if req.weight is proto.UNSET else req.weight,
+            revision=req.revision,
+        )
+        log.info(
+            "event=limits instance=%s max_bytes=%s min_bytes=%d weight=%s revision=%d uid=%s",
+            req.instance,
+            limits.max_bytes,
+            limits.min_bytes,
+            limits.weight,
+            limits.revision,
+            peer.uid,
+        )
+        return proto.ok_reply(req.id, {"instance": req.instance, **limits.to_dict()})
+
+    def _evict(self, req: proto.Evict, rid: bytes, peer: Peer, now: float) -> bytes:
+        self._require_admin(peer, "evict")
+        binding = self.table.by_id(req.session_id)
+        if binding is None:
+            raise UnknownSession(f"no session {req.session_id} (see `kvcached-broker status` for ids)")
+        killed = False
+        kill_error = None
+        if req.kill:
+            if not binding.pid_verified:
+                kill_error = "pid not verified (remote or other pid namespace); not killed"
+            else:
+                try:
+                    os.kill(binding.pid, signal.SIGKILL)
+                    killed = True
+                except OSError as exc:
+                    kill_error = exc.strerror
+        self.table.fence(binding)
+        self._pending_records.append({"fence": binding.token, "sid": binding.session_id})
+        freed = self._end_session(binding, cause="evicted")
+        result = {"evicted": binding.session_id, "freed_bytes": freed, "killed": killed}
+        if kill_error:
+            result["kill_error"] = kill_error
+        return proto.ok_reply(req.id, result)
+
+    def _simulate(self, req: proto.Simulate, rid: bytes, peer: Peer, now: float) -> bytes:
+        self._require_admin(peer, "simulate")
+        if not isinstance(self.probe, SimulatedDevice):
+            raise BadRequest("simulate works only on a simulated device (serve --simulate SIZE)")
+        if req.external_bytes is not proto.UNSET:
+            self.probe.set_external(req.external_bytes)
+        if req.process_bytes is not proto.UNSET:
+            self.probe.set_process_bytes(dict(req.process_bytes))
+        self._probe_device(force=True)
+        return proto.ok_reply(req.id, {"external_bytes": self.ledger.external_bytes, "budget_bytes": self.ledger.budget_bytes})
+
+    # ------------------------------------------------------- session endings
+    def _end_session(self, binding: Binding, cause: str) -> int:
+        session = self.ledger.close_session(binding.session_id)
+        self.table.remove(binding.session_id)
+        if binding.pid_verified and not self.table.count_for_pid(binding.pid):
+            self._unwatch_pid(binding.pid)
+        self.counters.reclaimed(cause)
+        freed = session.reported_bytes
+        log.info(
+            "event=session_end cause=%s session=%s instance=%s pid=%d freed_bytes=%d",
+            cause,
+            session.id,
+            session.instance,
+            session.pid,
+            freed,
+        )
+        return freed
+
+    def _watch_pid(self, pid: int) -> None:
+        try:
+            fd = self._pids.watch(pid)
+        except ProcessLookupError:
+            self._reclaim_pid(pid)
+            return
+        except OSError as exc:
+            log.warning("event=pidfd_unavailable pid=%d error=%s detail=lease_only", pid, exc.strerror)
+            return
+        if fd is not None:
+            self._poller.register(fd, zmq.POLLIN)
+
+    def _unwatch_pid(self, pid: int) -> None:
+        fd = self._pids.unwatch(pid)
+        if fd is not None:
+            self._poller.unregister(fd)
+
+    def _pid_exited(self, fd: int) -> None:
+        pid = self._pids.pid_of(fd)
+        if pid is not None:
+            self._reclaim_pid(pid)
+
+    def _reclaim_pid(self, pid: int) -> None:
+        for session_id in self.table.session_ids_of_pid(pid):
+            binding = self.table.by_id(session_id)
+            if binding is not None:
+                self._end_session(binding, cause="exited")
+        self._unwatch_pid(pid)
+
+    # ---------------------------------------------------------------- timers
+    def _timers(self, now: float) -> None:
+        if now >= self._next_lease_check_s:
+            self._next_lease_check_s = now + min(1.0, self.config.lease_s / 10)
+            for session in self.ledger.expire_leases(now, self.config.lease_s):
+                log.warning(
+                    "event=session_stale session=%s instance=%s pid=%d idle_s=%.1f charged_bytes=%d",
+                    session.id,
+                    session.instance,
+                    session.pid,
+                    now - session.last_seen_s,
+                    session.reported_bytes,
+                )
+        if now >= self._next_probe_s:
+            self._probe_device()
+
+    def _probe_device(self, force: bool = False) -> None:
+        now = self.clock()
+        self._next_probe_s = now + self.config.probe_interval_s
+        try:
+            reading = self.probe.read()
+        except Exception as exc:
+            log.error("event=device_read_failed error=%s", exc)
+            return
+        headroom = self._headroom_bytes
+        if self._headroom_fraction is not None:
+            headroom = int(reading.total_bytes * self._headroom_fraction)
+        pids = [s.pid for s in self.ledger.sessions.values() if s.pid_verified]
+        external = reading.external_for(pids, self.ledger.reserved_bytes + self.ledger.granted_bytes)
+        measured = {pid: reading.process_bytes.get(pid, 0) for pid in pids}
+        self.ledger.observe_device(
+            total_bytes=reading.total_bytes,
+            headroom_bytes=headroom,
+            external_bytes=external,
+            measured_by_pid=measured,
+        )
+        over = self.ledger.overcommitted
+        if over != self._was_overcommitted:
+            self._was_overcommitted = over
+            log.warning(
+                "event=%s charged=%d budget=%d external=%d",
+                "overcommitted" if over else "back_under_budget",
+                self.ledger.charged_bytes,
+                self.ledger.budget_bytes,
+                self.ledger.external_bytes,
+            )
+
+    # ----------------------------------------------------------- checkpoint
+    def _commit(self) -> None:
+        changes = self.ledger.drain_changes()
+        if self._store is None:
+            self._pending_records.clear()
+            return
+        records = self._pending_records
+        self._pending_records = []
+        for session_id in changes.sessions:
+            records.append({"session": self._session_record(session_id)})
+        for session_id in changes.closed:
+            records.append({"close": session_id})
+        for instance in changes.limits:
+            records.append({"limit": instance, **self.ledger.limits[instance].to_dict()})
+        if not records:
+            return
+        self._store.append(records)
+        if self._store.needs_compaction():
+            self._store.write_snapshot(self._snapshot_state())
+
+    def _session_record(self, session_id: str) -> dict[str, Any]:
+        s = self.ledger.sessions[session_id]
+        b = self.table.by_id(session_id)
+        assert b is not None
+        return {
+            "id": s.id,
+            "token": b.token,
+            "nonce": b.nonce,
+            "instance": s.instance,
+            "pid": s.pid,
+            "pid_verified": s.pid_verified,
+            "pid_start_ticks": b.pid_start_ticks,
+            "uid": b.uid,
+            "rank": s.tp_rank,
+            "tp_size": s.tp_size,
+            "page_bytes": s.page_bytes,
+            "pools": dict(s.pools),
+            "granted_pages": s.granted_pages,
+            "reserve_pages": s.reserve_pages,
+            "client": b.client,
+        }
+
+    def _snapshot_state(self) -> dict[str, Any]:
+        return {
+            "device_uuid": self.ledger.device.uuid,
+            "sessions": [self._session_record(sid) for sid in self.ledger.sessions],
+            "limits": {name: limits.to_dict() for name, limits in self.ledger.limits.items()},
+            "fenced": dict(self.table.fenced),
+        }
+
+    def _restore(self, store: StateStore) -> None:
+        loaded = store.open()
+        sessions: dict[str, dict[str, Any]] = {}
+        limits: dict[str, dict[str, Any]] = {}
+        fenced: dict[str, str] = {}
+        snap = loaded.snapshot or {}
+        if snap.get("device_uuid") not in (None, self.ledger.device.uuid):
+            log.warning(
+                "event=state_device_mismatch state_uuid=%s device_uuid=%s detail=state_ignored",
+                snap.get("device_uuid"),
+                self.ledger.device.uuid,
+            )
+            snap, loaded.records = {}, []
+        for record in snap.get("sessions", []):
+            sessions[record["id"]] = record
+        limits.update(snap.get("limits", {}))
+        fenced.update(snap.get("fenced", {}))
+        for record in loaded.records:
+            if "session" in record:
+                sessions[record["session"]["id"]] = record["session"]
+            elif "close" in record:
+                sessions.pop(record["close"], None)
+            elif "limit" in record:
+                limits[record["limit"]] = {k: record[k] for k in ("max_bytes", "min_bytes", "weight", "revision")}
+            elif "fence" in record:
+                fenced[record["fence"]] = record["sid"]
+        for name, values in limits.items():
+            self.ledger.restore_limits(name, Limits(**values))
+        for token, session_id in fenced.items():
+            self.table.fenced[token] = session_id
+        now = self.clock()
+        kept = dropped = 0
+        for record in sessions.values():
+            if record["pid_verified"] and not process_alive(record["pid"], record.get("pid_start_ticks")):
+                dropped += 1
+                self.counters.reclaimed("exited_while_down")
+                log.info(
+                    "event=session_end cause=exited_while_down session=%s instance=%s pid=%d freed_bytes=%d",
+                    record["id"],
+                    record["instance"],
+                    record["pid"],
+                    sum(record["pools"].values()) + record["granted_pages"] * record["page_bytes"],
+                )
+                continue
+            self._restore_session(record, now)
+            kept += 1
+        if loaded.snapshot or loaded.records:
+            log.info("event=recovered sessions=%d dropped=%d torn_bytes=%d", kept, dropped, loaded.torn_bytes)
+        self.ledger.drain_changes()
+        store.write_snapshot(self._snapshot_state())
+
+    def _restore_session(self, record: dict[str, Any], now: float) -> None:
+        self.ledger.open_session(
+            record["id"],
+            instance=record["instance"],
+            pid=record["pid"],
+            pid_verified=record["pid_verified"],
+            tp_rank=record["rank"],
+            tp_size=record["tp_size"],
+            page_bytes=record["page_bytes"],
+            now_s=now,
+            pools=record["pools"],
+            granted_pages=record["granted_pages"],
+            reserve_pages=record["reserve_pages"],
+            state=SessionState.RECOVERING,
+            restored=True,
+        )
+        self.table.add(
+            Binding(
+                session_id=record["id"],
+                token=record["token"],
+                nonce=record["nonce"],
+                pid=record["pid"],
+                pid_verified=record["pid_verified"],
+                pid_start_ticks=record.get("pid_start_ticks"),
+                uid=record.get("uid"),
+                version=proto.PROTOCOL_VERSION,
+                client=record.get("client", ""),
+            )
+        )
+
+    # ---------------------------------------------------------------- status
+    def status(self, now: float | None = None) -> dict[str, Any]:
+        now = self.clock() if now is None else now
+        from .. import broker as _pkg
+
+        broker_meta = {
+            "version": _pkg.__version__,
+            "pid": os.getpid(),
+            "endpoint": self.config.endpoint,
+            "protocol": proto.PROTOCOL_VERSION,
+            "uptime_s": round(now - self._started_s, 3),
+            "lease_s": self.config.lease_s,
+            "state_dir": str(self.config.state_dir) if self.config.state_dir else None,
+            "recovering_sessions": sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING),
+        }
+        return build_status(self.ledger, self.table, broker_meta, now)

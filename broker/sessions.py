@@ -1,0 +1,144 @@
+"""Who owns which session: tokens, connections, retries and fences (no I/O).
+
+The ledger counts bytes; this table answers "may this connection drive that session?".
+
+* A session has a public id (shown in status, used by ``evict``) and a secret token (sent
+  only to the worker that opened it).  A token is usable only from the connection it is
+  bound to; a worker that reconnects re-binds it with ``hello(resume=token)`` from the same
+  process.
+* Each session keeps its recent replies by request id, so a retried request gets the cached
+  reply and is never applied twice.
+* An evicted session's token is fenced: later requests with it get ``evicted``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+@dataclass(eq=False)
+class Binding:
+    session_id: str
+    token: str
+    nonce: str
+    pid: int
+    pid_verified: bool
+    pid_start_ticks: int | None
+    uid: int | None
+    version: int
+    client: str = ""
+    routing_id: bytes | None = None
+    replies: "OrderedDict[int, bytes]" = field(default_factory=OrderedDict)
+
+    def cached_reply(self, request_id: int) -> bytes | None:
+        return self.replies.get(request_id)
+
+    def remember_reply(self, request_id: int, reply: bytes, limit: int) -> None:
+        self.replies[request_id] = reply
+        if len(self.replies) > limit:
+            self.replies.popitem(last=False)
+
+
+class HelloRateLimiter:
+    """A token bucket per peer key: ``burst`` hellos at once, ``rate_per_s`` sustained."""
+
+    def __init__(self, rate_per_s: float, burst: int):
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._buckets: dict[Any, tuple[float, float]] = {}
+
+    def allow(self, key: Any, now_s: float) -> bool:
+        tokens, last = self._buckets.get(key, (float(self.burst), now_s))
+        tokens = min(float(self.burst), tokens + (now_s - last) * self.rate_per_s)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now_s)
+            return False
+        self._buckets[key] = (tokens - 1.0, now_s)
+        if len(self._buckets) > 4096:
+            self._forget_full(now_s)
+        return True
+
+    def _forget_full(self, now_s: float) -> None:
+        for key, (tokens, last) in list(self._buckets.items()):
+            if tokens + (now_s - last) * self.rate_per_s >= self.burst:
+                del self._buckets[key]
+
+
+class SessionTable:
+    """Bindings by token, public id and hello nonce, plus the fence of evicted tokens."""
+
+    def __init__(self, *, reply_cache: int = 256, fence_limit: int = 4096):
+        self.reply_cache = reply_cache
+        self.fence_limit = fence_limit
+        self._by_token: dict[str, Binding] = {}
+        self._by_id: dict[str, Binding] = {}
+        self._by_nonce: dict[str, Binding] = {}
+        self._by_pid: dict[int, set[str]] = {}
+        self.fenced: "OrderedDict[str, str]" = OrderedDict()  # token -> session id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Binding]:
+        return iter(list(self._by_id.values()))
+
+    def new_ids(self) -> tuple[str, str]:
+        """A fresh ``(public id, secret token)`` pair."""
+        while True:
+            session_id = "s-" + secrets.token_hex(4)
+            if session_id not in self._by_id:
+                return session_id, secrets.token_urlsafe(24)
+
+    def add(self, binding: Binding) -> None:
+        self._by_token[binding.token] = binding
+        self._by_id[binding.session_id] = binding
+        self._by_nonce[binding.nonce] = binding
+        if binding.pid_verified:
+            self._by_pid.setdefault(binding.pid, set()).add(binding.session_id)
+
+    def remove(self, session_id: str) -> Binding | None:
+        binding = self._by_id.pop(session_id, None)
+        if binding is None:
+            return None
+        self._by_token.pop(binding.token, None)
+        if self._by_nonce.get(binding.nonce) is binding:
+            del self._by_nonce[binding.nonce]
+        if binding.pid_verified:
+            ids = self._by_pid.get(binding.pid)
+            if ids is not None:
+                ids.discard(session_id)
+                if not ids:
+                    del self._by_pid[binding.pid]
+        return binding
+
+    def fence(self, binding: Binding) -> None:
+        self.fenced[binding.token] = binding.session_id
+        while len(self.fenced) > self.fence_limit:
+            self.fenced.popitem(last=False)
+
+    def by_token(self, token: str) -> Binding | None:
+        return self._by_token.get(token)
+
+    def by_id(self, session_id: str) -> Binding | None:
+        return self._by_id.get(session_id)
+
+    def by_nonce(self, nonce: str) -> Binding | None:
+        return self._by_nonce.get(nonce)
+
+    def rekey_nonce(self, binding: Binding, nonce: str) -> None:
+        if self._by_nonce.get(binding.nonce) is binding:
+            del self._by_nonce[binding.nonce]
+        binding.nonce = nonce
+        self._by_nonce[nonce] = binding
+
+    def session_ids_of_pid(self, pid: int) -> list[str]:
+        return sorted(self._by_pid.get(pid, ()))
+
+    def count_for_pid(self, pid: int) -> int:
+        return len(self._by_pid.get(pid, ()))
+
+    def pids(self) -> list[int]:
+        return list(self._by_pid)

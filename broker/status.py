@@ -1,0 +1,77 @@
+"""The ``status --json`` document (DESIGN §7, a contract).
+
+Fields named in DESIGN are always present with exactly those names and meanings; fields
+added since are listed in the README under "status fields" and never change meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .ledger import Ledger, Limits, Session
+from .sessions import SessionTable
+
+
+def build_status(ledger: Ledger, table: SessionTable, broker: dict[str, Any], now_s: float) -> dict[str, Any]:
+    dev = ledger.device
+    names = sorted(set(ledger.instance_names()) | set(ledger.limits))
+    by_instance: dict[str, list[Session]] = {name: [] for name in names}
+    for session in ledger.sessions.values():
+        by_instance[session.instance].append(session)
+    return {
+        "device": {"index": dev.index, "uuid": dev.uuid, "name": dev.name, "simulated": dev.simulated},
+        "total_bytes": ledger.total_bytes,
+        "headroom_bytes": ledger.headroom_bytes,
+        "external_bytes": ledger.external_bytes,
+        "budget_bytes": ledger.budget_bytes,
+        "reserved_bytes": ledger.reserved_bytes,
+        "granted_bytes": ledger.granted_bytes,
+        "unreported_bytes": ledger.unreported_bytes,
+        "free_bytes": ledger.free_bytes,
+        "overcommitted": ledger.overcommitted,
+        "instances": [_instance(ledger, table, name, by_instance[name], now_s) for name in names],
+        "broker": broker,
+    }
+
+
+def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Session], now_s: float) -> dict[str, Any]:
+    limits = ledger.limits.get(name, Limits())
+    reserved, granted, unreported = ledger.instance_totals(name)
+    pools: dict[str, int] = {}
+    for session in sessions:
+        for pool, size in session.pools.items():
+            pools[pool] = pools.get(pool, 0) + size
+    sessions.sort(key=lambda s: (s.tp_rank, s.id))
+    return {
+        "name": name,
+        "max_bytes": limits.max_bytes,
+        "min_bytes": limits.min_bytes,
+        "weight": limits.weight,
+        "limits_revision": limits.revision,
+        "reserved_bytes": reserved,
+        "granted_bytes": granted,
+        "unreported_bytes": unreported,
+        "charged_bytes": reserved + granted + unreported,
+        "pools": dict(sorted(pools.items())),
+        "sessions": [_session(table, s, now_s) for s in sessions],
+    }
+
+
+def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, Any]:
+    binding = table.by_id(session.id)
+    return {
+        "id": session.id,
+        "rank": session.tp_rank,
+        "tp_size": session.tp_size,
+        "pid": session.pid,
+        "pid_verified": session.pid_verified,
+        "state": session.state.value,
+        "page_bytes": session.page_bytes,
+        "granted_pages": session.granted_pages,
+        "reserve_pages": session.reserve_pages,
+        "reserved_bytes": session.reserved_bytes,
+        "granted_bytes": session.granted_bytes,
+        "pools": dict(sorted(session.pools.items())),
+        "idle_s": round(max(0.0, now_s - session.last_seen_s), 3),
+        "client": binding.client if binding else "",
+    }

@@ -1,0 +1,64 @@
+"""Session-less requests: status for anyone, limits/evict/simulate for admins (the CLI uses this)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from msgspec import UNSET
+
+from . import protocol as proto
+from .errors import BrokerUnavailable, error_from_wire
+from .transport import CurveKeys, SyncTransport, Timeouts, socket_missing
+
+
+class AdminClient:
+    def __init__(self, endpoint: str, *, timeout_s: float = 3.0, curve: CurveKeys | None = None, fail_fast: bool = True):
+        if fail_fast and socket_missing(endpoint):
+            raise BrokerUnavailable(
+                f"kvcached-broker at {endpoint} is not running (no socket file)", details={"endpoint": endpoint}
+            )
+        self.endpoint = endpoint
+        self._transport = SyncTransport(endpoint, Timeouts(attempt_s=min(1.0, timeout_s), total_s=timeout_s), curve=curve)
+        self._ids = itertools.count(1)
+
+    def _call(self, make: Any) -> Any:
+        request_id = next(self._ids)
+        reply = self._transport.request(proto.encode(make(request_id)), request_id)
+        if not reply.ok:
+            assert reply.error is not None
+            raise error_from_wire(reply.error.code, reply.error.message, reply.error.details)
+        return reply.result
+
+    def status(self) -> dict[str, Any]:
+        return self._call(lambda rid: proto.Status(id=rid))
+
+    def limit(
+        self,
+        instance: str,
+        *,
+        max_bytes: int | None | Any = UNSET,
+        min_bytes: int | Any = UNSET,
+        weight: float | Any = UNSET,
+        revision: int | None = None,
+    ) -> dict[str, Any]:
+        return self._call(
+            lambda rid: proto.SetLimit(
+                id=rid, instance=instance, max_bytes=max_bytes, min_bytes=min_bytes, weight=weight, revision=revision
+            )
+        )
+
+    def evict(self, session_id: str, *, kill: bool = False) -> dict[str, Any]:
+        return self._call(lambda rid: proto.Evict(id=rid, session_id=session_id, kill=kill))
+
+    def simulate(self, *, external_bytes: int | Any = UNSET, process_bytes: dict[int, int] | Any = UNSET) -> dict[str, Any]:
+        return self._call(lambda rid: proto.Simulate(id=rid, external_bytes=external_bytes, process_bytes=process_bytes))
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> "AdminClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

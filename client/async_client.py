@@ -1,0 +1,245 @@
+"""``AsyncBrokerClient``: the asyncio twin of :class:`BrokerClient` (same methods, as coroutines).
+
+Many requests may be in flight on one client; replies are matched by id.  The credit reserve
+is updated only between awaits, so concurrent coroutines see a consistent reserve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from . import protocol as proto
+from .core import RESUME_CODES, ClientCore, check_pages, check_pools
+from .device import resolve_device
+from .endpoint import resolve_endpoint
+from .errors import BrokerError, BrokerUnavailable, SessionEvicted
+from .transport import AsyncTransport, CurveKeys, Timeouts
+
+log = logging.getLogger("kvcached_broker.client")
+
+
+class AsyncBrokerClient:
+    def __init__(self, core: ClientCore, transport: AsyncTransport):
+        self._core = core
+        self._transport = transport
+        self._heartbeat_task: asyncio.Task | None = None
+        self._resuming: asyncio.Future | None = None
+        self._next_heartbeat_s = 0.0
+        transport.on_push = self._on_push
+
+    @classmethod
+    async def connect(
+        cls,
+        instance: str,
+        device: int | str = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        page_bytes: int = 2 << 20,
+        endpoint: str | None = None,
+        credit_pages: int | None = None,
+        *,
+        timeout_s: float | None = None,
+        device_uuid: str | None = None,
+        curve: CurveKeys | None = None,
+        client: str = "",
+    ) -> "AsyncBrokerClient":
+        physical = resolve_device(device)
+        uuid = device_uuid or physical.uuid
+        target = resolve_endpoint(physical.index, uuid=uuid, endpoint=endpoint)
+        if target is None:
+            raise BrokerUnavailable("the broker is switched off (KVCACHED_BROKER=off)")
+        core = ClientCore(
+            instance=instance,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            page_bytes=page_bytes,
+            credit_pages=credit_pages,
+            device_uuid=uuid,
+            client=client or "kvcached-broker-async-client",
+        )
+        self = cls(core, AsyncTransport(target, Timeouts.from_env(timeout_s), curve=curve))
+        try:
+            await self._open(resume=False)
+        except BaseException:
+            self._transport.close()
+            raise
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        return self
+
+    @property
+    def session_id(self) -> str | None:
+        return self._core.session_id
+
+    @property
+    def held_pages(self) -> int:
+        return self._core.credit.held_pages
+
+    @property
+    def reserve_pages(self) -> int:
+        return self._core.credit.reserve_pages
+
+    async def reserve(self, pools: dict[str, int]) -> dict[str, int]:
+        clean = check_pools(pools)
+        result = await self._call(lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean))
+        self._core.pools = dict(result["pools"])
+        return dict(result["pools"])
+
+    async def acquire(self, pages: int, min_pages: int | None = None) -> int:
+        check_pages("pages", pages, minimum=1)
+        if min_pages is not None:
+            check_pages("min_pages", min_pages, minimum=0)
+            if min_pages > pages:
+                raise BrokerError(f"min_pages ({min_pages}) must not exceed pages ({pages})", code="bad_request")
+        self._core.check_usable()
+        credit = self._core.credit
+        if credit.take(pages):
+            return pages
+        ask, ask_min = credit.ask(pages, min_pages)
+        result = await self._call(
+            lambda rid: proto.Acquire(
+                id=rid, session=self._core.session_token(), pages=ask, min_pages=ask_min, reserve_pages=credit.reserve_pages
+            )
+        )
+        return credit.settle(pages, min_pages, int(result["granted"]))
+
+    async def release(self, pages: int) -> None:
+        check_pages("pages", pages, minimum=1)
+        self._core.check_usable()
+        credit = self._core.credit
+        surplus = credit.put_back(pages)
+        if surplus:
+            try:
+                await self._call(
+                    lambda rid: proto.Release(
+                        id=rid, session=self._core.session_token(), pages=surplus, reserve_pages=credit.reserve_pages
+                    )
+                )
+            except BaseException:
+                credit.reattach(surplus)
+                raise
+
+    async def acquire_tp(
+        self, pages: int, reduce_min: Callable[[int], Awaitable[int] | int], min_pages: int | None = None
+    ) -> int:
+        """As :meth:`BrokerClient.acquire_tp`; ``reduce_min`` may be sync or a coroutine."""
+        failure: BrokerError | None = None
+        try:
+            local = await self.acquire(pages, min_pages)
+        except BrokerError as exc:
+            local, failure = 0, exc
+        agreed = reduce_min(local)
+        if asyncio.iscoroutine(agreed) or isinstance(agreed, asyncio.Future):
+            agreed = await agreed
+        agreed = int(agreed)
+        if not 0 <= agreed <= local:
+            if local:
+                await self.release(local)
+            raise BrokerError(f"reduce_min returned {agreed}, outside 0..{local}", code="bad_request")
+        if local > agreed:
+            await self.release(local - agreed)
+        if failure is not None:
+            raise failure
+        return agreed
+
+    async def status(self) -> dict[str, Any]:
+        self._core.check_usable()
+        return await self._call(
+            lambda rid: proto.Status(id=rid, session=self._core.session_token(), reserve_pages=self._core.credit.reserve_pages)
+        )
+
+    async def close(self) -> None:
+        core = self._core
+        if core.closed:
+            return
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        try:
+            if not core.evicted and core.token is not None:
+                await self._call(lambda rid: proto.Close(id=rid, session=core.session_token()), total_s=2.0, resume=False)
+        except BrokerError as exc:
+            if exc.code not in ("unknown_session", "evicted", "not_owner"):
+                log.warning("event=close_failed session=%s error=%s", core.session_id, exc)
+        finally:
+            core.closed = True
+            self._transport.close()
+
+    async def __aenter__(self) -> "AsyncBrokerClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ internals
+    async def _open(self, *, resume: bool) -> None:
+        hello = self._core.hello(resume=resume)
+        reply = await self._transport.request(proto.encode(hello), hello.id)
+        if not reply.ok:
+            raise self._core.error_of(reply)
+        self._core.on_hello(reply.result)
+
+    async def _resume_once(self) -> None:
+        """Resume the session; concurrent callers share one hello."""
+        if self._resuming is not None:
+            await asyncio.shield(self._resuming)
+            return
+        self._resuming = asyncio.get_running_loop().create_future()
+        try:
+            await self._open(resume=True)
+            self._resuming.set_result(None)
+        except BaseException as exc:
+            self._resuming.set_exception(exc)
+            raise
+        finally:
+            self._resuming = None
+
+    async def _call(self, build: Callable[[int], Any], *, total_s: float | None = None, resume: bool = True) -> Any:
+        self._core.check_usable()
+        request_id = self._core.next_id()
+        for _ in range(3):
+            token_used = self._core.token
+            reply = await self._transport.request(proto.encode(build(request_id)), request_id, total_s=total_s)
+            if reply.ok:
+                self._next_heartbeat_s = time.monotonic() + self._core.heartbeat_s
+                return reply.result
+            assert reply.error is not None
+            if resume and reply.error.code in RESUME_CODES:
+                if self._core.token == token_used:
+                    await self._resume_once()
+                continue
+            raise self._core.error_of(reply)
+        raise self._core.error_of(reply)
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._core.closed:
+            await asyncio.sleep(max(0.05, self._core.heartbeat_s / 2))
+            if time.monotonic() < self._next_heartbeat_s:
+                continue
+            try:
+                await self._call(
+                    lambda rid: proto.Heartbeat(
+                        id=rid, session=self._core.session_token(), reserve_pages=self._core.credit.reserve_pages
+                    ),
+                    total_s=max(1.0, self._core.heartbeat_s),
+                )
+            except SessionEvicted:
+                log.error("event=evicted session=%s", self._core.session_id)
+                return
+            except BrokerError as exc:
+                log.warning("event=heartbeat_failed session=%s error=%s", self._core.session_id, exc)
+
+    def _on_push(self, push: proto.Pressure) -> None:
+        pages = self._core.credit.detach(push.pages)
+        if pages:
+            asyncio.get_running_loop().create_task(self._return_reserve(pages))
+
+    async def _return_reserve(self, pages: int) -> None:
+        credit = self._core.credit
+        try:
+            await self._call(
+                lambda rid: proto.Release(id=rid, session=self._core.session_token(), pages=pages, reserve_pages=credit.reserve_pages)
+            )
+        except BrokerError:
+            credit.reattach(pages)

@@ -1,0 +1,146 @@
+"""What a client knows about its session, with no I/O: the sync and asyncio clients both drive it.
+
+It builds requests, reads replies and keeps the client's view of its holdings, which it
+re-asserts when it reconnects to a broker that restarted:
+
+* ``pools``: the reservation map the broker last acknowledged;
+* ``credit.held_pages`` / ``credit.reserve_pages``: pages handed to the caller / kept in reserve.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+from typing import Any
+
+from . import protocol as proto
+from .credit import CreditReserve, default_credit_pages
+from .errors import BadRequest, BrokerError, SessionEvicted, error_from_wire
+
+#: Error codes after which a client re-opens its session with hello(resume) and retries.
+RESUME_CODES = frozenset({"not_owner", "unknown_session"})
+
+
+class ClientCore:
+    def __init__(
+        self,
+        *,
+        instance: str,
+        tp_rank: int,
+        tp_size: int,
+        page_bytes: int,
+        credit_pages: int | None,
+        device_uuid: str | None,
+        pid: int | None = None,
+        client: str = "",
+    ):
+        _check_int("tp_size", tp_size, minimum=1)
+        _check_int("tp_rank", tp_rank, minimum=0)
+        if tp_rank >= tp_size:
+            raise BadRequest(f"tp_rank {tp_rank} must be below tp_size {tp_size}")
+        _check_int("page_bytes", page_bytes, minimum=1)
+        if credit_pages is not None:
+            _check_int("credit_pages", credit_pages, minimum=0)
+        if not isinstance(instance, str) or not instance:
+            raise BadRequest(f"instance must be a non-empty string, got {instance!r}")
+        self.instance = instance
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.page_bytes = page_bytes
+        self.device_uuid = device_uuid
+        self.pid = os.getpid() if pid is None else pid
+        self.client = client
+        self.credit = CreditReserve(default_credit_pages(page_bytes) if credit_pages is None else credit_pages)
+        self.pools: dict[str, int] = {}
+        self.token: str | None = None
+        self.session_id: str | None = None
+        self.lease_s = 10.0
+        self.heartbeat_s = 2.5
+        self.device: dict[str, Any] = {}
+        self.evicted = False
+        self.closed = False
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------- requests
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def hello(self, *, resume: bool) -> proto.Hello:
+        return proto.Hello(
+            id=self.next_id(),
+            versions=list(proto.SUPPORTED_VERSIONS),
+            instance=self.instance,
+            pid=self.pid,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            page_bytes=self.page_bytes,
+            nonce=secrets.token_urlsafe(12),
+            device_uuid=self.device_uuid,
+            resume=self.token if resume else None,
+            holdings=self.holdings() if resume else None,
+            client=self.client,
+        )
+
+    def holdings(self) -> proto.Holdings:
+        return proto.Holdings(
+            pools=dict(self.pools),
+            granted_pages=self.credit.granted_pages,
+            reserve_pages=self.credit.reserve_pages,
+        )
+
+    def on_hello(self, result: dict[str, Any]) -> None:
+        self.token = result["session"]
+        self.session_id = result["session_id"]
+        self.lease_s = float(result.get("lease_s", self.lease_s))
+        self.heartbeat_s = float(result.get("heartbeat_s", self.lease_s / 4))
+        self.device = result.get("device", {})
+
+    def check_usable(self) -> None:
+        if self.evicted:
+            raise SessionEvicted(f"session {self.session_id} was evicted; its memory has been given away")
+        if self.closed:
+            raise BrokerError("this broker client is closed", code="bad_request")
+        if os.getpid() != self.pid:
+            raise BrokerError(
+                "this broker client belongs to the parent process; create a new client after fork",
+                code="not_owner",
+            )
+
+    def session_token(self) -> str:
+        assert self.token is not None, "hello first"
+        return self.token
+
+    # -------------------------------------------------------------- replies
+    def error_of(self, reply: proto.Reply) -> BrokerError:
+        assert reply.error is not None
+        err = error_from_wire(reply.error.code, reply.error.message, reply.error.details)
+        if isinstance(err, SessionEvicted):
+            self.evicted = True
+        return err
+
+
+def check_pages(name: str, value: Any, *, minimum: int) -> int:
+    _check_int(name, value, minimum=minimum)
+    if value > proto.MAX_PAGES:
+        raise BadRequest(f"{name} must be at most {proto.MAX_PAGES}, got {value}")
+    return value
+
+
+def check_pools(pools: Any) -> dict[str, int]:
+    if not isinstance(pools, dict):
+        raise BadRequest(f"reserve() takes a dict of pool name to bytes, got {type(pools).__name__}")
+    if len(pools) > proto.MAX_POOLS:
+        raise BadRequest(f"at most {proto.MAX_POOLS} pools per session, got {len(pools)}")
+    clean = {}
+    for name, size in pools.items():
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"pool names must be non-empty strings, got {name!r}")
+        _check_int(f"pool {name!r}", size, minimum=0)
+        clean[name] = int(size)
+    return clean
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise BadRequest(f"{name} must be an int >= {minimum}, got {value!r}")

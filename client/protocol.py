@@ -1,0 +1,224 @@
+"""The wire protocol: every message the broker and its clients exchange.
+
+Transport: ZeroMQ, broker ROUTER and client DEALER; each ZeroMQ message is one MessagePack
+map.  Requests are tagged by ``op``; broker messages by ``type`` (``reply`` or a push such as
+``pressure``).  Both sides import this module, and the broker validates every request
+against these schemas on arrival, so a plain ``msgpack`` client interoperates as long as it
+sends maps of the documented shape.  Unknown fields are ignored (forward compatibility);
+wrong types, out-of-range integers and oversized maps or strings are ``bad_request``.
+
+Units: sizes are ``*_bytes`` ints, page counts ``*_pages`` ints, times ``*_s`` floats.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from .units import MAX_SIZE_BYTES
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+#: The broker drops (and ZeroMQ disconnects) any request larger than this.
+MAX_REQUEST_BYTES = 64 << 10
+MAX_POOLS = 64
+MAX_PAGES = 1 << 40
+MAX_TP_SIZE = 4096
+
+Bytes = Annotated[int, Meta(ge=0, le=MAX_SIZE_BYTES)]
+Pages = Annotated[int, Meta(ge=0, le=MAX_PAGES)]
+PositivePages = Annotated[int, Meta(ge=1, le=MAX_PAGES)]
+PageBytes = Annotated[int, Meta(ge=1, le=1 << 40)]
+RequestId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Pid = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
+Token = Annotated[str, Meta(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+PublicId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+#: Instance and pool names: what shows in status and in Prometheus labels.
+Name = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@/+-]+$")]
+PoolName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+PoolMap = Annotated[dict[PoolName, Bytes], Meta(max_length=MAX_POOLS)]
+Weight = Annotated[float, Meta(gt=0.0, le=1e6)]
+FreeText = Annotated[str, Meta(max_length=256)]
+
+
+class Holdings(Struct, kw_only=True, forbid_unknown_fields=False):
+    """What a session holds: re-asserted by a client that reconnects after a broker restart."""
+
+    pools: PoolMap = {}
+    granted_pages: Pages = 0
+    reserve_pages: Pages = 0
+
+
+class LimitsRequest(Struct, kw_only=True):
+    """Limits a worker asks for at hello; the broker's admin policy may clamp them."""
+
+    max_bytes: Bytes | None | UnsetType = UNSET
+    min_bytes: Bytes | UnsetType = UNSET
+    weight: Weight | UnsetType = UNSET
+
+
+class Request(Struct, tag_field="op", kw_only=True):
+    id: RequestId
+
+
+class Hello(Request, tag="hello", kw_only=True):
+    """Open (or resume) a session.  A retried hello with the same nonce gets the same session."""
+
+    versions: Annotated[list[Annotated[int, Meta(ge=0, le=1 << 16)]], Meta(min_length=1, max_length=16)]
+    instance: Name
+    pid: Pid
+    tp_rank: Annotated[int, Meta(ge=0, lt=MAX_TP_SIZE)] = 0
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_TP_SIZE)] = 1
+    page_bytes: PageBytes
+    nonce: Token
+    device_uuid: Annotated[str, Meta(max_length=96)] | None = None
+    resume: Token | None = None
+    holdings: Holdings | None = None
+    limits: LimitsRequest | None = None
+    client: FreeText = ""
+
+
+class Reserve(Request, tag="reserve", kw_only=True):
+    """Replace the session's static reservations; a pool set to 0 is removed."""
+
+    session: Token
+    pools: PoolMap
+
+
+class Acquire(Request, tag="acquire", kw_only=True):
+    """Ask for ``pages``; with ``min_pages`` the broker grants the largest fit in [min, pages]."""
+
+    session: Token
+    pages: PositivePages
+    min_pages: Pages | None = None
+    reserve_pages: Pages | None = None
+
+
+class Release(Request, tag="release", kw_only=True):
+    session: Token
+    pages: PositivePages
+    reserve_pages: Pages | None = None
+
+
+class Heartbeat(Request, tag="heartbeat", kw_only=True):
+    session: Token
+    reserve_pages: Pages | None = None
+
+
+class Close(Request, tag="close", kw_only=True):
+    session: Token
+
+
+class Status(Request, tag="status", kw_only=True):
+    session: Token | None = None
+    reserve_pages: Pages | None = None
+
+
+class SetLimit(Request, tag="limit", kw_only=True):
+    """Admin: change an instance's limits.  ``max_bytes: None`` clears the cap."""
+
+    instance: Name
+    max_bytes: Bytes | None | UnsetType = UNSET
+    min_bytes: Bytes | UnsetType = UNSET
+    weight: Weight | UnsetType = UNSET
+    revision: Annotated[int, Meta(ge=0)] | None = None
+
+
+class Evict(Request, tag="evict", kw_only=True):
+    """Admin: fence a session by its public id and free what it held."""
+
+    session_id: PublicId
+    kill: bool = False
+
+
+class Simulate(Request, tag="simulate", kw_only=True):
+    """Admin, simulated devices only: inject memory used outside the broker's view."""
+
+    external_bytes: Bytes | UnsetType = UNSET
+    process_bytes: Annotated[dict[Pid, Bytes], Meta(max_length=4096)] | UnsetType = UNSET
+
+
+AnyRequest = Union[Hello, Reserve, Acquire, Release, Heartbeat, Close, Status, SetLimit, Evict, Simulate]
+SESSION_OPS = frozenset({"reserve", "acquire", "release", "heartbeat", "close"})
+ADMIN_OPS = frozenset({"limit", "evict", "simulate"})
+
+
+class ErrorBody(Struct, kw_only=True):
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+
+
+class Reply(Struct, tag_field="type", tag="reply", kw_only=True, omit_defaults=True):
+    """The answer to request ``id`` (``None`` when the request could not be read at all)."""
+
+    id: int | None
+    ok: bool
+    result: Any = None
+    error: ErrorBody | None = None
+
+
+class Pressure(Struct, tag_field="type", tag="pressure", kw_only=True, omit_defaults=True):
+    """Push: the broker asks this session to give back ``pages`` (credit reserve first)."""
+
+    session_id: str
+    pages: int
+    reason: str = ""
+
+
+BrokerMessage = Union[Reply, Pressure]
+
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_broker_decoder = msgspec.msgpack.Decoder(BrokerMessage)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; ``request_id`` is set when it could be read."""
+
+    def __init__(self, message: str, request_id: int | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def decode_request(frame: bytes) -> AnyRequest:
+    """Decode and validate one request, or raise :class:`ProtocolError` with a one-line reason."""
+    if len(frame) > MAX_REQUEST_BYTES:
+        raise ProtocolError(f"request of {len(frame)} bytes exceeds the {MAX_REQUEST_BYTES}-byte limit")
+    try:
+        return _request_decoder.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"invalid request: {exc}", _salvage_id(frame)) from None
+
+
+def _salvage_id(frame: bytes) -> int | None:
+    """Best effort: the ``id`` of an invalid request, so its sender can match the error."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except Exception:
+        return None
+    if isinstance(raw, dict):
+        rid = raw.get("id")
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < (1 << 63):
+            return rid
+    return None
+
+
+def decode_broker_message(frame: bytes) -> Reply | Pressure:
+    return _broker_decoder.decode(frame)
+
+
+def encode(message: Any) -> bytes:
+    return _encoder.encode(message)
+
+
+def ok_reply(request_id: int | None, result: Any = None) -> bytes:
+    return _encoder.encode(Reply(id=request_id, ok=True, result=result))
+
+
+def error_reply(request_id: int | None, code: str, message: str, details: dict[str, Any] | None = None) -> bytes:
+    body = ErrorBody(code=code, message=message, details=details or {})
+    return _encoder.encode(Reply(id=request_id, ok=False, error=body))

@@ -1,0 +1,339 @@
+"""``BrokerClient``: the synchronous, thread-safe client a worker imports (DESIGN §9).
+
+One lock serialises use of the socket.  A background thread heartbeats (so the lease does
+not lapse while the worker is busy), answers the broker's pressure pushes by returning
+credit reserve, tops the reserve up, and notices a restarted broker: it re-opens the session
+with its token from the same process and re-asserts what it holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from . import protocol as proto
+from .core import RESUME_CODES, ClientCore, check_pages, check_pools
+from .device import resolve_device
+from .endpoint import resolve_endpoint
+from .errors import BrokerError, BrokerUnavailable, SessionEvicted
+from .transport import CurveKeys, SyncTransport, Timeouts
+
+log = logging.getLogger("kvcached_broker.client")
+
+#: What the runtime registers to free pages under pressure: called with the pages still
+#: wanted after the credit reserve, it frees what it can, hands those pages back with
+#: ``client.release()`` itself, and returns how many it released.
+PressureCallback = Callable[[int], int]
+
+
+class BrokerClient:
+    """A session with one GPU's broker.  Create it with :meth:`connect`."""
+
+    def __init__(self, core: ClientCore, transport: SyncTransport, *, background: bool = True):
+        self._core = core
+        self._transport = transport
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._pressure_callback: PressureCallback | None = None
+        self._next_heartbeat_s = 0.0
+        self._thread: threading.Thread | None = None
+        self._background = background
+        self.pressure_log: list[dict[str, int]] = []
+
+    @classmethod
+    def connect(
+        cls,
+        instance: str,
+        device: int | str = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        page_bytes: int = 2 << 20,
+        endpoint: str | None = None,
+        credit_pages: int | None = None,
+        *,
+        timeout_s: float | None = None,
+        device_uuid: str | None = None,
+        curve: CurveKeys | None = None,
+        background: bool = True,
+        client: str = "",
+    ) -> "BrokerClient":
+        """Open a session with the broker of ``device`` (a CUDA ordinal seen by this process).
+
+        ``endpoint=None`` means ``KVCACHED_BROKER`` (or the default ipc path).  Raises
+        :class:`BrokerUnavailable` if the broker is off or does not answer.
+        """
+        physical = resolve_device(device)
+        uuid = device_uuid or physical.uuid
+        target = resolve_endpoint(physical.index, uuid=uuid, endpoint=endpoint)
+        if target is None:
+            raise BrokerUnavailable("the broker is switched off (KVCACHED_BROKER=off)")
+        core = ClientCore(
+            instance=instance,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            page_bytes=page_bytes,
+            credit_pages=credit_pages,
+            device_uuid=uuid,
+            client=client or f"kvcached-broker-client/{_version()}",
+        )
+        transport = SyncTransport(target, Timeouts.from_env(timeout_s), curve=curve)
+        self = cls(core, transport, background=background)
+        try:
+            self._open(resume=False)
+        except BaseException:
+            transport.close()
+            raise
+        if background:
+            self._thread = threading.Thread(target=self._run_background, name=f"kvcached-broker-{instance}", daemon=True)
+            self._thread.start()
+        return self
+
+    # ------------------------------------------------------------ properties
+    @property
+    def session_id(self) -> str | None:
+        return self._core.session_id
+
+    @property
+    def endpoint(self) -> str:
+        return self._transport.endpoint
+
+    @property
+    def held_pages(self) -> int:
+        """Pages handed to the caller and not yet released."""
+        return self._core.credit.held_pages
+
+    @property
+    def reserve_pages(self) -> int:
+        return self._core.credit.reserve_pages
+
+    @property
+    def pools(self) -> dict[str, int]:
+        return dict(self._core.pools)
+
+    @property
+    def lease_s(self) -> float:
+        return self._core.lease_s
+
+    # -------------------------------------------------------------- the API
+    def reserve(self, pools: dict[str, int]) -> dict[str, int]:
+        """Replace this session's static reservations; a pool at 0 is removed.
+
+        Raises :class:`BudgetExceeded` (naming the pool) if the growth does not fit.
+        """
+        clean = check_pools(pools)
+        with self._lock:
+            result = self._call(lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean))
+            self._core.pools = dict(result["pools"])
+            return dict(result["pools"])
+
+    def acquire(self, pages: int, min_pages: int | None = None) -> int:
+        """Take ``pages`` (all or nothing), or with ``min_pages`` the most that fit in between.
+
+        Returns the pages granted; 0 means refused (no room, a cap, or overcommit).
+        """
+        check_pages("pages", pages, minimum=1)
+        if min_pages is not None:
+            check_pages("min_pages", min_pages, minimum=0)
+            if min_pages > pages:
+                raise BrokerError(f"min_pages ({min_pages}) must not exceed pages ({pages})", code="bad_request")
+        with self._lock:
+            self._core.check_usable()
+            credit = self._core.credit
+            if credit.take(pages):
+                return pages
+            ask, ask_min = credit.ask(pages, min_pages)
+            result = self._call(
+                lambda rid: proto.Acquire(
+                    id=rid,
+                    session=self._core.session_token(),
+                    pages=ask,
+                    min_pages=ask_min,
+                    reserve_pages=credit.reserve_pages,
+                )
+            )
+            return credit.settle(pages, min_pages, int(result["granted"]))
+
+    def release(self, pages: int) -> None:
+        """Give back ``pages``; more than held is ``BrokerError(bad_request)``."""
+        check_pages("pages", pages, minimum=1)
+        with self._lock:
+            self._core.check_usable()
+            surplus = self._core.credit.put_back(pages)
+            if surplus:
+                self._return_pages(surplus)
+
+    def acquire_tp(self, pages: int, reduce_min: Callable[[int], int], min_pages: int | None = None) -> int:
+        """Tensor-parallel acquire: every rank calls this with its own client.
+
+        Each rank asks its own broker, ``reduce_min`` agrees on the minimum over the group
+        (e.g. ``torch.distributed`` MIN on the CPU group), and each rank releases its surplus,
+        so all ranks return the same count.  ``reduce_min`` is called exactly once per call on
+        every rank, even when this rank's broker fails, so the group never deadlocks.
+        """
+        from .tp import tp_acquire
+
+        return tp_acquire(self.acquire, self.release, pages, reduce_min, min_pages)
+
+    def status(self) -> dict[str, Any]:
+        """The broker's status (the same document as ``status --json``)."""
+        with self._lock:
+            self._core.check_usable()
+            return self._call(
+                lambda rid: proto.Status(
+                    id=rid, session=self._core.session_token(), reserve_pages=self._core.credit.reserve_pages
+                )
+            )
+
+    def heartbeat(self) -> None:
+        with self._lock:
+            self._heartbeat_locked()
+
+    def on_pressure(self, callback: PressureCallback | None) -> None:
+        """Register what the runtime can free when the broker asks for pages back."""
+        self._pressure_callback = callback
+
+    def close(self) -> None:
+        """Release everything this session holds and end it.  Safe to call twice."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._lock:
+            core = self._core
+            if core.closed:
+                return
+            try:
+                if not core.evicted and core.token is not None:
+                    self._call(lambda rid: proto.Close(id=rid, session=core.session_token()), total_s=2.0, resume=False)
+            except BrokerError as exc:
+                if exc.code not in ("unknown_session", "evicted", "not_owner"):
+                    log.warning("event=close_failed session=%s error=%s", core.session_id, exc)
+            finally:
+                core.closed = True
+                self._transport.close()
+
+    def __enter__(self) -> "BrokerClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+    def _open(self, *, resume: bool) -> None:
+        hello = self._core.hello(resume=resume)
+        reply = self._transport.request(proto.encode(hello), hello.id)
+        if not reply.ok:
+            raise self._core.error_of(reply)
+        self._core.on_hello(reply.result)
+        self._next_heartbeat_s = time.monotonic() + self._core.heartbeat_s
+
+    def _call(self, build: Callable[[int], Any], *, total_s: float | None = None, resume: bool = True) -> Any:
+        """Send one request (retried with the same id) and return its result.
+
+        On ``not_owner``/``unknown_session`` (the broker restarted or the connection was
+        replaced) the session is resumed and the request sent again with the same id.
+        """
+        self._core.check_usable()
+        request_id = self._core.next_id()
+        for _ in range(3):
+            reply = self._transport.request(proto.encode(build(request_id)), request_id, total_s=total_s)
+            if reply.ok:
+                self._next_heartbeat_s = time.monotonic() + self._core.heartbeat_s
+                return reply.result
+            assert reply.error is not None
+            if resume and reply.error.code in RESUME_CODES:
+                log.info("event=resume session=%s reason=%s", self._core.session_id, reply.error.code)
+                self._open(resume=True)
+                continue
+            raise self._core.error_of(reply)
+        raise self._core.error_of(reply)
+
+    def _return_pages(self, pages: int) -> None:
+        credit = self._core.credit
+        try:
+            self._call(
+                lambda rid: proto.Release(
+                    id=rid, session=self._core.session_token(), pages=pages, reserve_pages=credit.reserve_pages
+                )
+            )
+        except BaseException:
+            credit.reattach(pages)
+            raise
+
+    def _heartbeat_locked(self) -> None:
+        self._call(
+            lambda rid: proto.Heartbeat(
+                id=rid, session=self._core.session_token(), reserve_pages=self._core.credit.reserve_pages
+            ),
+            total_s=max(1.0, self._core.heartbeat_s),
+        )
+
+    def _run_background(self) -> None:
+        failures = 0
+        while not self._stop.wait(0.05):
+            if not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self._core.closed or self._core.evicted:
+                    return
+                self._background_step()
+                failures = 0
+            except SessionEvicted as exc:
+                log.error("event=evicted session=%s detail=%s", self._core.session_id, exc.message)
+                return
+            except BrokerUnavailable as exc:
+                failures += 1
+                if failures == 1:
+                    log.warning("event=broker_unreachable endpoint=%s detail=%s", self._transport.endpoint, exc.message)
+            except BrokerError as exc:
+                log.warning("event=background_error session=%s error=%s", self._core.session_id, exc)
+            finally:
+                self._lock.release()
+
+    def _background_step(self) -> None:
+        self._transport.drain()
+        pushes, self._transport.pushes = self._transport.pushes, []
+        for push in pushes:
+            self._handle_pressure(push)
+        credit = self._core.credit
+        wanted = credit.refill_wanted()
+        if wanted:
+            result = self._call(
+                lambda rid: proto.Acquire(
+                    id=rid, session=self._core.session_token(), pages=wanted, min_pages=0, reserve_pages=credit.reserve_pages
+                )
+            )
+            credit.reattach(int(result["granted"]))
+        if time.monotonic() >= self._next_heartbeat_s:
+            self._heartbeat_locked()
+
+    def _handle_pressure(self, push: proto.Pressure) -> None:
+        credit = self._core.credit
+        from_reserve = credit.detach(push.pages)
+        if from_reserve:
+            self._return_pages(from_reserve)
+        freed_by_runtime = 0
+        rest = push.pages - from_reserve
+        if rest > 0 and self._pressure_callback is not None:
+            try:
+                freed_by_runtime = max(0, int(self._pressure_callback(rest)))
+            except Exception:
+                log.exception("event=pressure_callback_failed session=%s", self._core.session_id)
+        self.pressure_log.append({"asked": push.pages, "from_reserve": from_reserve, "from_runtime": freed_by_runtime})
+        log.info(
+            "event=pressure session=%s asked_pages=%d returned_reserve=%d returned_runtime=%d",
+            self._core.session_id,
+            push.pages,
+            from_reserve,
+            freed_by_runtime,
+        )
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvcached-broker")
+    except Exception:
+        return "0+unknown"
