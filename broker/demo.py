@@ -1,0 +1,162 @@
+"""``kvcached-broker demo``: a simulated 80 GiB GPU shared by three co-located workers, live.
+
+* ``deepseek-v4``: reports its runtime-owned DeepSeek-V4 pools (SWA, C4, C128, indexer and
+  compressor state) plus weights as reservations, then holds a few elastic pages;
+* ``llama-a`` and ``llama-b``: weights plus elastic KV pages whose demand rises and falls out
+  of phase, so that they compete for what is left and are sometimes refused.
+
+The broker and each worker are separate processes talking over a real ipc socket; the demo
+shows the broker's status redrawn in place, then stops everything and exits 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+DSV4_POOLS = {
+    "weights": 18 * GIB,
+    "swa_kv_pool": int(2.5 * GIB),
+    "c4_kv_pool": 6 * GIB,
+    "c128_kv_pool": GIB // 4,
+    "c4_indexer_kv_pool": int(1.5 * GIB),
+    "compress_state_pools": 640 * MIB,
+    "indexer_compress_state_pools": 320 * MIB,
+}
+ELASTIC_PAGE_BYTES = 64 * MIB
+
+
+def run_demo(seconds: float = 8.0, keep: bool = False) -> int:
+    from ..client.admin import AdminClient
+    from ..client.errors import BrokerUnavailable
+    from .render import CLEAR_HOME, render_bars
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvcached-broker-demo-"))
+    endpoint = f"ipc://{workdir}/gpu0.sock"
+    env = {**os.environ, "KVCACHED_BROKER": endpoint}
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "80GiB", "--endpoint", endpoint,
+         "--state-dir", str(workdir / "state"), "--lease", "5", "--log-level", "warning"],
+        env=env,
+        stderr=open(workdir / "broker.log", "w"),
+    )
+    workers: list[subprocess.Popen] = []
+    try:
+        admin = _wait_for_broker(endpoint, broker, AdminClient)
+        for role in ("deepseek-v4", "llama-a", "llama-b"):
+            workers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "kvcached_broker.broker.demo", role, endpoint, str(seconds + 5)], env=env
+                )
+            )
+            _wait_for_instance(admin, role, workers[-1])
+        interactive = sys.stdout.isatty()
+        end = time.monotonic() + seconds
+        last_print = 0.0
+        while time.monotonic() < end:
+            try:
+                frame = render_bars(admin.status())
+            except BrokerUnavailable as exc:
+                frame = f"broker unreachable: {exc.message}"
+            now = time.monotonic()
+            if interactive:
+                sys.stdout.write(CLEAR_HOME + f"kvcached-broker demo: {end - now:4.1f}s left\n\n{frame}\n")
+                sys.stdout.flush()
+            elif now - last_print >= 2.0:
+                print(f"--- t={seconds - (end - now):4.1f}s\n{frame}\n", flush=True)
+                last_print = now
+            time.sleep(0.5)
+        final = admin.status()
+        print("\nfinal:\n" + render_bars(final), flush=True)
+        admin.close()
+        return 0
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+        for worker in workers:
+            try:
+                worker.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        broker.send_signal(signal.SIGTERM)
+        try:
+            broker.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+        if not keep:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait_for_broker(endpoint: str, broker: subprocess.Popen, admin_cls):
+    from ..client.errors import BrokerUnavailable
+
+    deadline = time.monotonic() + 15
+    while True:
+        if broker.poll() is not None:
+            raise RuntimeError(f"the demo broker exited with code {broker.returncode}")
+        try:
+            admin = admin_cls(endpoint, timeout_s=1.0)
+            admin.status()
+            return admin
+        except BrokerUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _wait_for_instance(admin, name: str, worker: subprocess.Popen) -> None:
+    """Start workers one at a time, so each has reported its reservations before the next."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and worker.poll() is None:
+        for inst in admin.status()["instances"]:
+            if inst["name"] == name and inst["reserved_bytes"]:
+                return
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ workers
+def _worker(role: str, endpoint: str, seconds: float) -> int:
+    from ..client import BrokerClient
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    page_bytes = ELASTIC_PAGE_BYTES
+    with BrokerClient.connect(role, endpoint=endpoint, page_bytes=page_bytes, credit_pages=2) as client:
+        if role == "deepseek-v4":
+            client.reserve(DSV4_POOLS)
+            client.acquire(32)
+            while not stop and seconds > 0:
+                time.sleep(0.1)
+                seconds -= 0.1
+            return 0
+        client.reserve({"weights": 16 * GIB})
+        time.sleep(0.5)  # let the next worker report its weights before the KV demand starts
+        phase = 0.0 if role == "llama-a" else math.pi / 2
+        peak_pages = (20 * GIB) // page_bytes
+        start = time.monotonic()
+        while not stop and time.monotonic() - start < seconds:
+            t = time.monotonic() - start
+            want = int(peak_pages * (0.1 + 0.9 * math.sin(t * 0.9 + phase) ** 2))
+            held = client.held_pages
+            if want > held:
+                client.acquire(want - held, min_pages=1)
+            elif want < held:
+                client.release(held - want)
+            time.sleep(0.05)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1], sys.argv[2], float(sys.argv[3])))

@@ -1,0 +1,186 @@
+"""Shared fixtures: real brokers on simulated GPUs, over real ipc sockets.
+
+* ``broker``: a ``kvcached-broker serve`` subprocess (what operators run);
+* ``inproc_broker``: a :class:`BrokerServer` in a thread of the test process, for tests that
+  need to look inside the ledger.  Its sockets are just as real.
+
+Socket paths live in short directories under /tmp because an ipc path may not exceed 107 bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvcached_broker.client.admin import AdminClient
+from kvcached_broker.client.errors import BrokerUnavailable
+
+from helpers import GIB, MIB  # noqa: F401
+
+
+@pytest.fixture
+def short_tmp():
+    path = Path(tempfile.mkdtemp(prefix="kb-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class BrokerProcess:
+    """A broker subprocess; ``restart()`` starts a new one on the same endpoint and state."""
+
+    workdir: Path
+    simulate: str = "80GiB"
+    lease_s: float = 10.0
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    device: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.workdir}/gpu{self.device}.sock"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.workdir / "state"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"broker{self.device}.log"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "kvcached_broker.broker.cli", "serve",
+            "--device", str(self.device), "--simulate", self.simulate, "--endpoint", self.endpoint,
+            "--state-dir", str(self.state_dir), "--lease", str(self.lease_s), "--log-level", "debug",
+            *self.extra_args,
+        ]
+
+    def start(self, wait: bool = True) -> "BrokerProcess":
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with AdminClient(self.endpoint, timeout_s=0.5) as admin:
+                    admin.status()
+                return
+            except BrokerUnavailable:
+                time.sleep(0.05)
+        raise RuntimeError(f"broker did not become ready:\n{self.log()}")
+
+    def admin(self, timeout_s: float = 5.0) -> AdminClient:
+        return AdminClient(self.endpoint, timeout_s=timeout_s)
+
+    def status(self) -> dict:
+        with self.admin() as admin:
+            return admin.status()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def restart(self) -> "BrokerProcess":
+        self.kill()
+        return self.start()
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+@pytest.fixture
+def broker_factory(short_tmp):
+    started: list[BrokerProcess] = []
+
+    def make(**kwargs) -> BrokerProcess:
+        b = BrokerProcess(workdir=short_tmp, **kwargs)
+        started.append(b)
+        return b.start()
+
+    yield make
+    for b in started:
+        b.kill()
+
+
+@pytest.fixture
+def broker(broker_factory) -> BrokerProcess:
+    return broker_factory()
+
+
+@dataclass
+class InprocBroker:
+    server: object
+    thread: threading.Thread
+    endpoint: str
+    probe: object
+
+    @property
+    def ledger(self):
+        return self.server.ledger
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.endpoint, timeout_s=5.0)
+
+    def status(self) -> dict:
+        with self.admin() as admin:
+            return admin.status()
+
+
+@pytest.fixture
+def inproc_factory(short_tmp):
+    from kvcached_broker.broker.device import SimulatedDevice
+    from kvcached_broker.broker.server import BrokerServer, ServeConfig
+
+    servers: list[InprocBroker] = []
+
+    def make(total_bytes: int = 80 * GIB, headroom: str = "0", device: int = 0, state: bool = False, **config) -> InprocBroker:
+        probe = SimulatedDevice(device, total_bytes)
+        endpoint = f"ipc://{short_tmp}/inproc{device}.sock"
+        cfg = ServeConfig(
+            endpoint=endpoint,
+            device_index=device,
+            headroom=headroom,
+            state_dir=(short_tmp / f"state{device}") if state else None,
+            **config,
+        )
+        server = BrokerServer(cfg, probe)
+        server.start()
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        b = InprocBroker(server, thread, endpoint, probe)
+        servers.append(b)
+        return b
+
+    yield make
+    for b in servers:
+        b.server.stop()
+        b.thread.join(timeout=10)
+
+
+@pytest.fixture
+def inproc(inproc_factory) -> InprocBroker:
+    return inproc_factory()
+
+

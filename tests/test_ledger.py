@@ -1,0 +1,320 @@
+"""The ledger alone: examples, and a Hypothesis state machine that checks the invariant after every step."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
+from kvcached_broker.broker.ledger import DeviceInfo, Ledger, SessionState
+from kvcached_broker.client.errors import BadRequest, BudgetExceeded, LimitExceeded, Overcommitted, StaleRevision
+
+GIB = 1 << 30
+MIB = 1 << 20
+DEVICE = DeviceInfo(index=0, uuid="SIM-GPU-0", name="sim", simulated=True)
+
+
+def new_ledger(total=80 * GIB, headroom=4 * GIB) -> Ledger:
+    return Ledger(DEVICE, total_bytes=total, headroom_bytes=headroom)
+
+
+def open_session(ledger, sid="s1", instance="a", pid=100, page_bytes=2 * MIB, **kw):
+    return ledger.open_session(
+        sid, instance=instance, pid=pid, pid_verified=True, tp_rank=0, tp_size=1, page_bytes=page_bytes, now_s=0.0, **kw
+    )
+
+
+def test_reserve_replaces_the_map_and_zero_removes_a_pool():
+    ledger = new_ledger()
+    open_session(ledger)
+    assert ledger.reserve("s1", {"swa_kv_pool": 3 * GIB, "c4_kv_pool": GIB}) == {"swa_kv_pool": 3 * GIB, "c4_kv_pool": GIB}
+    assert ledger.reserved_bytes == 4 * GIB
+    assert ledger.reserve("s1", {"swa_kv_pool": 2 * GIB, "c4_kv_pool": 0}) == {"swa_kv_pool": 2 * GIB}
+    assert ledger.reserved_bytes == 2 * GIB
+    assert ledger.free_bytes == 76 * GIB - 2 * GIB
+
+
+def test_refused_reservation_names_the_pool_and_changes_nothing():
+    ledger = new_ledger()
+    open_session(ledger)
+    ledger.reserve("s1", {"weights": 70 * GIB})
+    before = copy.deepcopy(ledger.sessions["s1"].pools)
+    with pytest.raises(BudgetExceeded) as info:
+        ledger.reserve("s1", {"weights": 70 * GIB, "c4_kv_pool": 7 * GIB})
+    err = info.value
+    assert err.code == "budget_exceeded"
+    assert "c4_kv_pool" in err.message and "6.00 GiB free" in err.message
+    assert err.details["pool"] == "c4_kv_pool"
+    assert err.details["asked_bytes"] == 7 * GIB
+    assert err.details["free_bytes"] == 6 * GIB
+    assert ledger.sessions["s1"].pools == before
+    assert ledger.reserved_bytes == 70 * GIB
+
+
+def test_acquire_is_all_or_nothing_unless_min_pages():
+    ledger = new_ledger(total=100 * MIB, headroom=0)
+    open_session(ledger, page_bytes=10 * MIB)
+    assert ledger.acquire("s1", 7).pages == 7
+    refused = ledger.acquire("s1", 4)
+    assert refused.pages == 0 and refused.refusal.code == "budget_exceeded"
+    assert ledger.sessions["s1"].granted_pages == 7
+    assert ledger.acquire("s1", 4, min_pages=2).pages == 3
+    assert ledger.free_bytes == 0
+    assert ledger.acquire("s1", 1, min_pages=0).pages == 0
+
+
+def test_release_more_than_held_is_bad_request_and_changes_nothing():
+    ledger = new_ledger()
+    open_session(ledger)
+    ledger.acquire("s1", 5)
+    with pytest.raises(BadRequest):
+        ledger.release("s1", 6)
+    assert ledger.sessions["s1"].granted_pages == 5
+    assert ledger.release("s1", 5) == 0
+
+
+def test_cap_refuses_with_limit_exceeded():
+    ledger = new_ledger()
+    open_session(ledger, page_bytes=GIB)
+    ledger.set_limits("a", max_bytes=3 * GIB)
+    grant = ledger.acquire("s1", 4)
+    assert grant.pages == 0 and grant.refusal.code == "limit_exceeded"
+    assert ledger.acquire("s1", 4, min_pages=1).pages == 3
+    with pytest.raises(LimitExceeded):
+        ledger.reserve("s1", {"x": 1})
+
+
+def test_limit_for_unregistered_instance_applies_when_it_arrives():
+    ledger = new_ledger()
+    ledger.set_limits("later", max_bytes=GIB)
+    open_session(ledger, instance="later", page_bytes=GIB)
+    assert ledger.acquire("s1", 2).pages == 0
+    assert ledger.acquire("s1", 1).pages == 1
+
+
+def test_limit_changes_are_validated_and_revisioned():
+    ledger = new_ledger()
+    with pytest.raises(LimitExceeded):
+        ledger.set_limits("a", max_bytes=GIB, min_bytes=2 * GIB)
+    assert ledger.set_limits("a", max_bytes=GIB).revision == 1
+    with pytest.raises(StaleRevision):
+        ledger.set_limits("a", max_bytes=2 * GIB, revision=0)
+    assert ledger.set_limits("a", max_bytes=None, revision=1).max_bytes is None
+    with pytest.raises(LimitExceeded):
+        ledger.set_limits("b", min_bytes=77 * GIB)
+    assert "b" not in ledger.limits
+
+
+def test_floors_of_others_cannot_be_eaten():
+    ledger = new_ledger(total=10 * GIB, headroom=0)
+    ledger.set_limits("guaranteed", min_bytes=4 * GIB)
+    open_session(ledger, sid="g", instance="guaranteed", pid=1, page_bytes=GIB)
+    open_session(ledger, sid="x", instance="greedy", pid=2, page_bytes=GIB)
+    assert ledger.acquire("x", 100, min_pages=1).pages == 6
+    assert ledger.acquire("g", 4).pages == 4  # its floor was kept for it
+    assert ledger.free_bytes == 0
+
+
+def test_external_growth_overcommits_and_blocks_new_grants_only():
+    ledger = new_ledger(total=10 * GIB, headroom=0)
+    open_session(ledger, page_bytes=GIB)
+    assert ledger.acquire("s1", 8).pages == 8
+    ledger.observe_device(external_bytes=4 * GIB)
+    assert ledger.overcommitted and ledger.free_bytes == 0
+    grant = ledger.acquire("s1", 1)
+    assert grant.pages == 0 and isinstance(grant.refusal, Overcommitted)
+    ledger.release("s1", 2)  # decreases are always allowed
+    assert not ledger.overcommitted
+    assert ledger.acquire("s1", 1).pages == 0  # exactly at budget
+    ledger.observe_device(external_bytes=3 * GIB)
+    assert ledger.acquire("s1", 1).pages == 1
+
+
+def test_measured_usage_above_reported_is_charged_as_unreported():
+    ledger = new_ledger(total=10 * GIB, headroom=0)
+    open_session(ledger, page_bytes=GIB)
+    ledger.acquire("s1", 2)
+    ledger.observe_device(measured_by_pid={100: 5 * GIB})
+    assert ledger.unreported_bytes == 3 * GIB
+    assert ledger.free_bytes == 5 * GIB
+    assert ledger.acquire("s1", 3).pages == 3  # inside what it already uses: no new charge
+    assert ledger.unreported_bytes == 0 and ledger.free_bytes == 5 * GIB
+    assert ledger.acquire("s1", 6).pages == 0
+
+
+def test_stale_sessions_stay_charged_and_revive():
+    ledger = new_ledger()
+    open_session(ledger)
+    ledger.acquire("s1", 10)
+    assert [s.id for s in ledger.expire_leases(now_s=11.0, lease_s=10.0)] == ["s1"]
+    assert ledger.sessions["s1"].state is SessionState.STALE
+    assert ledger.granted_bytes == 10 * 2 * MIB
+    assert ledger.touch("s1", 12.0) is True
+    assert ledger.sessions["s1"].state is SessionState.LIVE
+
+
+def test_resume_adopts_reasserted_holdings_only_for_restored_sessions():
+    ledger = new_ledger()
+    open_session(ledger, granted_pages=10, state=SessionState.RECOVERING, restored=True)
+    ledger.resume("s1", 1.0, holdings=({"swa_kv_pool": GIB}, 6, 2))
+    s = ledger.sessions["s1"]
+    assert (s.pools, s.granted_pages, s.reserve_pages, s.state) == ({"swa_kv_pool": GIB}, 6, 2, SessionState.LIVE)
+    ledger.resume("s1", 2.0, holdings=({}, 0, 0))  # no longer restored: the broker's figures stand
+    assert ledger.sessions["s1"].granted_pages == 6
+
+
+# --------------------------------------------------------------------------- state machine
+POOL_NAMES = ["swa_kv_pool", "c4_kv_pool", "c128_kv_pool", "weights"]
+SIZES = st.integers(min_value=0, max_value=12 * GIB)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Random sequences of every ledger operation; after each: totals recomputed from scratch
+    agree, charges never exceed the budget after a grant, refusals change nothing."""
+
+    sessions = Bundle("sessions")
+
+    def __init__(self):
+        super().__init__()
+        self.ledger = Ledger(DEVICE, total_bytes=64 * GIB, headroom_bytes=GIB)
+        self.counter = 0
+        self.now = 0.0
+
+    def _snapshot(self):
+        return {
+            sid: (dict(s.pools), s.granted_pages, s.reserve_pages) for sid, s in self.ledger.sessions.items()
+        }, self.ledger.charged_bytes
+
+    def _assert_admitted(self, instance, charged_before, instance_before):
+        """After a grant: within budget and cap, and other instances' floors kept free.
+
+        A grant inside memory its process is already measured to use adds no charge, so it
+        is checked only when charges actually grew."""
+        led = self.ledger
+        assert led.charged_bytes <= led.budget_bytes
+        others = sum(led.unfilled_floor_bytes(n) for n in set(led.limits) if n != instance)
+        if led.charged_bytes > charged_before:
+            assert led.charged_bytes + others <= led.budget_bytes
+        cap = led.limits.get(instance)
+        if cap is not None and cap.max_bytes is not None and led.instance_charge_bytes(instance) > instance_before:
+            assert led.instance_charge_bytes(instance) <= cap.max_bytes
+
+    @rule(
+        target=sessions,
+        instance=st.sampled_from(["a", "b", "c"]),
+        pid=st.integers(min_value=1, max_value=4),
+        page_bytes=st.sampled_from([MIB, 2 * MIB, 3 * MIB, 256 * MIB]),
+        verified=st.booleans(),
+    )
+    def open(self, instance, pid, page_bytes, verified):
+        self.counter += 1
+        sid = f"s{self.counter}"
+        self.ledger.open_session(
+            sid, instance=instance, pid=pid, pid_verified=verified, tp_rank=0, tp_size=1,
+            page_bytes=page_bytes, now_s=self.now,
+        )
+        return sid
+
+    @rule(sid=sessions, pools=st.dictionaries(st.sampled_from(POOL_NAMES), SIZES, max_size=4))
+    def reserve(self, sid, pools):
+        if sid not in self.ledger.sessions:
+            return
+        before = self._snapshot()
+        instance = self.ledger.sessions[sid].instance
+        grows = sum(v for v in pools.values()) > self.ledger.sessions[sid].reserved_bytes
+        charged, inst_charge = self.ledger.charged_bytes, self.ledger.instance_charge_bytes(instance)
+        try:
+            self.ledger.reserve(sid, pools)
+        except BudgetExceeded:
+            assert self._snapshot() == before
+            return
+        assert self.ledger.sessions[sid].pools == {k: v for k, v in pools.items() if v}
+        if grows:
+            self._assert_admitted(instance, charged, inst_charge)
+
+    @rule(sid=sessions, pages=st.integers(min_value=1, max_value=20_000), partial=st.booleans(), data=st.data())
+    def acquire(self, sid, pages, partial, data):
+        if sid not in self.ledger.sessions:
+            return
+        min_pages = data.draw(st.integers(min_value=0, max_value=pages)) if partial else None
+        before = self._snapshot()
+        held = self.ledger.sessions[sid].granted_pages
+        instance = self.ledger.sessions[sid].instance
+        charged, inst_charge = self.ledger.charged_bytes, self.ledger.instance_charge_bytes(instance)
+        grant = self.ledger.acquire(sid, pages, min_pages)
+        if grant.pages == 0:
+            assert grant.refusal is not None
+            assert self._snapshot() == before
+        else:
+            assert (min_pages if min_pages is not None else pages) <= grant.pages <= pages
+            assert self.ledger.sessions[sid].granted_pages == held + grant.pages
+            self._assert_admitted(instance, charged, inst_charge)
+
+    @rule(sid=sessions, pages=st.integers(min_value=1, max_value=20_000))
+    def release(self, sid, pages):
+        if sid not in self.ledger.sessions:
+            return
+        held = self.ledger.sessions[sid].granted_pages
+        before = self._snapshot()
+        if pages > held:
+            with pytest.raises(BadRequest):
+                self.ledger.release(sid, pages)
+            assert self._snapshot() == before
+        else:
+            assert self.ledger.release(sid, pages) == held - pages
+
+    @rule(sid=consumes(sessions))
+    def close(self, sid):
+        if sid in self.ledger.sessions:
+            self.ledger.close_session(sid)
+
+    @rule(
+        instance=st.sampled_from(["a", "b", "c", "d"]),
+        max_bytes=st.one_of(st.none(), SIZES),
+        min_bytes=st.integers(min_value=0, max_value=30 * GIB),
+    )
+    def limits(self, instance, max_bytes, min_bytes):
+        before = dict(self.ledger.limits)
+        try:
+            self.ledger.set_limits(instance, max_bytes=max_bytes, min_bytes=min_bytes)
+        except LimitExceeded:
+            assert self.ledger.limits == before
+            return
+        floors = sum(l.min_bytes for l in self.ledger.limits.values())
+        assert floors <= self.ledger.budget_bytes
+
+    @rule(external=st.integers(min_value=0, max_value=70 * GIB))
+    def external(self, external):
+        self.ledger.observe_device(external_bytes=external)
+
+    @rule(measured=st.dictionaries(st.integers(min_value=1, max_value=4), SIZES, max_size=4))
+    def measured(self, measured):
+        self.ledger.observe_device(measured_by_pid=measured)
+
+    @rule(sid=sessions, reserve=st.integers(min_value=0, max_value=50))
+    def reserve_pages(self, sid, reserve):
+        if sid in self.ledger.sessions:
+            self.ledger.set_reserve_pages(sid, reserve)
+
+    @rule(dt=st.floats(min_value=0.0, max_value=20.0))
+    def tick(self, dt):
+        self.now += dt
+        for session in self.ledger.expire_leases(self.now, 10.0):
+            assert session.state is SessionState.STALE
+
+    @invariant()
+    def totals_agree(self):
+        self.ledger.check_invariant()
+        led = self.ledger
+        assert led.free_bytes == max(0, led.budget_bytes - led.reserved_bytes - led.granted_bytes - led.unreported_bytes)
+        assert led.overcommitted == (led.charged_bytes > led.budget_bytes)
+
+
+TestLedgerMachine = LedgerMachine.TestCase
+TestLedgerMachine.settings = settings(
+    max_examples=int(os.environ.get("LEDGER_EXAMPLES", "150")), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

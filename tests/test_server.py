@@ -1,0 +1,246 @@
+"""The broker over real sockets: the client API of DESIGN §9 and the status contract of §7."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import pytest
+import zmq
+
+from kvcached_broker.client import BadRequest, BrokerClient, BudgetExceeded, NotOwner
+from kvcached_broker.client import protocol as proto
+
+from helpers import GIB, MIB
+
+DSV4_POOLS = {
+    "swa_kv_pool": 3 * GIB,
+    "c4_kv_pool": GIB + 512 * MIB,
+    "c128_kv_pool": 96 * MIB,
+    "c4_indexer_kv_pool": 384 * MIB,
+    "compress_state_pools": 200 * MIB,
+}
+
+STATUS_KEYS = {
+    "device", "total_bytes", "headroom_bytes", "external_bytes", "budget_bytes", "reserved_bytes",
+    "granted_bytes", "unreported_bytes", "free_bytes", "overcommitted", "instances",
+}
+INSTANCE_KEYS = {"name", "max_bytes", "min_bytes", "reserved_bytes", "granted_bytes", "pools", "sessions"}
+SESSION_KEYS = {"id", "rank", "tp_size", "pid", "state", "page_bytes", "granted_pages", "pools", "reserve_pages"}
+
+
+def connect(b, instance="m", **kw):
+    kw.setdefault("credit_pages", 0)
+    return BrokerClient.connect(instance, endpoint=b.endpoint, **kw)
+
+
+def test_status_document_has_the_contract_shape(inproc):
+    with connect(inproc, "dsv4") as c:
+        c.reserve(DSV4_POOLS)
+        assert c.acquire(16) == 16
+        s = c.status()
+    assert STATUS_KEYS <= set(s)
+    assert set(s["device"]) == {"index", "uuid", "name", "simulated"} and s["device"]["simulated"] is True
+    (inst,) = s["instances"]
+    assert INSTANCE_KEYS <= set(inst)
+    assert inst["max_bytes"] is None and inst["min_bytes"] == 0
+    (sess,) = inst["sessions"]
+    assert SESSION_KEYS <= set(sess)
+    assert sess["pid"] == os.getpid() and sess["state"] == "live" and sess["rank"] == 0 and sess["tp_size"] == 1
+    assert sess["pools"] == DSV4_POOLS and inst["pools"] == DSV4_POOLS
+    assert sess["granted_pages"] == 16 and sess["page_bytes"] == 2 * MIB
+    assert s["reserved_bytes"] == sum(DSV4_POOLS.values())
+    assert s["granted_bytes"] == 16 * 2 * MIB
+    assert s["free_bytes"] == s["budget_bytes"] - s["reserved_bytes"] - s["granted_bytes"] - s["unreported_bytes"]
+    assert s["overcommitted"] is False
+
+
+def test_second_instance_fills_the_gpu_to_the_last_page_and_every_byte_matches(inproc_factory):
+    b = inproc_factory(total_bytes=80 * GIB, headroom="4GiB")
+    with connect(b, "dsv4") as v4, connect(b, "filler", page_bytes=2 * MIB) as filler:
+        v4.reserve(DSV4_POOLS)
+        assert v4.acquire(100) == 100
+        budget = b.status()["budget_bytes"]
+        free = budget - sum(DSV4_POOLS.values()) - 100 * 2 * MIB
+        last_page = free // (2 * MIB)
+        assert filler.acquire(last_page + 1) == 0  # all-or-nothing: one page too many
+        assert filler.acquire(last_page) == last_page
+        assert filler.acquire(1) == 0
+        s = b.status()
+        assert s["free_bytes"] == free - last_page * 2 * MIB == 0
+        assert s["granted_bytes"] == (100 + last_page) * 2 * MIB
+        assert s["reserved_bytes"] == sum(DSV4_POOLS.values())
+        by_name = {i["name"]: i for i in s["instances"]}
+        assert by_name["filler"]["granted_bytes"] == last_page * 2 * MIB
+        assert by_name["dsv4"]["pools"] == DSV4_POOLS
+        filler.release(1)
+        assert filler.acquire(1) == 1
+
+
+def test_partial_grant_with_min_pages(inproc_factory):
+    b = inproc_factory(total_bytes=100 * MIB)
+    with connect(b, page_bytes=10 * MIB) as c:
+        assert c.acquire(16, min_pages=4) == 10
+        assert c.acquire(4, min_pages=1) == 0
+        assert c.held_pages == 10
+
+
+def test_reserve_refusal_raises_budget_exceeded_naming_the_pool(inproc_factory):
+    b = inproc_factory(total_bytes=8 * GIB)
+    with connect(b) as c:
+        c.reserve({"weights": 6 * GIB})
+        with pytest.raises(BudgetExceeded) as info:
+            c.reserve({"weights": 6 * GIB, "swa_kv_pool": 3 * GIB})
+        assert "swa_kv_pool" in str(info.value) and info.value.details["free_bytes"] == 2 * GIB
+        assert c.status()["reserved_bytes"] == 6 * GIB
+        assert c.reserve({"weights": 6 * GIB, "swa_kv_pool": 0}) == {"weights": 6 * GIB}
+
+
+def test_release_more_than_held_is_bad_request(inproc):
+    with connect(inproc) as c:
+        c.acquire(3)
+        with pytest.raises(BadRequest):
+            c.release(4)
+        assert c.status()["granted_bytes"] == 3 * 2 * MIB
+
+
+def test_close_releases_everything(inproc):
+    c = connect(inproc)
+    c.reserve({"weights": GIB})
+    c.acquire(8)
+    c.close()
+    c.close()
+    s = inproc.status()
+    assert s["instances"] == [] and s["reserved_bytes"] == 0 and s["granted_bytes"] == 0
+
+
+def test_credit_reserve_is_charged_and_shown_as_reserve_pages(inproc):
+    with connect(inproc, credit_pages=8) as c:
+        assert c.acquire(1) == 1
+        sess = c.status()["instances"][0]["sessions"][0]
+        assert sess["granted_pages"] == 9 and sess["reserve_pages"] == 8
+        for _ in range(50):  # one page at a time stays inside the reserve: no round trips
+            assert c.acquire(1) == 1
+            c.release(1)
+        assert inproc.ledger.sessions[c.session_id].granted_pages == 9
+        c.release(1)
+        assert c.held_pages == 0
+
+
+def test_surplus_above_the_high_watermark_goes_back(inproc):
+    with connect(inproc, credit_pages=4) as c:
+        assert c.acquire(20) == 20
+        c.release(20)
+        assert c.reserve_pages == 4  # 24 > high watermark 8: back down to the target
+        assert inproc.ledger.sessions[c.session_id].granted_pages == 4
+
+
+def _raw_dealer(endpoint):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(endpoint)
+    return sock
+
+
+def _ask(sock, message: dict) -> dict:
+    sock.send(msgpack.packb(message))
+    return msgpack.unpackb(sock.recv())
+
+
+def test_plain_msgpack_client_interoperates(inproc):
+    sock = _raw_dealer(inproc.endpoint)
+    hello = _ask(sock, {
+        "op": "hello", "id": 1, "versions": [1], "instance": "plain", "pid": os.getpid(),
+        "page_bytes": 4096, "nonce": "plain-nonce-1",
+    })
+    assert hello["type"] == "reply" and hello["ok"] is True and hello["id"] == 1
+    token = hello["result"]["session"]
+    reply = _ask(sock, {"op": "reserve", "id": 2, "session": token, "pools": {"weights": 1 << 20}})
+    assert reply["ok"] and reply["result"]["pools"] == {"weights": 1 << 20}
+    reply = _ask(sock, {"op": "acquire", "id": 3, "session": token, "pages": 5})
+    assert reply["result"]["granted"] == 5
+    reply = _ask(sock, {"op": "release", "id": 4, "session": token, "pages": 9})
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+    reply = _ask(sock, {"op": "acquire", "id": 3, "session": token, "pages": 5})  # a retry: cached
+    assert reply["result"]["granted"] == 5
+    assert inproc.ledger.sessions[hello["result"]["session_id"]].granted_pages == 5
+    status = _ask(sock, {"op": "status", "id": 5})["result"]
+    assert status["granted_bytes"] == 5 * 4096
+    sock.close()
+
+
+def test_retried_hello_gets_the_same_session(inproc):
+    sock = _raw_dealer(inproc.endpoint)
+    hello = {"op": "hello", "id": 1, "versions": [1], "instance": "x", "pid": os.getpid(), "page_bytes": 4096,
+             "nonce": "same-nonce-123"}
+    first = _ask(sock, hello)["result"]
+    second = _ask(sock, hello)["result"]
+    assert first["session"] == second["session"] and len(inproc.ledger.sessions) == 1
+    sock.close()
+
+
+def test_session_is_usable_only_from_its_own_connection(inproc):
+    with connect(inproc) as c:
+        token = c._core.token
+        other = _raw_dealer(inproc.endpoint)
+        reply = _ask(other, {"op": "acquire", "id": 1, "session": token, "pages": 1})
+        assert reply["ok"] is False and reply["error"]["code"] == "not_owner"
+        assert inproc.ledger.sessions[c.session_id].granted_pages == 0
+        other.close()
+
+
+def test_hello_with_a_false_pid_is_refused(inproc):
+    sock = _raw_dealer(inproc.endpoint)
+    reply = _ask(sock, {"op": "hello", "id": 1, "versions": [1], "instance": "x", "pid": 1, "page_bytes": 4096,
+                        "nonce": "liar-nonce-1"})
+    assert reply["error"]["code"] == "not_owner" and "pid 1" in reply["error"]["message"]
+    assert not inproc.ledger.sessions
+    sock.close()
+
+
+def test_unsupported_version_and_wrong_device_are_refused(inproc):
+    sock = _raw_dealer(inproc.endpoint)
+    base = {"op": "hello", "instance": "x", "pid": os.getpid(), "page_bytes": 4096}
+    reply = _ask(sock, {**base, "id": 1, "versions": [99], "nonce": "version-nonce"})
+    assert reply["error"]["code"] == "unsupported_version"
+    reply = _ask(sock, {**base, "id": 2, "versions": [1], "nonce": "device-nonce", "device_uuid": "GPU-other"})
+    assert reply["error"]["code"] == "wrong_device"
+    assert not inproc.ledger.sessions
+    sock.close()
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xff\xfe garbage",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"op": "acquire", "id": 1, "session": "x" * 20, "pages": -5}),
+        msgpack.packb({"op": "acquire", "id": 1, "session": "x" * 20, "pages": (1 << 64) - 1}),
+        msgpack.packb({"op": "reserve", "id": 1, "session": "x" * 20, "pools": {f"p{i}": 1 for i in range(100)}}),
+        msgpack.packb({"op": "reserve", "id": 1, "session": "x" * 20, "pools": {"p": "big"}}),
+        msgpack.packb({"op": "hello", "id": 1, "versions": [1], "instance": "bad name!", "pid": 1, "page_bytes": 1, "nonce": "n" * 10}),
+        msgpack.packb({"op": "nope", "id": 7}),
+    ],
+)
+def test_bad_frames_get_an_error_reply_and_change_nothing(inproc, frame):
+    with connect(inproc) as c:
+        c.acquire(2)
+        version = inproc.ledger.version
+        sock = _raw_dealer(inproc.endpoint)
+        sock.send(frame)
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+        assert inproc.ledger.version == version
+        assert c.acquire(1) == 1  # the broker is still serving
+        sock.close()
+
+
+def test_oversized_and_multipart_frames_do_not_hurt_the_broker(inproc):
+    sock = _raw_dealer(inproc.endpoint)
+    sock.send(b"x" * (proto.MAX_REQUEST_BYTES + 10))  # ZeroMQ drops it and disconnects the peer
+    sock.send_multipart([b"a", b"b"])
+    with connect(inproc) as c:
+        assert c.acquire(1) == 1
+    sock.close()
