@@ -647,12 +647,12 @@ class BrokerServer:
 
     # ------------------------------------------------------- session endings
     def _end_session(self, binding: Binding, cause: str) -> int:
+        freed = self.ledger.sessions[binding.session_id].reported_bytes
         session = self.ledger.close_session(binding.session_id)
         self.table.remove(binding.session_id)
         if binding.pid_verified and not self.table.count_for_pid(binding.pid):
             self._unwatch_pid(binding.pid)
         self.counters.reclaimed(cause)
-        freed = session.reported_bytes
         log.info(
             "event=session_end cause=%s session=%s instance=%s pid=%d freed_bytes=%d",
             cause,

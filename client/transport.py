@@ -76,7 +76,15 @@ def _unreachable(endpoint: str, timeouts: Timeouts, why: str = "") -> BrokerUnav
 
 def socket_missing(endpoint: str) -> bool:
     path = ipc_path(endpoint)
-    return path is not None and not path.exists()
+    if path is None:
+        return False
+    try:
+        return not path.exists()
+    except PermissionError:
+        raise BrokerUnavailable(
+            f"permission denied on {path}: this user may not use the broker's socket (see serve --socket-group)",
+            details={"endpoint": endpoint},
+        ) from None
 
 
 class SyncTransport:

@@ -45,10 +45,12 @@ class BrokerProcess:
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     device: int = 0
+    socket_subdir: str = ""  # a directory the broker creates itself (0750, socket group)
 
     @property
     def endpoint(self) -> str:
-        return f"ipc://{self.workdir}/gpu{self.device}.sock"
+        sub = f"/{self.socket_subdir}" if self.socket_subdir else ""
+        return f"ipc://{self.workdir}{sub}/gpu{self.device}.sock"
 
     @property
     def state_dir(self) -> Path:
@@ -119,6 +121,7 @@ def broker_factory(short_tmp):
         started.append(b)
         return b.start()
 
+    make.workdir = short_tmp
     yield make
     for b in started:
         b.kill()

@@ -1,0 +1,139 @@
+"""The CLI contract (DESIGN §7): commands, JSON shape and exit codes, run as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvcached_broker.client import BrokerClient
+
+from helpers import GIB, MIB
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvcached_broker.broker.cli", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+
+
+def test_version():
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("kvcached-broker ")
+
+
+def test_status_of_a_missing_broker_exits_3_naming_the_endpoint(short_tmp):
+    endpoint = f"ipc://{short_tmp}/nobody.sock"
+    out = cli("status", "--endpoint", endpoint)
+    assert out.returncode == 3
+    assert endpoint in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_status_of_a_silent_socket_exits_3(short_tmp):
+    """A socket file with nobody answering (a hung or dead broker) also exits 3, after the timeout."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)  # binds but never answers
+    sock.bind(f"ipc://{short_tmp}/silent.sock")
+    out = cli("status", "--endpoint", f"ipc://{short_tmp}/silent.sock", "--timeout", "0.5")
+    sock.close(0)
+    assert out.returncode == 3 and "silent.sock" in out.stderr
+
+
+def test_status_uses_KVCACHED_BROKER_with_a_device_template(broker):
+    template = broker.endpoint.replace("gpu0", "gpu{device}")
+    out = cli("status", "--json", env={"KVCACHED_BROKER": template})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["device"]["index"] == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["serve", "--simulate", "80GB"],
+        ["serve", "--simulate", "lots"],
+        ["serve", "--headroom", "120%"],
+        ["serve", "--lease", "-1"],
+        ["serve", "--endpoint", "ipc://relative.sock"],
+        ["status", "--device", "0", "--endpoint", "ipc:///tmp/x.sock"],
+        ["limit", "m", "--max", "1.5TB"],
+        ["limit", "m", "--weight", "0"],
+        ["nonsense"],
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(args):
+    out = cli(*args)
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines()[-1].startswith(("usage:", "kvcached-broker")) or "error" in out.stderr
+
+
+def test_decimal_units_are_refused_with_a_hint():
+    out = cli("serve", "--simulate", "80GB")
+    assert out.returncode == 2 and "GiB" in out.stderr and "ambiguous" in out.stderr
+
+
+def test_status_json_and_table_agree_with_client_holdings(broker):
+    with BrokerClient.connect("dsv4", endpoint=broker.endpoint, credit_pages=0) as c:
+        c.reserve({"swa_kv_pool": 3 * GIB, "c4_kv_pool": GIB})
+        c.acquire(10)
+        out = cli("status", "--endpoint", broker.endpoint, "--json")
+        assert out.returncode == 0
+        doc = json.loads(out.stdout)
+        assert doc["reserved_bytes"] == 4 * GIB and doc["granted_bytes"] == 10 * 2 * MIB
+        assert doc["free_bytes"] == doc["budget_bytes"] - 4 * GIB - 20 * MIB
+        table = cli("status", "--endpoint", broker.endpoint)
+        assert table.returncode == 0
+        assert "dsv4" in table.stdout and "swa_kv_pool" in table.stdout and "3.00 GiB" in table.stdout
+        assert "budget 76.00 GiB" in table.stdout
+
+
+def test_limit_max_refuses_grants_beyond_it_and_none_clears_it(broker):
+    with BrokerClient.connect("noisy", endpoint=broker.endpoint, page_bytes=GIB, credit_pages=0) as c:
+        out = cli("limit", "noisy", "--endpoint", broker.endpoint, "--max", "2GiB")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["max_bytes"] == 2 * GIB
+        assert c.acquire(3) == 0
+        assert c.acquire(2) == 2
+        inst = [i for i in broker.status()["instances"] if i["name"] == "noisy"][0]
+        assert inst["max_bytes"] == 2 * GIB
+        assert cli("limit", "noisy", "--endpoint", broker.endpoint, "--max", "none").returncode == 0
+        assert c.acquire(3) == 3
+        inst = [i for i in broker.status()["instances"] if i["name"] == "noisy"][0]
+        assert inst["max_bytes"] is None
+
+
+def test_refused_limit_exits_1_with_limit_exceeded(broker):
+    out = cli("limit", "m", "--endpoint", broker.endpoint, "--max", "1GiB", "--min", "2GiB")
+    assert out.returncode == 1 and "limit_exceeded" in out.stderr
+    out = cli("limit", "m", "--endpoint", broker.endpoint, "--min", "100GiB")
+    assert out.returncode == 1 and "limit_exceeded" in out.stderr
+
+
+def test_evict_of_unknown_session_exits_1(broker):
+    out = cli("evict", "s-00000000", "--endpoint", broker.endpoint)
+    assert out.returncode == 1 and "s-00000000" in out.stderr
+
+
+def test_watch_redraws_until_interrupted(broker):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcached_broker.broker.cli", "status", "--endpoint", broker.endpoint, "--watch", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=1.5)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(2)
+        out, _ = proc.communicate(timeout=5)
+    assert proc.returncode == 0
+    assert out.count("budget 76.00 GiB") >= 3  # several frames, each with the bars
+
+
+def test_demo_runs_and_exits_0():
+    out = cli("demo", "--seconds", "2", timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in ("deepseek-v4", "llama-a", "llama-b", "swa_kv_pool", "c4_indexer_kv_pool"):
+        assert name in out.stdout

@@ -1,0 +1,325 @@
+"""Dead workers, hung workers, broker crashes and a second broker: real processes, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcached_broker.client import BrokerClient, BrokerUnavailable, SessionEvicted
+
+from helpers import GIB, MIB, wait_for
+
+WORKER = str(Path(__file__).with_name("worker_proc.py"))
+
+
+class Worker:
+    def __init__(self, endpoint: str, instance: str, pools: dict, pages: int, page_bytes: int = 2 * MIB):
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, endpoint, instance, json.dumps(pools), str(pages), str(page_bytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        line = self.proc.stdout.readline()
+        assert line, f"worker {instance} exited early ({self.proc.poll()})"
+        self.ready = json.loads(line)
+        self.session_id = self.ready["session_id"]
+        self.charged = sum(pools.values()) + pages * page_bytes
+
+    def query(self) -> dict:
+        self.proc.stdin.write("?\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def signal(self, sig) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def workers():
+    started = []
+    yield started
+    for w in started:
+        try:
+            os.kill(w.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        w.kill()
+
+
+def session_of(status: dict, session_id: str) -> dict | None:
+    for inst in status["instances"]:
+        for s in inst["sessions"]:
+            if s["id"] == session_id:
+                return s
+    return None
+
+
+def test_sigkilled_worker_is_reclaimed_at_once(broker, workers):
+    w = Worker(broker.endpoint, "victim", {"swa_kv_pool": 3 * GIB, "c4_kv_pool": GIB}, pages=64)
+    workers.append(w)
+    assert broker.status()["reserved_bytes"] == 4 * GIB
+    w.signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(lambda: broker.status()["reserved_bytes"] == 0, what="reclaim after SIGKILL")
+    elapsed = time.monotonic() - t0
+    s = broker.status()
+    assert s["granted_bytes"] == 0 and s["instances"] == []
+    assert "cause=exited" in broker.log()
+    print(f"reclaim observed within {elapsed * 1000:.1f} ms (including status polling)")
+
+
+def test_stopped_worker_turns_stale_stays_charged_until_evicted(broker_factory, workers):
+    b = broker_factory(lease_s=1.0)
+    w = Worker(b.endpoint, "hung", {"weights": 2 * GIB}, pages=10)
+    workers.append(w)
+    w.signal(signal.SIGSTOP)
+    sess = wait_for(lambda: (s := session_of(b.status(), w.session_id)) and s["state"] == "stale" and s, what="stale")
+    assert sess["pools"] == {"weights": 2 * GIB} and sess["granted_pages"] == 10
+    assert b.status()["reserved_bytes"] == 2 * GIB  # still charged
+    with b.admin() as admin:
+        result = admin.evict(w.session_id)
+    assert result["freed_bytes"] == 2 * GIB + 10 * 2 * MIB
+    assert b.status()["reserved_bytes"] == 0
+    w.signal(signal.SIGCONT)
+    line = w.proc.stdout.readline()  # its next heartbeat hits the fence
+    assert json.loads(line) == {"evicted": True}
+    assert w.proc.wait(timeout=10) == 17
+
+
+def test_stale_worker_that_comes_back_turns_live(broker_factory, workers):
+    b = broker_factory(lease_s=1.0)
+    w = Worker(b.endpoint, "nap", {"weights": GIB}, pages=0)
+    workers.append(w)
+    w.signal(signal.SIGSTOP)
+    wait_for(lambda: session_of(b.status(), w.session_id)["state"] == "stale", what="stale")
+    w.signal(signal.SIGCONT)
+    wait_for(lambda: session_of(b.status(), w.session_id)["state"] == "live", what="live again")
+    assert b.status()["reserved_bytes"] == GIB
+
+
+def test_evict_kill_sends_sigkill_first(broker, workers):
+    w = Worker(broker.endpoint, "doomed", {"weights": GIB}, pages=1)
+    workers.append(w)
+    with broker.admin() as admin:
+        result = admin.evict(w.session_id, kill=True)
+    assert result["killed"] is True
+    assert w.proc.wait(timeout=10) == -signal.SIGKILL
+    assert broker.status()["reserved_bytes"] == 0
+
+
+def test_second_broker_on_the_same_endpoint_refuses(broker):
+    out = subprocess.run(broker.command(), capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "already serves" in out.stderr and str(broker.proc.pid) in out.stderr
+    assert broker.status()["device"]["index"] == 0  # the first one is untouched
+
+
+def test_second_broker_on_the_same_state_dir_refuses(broker, short_tmp):
+    cmd = broker.command()
+    cmd[cmd.index("--endpoint") + 1] = f"ipc://{short_tmp}/other/gpu0.sock"
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "state directory" in out.stderr
+
+
+def test_broker_crash_and_restart_keeps_the_survivor_and_drops_the_dead(broker_factory, workers):
+    b = broker_factory(lease_s=2.0)
+    survivor = Worker(b.endpoint, "survivor", {"swa_kv_pool": 3 * GIB, "c128_kv_pool": 128 * MIB}, pages=40)
+    doomed = Worker(b.endpoint, "doomed", {"weights": 5 * GIB}, pages=8)
+    workers.extend([survivor, doomed])
+    before = session_of(b.status(), survivor.session_id)
+    b.kill(signal.SIGKILL)
+    doomed.kill()  # dies while the broker is down
+    b.start()
+    s = b.status()
+    names = {i["name"] for i in s["instances"]}
+    assert names == {"survivor"}, names
+    restored = session_of(s, survivor.session_id)
+    assert restored["pools"] == before["pools"] and restored["granted_pages"] == 40
+    assert s["reserved_bytes"] == 3 * GIB + 128 * MIB and s["granted_bytes"] == 40 * 2 * MIB
+    wait_for(lambda: session_of(b.status(), survivor.session_id)["state"] == "live", what="survivor back to live")
+    s = b.status()
+    assert s["reserved_bytes"] == 3 * GIB + 128 * MIB and s["granted_bytes"] == 40 * 2 * MIB
+    view = survivor.query()
+    assert view["held_pages"] == 40
+    assert "cause=exited_while_down" in b.log()
+
+
+def test_recovering_sessions_keep_their_memory_from_others(broker_factory, workers):
+    b = broker_factory(simulate="10GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    w = Worker(b.endpoint, "holder", {"weights": 6 * GIB}, pages=0)
+    workers.append(w)
+    w.signal(signal.SIGSTOP)  # it cannot reconnect while stopped
+    b.restart()
+    assert session_of(b.status(), w.session_id)["state"] == "recovering"
+    with BrokerClient.connect("newcomer", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as c:
+        assert c.acquire(5) == 0  # only 4 GiB are free: the recovering 6 GiB are still charged
+        assert c.acquire(4) == 4
+    w.signal(signal.SIGCONT)
+
+
+def test_client_retries_then_raises_unavailable_and_recovers_when_the_broker_returns(broker_factory):
+    b = broker_factory(lease_s=5.0)
+    c = BrokerClient.connect("patient", endpoint=b.endpoint, credit_pages=0, timeout_s=1.5, background=False)
+    c.reserve({"weights": GIB})
+    assert c.acquire(2) == 2
+    b.kill(signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnavailable):
+        c.acquire(1)
+    assert time.monotonic() - t0 < 10
+    b.start()
+    assert c.acquire(1) == 1  # resumed with its token, holdings re-asserted
+    s = b.status()
+    assert s["reserved_bytes"] == GIB and s["granted_bytes"] == 3 * 2 * MIB
+    c.close()
+    assert b.status()["instances"] == []
+
+
+def test_a_stolen_token_is_useless_from_another_process(broker, workers):
+    w = Worker(broker.endpoint, "owner", {"weights": GIB}, pages=0)
+    workers.append(w)
+    token = None
+    for _ in range(50):
+        snap = broker.state_dir / "gpu0.journal"
+        if snap.exists() and snap.stat().st_size:
+            break
+        time.sleep(0.05)
+    import msgspec
+
+    data = (broker.state_dir / "gpu0.journal").read_bytes()
+    offset = 0
+    while offset < len(data):
+        length = int.from_bytes(data[offset : offset + 4], "little")
+        record = msgspec.msgpack.decode(data[offset + 4 : offset + 4 + length])
+        offset += 4 + length
+        if "session" in record and record["session"]["id"] == w.session_id:
+            token = record["session"]["token"]
+    assert token
+    import msgpack
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker.endpoint)
+    sock.send(msgpack.packb({"op": "hello", "id": 1, "versions": [1], "instance": "owner", "pid": os.getpid(),
+                             "page_bytes": 2 * MIB, "nonce": "thief-nonce", "resume": token}))
+    reply = msgpack.unpackb(sock.recv())
+    assert reply["ok"] is False and reply["error"]["code"] == "not_owner"
+    sock.send(msgpack.packb({"op": "reserve", "id": 2, "session": token, "pools": {}}))
+    assert msgpack.unpackb(sock.recv())["error"]["code"] == "not_owner"
+    sock.close()
+    assert broker.status()["reserved_bytes"] == GIB
+
+
+def test_socket_and_directory_are_not_world_writable(broker):
+    sock_path = Path(broker.endpoint[len("ipc://") :])
+    sock_mode = stat.S_IMODE(os.stat(sock_path).st_mode)
+    dir_mode = stat.S_IMODE(os.stat(sock_path.parent).st_mode)
+    assert sock_mode == 0o660, oct(sock_mode)
+    assert not dir_mode & 0o002
+    state_mode = stat.S_IMODE(os.stat(broker.state_dir).st_mode)
+    assert state_mode & 0o077 == 0
+
+
+def test_default_socket_directory_is_created_0750(short_tmp):
+    runtime = short_tmp / "run"
+    env = {**os.environ, "KVCACHED_BROKER_RUNTIME_DIR": str(runtime)}
+    env.pop("KVCACHED_BROKER", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "8GiB", "--no-state"],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for(lambda: (runtime / "gpu0.sock").exists(), what="default socket")
+        assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o750
+        assert stat.S_IMODE(os.stat(runtime / "gpu0.sock").st_mode) == 0o660
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("problem", ["symlink", "world_writable", "foreign_owner", "not_a_socket"])
+def test_unsafe_socket_paths_are_refused(short_tmp, problem):
+    target = short_tmp / "real"
+    target.mkdir()
+    sock_dir = short_tmp / "sock"
+    if problem == "symlink":
+        sock_dir.symlink_to(target)
+    elif problem == "world_writable":
+        sock_dir.mkdir()
+        os.chmod(sock_dir, 0o777)
+    elif problem == "foreign_owner":
+        sock_dir.mkdir()
+        os.chown(sock_dir, 65534, 65534)
+    else:
+        sock_dir.mkdir()
+        (sock_dir / "gpu0.sock").write_text("not a socket")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "8GiB", "--no-state",
+         "--endpoint", f"ipc://{sock_dir}/gpu0.sock"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode == 1, out
+    assert len(out.stderr.strip().splitlines()) == 1 and str(sock_dir) in out.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
+def test_admin_operations_need_an_admin_peer(broker_factory):
+    import grp
+
+    nogroup = grp.getgrgid(65534).gr_name
+    os.chmod(broker_factory.workdir, 0o755)
+    b = broker_factory(extra_args=["--socket-group", nogroup], socket_subdir="run")
+    script = (
+        "import sys, os;"
+        "from kvcached_broker.client.admin import AdminClient;"
+        "from kvcached_broker.client.errors import Forbidden;"
+        "os.setgid(65534); os.setuid(65534);"
+        f"a = AdminClient({b.endpoint!r});"
+        "print(a.status()['device']['index']);"
+        "\ntry:\n    a.limit('x', max_bytes=1)\nexcept Forbidden as e:\n    print('forbidden', e)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "0" and "forbidden" in out.stdout and "uid 65534" in out.stdout
+    assert all(i["name"] != "x" for i in b.status()["instances"])
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
+def test_admin_group_members_may_set_limits(broker_factory):
+    import grp
+
+    nogroup = grp.getgrgid(65534).gr_name
+    os.chmod(broker_factory.workdir, 0o755)
+    b = broker_factory(extra_args=["--socket-group", nogroup, "--admin-group", nogroup], socket_subdir="run")
+    script = (
+        "import os;"
+        "from kvcached_broker.client.admin import AdminClient;"
+        "os.setgid(65534); os.setuid(65534);"
+        f"print(AdminClient({b.endpoint!r}).limit('x', max_bytes=1 << 30)['max_bytes'])"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(1 << 30)
+
+
+def test_insecure_tcp_needs_the_flag_and_loopback(short_tmp):
+    base = [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "8GiB", "--no-state"]
+    out = subprocess.run(base + ["--endpoint", "tcp://127.0.0.1:45611"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "CURVE" in out.stderr
+    out = subprocess.run(base + ["--endpoint", "tcp://0.0.0.0:45611", "--insecure-tcp"], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 1 and "loopback" in out.stderr
