@@ -1,0 +1,68 @@
+"""AsyncBrokerClient: the same contract as the sync client, as coroutines, with many calls in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvcached_broker.client import AsyncBrokerClient, BadRequest, BudgetExceeded
+
+from helpers import GIB, MIB
+
+
+async def test_async_client_reserve_acquire_release_status(inproc_factory):
+    b = inproc_factory(total_bytes=10 * GIB)
+    async with await AsyncBrokerClient.connect("async-m", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as c:
+        assert await c.reserve({"weights": 4 * GIB}) == {"weights": 4 * GIB}
+        assert await c.acquire(7) == 0
+        assert await c.acquire(7, min_pages=2) == 6
+        with pytest.raises(BadRequest):
+            await c.release(7)
+        await c.release(2)
+        status = await c.status()
+        assert status["reserved_bytes"] == 4 * GIB and status["granted_bytes"] == 4 * GIB
+        with pytest.raises(BudgetExceeded):
+            await c.reserve({"weights": 9 * GIB})
+    assert b.status()["instances"] == []
+
+
+async def test_many_concurrent_calls_on_one_client_stay_consistent(inproc_factory):
+    b = inproc_factory(total_bytes=64 * MIB * 100)
+    async with await AsyncBrokerClient.connect("async-c", endpoint=b.endpoint, page_bytes=64 * MIB, credit_pages=0) as c:
+
+        async def churn(k):
+            got = 0
+            for _ in range(20):
+                got += await c.acquire(1)
+            for _ in range(got):
+                await c.release(1)
+            return got
+
+        results = await asyncio.gather(*(churn(k) for k in range(32)))
+        assert sum(results) > 0
+        assert c.held_pages == 0
+        assert b.ledger.sessions[c.session_id].granted_pages == 0
+
+
+async def test_async_credit_reserve_serves_pages_without_round_trips(inproc):
+    async with await AsyncBrokerClient.connect("async-r", endpoint=inproc.endpoint, credit_pages=8) as c:
+        assert await c.acquire(1) == 1
+        version = inproc.ledger.version
+        for _ in range(20):
+            assert await c.acquire(1) == 1
+            await c.release(1)
+        assert inproc.ledger.version == version  # nothing reached the broker
+        assert c.reserve_pages == 8 and c.held_pages == 1
+
+
+async def test_async_tp_acquire_with_a_coroutine_reduce(inproc_factory):
+    b = inproc_factory(total_bytes=4 * GIB)
+    async with await AsyncBrokerClient.connect("async-tp", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as c:
+
+        async def reduce_min(v):
+            return min(v, 2)  # another rank got only 2
+
+        assert await c.acquire_tp(3, reduce_min) == 2
+        assert c.held_pages == 2
+        assert b.ledger.sessions[c.session_id].granted_pages == 2

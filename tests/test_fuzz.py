@@ -1,0 +1,118 @@
+"""Fuzz the decoder and the dispatcher with Hypothesis (bounded budget).
+
+Every input must get a well-formed reply, never an internal error, and a rejected input must
+leave the ledger exactly as it was.  ``FUZZ_EXAMPLES`` raises the budget for a longer run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcached_broker.broker.device import SimulatedDevice
+from kvcached_broker.broker.security import Peer
+from kvcached_broker.broker.server import BrokerServer, ServeConfig
+from kvcached_broker.client import protocol as proto
+
+from helpers import GIB
+
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "400"))
+FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+PEER = Peer(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), address="localhost")
+RID = b"\x00fuzz"
+COUNTS = {"bytes": 0, "structured": 0}
+
+
+def make_server():
+    server = BrokerServer(ServeConfig(endpoint="ipc:///nonexistent/fuzz.sock", headroom="0"), SimulatedDevice(0, 8 * GIB))
+    hello = proto.encode(proto.Hello(id=1, versions=[1], instance="fuzz", pid=os.getpid(), page_bytes=1 << 20,
+                                     nonce="fuzz-nonce-0"))
+    reply = proto.decode_broker_message(server._handle(RID, PEER, hello, 0.0))
+    assert reply.ok
+    token = reply.result["session"]
+    server._handle(RID, PEER, proto.encode(proto.Reserve(id=2, session=token, pools={"weights": GIB})), 0.0)
+    server._handle(RID, PEER, proto.encode(proto.Acquire(id=3, session=token, pages=10)), 0.0)
+    return server, token
+
+
+SERVER, TOKEN = make_server()
+
+
+def fingerprint(server):
+    led = server.ledger
+    return (
+        led.reserved_bytes, led.granted_bytes, len(led.sessions), dict(led.limits),
+        {sid: (dict(s.pools), s.granted_pages) for sid, s in led.sessions.items()},
+    )
+
+
+def check_reply(raw: bytes) -> proto.Reply:
+    reply = msgspec.msgpack.decode(raw, type=proto.Reply)
+    if not reply.ok:
+        assert reply.error is not None and reply.error.code != "internal", reply.error
+        assert "\n" not in reply.error.message
+    return reply
+
+
+@FUZZ_SETTINGS
+@given(st.binary(max_size=512))
+def test_random_bytes_never_crash_and_never_change_the_ledger(frame):
+    COUNTS["bytes"] += 1
+    before = fingerprint(SERVER)
+    reply = SERVER._handle(RID, PEER, frame, 1.0)
+    if reply is not None:
+        decoded = check_reply(reply)
+        if not decoded.ok:
+            assert fingerprint(SERVER) == before
+    SERVER.ledger.check_invariant()
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1) | st.floats()
+    | st.text(max_size=40) | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["id", "session", "pages", "min_pages", "pools", "instance", "pid", "versions", "page_bytes", "nonce",
+          "tp_rank", "tp_size", "resume", "holdings", "max_bytes", "min_bytes", "weight", "session_id", "kill",
+          "external_bytes", "reserve_pages", "revision"]
+
+
+@st.composite
+def requests(draw):
+    message = {"op": draw(st.sampled_from(["hello", "reserve", "acquire", "release", "heartbeat", "close", "status",
+                                           "limit", "evict", "simulate", "bogus"]))}
+    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=8, unique=True)):
+        message[name] = draw(values)
+    if draw(st.booleans()):
+        message["session"] = TOKEN
+    if draw(st.booleans()):
+        message["id"] = draw(st.integers(min_value=0, max_value=1 << 40))
+    return message
+
+
+@FUZZ_SETTINGS
+@given(requests())
+def test_structured_garbage_gets_an_error_or_a_valid_effect(message):
+    COUNTS["structured"] += 1
+    try:
+        frame = msgpack.packb(message, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError):
+        return
+    before = fingerprint(SERVER)
+    raw = SERVER._handle(RID, PEER, frame, 2.0)
+    reply = check_reply(raw)
+    if not reply.ok:
+        assert fingerprint(SERVER) == before, message
+    SERVER.ledger.check_invariant()
+    assert SERVER.ledger.charged_bytes <= SERVER.ledger.budget_bytes or SERVER.ledger.overcommitted
+
+
+def test_fuzz_budget_was_spent():
+    """Runs last in this file: proves the fuzzers above actually ran their examples."""
+    assert COUNTS["bytes"] >= min(EXAMPLES, 100) and COUNTS["structured"] >= min(EXAMPLES, 100), COUNTS
+    print(f"fuzz cases: {COUNTS}")
