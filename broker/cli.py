@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--socket-group", metavar="GROUP", help="group that may connect to the ipc socket")
     serve.add_argument("--admin-group", metavar="GROUP", help="group allowed to run limit/evict")
     serve.add_argument("--insecure-tcp", action="store_true", help="allow tcp on loopback without CURVE")
+    serve.add_argument("--curve-dir", type=Path, metavar="DIR",
+                       help="CURVE for tcp: DIR/server.key_secret and DIR/authorized/*.key (see `keygen`)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     def endpoint_options(p: argparse.ArgumentParser) -> None:
@@ -135,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="inject usage into a simulated GPU (testing aid, admin)")
     endpoint_options(sim)
     sim.add_argument("--external", type=_size, metavar="SIZE", help="memory used by unregistered processes")
+
+    keygen = sub.add_parser("keygen", help="create a CURVE key pair (NAME.key, NAME.key_secret) in DIR")
+    keygen.add_argument("directory", type=Path, metavar="DIR")
+    keygen.add_argument("name", metavar="NAME", help="'server' for the broker, any name for a client")
 
     demo = sub.add_parser("demo", help="a simulated GPU with co-located workers, shown live")
     demo.add_argument("--seconds", type=_positive_float, default=8.0, help="how long to run (default 8)")
@@ -262,12 +268,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         socket_group=resolve_group(args.socket_group),
         admin_group=resolve_group(args.admin_group),
         insecure_tcp=args.insecure_tcp,
+        curve_dir=args.curve_dir,
     )
     server = BrokerServer(config, probe)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.start()
     server.serve_forever()
+    return EXIT_OK
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    if not args.name.replace("-", "").replace("_", "").isalnum():
+        raise UsageError(f"key name {args.name!r} may hold only letters, digits, '-' and '_'")
+    args.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(args.directory, args.name)
+    os.chmod(secret, 0o600)
+    print(json.dumps({"public": public, "secret": secret}))
     return EXIT_OK
 
 
@@ -292,6 +311,7 @@ COMMANDS = {
     "evict": cmd_evict,
     "simulate": cmd_simulate,
     "demo": cmd_demo,
+    "keygen": cmd_keygen,
 }
 
 

@@ -73,9 +73,7 @@ class ServeConfig:
     socket_group: int | None = None
     admin_group: int | None = None
     insecure_tcp: bool = False
-    curve_secret_key: bytes | None = None
-    curve_public_key: bytes | None = None
-    curve_allowed_keys: list[bytes] | None = None
+    curve_dir: Path | None = None  # server.key_secret + authorized/*.key (client public keys)
     probe_interval_s: float = 0.5
     max_sessions: int = 4096
     max_sessions_per_pid: int = 64
@@ -123,6 +121,7 @@ class BrokerServer:
         self._locks: list[LockFile] = []
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._auth = None
         self._poller = zmq.Poller()
         self._pushes: list[tuple[bytes, bytes]] = []
         self._pending_records: list[dict[str, Any]] = []
@@ -191,7 +190,7 @@ class BrokerServer:
 
     def _check_tcp_allowed(self) -> None:
         cfg = self.config
-        if cfg.curve_secret_key:
+        if cfg.curve_dir is not None:
             return
         host = tcp_host(cfg.endpoint) or ""
         if not cfg.insecure_tcp:
@@ -213,11 +212,8 @@ class BrokerServer:
         sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
-        if cfg.curve_secret_key:
-            sock.curve_server = True
-            sock.curve_secretkey = cfg.curve_secret_key
-            if cfg.curve_public_key:
-                sock.curve_publickey = cfg.curve_public_key
+        if cfg.curve_dir is not None and sock_path is None:
+            self._start_curve(sock, Path(cfg.curve_dir))
         self._sock = sock
         if sock_path is not None:
             with socket_umask():
@@ -225,6 +221,26 @@ class BrokerServer:
             secure_socket_file(sock_path, cfg.socket_group)
         else:
             sock.bind(cfg.endpoint)
+
+    def _start_curve(self, sock: zmq.Socket, curve_dir: Path) -> None:
+        """CURVE on tcp: the broker's key pair, and only clients whose public key is authorised."""
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        secret_file = curve_dir / "server.key_secret"
+        authorized = curve_dir / "authorized"
+        try:
+            public, secret = zmq.auth.load_certificate(secret_file)
+        except (OSError, ValueError) as exc:
+            raise SecurityError(f"cannot load the broker's CURVE key {secret_file}: {exc}") from None
+        if secret is None or not authorized.is_dir():
+            raise SecurityError(f"{curve_dir} needs server.key_secret and an authorized/ directory of client keys")
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(authorized))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
 
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return (thread- and signal-safe)."""
@@ -246,6 +262,9 @@ class BrokerServer:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

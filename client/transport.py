@@ -45,6 +45,10 @@ class Timeouts:
         return cls(attempt_s=min(1.0, total_s), total_s=total_s)
 
 
+ENV_CURVE_SERVER = "KVCACHED_BROKER_CURVE_SERVER"
+ENV_CURVE_CLIENT = "KVCACHED_BROKER_CURVE_CLIENT"
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """CURVE keys (z85 bytes) for a tcp endpoint: the broker's public key and this client's pair."""
@@ -52,6 +56,29 @@ class CurveKeys:
     server_public: bytes
     public: bytes
     secret: bytes
+
+    @classmethod
+    def from_files(cls, server_key_file: str, client_secret_file: str) -> "CurveKeys":
+        import zmq.auth
+
+        try:
+            server_public, _ = zmq.auth.load_certificate(server_key_file)
+            public, secret = zmq.auth.load_certificate(client_secret_file)
+        except (OSError, ValueError) as exc:
+            raise BrokerUnavailable(f"cannot load CURVE keys: {exc}") from None
+        if secret is None:
+            raise BrokerUnavailable(f"{client_secret_file} holds no secret key (use the .key_secret file)")
+        return cls(server_public, public, secret)
+
+    @classmethod
+    def from_env(cls, endpoint: str) -> "CurveKeys | None":
+        """Keys named by ``KVCACHED_BROKER_CURVE_SERVER``/``_CLIENT``, for tcp endpoints only."""
+        server, client = os.environ.get(ENV_CURVE_SERVER), os.environ.get(ENV_CURVE_CLIENT)
+        if not endpoint.startswith("tcp://") or not (server or client):
+            return None
+        if not (server and client):
+            raise BrokerUnavailable(f"set both {ENV_CURVE_SERVER} and {ENV_CURVE_CLIENT} for a CURVE endpoint")
+        return cls.from_files(server, client)
 
 
 def _configure(sock: zmq.Socket, attempt_s: float, curve: CurveKeys | None) -> None:
@@ -92,6 +119,7 @@ class SyncTransport:
         self.endpoint = endpoint
         self.timeouts = timeouts
         self.pushes: list[proto.Pressure] = []
+        curve = curve or CurveKeys.from_env(endpoint)
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         _configure(self._sock, timeouts.attempt_s, curve)
         self._recv_timeout_ms = max(1, int(timeouts.attempt_s * 1000))
@@ -170,6 +198,7 @@ class AsyncTransport:
         self.endpoint = endpoint
         self.timeouts = timeouts
         self._asyncio = asyncio
+        curve = curve or CurveKeys.from_env(endpoint)
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         _configure(self._sock, timeouts.attempt_s, curve)
         self._sock.setsockopt(zmq.RCVTIMEO, -1)

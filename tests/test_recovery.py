@@ -323,3 +323,46 @@ def test_insecure_tcp_needs_the_flag_and_loopback(short_tmp):
     out = subprocess.run(base + ["--endpoint", "tcp://0.0.0.0:45611", "--insecure-tcp"], capture_output=True,
                          text=True, timeout=30)
     assert out.returncode == 1 and "loopback" in out.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tcp_with_curve_admits_only_authorized_clients(short_tmp, monkeypatch):
+    keys = short_tmp / "curve"
+    cli = [sys.executable, "-m", "kvcached_broker.broker.cli"]
+    for name, where in (("server", keys), ("worker", keys / "authorized"), ("stranger", short_tmp / "other")):
+        assert subprocess.run(cli + ["keygen", str(where), name], capture_output=True).returncode == 0
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    proc = subprocess.Popen(cli + ["serve", "--simulate", "8GiB", "--no-state", "--endpoint", endpoint,
+                                   "--curve-dir", str(keys)], stderr=subprocess.PIPE, text=True)
+    try:
+        monkeypatch.setenv("KVCACHED_BROKER_CURVE_SERVER", str(keys / "server.key"))
+        monkeypatch.setenv("KVCACHED_BROKER_CURVE_CLIENT", str(keys / "authorized" / "worker.key_secret"))
+        c = wait_for(lambda: _try_connect(endpoint), what="curve broker")
+        assert c.acquire(3) == 3
+        status = c.status()
+        assert status["instances"][0]["sessions"][0]["pid_verified"] is False  # tcp: no kernel credentials
+        c.close()
+        monkeypatch.setenv("KVCACHED_BROKER_CURVE_CLIENT", str(short_tmp / "other" / "stranger.key_secret"))
+        with pytest.raises(BrokerUnavailable):
+            BrokerClient.connect("intruder", endpoint=endpoint, timeout_s=1.0)
+        monkeypatch.delenv("KVCACHED_BROKER_CURVE_CLIENT")
+        monkeypatch.delenv("KVCACHED_BROKER_CURVE_SERVER")
+        with pytest.raises(BrokerUnavailable):
+            BrokerClient.connect("plaintext", endpoint=endpoint, timeout_s=1.0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _try_connect(endpoint):
+    try:
+        return BrokerClient.connect("curve-worker", endpoint=endpoint, credit_pages=0, timeout_s=1.0)
+    except BrokerUnavailable:
+        return None

@@ -244,3 +244,21 @@ def test_oversized_and_multipart_frames_do_not_hurt_the_broker(inproc):
     with connect(inproc) as c:
         assert c.acquire(1) == 1
     sock.close()
+
+
+def test_sessions_per_pid_and_hello_rate_are_capped(inproc_factory):
+    from kvcached_broker.client import RateLimited
+
+    b = inproc_factory(max_sessions_per_pid=3, hello_rate_per_s=0.001, hello_burst=5)
+    clients = [connect(b, f"m{i}") for i in range(3)]
+    with pytest.raises(RateLimited) as info:
+        connect(b, "m3")
+    assert "3 sessions" in str(info.value)
+    clients.pop().close()
+    clients.append(connect(b, "m4"))  # 5th hello: the burst is spent now
+    clients.pop().close()
+    with pytest.raises(RateLimited) as info:
+        connect(b, "m5")
+    assert "too many hellos" in str(info.value)
+    for c in clients:
+        c.close()
