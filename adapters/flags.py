@@ -1,0 +1,65 @@
+"""The adapter flags (DESIGN §8), read when asked, never frozen at import.
+
+* ``ENABLE_KVCACHED=1`` turns the integration on and implies ``KVCACHED_AUTOPATCH=1``.
+* ``KVCACHED_AUTOPATCH=1`` applies the patches when the runtime is imported.
+* ``KVCACHED_REQUIRE=1`` makes an unreachable broker or a patch that cannot apply an error at
+  startup, instead of a logged warning and an unprotected runtime.
+* ``KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION`` (default on): report DeepSeek-V4 runtime-owned
+  pools as reservations.
+* ``KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE`` (default off): bridge a V4 pool into elastic
+  management.  Not implemented; turning it on is refused with a clear message.
+* ``KVCACHED_BROKER_INSTANCE``: the instance name every TP rank of one server shares.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class FlagError(ValueError):
+    """A flag with a value that is neither true nor false.  One line."""
+
+
+def flag(name: str, default: bool = False, env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise FlagError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def enabled(env: Mapping[str, str] | None = None) -> bool:
+    return flag("ENABLE_KVCACHED", env=env)
+
+
+def autopatch(env: Mapping[str, str] | None = None) -> bool:
+    return enabled(env) or flag("KVCACHED_AUTOPATCH", env=env)
+
+
+def require(env: Mapping[str, str] | None = None) -> bool:
+    return flag("KVCACHED_REQUIRE", env=env)
+
+
+def dsv4_runtime_reservation(env: Mapping[str, str] | None = None) -> bool:
+    return flag("KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION", default=True, env=env)
+
+
+def dsv4_kv_pool_bridge(env: Mapping[str, str] | None = None) -> bool:
+    return flag("KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE", default=False, env=env)
+
+
+def instance_name(runtime: str, env: Mapping[str, str] | None = None) -> str:
+    """``KVCACHED_BROKER_INSTANCE``, else ``RUNTIME-PGID`` (TP ranks forked by one launcher
+    share a process group).  Set it explicitly where ranks do not share one."""
+    env = os.environ if env is None else env
+    name = env.get("KVCACHED_BROKER_INSTANCE", "").strip()
+    return name or f"{runtime}-{os.getpgid(0)}"

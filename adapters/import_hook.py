@@ -1,0 +1,85 @@
+"""Run code right after a module is imported (the patches' trigger).
+
+A ``sys.meta_path`` finder that, for watched module names only, lets the normal finders find
+the module and wraps its loader so that the registered callbacks run after the module body.
+A module imported before the hook was installed gets its callbacks at once.  Nothing here
+imports the runtime itself.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from types import ModuleType
+from typing import Callable
+
+Callback = Callable[[ModuleType], None]
+
+_lock = threading.RLock()
+_callbacks: dict[str, list[Callback]] = {}
+
+
+class _PostImportLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        _run(module.__name__, module)
+
+    def __getattr__(self, name):  # get_source, is_package, ... for tools that ask
+        return getattr(self._inner, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    _busy = threading.local()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _callbacks or getattr(self._busy, "active", False):
+            return None
+        self._busy.active = True
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+            if spec is None:
+                for finder in sys.meta_path:
+                    if finder is self or not hasattr(finder, "find_spec"):
+                        continue
+                    spec = finder.find_spec(fullname, path, target)
+                    if spec is not None:
+                        break
+        finally:
+            self._busy.active = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _PostImportLoader(spec.loader)
+        return spec
+
+
+_FINDER = _PostImportFinder()
+
+
+def when_imported(module_name: str, callback: Callback) -> None:
+    """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is)."""
+    with _lock:
+        if _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
+        _callbacks.setdefault(module_name, []).append(callback)
+        module = sys.modules.get(module_name)
+    if module is not None and getattr(module, "__spec__", None) is not None and not _initialising(module):
+        callback(module)
+
+
+def _initialising(module: ModuleType) -> bool:
+    return bool(getattr(module.__spec__, "_initializing", False))
+
+
+def _run(name: str, module: ModuleType) -> None:
+    with _lock:
+        callbacks = list(_callbacks.get(name, ()))
+    for callback in callbacks:
+        callback(module)

@@ -1,0 +1,84 @@
+"""Patches: small, named, version-gated, idempotent, and loud about what they did.
+
+A :class:`Patch` names the module it changes, the versions of the runtime it supports, and a
+function that applies it to the imported module.  Applying a patch twice does nothing the
+second time (a marker on the module records it).  Every outcome is logged in one line and
+kept in :data:`RESULTS`, so ``kvcached-broker`` users can see exactly what was patched where.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+from . import flags
+from .versions import in_range, installed
+
+log = logging.getLogger("kvcached_broker.adapters")
+
+
+class PatchError(RuntimeError):
+    """A patch that cannot apply while ``KVCACHED_REQUIRE=1`` (or is refused outright)."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    distribution: str  # "sglang" or "vllm": whose version gates the patch
+    module: str  # the module the patch changes, applied right after it is imported
+    apply: Callable[[ModuleType], None]
+    minimum: str | None = None  # first supported version (inclusive)
+    below: str | None = None  # first unsupported version (exclusive)
+    required: bool = True  # False: optional; a skip is logged but never an error
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    patch: str
+    module: str
+    outcome: str  # "applied", "already", "skipped", "failed"
+    reason: str = ""
+
+
+RESULTS: list[PatchResult] = []
+
+
+def _marker(patch: Patch) -> str:
+    return f"__kvcached_broker_patched_{patch.name}__"
+
+
+def apply_patch(patch: Patch, module: ModuleType) -> PatchResult:
+    """Apply ``patch`` to ``module`` now; raise :class:`PatchError` only under KVCACHED_REQUIRE."""
+    if getattr(module, _marker(patch), False):
+        return _record(patch, "already")
+    version = installed(patch.distribution)
+    if version is None:
+        return _record(patch, "skipped", f"{patch.distribution} is not installed")
+    if not in_range(version, patch.minimum, patch.below):
+        span = f">={patch.minimum or 'any'},<{patch.below or 'any'}"
+        return _fail_or_skip(patch, "skipped", f"{patch.distribution} {version} is outside the supported range {span}")
+    try:
+        patch.apply(module)
+    except PatchError as exc:
+        return _fail_or_skip(patch, "failed", str(exc))
+    except (AttributeError, TypeError, ImportError, KeyError) as exc:
+        return _fail_or_skip(patch, "failed", f"{type(exc).__name__}: {exc}")
+    setattr(module, _marker(patch), True)
+    return _record(patch, "applied", f"{patch.distribution} {version}")
+
+
+def _fail_or_skip(patch: Patch, outcome: str, reason: str) -> PatchResult:
+    result = _record(patch, outcome, reason)
+    if patch.required and flags.require():
+        raise PatchError(f"kvcached-broker patch {patch.name} on {patch.module} did not apply: {reason} (KVCACHED_REQUIRE=1)")
+    return result
+
+
+def _record(patch: Patch, outcome: str, reason: str = "") -> PatchResult:
+    result = PatchResult(patch.name, patch.module, outcome, reason)
+    RESULTS.append(result)
+    level = logging.WARNING if outcome == "failed" else logging.INFO
+    log.log(level, "event=patch patch=%s module=%s outcome=%s reason=%r", patch.name, patch.module, outcome, reason)
+    return result
