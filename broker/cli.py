@@ -95,20 +95,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    serve = sub.add_parser("serve", help="run the broker for one GPU")
-    serve.add_argument("--device", type=_non_negative_int, default=0, help="NVML index of the GPU (default 0)")
+    serve = sub.add_parser(
+        "serve",
+        help="run the broker for one GPU",
+        description="Run the broker for one GPU.  Options come from the command line, then the "
+        "environment, then the config file (--config, or /etc/kvcached-broker/gpu{device}.toml).",
+    )
+    serve.add_argument("--device", type=_non_negative_int, default=None, help="NVML index of the GPU (default 0)")
     serve.add_argument("--simulate", type=_size, metavar="SIZE", help="simulate a GPU of SIZE (e.g. 80GiB) instead of NVML")
     serve.add_argument("--endpoint", type=_endpoint, metavar="URI", help="ipc:///path.sock or tcp://host:port")
-    serve.add_argument("--headroom", type=_headroom, default="5%", metavar="SIZE|PCT", help="kept free (default 5%%)")
+    serve.add_argument("--headroom", type=_headroom, default=None, metavar="SIZE|PCT", help="kept free (default 5%%)")
     serve.add_argument("--state-dir", type=Path, metavar="DIR", help="checkpoint directory (default: per-user state dir)")
-    serve.add_argument("--no-state", action="store_true", help="keep no checkpoint (state is lost if the broker dies)")
-    serve.add_argument("--lease", type=_positive_float, default=10.0, metavar="SECONDS", help="session lease (default 10)")
+    serve.add_argument("--no-state", action="store_true", default=None, help="keep no checkpoint (lost if the broker dies)")
+    serve.add_argument("--lease", type=_positive_float, default=None, metavar="SECONDS", help="session lease (default 10)")
+    serve.add_argument("--config", type=Path, metavar="FILE", help="TOML file with serve options and [limits.INSTANCE]")
+    serve.add_argument("--metrics-port", type=_port, metavar="PORT", help="serve Prometheus /metrics on this port")
+    serve.add_argument("--metrics-address", metavar="ADDR", help="address for /metrics (default 127.0.0.1)")
     serve.add_argument("--socket-group", metavar="GROUP", help="group that may connect to the ipc socket")
     serve.add_argument("--admin-group", metavar="GROUP", help="group allowed to run limit/evict")
-    serve.add_argument("--insecure-tcp", action="store_true", help="allow tcp on loopback without CURVE")
+    serve.add_argument("--insecure-tcp", action="store_true", default=None, help="allow tcp on loopback without CURVE")
     serve.add_argument("--curve-dir", type=Path, metavar="DIR",
                        help="CURVE for tcp: DIR/server.key_secret and DIR/authorized/*.key (see `keygen`)")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
 
     def endpoint_options(p: argparse.ArgumentParser) -> None:
         group = p.add_mutually_exclusive_group()
@@ -120,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     endpoint_options(status)
     status.add_argument("--json", action="store_true", help="print the status document as JSON")
     status.add_argument("--watch", type=_positive_float, metavar="SECONDS", help="redraw every SECONDS")
+    status.add_argument("--all", action="store_true", help="every GPU's broker on this host")
 
     limit = sub.add_parser("limit", help="set an instance's limits (admin)")
     limit.add_argument("instance", metavar="INSTANCE")
@@ -175,28 +185,77 @@ def _nvml_uuid(index: int) -> str | None:
         return None
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from .render import CLEAR_HOME, render_bars, render_table
+def _all_endpoints() -> list[str]:
+    """Every broker endpoint on this host: per-device sockets that exist."""
+    import re as _re
 
-    endpoint = _target_endpoint(args)
+    from ..client.endpoint import ipc_path, runtime_dir
+
+    template = os.environ.get("KVCACHED_BROKER", "").strip()
+    if template.lower() == "off":
+        raise UsageError("KVCACHED_BROKER=off: the broker is disabled in this environment")
+    if template and "{device}" not in template:
+        return [template]
+    if template:
+        found = []
+        for index in range(64):
+            endpoint = template.format(device=index, uuid="")
+            path = ipc_path(endpoint)
+            if path is None or path.exists():
+                found.append(endpoint)
+        return found if any(ipc_path(e) for e in found) else found[:1]
+    sockets = []
+    for path in runtime_dir().glob("gpu*.sock"):
+        match = _re.fullmatch(r"gpu(\d+)\.sock", path.name)
+        if match:
+            sockets.append((int(match.group(1)), f"ipc://{path}"))
+    return [endpoint for _, endpoint in sorted(sockets)]
+
+
+def _fetch(endpoints: list[str], timeout_s: float, strict: bool) -> list[dict[str, Any]]:
+    documents = []
+    for endpoint in endpoints:
+        try:
+            with AdminClient(endpoint, timeout_s=timeout_s) as admin:
+                documents.append(admin.status())
+        except BrokerUnavailable as exc:
+            if strict:
+                raise
+            documents.append({"endpoint": endpoint, "error": exc.message})
+    return documents
+
+
+def _render(documents: list[dict[str, Any]], as_json: bool, bars: bool, many: bool) -> str:
+    from .render import render_bars, render_table
+
+    if as_json:
+        return json.dumps(documents if many else documents[0], indent=None if bars else 2)
+    frames = []
+    for doc in documents:
+        if "error" in doc:
+            frames.append(f"{doc['endpoint']}: unreachable ({doc['error']})")
+        else:
+            frames.append(render_bars(doc) if bars else render_table(doc))
+    return "\n\n".join(frames)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .render import CLEAR_HOME
+
+    if args.all and (args.endpoint or args.device is not None):
+        raise UsageError("--all shows every GPU; do not combine it with --device or --endpoint")
+    endpoints = _all_endpoints() if args.all else [_target_endpoint(args)]
+    if args.all and not endpoints:
+        raise BrokerUnavailable("no kvcached-broker sockets found on this host")
     if args.watch is None:
-        with AdminClient(endpoint, timeout_s=args.timeout) as admin:
-            status = admin.status()
-        print(json.dumps(status, indent=2) if args.json else render_table(status))
+        print(_render(_fetch(endpoints, args.timeout, strict=not args.all), args.json, False, args.all))
         return EXIT_OK
     interactive = sys.stdout.isatty() and not args.json
-    admin = None
     try:
         while True:
             try:
-                if admin is None:
-                    admin = AdminClient(endpoint, timeout_s=args.timeout)
-                status = admin.status()
-                frame = json.dumps(status) if args.json else render_bars(status)
+                frame = _render(_fetch(endpoints, args.timeout, strict=not args.all), args.json, True, args.all)
             except BrokerUnavailable as exc:
-                if admin is not None:
-                    admin.close()
-                    admin = None
                 if args.json:
                     raise
                 frame = f"kvcached-broker: {exc.message}; retrying every {args.watch:g}s"
@@ -209,9 +268,6 @@ def cmd_status(args: argparse.Namespace) -> int:
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return EXIT_OK
-    finally:
-        if admin is not None:
-            admin.close()
 
 
 def cmd_limit(args: argparse.Namespace) -> int:
@@ -239,41 +295,61 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from . import config as serve_config
+    from . import logs
     from .device import DeviceError, NvmlDevice, SimulatedDevice
-    from .server import BrokerServer, ServeConfig
+    from .sdnotify import Notifier
     from .security import resolve_group
+    from .server import BrokerServer, ServeConfig
     from .state_paths import default_state_dir
 
-    _setup_logging(args.log_level)
+    cli = {key: getattr(args, key, None) for key in serve_config.OPTIONS}
     try:
-        probe = SimulatedDevice(args.device, args.simulate) if args.simulate else NvmlDevice(args.device)
+        opts = serve_config.resolve(cli, config=args.config)
+    except serve_config.ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    logs.setup(opts.log_level, opts.log_json)
+    if opts.config_path is not None:
+        log.info("event=config path=%s", opts.config_path)
+    try:
+        probe = SimulatedDevice(opts.device, opts.simulate) if opts.simulate else NvmlDevice(opts.device)
     except DeviceError as exc:
-        print(f"kvcached-broker: {exc}", file=sys.stderr)
+        print(f"kvcached-broker serve: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    endpoint = args.endpoint
+    endpoint = opts.endpoint
     if endpoint is None:
         try:
-            endpoint = resolve_endpoint(args.device, uuid=probe.info.uuid)
+            endpoint = resolve_endpoint(opts.device, uuid=probe.info.uuid)
         except EndpointError as exc:
             raise UsageError(str(exc)) from None
         if endpoint is None:
             raise UsageError("KVCACHED_BROKER=off: refusing to serve; unset it or pass --endpoint")
-    state_dir = None if args.no_state else (args.state_dir or default_state_dir())
     config = ServeConfig(
         endpoint=endpoint,
-        device_index=args.device,
-        headroom=args.headroom,
-        state_dir=state_dir,
-        lease_s=args.lease,
-        socket_group=resolve_group(args.socket_group),
-        admin_group=resolve_group(args.admin_group),
-        insecure_tcp=args.insecure_tcp,
-        curve_dir=args.curve_dir,
+        device_index=opts.device,
+        headroom=opts.headroom,
+        state_dir=None if opts.no_state else (opts.state_dir or default_state_dir()),
+        lease_s=opts.lease,
+        socket_group=resolve_group(opts.socket_group),
+        admin_group=resolve_group(opts.admin_group),
+        insecure_tcp=opts.insecure_tcp,
+        curve_dir=opts.curve_dir,
+        limits=opts.limits,
     )
-    server = BrokerServer(config, probe)
+    server = BrokerServer(config, probe, notifier=Notifier())
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.start()
+    if opts.metrics_port:
+        from .metrics import start_metrics_server
+
+        try:
+            start_metrics_server(opts.metrics_port, opts.metrics_address, server.snapshot)
+        except (OSError, RuntimeError) as exc:
+            server.close()
+            print(f"kvcached-broker serve: cannot serve metrics on {opts.metrics_address}:{opts.metrics_port}: {exc}",
+                  file=sys.stderr)
+            return EXIT_REFUSED
     server.serve_forever()
     return EXIT_OK
 
@@ -294,14 +370,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(seconds=args.seconds, keep=args.keep)
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
 
 
 COMMANDS = {
@@ -330,10 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvcached-broker {args.command}: refused [{exc.code}]: {exc.message}", file=sys.stderr)
         return EXIT_REFUSED
     except Exception as exc:  # a one-line error for anything that escaped (bad path, lock held)
-        from .security import AlreadyRunning, SecurityError
         from .checkpoint import CheckpointError
+        from .device import DeviceError
+        from .security import AlreadyRunning, SecurityError
 
-        if isinstance(exc, (AlreadyRunning, SecurityError, CheckpointError, OSError)):
+        if isinstance(exc, (AlreadyRunning, SecurityError, CheckpointError, DeviceError, OSError)):
             print(f"kvcached-broker {args.command}: {exc}", file=sys.stderr)
             return EXIT_REFUSED
         raise

@@ -42,6 +42,7 @@ from ..client.errors import (
 from ..client.units import format_bytes, parse_headroom
 from .checkpoint import StateStore
 from .device import DeviceProbe, SimulatedDevice
+from .histogram import Histogram
 from .ledger import KEEP, Ledger, Limits, SessionState
 from .liveness import PidWatcher, process_alive, process_start_ticks
 from .security import (
@@ -55,6 +56,7 @@ from .security import (
     socket_umask,
 )
 from .sessions import Binding, HelloRateLimiter, SessionTable
+from .sdnotify import Notifier
 from .status import build_status
 
 log = logging.getLogger("kvcached_broker")
@@ -87,6 +89,7 @@ class ServeConfig:
     hello_rate_per_s: float = 50.0
     hello_burst: int = 200
     max_batch: int = 512
+    limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
 
 
 @dataclass
@@ -98,6 +101,17 @@ class Counters:
     refusals: dict[str, int] = field(default_factory=dict)
     reclaims: dict[str, int] = field(default_factory=dict)
     bad_frames: int = 0
+    latency: Histogram = field(default_factory=Histogram)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "grants": self.grants,
+            "refusals": dict(self.refusals),
+            "reclaims": dict(self.reclaims),
+            "bad_frames": self.bad_frames,
+            "request_latency": self.latency.to_dict(),
+        }
 
     def refused(self, code: str) -> None:
         self.refusals[code] = self.refusals.get(code, 0) + 1
@@ -107,8 +121,16 @@ class Counters:
 
 
 class BrokerServer:
-    def __init__(self, config: ServeConfig, probe: DeviceProbe, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: ServeConfig,
+        probe: DeviceProbe,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        notifier: Notifier | None = None,
+    ):
         self.config = config
+        self.notifier = notifier or Notifier({})
         self.probe = probe
         self.clock = clock
         reading = probe.read()
@@ -139,6 +161,9 @@ class BrokerServer:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self.ready = threading.Event()
+        self._snapshot_requests: list[dict[str, Any]] = []
+        self._next_notify_s = 0.0
+        self._next_watchdog_s = 0.0
         self._handlers = {
             proto.Hello: self._hello,
             proto.Reserve: self._reserve,
@@ -169,6 +194,7 @@ class BrokerServer:
                 self._lock(Path(cfg.state_dir) / f"gpu{cfg.device_index}.lock", f"state directory {cfg.state_dir}")
                 self._restore(store)
                 self._store = store  # only now may close() write a snapshot over the old one
+            self._apply_configured_limits()
             self._bind(sock_path)
         except BaseException:
             self.close()
@@ -188,6 +214,16 @@ class BrokerServer:
             cfg.state_dir,
         )
         self.ready.set()
+
+    def _apply_configured_limits(self) -> None:
+        for instance, limit in self.config.limits.items():
+            limits = self.ledger.set_limits(
+                instance,
+                max_bytes=None if limit.clear_max else limit.max_bytes,
+                min_bytes=limit.min_bytes,
+                weight=limit.weight,
+            )
+            log.info("event=limits source=config instance=%s %s", instance, _pairs(limits.to_dict()))
 
     def _lock(self, path: Path, what: str) -> None:
         lock = LockFile(path, what)
@@ -295,11 +331,33 @@ class BrokerServer:
         if not self.ready.is_set():
             self.start()
         try:
+            self.run_round(timeout_ms=0)  # the loop is live: status requests are answered from here on
+            self.notifier.ready(self._summary())
             while not self._stop.is_set():
                 self.run_round()
         finally:
             log.info("event=stopping sessions=%d", len(self.table))
+            self.notifier.stopping()
             self.close()
+            self.notifier.close()
+
+    def _summary(self) -> str:
+        led = self.ledger
+        return (
+            f"serving GPU {led.device.index}: {len(led.sessions)} session(s), "
+            f"{format_bytes(led.free_bytes)} free of {format_bytes(led.budget_bytes)}"
+            + (" (overcommitted)" if led.overcommitted else "")
+        )
+
+    def snapshot(self, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        """The status document, computed by the server thread (thread-safe; for metrics)."""
+        box: dict[str, Any] = {"done": threading.Event()}
+        self._snapshot_requests.append(box)
+        try:
+            os.write(self._wake_w, b"s")
+        except OSError:
+            return None
+        return box["status"] if box["done"].wait(timeout_s) else None
 
     # ---------------------------------------------------------------- rounds
     def run_round(self, timeout_ms: int | None = None) -> None:
@@ -308,6 +366,7 @@ class BrokerServer:
         events = zmq_poll(self._poll_items, timeout_ms)
         now = self.clock()
         replies: list[tuple[bytes, bytes]] = []
+        started = time.perf_counter()
         for target, _ in events:
             if target is self._sock:
                 self._read_requests(now, replies)
@@ -318,6 +377,21 @@ class BrokerServer:
         self._timers(now)
         self._commit()
         self._send(replies)
+        if replies:
+            # One sample per request: the round's service time (group commit makes it shared).
+            elapsed = time.perf_counter() - started
+            latency = self.counters.latency
+            for _ in replies:
+                latency.observe(elapsed)
+        if self._snapshot_requests:
+            self._answer_snapshots(now)
+
+    def _answer_snapshots(self, now: float) -> None:
+        requests, self._snapshot_requests = self._snapshot_requests, []
+        status = self.status(now)
+        for box in requests:
+            box["status"] = status
+            box["done"].set()
 
     def _poll_timeout_ms(self) -> int:
         return 100
@@ -733,6 +807,14 @@ class BrokerServer:
                 )
         if now >= self._next_probe_s:
             self._probe_device()
+        if self.notifier.active:
+            if now >= self._next_notify_s:
+                self._next_notify_s = now + 5.0
+                self.notifier.status(self._summary())
+            interval = self.notifier.watchdog_interval_s
+            if interval and now >= self._next_watchdog_s:
+                self._next_watchdog_s = now + interval
+                self.notifier.watchdog()
 
     def _probe_device(self, force: bool = False) -> None:
         now = self.clock()
@@ -910,5 +992,10 @@ class BrokerServer:
             "lease_s": self.config.lease_s,
             "state_dir": str(self.config.state_dir) if self.config.state_dir else None,
             "recovering_sessions": sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING),
+            "counters": self.counters.to_dict(),
         }
         return build_status(self.ledger, self.table, broker_meta, now)
+
+
+def _pairs(values: dict[str, Any]) -> str:
+    return " ".join(f"{key}={value}" for key, value in values.items())

@@ -1,0 +1,231 @@
+"""``serve`` options from the command line, the environment and a TOML file, in that order.
+
+Precedence: CLI, then environment, then the config file, then the defaults.  The file is
+``--config FILE``, or ``/etc/kvcached-broker/gpu{device}.toml`` when it exists.  It holds every
+serve option under the same names as the flags (``lease = 5``, ``metrics_port = 9400``) and
+per-instance limits, applied at startup (and so to an instance whenever it registers)::
+
+    headroom = "6GiB"
+    lease = 5
+    [limits.dsv4-prod]
+    min = "30GiB"
+    weight = 2
+    [limits.batch]
+    max = "10GiB"
+
+A bad value, from any source, is a one-line error naming the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..client.endpoint import EndpointError, validate_endpoint
+from ..client.units import SizeError, parse_headroom, parse_size
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+DEFAULT_CONFIG = "/etc/kvcached-broker/gpu{device}.toml"
+
+
+class ConfigError(ValueError):
+    """A bad serve option.  The message names the key and its source, on one line."""
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        return parse_size(value)
+    raise SizeError(f"expected a size such as 80GiB, got {value!r}")
+
+
+def _headroom(value: Any) -> str:
+    text = str(value) if isinstance(value, (int, str)) and not isinstance(value, bool) else None
+    if text is None:
+        raise SizeError(f"expected a size (4GiB) or a percentage (5%), got {value!r}")
+    parse_headroom(text)
+    return text
+
+
+def _non_negative_int(value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _port(value: Any) -> int:
+    port = _non_negative_int(value)
+    if not 0 < port < 65536:
+        raise ValueError(f"expected a port between 1 and 65535, got {value!r}")
+    return port
+
+
+def _positive_float(value: Any) -> float:
+    try:
+        number = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a positive number, got {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"expected a positive number, got {value!r}")
+    return number
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, (str, int)) or isinstance(value, bool) or str(value) == "":
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return str(value)
+
+
+def _path(value: Any) -> Path:
+    return Path(_text(value))
+
+
+def _endpoint(value: Any) -> str:
+    return validate_endpoint(_text(value))
+
+
+def _level(value: Any) -> str:
+    text = _text(value).lower()
+    if text not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"expected debug, info, warning or error, got {value!r}")
+    return text
+
+
+#: option -> (parser, environment variable, default)
+OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
+    "device": (_non_negative_int, "KVCACHED_BROKER_DEVICE", 0),
+    "simulate": (_size, "KVCACHED_BROKER_SIMULATE", None),
+    "endpoint": (_endpoint, None, None),  # the environment's KVCACHED_BROKER is a template, read later
+    "headroom": (_headroom, "KVCACHED_BROKER_HEADROOM", "5%"),
+    "state_dir": (_path, "KVCACHED_BROKER_STATE_DIR", None),
+    "no_state": (_bool, "KVCACHED_BROKER_NO_STATE", False),
+    "lease": (_positive_float, "KVCACHED_BROKER_LEASE_S", 10.0),
+    "metrics_port": (_port, "KVCACHED_BROKER_METRICS_PORT", None),
+    "metrics_address": (_text, "KVCACHED_BROKER_METRICS_ADDRESS", "127.0.0.1"),
+    "socket_group": (_text, "KVCACHED_BROKER_SOCKET_GROUP", None),
+    "admin_group": (_text, "KVCACHED_BROKER_ADMIN_GROUP", None),
+    "insecure_tcp": (_bool, None, False),
+    "curve_dir": (_path, "KVCACHED_BROKER_CURVE_DIR", None),
+    "log_level": (_level, "KVCACHED_BROKER_LOG_LEVEL", "info"),
+    "log_json": (_bool, "KVCACHED_BROKER_LOG_JSON", False),
+}
+LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float}
+
+
+@dataclass
+class LimitConfig:
+    max_bytes: int | None = None
+    min_bytes: int = 0
+    weight: float = 1.0
+    clear_max: bool = False
+
+
+@dataclass
+class ServeOptions:
+    values: dict[str, Any]
+    sources: dict[str, str]
+    limits: dict[str, LimitConfig] = field(default_factory=dict)
+    config_path: Path | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def resolve(cli: Mapping[str, Any], env: Mapping[str, str] | None = None, config: Path | None = None) -> ServeOptions:
+    """Merge the sources; ``cli`` holds None for every flag the user did not give."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    device = _pick("device", cli, env, {}, None, values, sources)
+    path = config if config is not None else Path(DEFAULT_CONFIG.format(device=device))
+    if config is not None and not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    file_values, limits = _load_file(path) if path.is_file() else ({}, {})
+    if "device" in file_values and cli.get("device") is None and not env.get("KVCACHED_BROKER_DEVICE"):
+        values.pop("device")
+    for key in OPTIONS:
+        if key not in values:
+            _pick(key, cli, env, file_values, path, values, sources)
+    return ServeOptions(values, sources, limits, path if path.is_file() else None)
+
+
+def _pick(key, cli, env, file_values, path, values, sources):
+    parser, env_name, default = OPTIONS[key]
+    if cli.get(key) is not None and cli.get(key) is not False:
+        value, source = cli[key], "command line"
+    elif env_name and env.get(env_name, "") != "":
+        value, source = env[env_name], f"environment {env_name}"
+    elif key in file_values:
+        value, source = file_values[key], f"config {path}"
+    else:
+        values[key], sources[key] = default, "default"
+        return default
+    try:
+        values[key] = parser(value) if source != "command line" else value
+    except (ValueError, SizeError, EndpointError) as exc:
+        raise ConfigError(f"{source}: key {key!r}: {exc}") from None
+    sources[key] = source
+    return values[key]
+
+
+def _load_file(path: Path) -> tuple[dict[str, Any], dict[str, LimitConfig]]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config {path}: cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path}: not valid TOML: {exc}") from None
+    limits_raw = raw.pop("limits", {})
+    unknown = sorted(set(raw) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"config {path}: unknown key {unknown[0]!r} (known: {', '.join(OPTIONS)}, limits)")
+    if not isinstance(limits_raw, dict):
+        raise ConfigError(f"config {path}: key 'limits' must be a table of instances")
+    limits = {}
+    for instance, table in limits_raw.items():
+        limits[instance] = _limit(path, instance, table)
+    return raw, limits
+
+
+def _limit(path: Path, instance: str, table: Any) -> LimitConfig:
+    where = f"config {path}: key 'limits.{instance}"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}' must be a table with max, min and/or weight")
+    limit = LimitConfig()
+    for key, value in table.items():
+        if key not in LIMIT_KEYS:
+            raise ConfigError(f"{where}.{key}': unknown key (use max, min, weight)")
+        try:
+            if key == "max" and isinstance(value, str) and value.strip().lower() == "none":
+                limit.clear_max = True
+                continue
+            parsed = LIMIT_KEYS[key](value)
+        except (ValueError, SizeError) as exc:
+            raise ConfigError(f"{where}.{key}': {exc}") from None
+        if key == "max":
+            limit.max_bytes = parsed
+        elif key == "min":
+            limit.min_bytes = parsed
+        else:
+            limit.weight = parsed
+    return limit

@@ -1,0 +1,122 @@
+"""Prometheus metrics (``serve --metrics-port``), read from the same document as ``status --json``.
+
+Each scrape asks the server thread for a status snapshot, so every number matches what
+``status --json`` says at that moment, and the request path pays nothing for metrics.
+Everything is named ``kvcached_broker_*`` with the unit in the name; counters end in
+``_total``.  Every series carries the ``device`` label (the NVML index).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("kvcached_broker")
+
+DEVICE_GAUGES = {
+    "total_bytes": "Device memory in total",
+    "headroom_bytes": "Memory the broker keeps free",
+    "external_bytes": "Memory used by processes not registered with the broker",
+    "budget_bytes": "total - headroom - external: what the broker may hand out",
+    "reserved_bytes": "Static reservations of every session",
+    "granted_bytes": "Elastic pages granted to every session",
+    "unreported_bytes": "Measured usage of registered processes beyond what they reported",
+    "free_bytes": "budget - reserved - granted - unreported (0 when overcommitted)",
+}
+
+
+class StatusCollector:
+    """A prometheus_client collector over a ``snapshot()`` callable returning the status document."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None]):
+        self._snapshot = snapshot
+
+    def describe(self) -> list:
+        return []  # unchecked collector: metrics are known only from a snapshot
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        status = self._snapshot()
+        up = GaugeMetricFamily("kvcached_broker_up", "1 if the broker answered this scrape", labels=["device"])
+        if status is None:
+            up.add_metric(["unknown"], 0)
+            yield up
+            return
+        device = str(status["device"]["index"])
+        up.add_metric([device], 1)
+        yield up
+        for key, doc in DEVICE_GAUGES.items():
+            g = GaugeMetricFamily(f"kvcached_broker_device_{key}", doc, labels=["device"])
+            g.add_metric([device], status[key])
+            yield g
+        over = GaugeMetricFamily("kvcached_broker_overcommitted", "1 while charges exceed the budget", labels=["device"])
+        over.add_metric([device], 1 if status["overcommitted"] else 0)
+        yield over
+        yield from self._instances(device, status, GaugeMetricFamily)
+        yield from self._counters(device, status["broker"].get("counters", {}), CounterMetricFamily, HistogramMetricFamily)
+
+    @staticmethod
+    def _instances(device: str, status: dict[str, Any], gauge) -> Iterator[Any]:
+        pool = gauge("kvcached_broker_instance_pool_bytes", "Reserved bytes by instance and pool",
+                     labels=["device", "instance", "pool"])
+        reserved = gauge("kvcached_broker_instance_reserved_bytes", "Reserved bytes by instance",
+                         labels=["device", "instance"])
+        granted = gauge("kvcached_broker_instance_granted_bytes", "Granted elastic bytes by instance",
+                        labels=["device", "instance"])
+        floor = gauge("kvcached_broker_instance_min_bytes", "Guaranteed floor by instance", labels=["device", "instance"])
+        cap = gauge("kvcached_broker_instance_max_bytes", "Cap by instance (absent when unset)",
+                    labels=["device", "instance"])
+        sessions = gauge("kvcached_broker_sessions", "Sessions by instance and state",
+                         labels=["device", "instance", "state"])
+        for inst in status["instances"]:
+            name = inst["name"]
+            for pool_name, size in inst["pools"].items():
+                pool.add_metric([device, name, pool_name], size)
+            reserved.add_metric([device, name], inst["reserved_bytes"])
+            granted.add_metric([device, name], inst["granted_bytes"])
+            floor.add_metric([device, name], inst["min_bytes"])
+            if inst["max_bytes"] is not None:
+                cap.add_metric([device, name], inst["max_bytes"])
+            states: dict[str, int] = {"live": 0, "stale": 0, "recovering": 0}
+            for s in inst["sessions"]:
+                states[s["state"]] = states.get(s["state"], 0) + 1
+            for state, count in states.items():
+                sessions.add_metric([device, name, state], count)
+        yield from (pool, reserved, granted, floor, cap, sessions)
+
+    @staticmethod
+    def _counters(device: str, counters: dict[str, Any], counter, histogram) -> Iterator[Any]:
+        requests = counter("kvcached_broker_requests", "Requests received", labels=["device"])
+        requests.add_metric([device], counters.get("requests", 0))
+        grants = counter("kvcached_broker_grants", "Elastic grants made", labels=["device"])
+        grants.add_metric([device], counters.get("grants", 0))
+        refusals = counter("kvcached_broker_refusals", "Requests refused, by error code", labels=["device", "code"])
+        for code, n in sorted(counters.get("refusals", {}).items()):
+            refusals.add_metric([device, code], n)
+        reclaims = counter("kvcached_broker_reclaims", "Sessions ended, by cause", labels=["device", "cause"])
+        for cause, n in sorted(counters.get("reclaims", {}).items()):
+            reclaims.add_metric([device, cause], n)
+        bad = counter("kvcached_broker_bad_frames", "Frames that were not valid requests", labels=["device"])
+        bad.add_metric([device], counters.get("bad_frames", 0))
+        yield from (requests, grants, refusals, reclaims, bad)
+        hist = counters.get("request_latency")
+        if hist:
+            h = histogram("kvcached_broker_request_duration_seconds", "Time to decide a poll round's requests",
+                          labels=["device"])
+            buckets = [(("+Inf" if b == "+Inf" else repr(float(b))), n) for b, n in hist["buckets"]]
+            h.add_metric([device], buckets, sum_value=hist["sum_s"])
+            yield h
+
+
+def start_metrics_server(port: int, address: str, snapshot: Callable[[], dict[str, Any] | None]):
+    """Serve ``/metrics`` on ``address:port`` from a daemon thread; returns the HTTP server."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as exc:
+        raise RuntimeError("--metrics-port needs prometheus_client: pip install 'kvcached-broker[metrics]'") from exc
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(snapshot))
+    server, _thread = start_http_server(port, addr=address, registry=registry)
+    log.info("event=metrics address=%s port=%d", address, port)
+    return server
