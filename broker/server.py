@@ -163,6 +163,7 @@ class BrokerServer:
         self.ready = threading.Event()
         self._snapshot_requests: list[dict[str, Any]] = []
         self._next_notify_s = 0.0
+        self._notify_ready = False  # systemd hears STATUS/WATCHDOG only after READY
         self._next_watchdog_s = 0.0
         self._handlers = {
             proto.Hello: self._hello,
@@ -333,6 +334,8 @@ class BrokerServer:
         try:
             self.run_round(timeout_ms=0)  # the loop is live: status requests are answered from here on
             self.notifier.ready(self._summary())
+            self._next_notify_s = self.clock() + 5.0
+            self._notify_ready = True
             while not self._stop.is_set():
                 self.run_round()
         finally:
@@ -807,7 +810,7 @@ class BrokerServer:
                 )
         if now >= self._next_probe_s:
             self._probe_device()
-        if self.notifier.active:
+        if self._notify_ready:
             if now >= self._next_notify_s:
                 self._next_notify_s = now + 5.0
                 self.notifier.status(self._summary())

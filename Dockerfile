@@ -1,0 +1,33 @@
+# kvcached-broker as a container: one broker per GPU, its socket on a shared volume.
+#   docker build -t kvcached-broker .
+#   docker run -d --gpus device=0 -v kvcached-run:/run/kvcached -v kvcached-state:/var/lib/kvcached-broker \
+#       kvcached-broker --device 0
+FROM python:3.11-slim
+
+ARG UID=10001
+RUN groupadd --system --gid ${UID} kvcached \
+ && useradd --system --uid ${UID} --gid kvcached --home-dir /var/lib/kvcached-broker --shell /usr/sbin/nologin kvcached \
+ && mkdir -p /run/kvcached /var/lib/kvcached-broker \
+ && chown kvcached:kvcached /run/kvcached /var/lib/kvcached-broker \
+ && chmod 0750 /run/kvcached && chmod 0700 /var/lib/kvcached-broker
+
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY broker ./broker
+COPY client ./client
+COPY adapters ./adapters
+RUN pip install --no-cache-dir '.[metrics]' && rm -rf /src
+
+ENV KVCACHED_BROKER_RUNTIME_DIR=/run/kvcached \
+    KVCACHED_BROKER_STATE_DIR=/var/lib/kvcached-broker \
+    PYTHONUNBUFFERED=1
+VOLUME ["/run/kvcached", "/var/lib/kvcached-broker"]
+USER kvcached
+WORKDIR /var/lib/kvcached-broker
+
+# Healthy while the broker answers status on its socket (GPU from KVCACHED_BROKER_DEVICE, default 0).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["sh", "-c", "kvcached-broker status --device ${KVCACHED_BROKER_DEVICE:-0} > /dev/null"]
+
+ENTRYPOINT ["kvcached-broker", "serve"]
+CMD ["--device", "0"]
