@@ -478,6 +478,15 @@ class Ledger:
         """Load limits from a checkpoint or config as they are (no budget check)."""
         self._set_limits_unchecked(instance, limits)
 
+    def forget_limits(self, instance: str) -> None:
+        """Drop an instance's limits (those its own worker asked for, once it has left)."""
+        if instance in self.limits:
+            old_unfilled = self.unfilled_floor_bytes(instance)
+            del self.limits[instance]
+            self._unfilled_floor_total -= old_unfilled
+            self._changes.limits.add(instance)
+            self.version += 1
+
     def _set_limits_unchecked(self, instance: str, limits: Limits) -> None:
         old_unfilled = self.unfilled_floor_bytes(instance)
         self.limits[instance] = limits

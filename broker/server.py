@@ -56,6 +56,7 @@ from .security import (
     socket_umask,
 )
 from .sessions import Binding, HelloRateLimiter, SessionTable
+from .policy import PressureBook, fair_shares
 from .sdnotify import Notifier
 from .status import build_status
 
@@ -143,6 +144,7 @@ class BrokerServer:
         )
         self.table = SessionTable()
         self.counters = Counters()
+        self.pressure = PressureBook()
         self._hellos = HelloRateLimiter(config.hello_rate_per_s, config.hello_burst)
         self._pids = PidWatcher()
         self._peers: dict[bytes, Peer] = {}
@@ -599,6 +601,8 @@ class BrokerServer:
             routing_id=rid,
         )
         self.table.add(binding)
+        if req.limits is not None:
+            self._limits_from_hello(req.instance, req.limits)
         if verified:
             self._watch_pid(req.pid)
         log.info(
@@ -614,6 +618,30 @@ class BrokerServer:
         )
         return proto.ok_reply(req.id, self._hello_result(binding, version, resumed=False))
 
+    def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest) -> None:
+        """A worker's requested limits, clamped by admin policy: they apply only to an instance no
+        admin or config has set limits for, and a floor is cut to what the other floors leave."""
+        if self.ledger.limits.get(instance, Limits()).revision:
+            log.info("event=hello_limits instance=%s outcome=ignored reason=set_by_admin", instance)
+            return
+        others = sum(l.min_bytes for name, l in self.ledger.limits.items() if name != instance)
+        floor = KEEP
+        if asked.min_bytes is not proto.UNSET:
+            floor = max(0, min(asked.min_bytes, self.ledger.budget_bytes - others))
+        try:
+            limits = self.ledger.set_limits(
+                instance,
+                max_bytes=KEEP if asked.max_bytes is proto.UNSET else asked.max_bytes,
+                min_bytes=floor,
+                weight=KEEP if asked.weight is proto.UNSET else asked.weight,
+            )
+        except BrokerError as exc:
+            log.info("event=hello_limits instance=%s outcome=refused reason=%r", instance, exc.message)
+            return
+        # Hello limits stay revision 0 "unset by admin", so a later hello may still adjust them.
+        self.ledger.restore_limits(instance, Limits(limits.max_bytes, limits.min_bytes, limits.weight, 0))
+        log.info("event=hello_limits instance=%s outcome=applied %s", instance, _pairs(limits.to_dict()))
+
     def _hello_result(self, binding: Binding, version: int, *, resumed: bool) -> dict[str, Any]:
         session = self.ledger.sessions[binding.session_id]
         device = self.ledger.device
@@ -626,6 +654,7 @@ class BrokerServer:
             "resumed": resumed,
             "pid_verified": binding.pid_verified,
             "device": {"index": device.index, "uuid": device.uuid, "name": device.name, "simulated": device.simulated},
+            "limits": self.ledger.limits.get(session.instance, Limits()).to_dict(),
             "holdings": {
                 "pools": dict(session.pools),
                 "granted_pages": session.granted_pages,
@@ -644,6 +673,8 @@ class BrokerServer:
             reply = proto.error_reply(req.id, exc.code, exc.message, exc.details)
             binding.remember_reply(req.id, reply, self.table.reply_cache)
             self.counters.refused(exc.code)
+            session = self.ledger.sessions[binding.session_id]
+            self._press_for(session.instance, int(exc.details.get("asked_bytes", 0)), exc, now)
             return reply
         return self._answer(binding, req.id, {"pools": pools, "reserved_bytes": sum(pools.values())})
 
@@ -658,6 +689,8 @@ class BrokerServer:
             refusal = grant.refusal
             self.counters.refused(refusal.code)
             result["refused"] = {"code": refusal.code, "message": refusal.message, "details": refusal.details}
+            floor_pages = req.pages if req.min_pages is None else max(1, req.min_pages)
+            self._press_for(session.instance, floor_pages * session.page_bytes, refusal, now)
         else:
             self.counters.grants += 1
         return self._answer(binding, req.id, result)
@@ -667,6 +700,7 @@ class BrokerServer:
         if cached is not None:
             return cached
         remaining = self.ledger.release(binding.session_id, req.pages)
+        self.pressure.on_release(binding.session_id, req.pages)
         return self._answer(binding, req.id, {"granted_pages": remaining})
 
     def _heartbeat(self, req: proto.Heartbeat, rid: bytes, peer: Peer, now: float) -> bytes:
@@ -748,10 +782,31 @@ class BrokerServer:
         self._probe_device(force=True)
         return proto.ok_reply(req.id, {"external_bytes": self.ledger.external_bytes, "budget_bytes": self.ledger.budget_bytes})
 
+    # --------------------------------------------------------------- pressure
+    def _press_for(self, instance: str, asked_bytes: int, refusal: BrokerError, now: float) -> None:
+        """A refused instance below its floor or fair share: ask those above theirs for pages."""
+        if refusal.code != "budget_exceeded":
+            return  # its own cap, or external overcommit: taking from others would not help
+        need = asked_bytes - int(refusal.details.get("free_bytes", 0))
+        for ask in self.pressure.plan(self.ledger, instance, need, now):
+            binding = self.table.by_id(ask.session_id)
+            if binding is None or binding.routing_id is None:
+                continue
+            push = proto.Pressure(session_id=ask.session_id, pages=ask.pages, reason=f"{instance} is below its share")
+            self._pushes.append((binding.routing_id, proto.encode(push)))
+            log.info(
+                "event=pressure for=%s session=%s instance=%s pages=%d bytes=%d",
+                instance, ask.session_id, ask.instance, ask.pages, ask.pages * ask.page_bytes,
+            )
+
     # ------------------------------------------------------- session endings
     def _end_session(self, binding: Binding, cause: str) -> int:
         freed = self.ledger.sessions[binding.session_id].reported_bytes
         session = self.ledger.close_session(binding.session_id)
+        self.pressure.on_close(binding.session_id)
+        limits = self.ledger.limits.get(session.instance)
+        if limits is not None and not limits.revision and session.instance not in self.ledger.instance_names():
+            self.ledger.forget_limits(session.instance)  # asked for at hello: they leave with the instance
         self.table.remove(binding.session_id)
         if binding.pid_verified and not self.table.count_for_pid(binding.pid):
             self._unwatch_pid(binding.pid)
@@ -810,6 +865,12 @@ class BrokerServer:
                 )
         if now >= self._next_probe_s:
             self._probe_device()
+        if self.pressure.pending:
+            for session_id, ask in self.pressure.expire(now):
+                log.warning(
+                    "event=pressure_ignored session=%s instance=%s outstanding_pages=%d detail=still_charged",
+                    session_id, ask.instance, ask.outstanding_pages,
+                )
         if self._notify_ready:
             if now >= self._next_notify_s:
                 self._next_notify_s = now + 5.0
@@ -863,7 +924,8 @@ class BrokerServer:
         for session_id in changes.closed:
             records.append({"close": session_id})
         for instance in changes.limits:
-            records.append({"limit": instance, **self.ledger.limits[instance].to_dict()})
+            limits = self.ledger.limits.get(instance)
+            records.append({"limit": instance, **limits.to_dict()} if limits else {"unlimit": instance})
         if not records:
             return
         self._store.append(records)
@@ -924,6 +986,8 @@ class BrokerServer:
                 sessions.pop(record["close"], None)
             elif "limit" in record:
                 limits[record["limit"]] = {k: record[k] for k in ("max_bytes", "min_bytes", "weight", "revision")}
+            elif "unlimit" in record:
+                limits.pop(record["unlimit"], None)
             elif "fence" in record:
                 fenced[record["fence"]] = record["sid"]
         for name, values in limits.items():
@@ -997,7 +1061,12 @@ class BrokerServer:
             "recovering_sessions": sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING),
             "counters": self.counters.to_dict(),
         }
-        return build_status(self.ledger, self.table, broker_meta, now)
+        shares = fair_shares(self.ledger)
+
+        def policy_view(instance: str) -> dict[str, Any]:
+            return {"fair_share_bytes": shares.get(instance, 0), "pressure": self.pressure.instance_view(instance)}
+
+        return build_status(self.ledger, self.table, broker_meta, now, policy_view)
 
 
 def _pairs(values: dict[str, Any]) -> str:

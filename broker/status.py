@@ -6,13 +6,19 @@ added since are listed in the README under "status fields" and never change mean
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .ledger import Ledger, Limits, Session
 from .sessions import SessionTable
 
 
-def build_status(ledger: Ledger, table: SessionTable, broker: dict[str, Any], now_s: float) -> dict[str, Any]:
+def build_status(
+    ledger: Ledger,
+    table: SessionTable,
+    broker: dict[str, Any],
+    now_s: float,
+    policy_view: Callable[[str], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     dev = ledger.device
     names = sorted(set(ledger.instance_names()) | set(ledger.limits))
     by_instance: dict[str, list[Session]] = {name: [] for name in names}
@@ -29,7 +35,10 @@ def build_status(ledger: Ledger, table: SessionTable, broker: dict[str, Any], no
         "unreported_bytes": ledger.unreported_bytes,
         "free_bytes": ledger.free_bytes,
         "overcommitted": ledger.overcommitted,
-        "instances": [_instance(ledger, table, name, by_instance[name], now_s) for name in names],
+        "instances": [
+            {**_instance(ledger, table, name, by_instance[name], now_s), **(policy_view(name) if policy_view else {})}
+            for name in names
+        ],
         "broker": broker,
     }
 

@@ -28,6 +28,8 @@ class AsyncBrokerClient:
         self._heartbeat_task: asyncio.Task | None = None
         self._resuming: asyncio.Future | None = None
         self._next_heartbeat_s = 0.0
+        self._pressure_callback: Callable[[int], Awaitable[int] | int] | None = None
+        self.pressure_log: list[dict[str, int]] = []
         transport.on_push = self._on_push
 
     @classmethod
@@ -45,6 +47,7 @@ class AsyncBrokerClient:
         device_uuid: str | None = None,
         curve: CurveKeys | None = None,
         client: str = "",
+        limits: dict | None = None,
     ) -> "AsyncBrokerClient":
         physical = resolve_device(device)
         uuid = device_uuid or physical.uuid
@@ -58,6 +61,7 @@ class AsyncBrokerClient:
             page_bytes=page_bytes,
             credit_pages=credit_pages,
             device_uuid=uuid,
+            limits=limits,
             client=client or "kvcached-broker-async-client",
         )
         self = cls(core, AsyncTransport(target, Timeouts.from_env(timeout_s), curve=curve))
@@ -230,10 +234,25 @@ class AsyncBrokerClient:
             except BrokerError as exc:
                 log.warning("event=heartbeat_failed session=%s error=%s", self._core.session_id, exc)
 
+    def on_pressure(self, callback: Callable[[int], Awaitable[int] | int] | None) -> None:
+        """As :meth:`BrokerClient.on_pressure`; the callback may be a coroutine function."""
+        self._pressure_callback = callback
+
     def _on_push(self, push: proto.Pressure) -> None:
+        asyncio.get_running_loop().create_task(self._handle_pressure(push))
+
+    async def _handle_pressure(self, push: proto.Pressure) -> None:
         pages = self._core.credit.detach(push.pages)
         if pages:
-            asyncio.get_running_loop().create_task(self._return_reserve(pages))
+            await self._return_reserve(pages)
+        freed = 0
+        if push.pages > pages and self._pressure_callback is not None:
+            try:
+                result = self._pressure_callback(push.pages - pages)
+                freed = int(await result) if asyncio.iscoroutine(result) else int(result)
+            except Exception:
+                log.exception("event=pressure_callback_failed session=%s", self._core.session_id)
+        self.pressure_log.append({"asked": push.pages, "from_reserve": pages, "from_runtime": freed})
 
     async def _return_reserve(self, pages: int) -> None:
         credit = self._core.credit

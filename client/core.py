@@ -34,6 +34,7 @@ class ClientCore:
         device_uuid: str | None,
         pid: int | None = None,
         client: str = "",
+        limits: dict[str, Any] | None = None,
     ):
         _check_int("tp_size", tp_size, minimum=1)
         _check_int("tp_rank", tp_rank, minimum=0)
@@ -51,6 +52,7 @@ class ClientCore:
         self.device_uuid = device_uuid
         self.pid = os.getpid() if pid is None else pid
         self.client = client
+        self.limits_request = _limits_request(limits)
         self.credit = CreditReserve(default_credit_pages(page_bytes) if credit_pages is None else credit_pages)
         self.pools: dict[str, int] = {}
         self.token: str | None = None
@@ -79,6 +81,7 @@ class ClientCore:
             device_uuid=self.device_uuid,
             resume=self.token if resume else None,
             holdings=self.holdings() if resume else None,
+            limits=self.limits_request,
             client=self.client,
         )
 
@@ -118,6 +121,26 @@ class ClientCore:
         if isinstance(err, SessionEvicted):
             self.evicted = True
         return err
+
+
+def _limits_request(limits: dict[str, Any] | None) -> proto.LimitsRequest | None:
+    """``{"max_bytes": .., "min_bytes": .., "weight": ..}`` asked for at hello (admin policy may clamp)."""
+    if limits is None:
+        return None
+    unknown = set(limits) - {"max_bytes", "min_bytes", "weight"}
+    if unknown:
+        raise BadRequest(f"unknown limit {sorted(unknown)[0]!r}; use max_bytes, min_bytes, weight")
+    for key in ("max_bytes", "min_bytes"):
+        if key in limits and limits[key] is not None:
+            _check_int(key, limits[key], minimum=0)
+    weight = limits.get("weight", proto.UNSET)
+    if weight is not proto.UNSET and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0):
+        raise BadRequest(f"weight must be a positive number, got {weight!r}")
+    return proto.LimitsRequest(
+        max_bytes=limits.get("max_bytes", proto.UNSET),
+        min_bytes=limits.get("min_bytes", proto.UNSET) if limits.get("min_bytes") is not None else proto.UNSET,
+        weight=float(weight) if weight is not proto.UNSET else proto.UNSET,
+    )
 
 
 def check_pages(name: str, value: Any, *, minimum: int) -> int:

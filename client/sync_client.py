@@ -58,6 +58,7 @@ class BrokerClient:
         curve: CurveKeys | None = None,
         background: bool = True,
         client: str = "",
+        limits: dict | None = None,
     ) -> "BrokerClient":
         """Open a session with the broker of ``device`` (a CUDA ordinal seen by this process).
 
@@ -76,6 +77,7 @@ class BrokerClient:
             page_bytes=page_bytes,
             credit_pages=credit_pages,
             device_uuid=uuid,
+            limits=limits,
             client=client or f"kvcached-broker-client/{_version()}",
         )
         transport = SyncTransport(target, Timeouts.from_env(timeout_s), curve=curve)

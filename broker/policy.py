@@ -1,0 +1,187 @@
+"""Arbitration policy over the ledger (pure, no I/O): weighted fair shares and pressure.
+
+* **Fair share.** Instance i's share of the budget is ``clamp(λ·weight_i, min_i, max_i)``, with
+  λ chosen so that the shares sum to the budget (water-filling).  Instances that registered, or
+  that hold a floor, take part.
+* **Pressure.** When an instance below its floor or its fair share is refused, the broker asks
+  instances above their share to give pages back: a push to each chosen session, sized from
+  its instance's excess over its share, never more than the session's granted pages (static
+  reservations are not reclaimable).  A session is not asked again while an ask is fresh.
+  Whatever a session releases after an ask counts as returned.  A session that ignores an ask
+  keeps what it holds: the broker never charges it less than it holds.
+
+Units: bytes and pages as ints, times in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ledger import Ledger, Limits
+
+
+def participants(ledger: Ledger) -> list[str]:
+    names = set(ledger.instance_names())
+    names.update(name for name, limits in ledger.limits.items() if limits.min_bytes)
+    return sorted(names)
+
+
+def fair_shares(ledger: Ledger) -> dict[str, int]:
+    """Each participating instance's weighted fair share of the budget, in bytes."""
+    names = participants(ledger)
+    if not names:
+        return {}
+    budget = ledger.budget_bytes
+    limits = {name: ledger.limits.get(name, Limits()) for name in names}
+
+    def share(name: str, lam: float) -> float:
+        lim = limits[name]
+        value = max(float(lim.min_bytes), lam * lim.weight)
+        return min(value, float(lim.max_bytes)) if lim.max_bytes is not None else value
+
+    def total(lam: float) -> float:
+        return sum(share(name, lam) for name in names)
+
+    if total(0.0) >= budget:  # floors alone use the budget
+        return {name: int(share(name, 0.0)) for name in names}
+    low, high = 0.0, float(budget) / min(limits[n].weight for n in names)
+    if total(high) <= budget:  # every instance is capped below the budget
+        return {name: int(share(name, high)) for name in names}
+    for _ in range(80):
+        mid = (low + high) / 2
+        if total(mid) > budget:
+            high = mid
+        else:
+            low = mid
+    return {name: int(share(name, low)) for name in names}
+
+
+def starving(ledger: Ledger, instance: str, shares: dict[str, int]) -> bool:
+    """Is ``instance`` below its floor or below its fair share?"""
+    charge = ledger.instance_charge_bytes(instance)
+    floor = ledger.limits.get(instance, Limits()).min_bytes
+    return charge < max(floor, shares.get(instance, 0))
+
+
+@dataclass(frozen=True)
+class Ask:
+    session_id: str
+    instance: str
+    pages: int
+    page_bytes: int
+
+
+@dataclass
+class PendingAsk:
+    instance: str
+    page_bytes: int
+    asked_pages: int
+    asked_at_s: float
+    returned_pages: int = 0
+    for_instance: str = ""
+
+    @property
+    def outstanding_pages(self) -> int:
+        return max(0, self.asked_pages - self.returned_pages)
+
+
+@dataclass
+class InstancePressure:
+    asks: int = 0
+    asked_bytes: int = 0
+    returned_bytes: int = 0
+    ignored_bytes: int = 0
+
+
+@dataclass
+class PressureBook:
+    """Who was asked for how much, and how much came back."""
+
+    retry_s: float = 1.0
+    expire_s: float = 10.0
+    pending: dict[str, PendingAsk] = field(default_factory=dict)
+    totals: dict[str, InstancePressure] = field(default_factory=dict)
+
+    def plan(self, ledger: Ledger, starved: str, need_bytes: int, now_s: float) -> list[Ask]:
+        """Asks that would free up to ``need_bytes`` for ``starved`` from instances above their share."""
+        if need_bytes <= 0:
+            return []
+        shares = fair_shares(ledger)
+        if not starving(ledger, starved, shares):
+            return []
+        excess = []
+        for name in ledger.instance_names():
+            if name == starved:
+                continue
+            over = ledger.instance_charge_bytes(name) - shares.get(name, 0)
+            if over > 0:
+                excess.append((over, name))
+        excess.sort(reverse=True)
+        asks: list[Ask] = []
+        left = need_bytes
+        for over, name in excess:
+            take = min(over, left)
+            for session in sorted(
+                (s for s in ledger.sessions.values() if s.instance == name and s.granted_pages),
+                key=lambda s: s.granted_bytes,
+                reverse=True,
+            ):
+                if take <= 0:
+                    break
+                fresh = self.pending.get(session.id)
+                if fresh is not None and now_s - fresh.asked_at_s < self.retry_s:
+                    take -= fresh.outstanding_pages * session.page_bytes
+                    continue
+                pages = min(session.granted_pages, math.ceil(take / session.page_bytes))
+                asks.append(Ask(session.id, name, pages, session.page_bytes))
+                take -= pages * session.page_bytes
+                left -= pages * session.page_bytes
+            if left <= 0:
+                break
+        for ask in asks:
+            self._record(ask, starved, now_s)
+        return asks
+
+    def _record(self, ask: Ask, starved: str, now_s: float) -> None:
+        self.pending[ask.session_id] = PendingAsk(ask.instance, ask.page_bytes, ask.pages, now_s, for_instance=starved)
+        totals = self.totals.setdefault(ask.instance, InstancePressure())
+        totals.asks += 1
+        totals.asked_bytes += ask.pages * ask.page_bytes
+
+    def on_release(self, session_id: str, pages: int) -> int:
+        """Count released pages against an open ask; returns how many counted."""
+        ask = self.pending.get(session_id)
+        if ask is None:
+            return 0
+        counted = min(pages, ask.outstanding_pages)
+        ask.returned_pages += counted
+        self.totals.setdefault(ask.instance, InstancePressure()).returned_bytes += counted * ask.page_bytes
+        if not ask.outstanding_pages:
+            del self.pending[session_id]
+        return counted
+
+    def on_close(self, session_id: str) -> None:
+        ask = self.pending.pop(session_id, None)
+        if ask is not None:  # its memory came back with the session
+            self.totals.setdefault(ask.instance, InstancePressure()).returned_bytes += ask.outstanding_pages * ask.page_bytes
+
+    def expire(self, now_s: float) -> list[tuple[str, PendingAsk]]:
+        """Asks left unanswered for ``expire_s``: recorded as ignored and dropped."""
+        gone = [(sid, ask) for sid, ask in self.pending.items() if now_s - ask.asked_at_s >= self.expire_s]
+        for sid, ask in gone:
+            del self.pending[sid]
+            self.totals.setdefault(ask.instance, InstancePressure()).ignored_bytes += ask.outstanding_pages * ask.page_bytes
+        return gone
+
+    def instance_view(self, instance: str) -> dict[str, Any]:
+        totals = self.totals.get(instance, InstancePressure())
+        pending = sum(a.outstanding_pages * a.page_bytes for a in self.pending.values() if a.instance == instance)
+        return {
+            "pending_bytes": pending,
+            "asks": totals.asks,
+            "asked_bytes": totals.asked_bytes,
+            "returned_bytes": totals.returned_bytes,
+            "ignored_bytes": totals.ignored_bytes,
+        }
