@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-core bench lint clean
+.PHONY: demo test bench replay clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,15 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) benchmarks/grant_latency.py
+	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
+	mkdir -p bench-results
+	$(PY) benchmarks/grant_latency.py --json bench-results/grant_latency.json
+
+replay: $(STAMP)
+	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
+	mkdir -p bench-results
+	$(VENV)/bin/kvcached-broker replay --generate bench-results/trace.jsonl
+	$(VENV)/bin/kvcached-broker replay bench-results/trace.jsonl --json bench-results/replay.json --plot bench-results/replay.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

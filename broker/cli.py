@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("directory", type=Path, metavar="DIR")
     keygen.add_argument("name", metavar="NAME", help="'server' for the broker, any name for a client")
 
+    sub.add_parser("replay", help="replay a multi-model KV trace under three policies (replay --help)", add_help=False)
+
     demo = sub.add_parser("demo", help="a simulated GPU with co-located workers, shown live")
     demo.add_argument("--seconds", type=_positive_float, default=8.0, help="how long to run (default 8)")
     demo.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
@@ -384,6 +386,11 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["replay"]:
+        from .replay import main as replay_main
+
+        return replay_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
