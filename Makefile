@@ -4,7 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench replay clean
+ENVS := .adapter-envs
+
+.PHONY: demo test test-core test-adapters adapter-envs bench replay clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,8 +17,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvcached-broker demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# The whole suite: the core, then the adapters against every supported upstream version.
+test: test-core test-adapters
+
+test-core: $(STAMP)
+	$(PY) -m pytest -q --ignore=tests/adapters
+
+# torch (CPU, local file) and triton in .venv, plus one overlay per upstream version.
+adapter-envs: $(STAMP)
+	bash scripts/adapter-envs.sh --install-base --prune-native --check $(PY) $(ENVS)
+
+test-adapters: adapter-envs
+	bash scripts/test-adapters.sh $(PY) $(ENVS)
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
@@ -30,4 +42,4 @@ replay: $(STAMP)
 	$(VENV)/bin/kvcached-broker replay bench-results/trace.jsonl --json bench-results/replay.json --plot bench-results/replay.png
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ENVS) build *.egg-info .pytest_cache .hypothesis

@@ -44,6 +44,7 @@ class WorkerIdentity:
 class _DeviceSession:
     client: BrokerClient
     book: dict[str, dict[str, int]] = field(default_factory=dict)
+    usage: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 _lock = threading.RLock()
@@ -96,9 +97,12 @@ def _unprotected(key: str, why: str) -> None:
     return None
 
 
-def report(identity: WorkerIdentity, reporter: str, pools: dict[str, int]) -> dict[str, int] | None:
+def report(
+    identity: WorkerIdentity, reporter: str, pools: dict[str, int], usage: dict[str, int] | None = None
+) -> dict[str, int] | None:
     """Set ``reporter``'s pools (replacing what it reported before) and send the merged map.
 
+    ``usage`` is the reporter's informational breakdown (overlapping views, never charged).
     Raises ``BudgetExceeded`` (naming the pool) if the broker has no room; the book is then
     left as it was.
     """
@@ -109,13 +113,18 @@ def report(identity: WorkerIdentity, reporter: str, pools: dict[str, int]) -> di
     with _lock:
         entry = _sessions[key]
         proposed = {**entry.book, reporter: {k: v for k, v in pools.items() if v > 0}}
-        merged: dict[str, int] = {}
-        for reporter_pools in proposed.values():
-            for name, size in reporter_pools.items():
-                merged[name] = merged.get(name, 0) + size
-        result = client.reserve(merged)
-        entry.book = proposed
+        proposed_usage = {**entry.usage, reporter: {k: v for k, v in (usage or {}).items() if v > 0}}
+        result = client.reserve(_merge(proposed), usage=_merge(proposed_usage))
+        entry.book, entry.usage = proposed, proposed_usage
         return result
+
+
+def _merge(by_reporter: dict[str, dict[str, int]]) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for pools in by_reporter.values():
+        for name, size in pools.items():
+            merged[name] = merged.get(name, 0) + size
+    return merged
 
 
 def forget(identity: WorkerIdentity, reporter: str) -> None:
@@ -126,6 +135,7 @@ def forget(identity: WorkerIdentity, reporter: str) -> None:
         if entry is not None and reporter in entry.book:
             report(identity, reporter, {})
             del entry.book[reporter]
+            entry.usage.pop(reporter, None)
 
 
 def reset() -> None:

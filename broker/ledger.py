@@ -82,6 +82,7 @@ class Session:
     granted_pages: int = 0
     reserve_pages: int = 0
     restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
+    usage: dict[str, int] = field(default_factory=dict)  # informational breakdown; never charged
 
     @property
     def granted_bytes(self) -> int:
@@ -363,7 +364,7 @@ class Ledger:
             self._changed(session)
 
     # ------------------------------------------------------------ reservations
-    def reserve(self, session_id: str, pools: dict[str, int]) -> dict[str, int]:
+    def reserve(self, session_id: str, pools: dict[str, int], usage: dict[str, int] | None = None) -> dict[str, int]:
         """Replace the session's reservation map (a pool set to 0 is removed).
 
         Raises :class:`BudgetExceeded` (or ``LimitExceeded``/``Overcommitted``) naming the
@@ -387,6 +388,8 @@ class Ledger:
                     details={"pool": pool, "pool_asked_bytes": pool_growth},
                 )
         self._apply(session, pools=new_pools, granted_pages=session.granted_pages)
+        if usage is not None:
+            session.usage = _clean_pools(usage)
         self._changed(session)
         return dict(session.pools)
 

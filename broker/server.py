@@ -667,7 +667,9 @@ class BrokerServer:
         if cached is not None:
             return cached
         try:
-            pools = self.ledger.reserve(binding.session_id, dict(req.pools))
+            pools = self.ledger.reserve(
+                binding.session_id, dict(req.pools), None if req.usage is None else dict(req.usage)
+            )
         except BrokerError as exc:
             log.info("event=refusal session=%s op=reserve code=%s detail=%r", binding.session_id, exc.code, exc.message)
             reply = proto.error_reply(req.id, exc.code, exc.message, exc.details)
@@ -951,6 +953,7 @@ class BrokerServer:
             "pools": dict(s.pools),
             "granted_pages": s.granted_pages,
             "reserve_pages": s.reserve_pages,
+            "usage": dict(s.usage),
             "client": b.client,
         }
 
@@ -1031,6 +1034,7 @@ class BrokerServer:
             state=SessionState.RECOVERING,
             restored=True,
         )
+        self.ledger.sessions[record["id"]].usage = dict(record.get("usage", {}))
         self.table.add(
             Binding(
                 session_id=record["id"],

@@ -47,9 +47,12 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
     limits = ledger.limits.get(name, Limits())
     reserved, granted, unreported = ledger.instance_totals(name)
     pools: dict[str, int] = {}
+    usage: dict[str, int] = {}
     for session in sessions:
         for pool, size in session.pools.items():
             pools[pool] = pools.get(pool, 0) + size
+        for name, size in session.usage.items():
+            usage[name] = usage.get(name, 0) + size
     sessions.sort(key=lambda s: (s.tp_rank, s.id))
     return {
         "name": name,
@@ -62,6 +65,7 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
         "unreported_bytes": unreported,
         "charged_bytes": reserved + granted + unreported,
         "pools": dict(sorted(pools.items())),
+        "usage_breakdown": dict(sorted(usage.items())),
         "sessions": [_session(table, s, now_s) for s in sessions],
     }
 
@@ -81,6 +85,7 @@ def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, A
         "reserved_bytes": session.reserved_bytes,
         "granted_bytes": session.granted_bytes,
         "pools": dict(sorted(session.pools.items())),
+        "usage_breakdown": dict(sorted(session.usage.items())),
         "idle_s": round(max(0.0, now_s - session.last_seen_s), 3),
         "client": binding.client if binding else "",
     }

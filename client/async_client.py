@@ -85,9 +85,12 @@ class AsyncBrokerClient:
     def reserve_pages(self) -> int:
         return self._core.credit.reserve_pages
 
-    async def reserve(self, pools: dict[str, int]) -> dict[str, int]:
+    async def reserve(self, pools: dict[str, int], usage: dict[str, int] | None = None) -> dict[str, int]:
         clean = check_pools(pools)
-        result = await self._call(lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean))
+        views = None if usage is None else check_pools(usage)
+        result = await self._call(
+            lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean, usage=views)
+        )
         self._core.pools = dict(result["pools"])
         return dict(result["pools"])
 

@@ -86,6 +86,9 @@ class Reserve(Request, tag="reserve", kw_only=True):
 
     session: Token
     pools: PoolMap
+    #: How the reserved bytes are used, as overlapping views (e.g. vLLM cache groups that alias
+    #: one buffer).  Shown in status as ``usage_breakdown``; never charged.  None keeps it.
+    usage: PoolMap | None = None
 
 
 class Acquire(Request, tag="acquire", kw_only=True):

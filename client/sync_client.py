@@ -119,14 +119,19 @@ class BrokerClient:
         return self._core.lease_s
 
     # -------------------------------------------------------------- the API
-    def reserve(self, pools: dict[str, int]) -> dict[str, int]:
+    def reserve(self, pools: dict[str, int], usage: dict[str, int] | None = None) -> dict[str, int]:
         """Replace this session's static reservations; a pool at 0 is removed.
 
-        Raises :class:`BudgetExceeded` (naming the pool) if the growth does not fit.
+        ``usage`` optionally says how those bytes are used, as overlapping named views (shown
+        in status as ``usage_breakdown``, never charged).  Raises :class:`BudgetExceeded`
+        (naming the pool) if the growth does not fit.
         """
         clean = check_pools(pools)
+        views = None if usage is None else check_pools(usage)
         with self._lock:
-            result = self._call(lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean))
+            result = self._call(
+                lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean, usage=views)
+            )
             self._core.pools = dict(result["pools"])
             return dict(result["pools"])
 

@@ -262,3 +262,15 @@ def test_sessions_per_pid_and_hello_rate_are_capped(inproc_factory):
     assert "too many hellos" in str(info.value)
     for c in clients:
         c.close()
+
+
+def test_usage_breakdown_is_shown_but_never_charged(inproc):
+    with connect(inproc, "vllm-like") as c:
+        c.reserve({"kv_cache": 8 * GIB}, usage={"swa_kv_pool": 8 * GIB, "c4_kv_pool": 8 * GIB})
+        s = c.status()
+        inst = s["instances"][0]
+        assert s["reserved_bytes"] == 8 * GIB  # one buffer, charged once
+        assert inst["usage_breakdown"] == {"c4_kv_pool": 8 * GIB, "swa_kv_pool": 8 * GIB}
+        assert inst["sessions"][0]["usage_breakdown"] == inst["usage_breakdown"]
+        c.reserve({"kv_cache": 8 * GIB})  # usage omitted: kept
+        assert c.status()["instances"][0]["usage_breakdown"]["swa_kv_pool"] == 8 * GIB

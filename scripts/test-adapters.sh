@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run the adapter tests once per upstream version, each against the real upstream classes
+# installed in its overlay (see scripts/adapter-envs.sh).
+#   usage: test-adapters.sh PYTHON ENVS_DIR [OVERLAY...]
+set -euo pipefail
+PY=$1 ENVS=$2; shift 2
+OVERLAYS=${*:-"sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0"}
+cd "$(dirname "$0")/.."
+status=0
+for overlay in $OVERLAYS; do
+  runtime=${overlay%%-*}
+  echo "=== adapter tests: $overlay ==="
+  (
+    set -a; . "$ENVS/$overlay.env"; set +a
+    export KVCACHED_BROKER_TEST_RUNTIME="$overlay"
+    "$PY" -m pytest -q -p no:cacheprovider "tests/adapters/$runtime"
+  ) || status=1
+done
+exit $status
