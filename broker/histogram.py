@@ -15,10 +15,10 @@ class Histogram:
         self.sum_s = 0.0
         self.count = 0
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(self.bounds_s, seconds)] += 1
-        self.sum_s += seconds
-        self.count += 1
+    def observe(self, seconds: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.bounds_s, seconds)] += times
+        self.sum_s += seconds * times
+        self.count += times
 
     def to_dict(self) -> dict:
         """Cumulative buckets, as Prometheus exposes them."""

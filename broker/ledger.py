@@ -83,6 +83,7 @@ class Session:
     reserve_pages: int = 0
     restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
     usage: dict[str, int] = field(default_factory=dict)  # informational breakdown; never charged
+    account: "_ProcessAccount | None" = field(default=None, repr=False)
 
     @property
     def granted_bytes(self) -> int:
@@ -286,7 +287,8 @@ class Ledger:
         if inst is None:
             inst = self._instances[instance] = _Instance(instance)
         inst.session_ids.add(session_id)
-        self._account_for(session).session_ids.add(session_id)
+        session.account = self._account_for(session)
+        session.account.session_ids.add(session_id)
         self._apply(session, pools=clean_pools, granted_pages=granted_pages)
         session.reserve_pages = min(reserve_pages, session.granted_pages)
         self._changed(session)
@@ -417,7 +419,7 @@ class Ledger:
                 details={"pool": "elastic", "asked_pages": pages, "min_pages": min_pages, "fit_pages": fit_pages},
             )
             return Grant(0, refusal)
-        self._apply(session, pools=session.pools, granted_pages=session.granted_pages + fit_pages)
+        self._add_pages(session, fit_pages)
         self._changed(session)
         return Grant(fit_pages)
 
@@ -431,8 +433,9 @@ class Ledger:
                 f"release of {pages} page(s) but session {session.id} holds {session.granted_pages}",
                 details={"pages": pages, "granted_pages": session.granted_pages},
             )
-        self._apply(session, pools=session.pools, granted_pages=session.granted_pages - pages)
-        session.reserve_pages = min(session.reserve_pages, session.granted_pages)
+        self._add_pages(session, -pages)
+        if session.reserve_pages > session.granted_pages:
+            session.reserve_pages = session.granted_pages
         self._changed(session)
         return session.granted_pages
 
@@ -498,7 +501,10 @@ class Ledger:
         self.version += 1
 
     # ---------------------------------------------------------------- changes
-    def drain_changes(self) -> LedgerChanges:
+    def drain_changes(self) -> LedgerChanges | None:
+        """What changed since the last call, or None if nothing did."""
+        if not self._changes:
+            return None
         changes, self._changes = self._changes, LedgerChanges()
         return changes
 
@@ -582,6 +588,26 @@ class Ledger:
         self._unfilled_floor_total += self.unfilled_floor_bytes(session.instance) - old_unfilled
         self._recharge(self._account_for(session), reported_delta=reserved_delta + granted_delta)
 
+    def _add_pages(self, session: Session, pages: int) -> None:
+        """``_apply`` for a change of granted pages only: the grant path, kept short."""
+        delta = pages * session.page_bytes
+        inst = self._instances[session.instance]
+        limits = self.limits.get(session.instance)
+        floor = limits.min_bytes if limits is not None else 0
+        if floor:
+            old_unfilled = max(0, floor - inst.charge_bytes)
+        session.granted_pages += pages
+        inst.granted_bytes += delta
+        self._granted_total += delta
+        if floor:
+            self._unfilled_floor_total += max(0, floor - inst.charge_bytes) - old_unfilled
+        account = session.account
+        assert account is not None
+        if account.measured_bytes:
+            self._recharge(account, reported_delta=delta)
+        else:  # nothing measured: no unreported excess can appear or vanish
+            account.reported_bytes += delta
+
     def _growth_room(self, session: Session) -> tuple[int, int | None, int]:
         """``(device_room, cap_room, slack)`` in bytes for growing this session's reported bytes.
 
@@ -612,8 +638,13 @@ class Ledger:
 
     def _pages_that_fit(self, session: Session, pages: int) -> tuple[int, str | None, int]:
         """The most pages (≤ ``pages``) that fit, the binding constraint and its room in bytes."""
-        if self.overcommitted:
+        budget = self.budget_bytes
+        charged = self._reserved_total + self._granted_total + self._excess_total
+        if charged > budget:
             return 0, "overcommitted", 0
+        if not self._unfilled_floor_total and session.instance not in self.limits and not session.account.measured_bytes:
+            fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
+            return fit, (None if fit == pages else "budget_exceeded"), budget - charged
         device_room, cap_room, _ = self._growth_room(session)
         device_fit = max(0, device_room) // session.page_bytes
         cap_fit = device_fit if cap_room is None else max(0, cap_room) // session.page_bytes

@@ -156,6 +156,7 @@ class BrokerServer:
         self._poll_items: list[tuple[Any, int]] = []  # the ROUTER socket, the wake pipe, then pidfds
         self._pushes: list[tuple[bytes, bytes]] = []
         self._pending_records: list[dict[str, Any]] = []
+        self._recorded: set[str] = set()  # sessions whose full record is in the snapshot or journal
         self._started_s = clock()
         self._next_probe_s = 0.0
         self._next_lease_check_s = 0.0
@@ -166,6 +167,7 @@ class BrokerServer:
         self._snapshot_requests: list[dict[str, Any]] = []
         self._next_notify_s = 0.0
         self._notify_ready = False  # systemd hears STATUS/WATCHDOG only after READY
+        self._next_fd_glance_s = 0.0
         self._next_watchdog_s = 0.0
         self._handlers = {
             proto.Hello: self._hello,
@@ -299,7 +301,7 @@ class BrokerServer:
         if self._store is not None:
             try:
                 self._commit()
-                self._store.write_snapshot(self._snapshot_state())
+                self._write_snapshot()
             except Exception as exc:  # keep the journal; it is enough to recover
                 log.error("event=snapshot_failed error=%s", exc)
             self._store.close()
@@ -368,10 +370,29 @@ class BrokerServer:
     def run_round(self, timeout_ms: int | None = None) -> None:
         if timeout_ms is None:
             timeout_ms = self._poll_timeout_ms()
-        events = zmq_poll(self._poll_items, timeout_ms)
-        now = self.clock()
         replies: list[tuple[bytes, bytes]] = []
         started = time.perf_counter()
+        now = self.clock()
+        # Busy: read what is waiting without a poll call; glance at the pidfds every millisecond.
+        if self._read_requests(now, replies):
+            if now >= self._next_fd_glance_s:
+                self._next_fd_glance_s = now + 0.001
+                self._dispatch(zmq_poll(self._poll_items[1:], 0), now, replies)
+        else:
+            events = zmq_poll(self._poll_items, timeout_ms)
+            started = time.perf_counter()
+            now = self.clock()
+            self._dispatch(events, now, replies)
+        self._timers(now)
+        self._commit()
+        self._send(replies)
+        if replies:
+            # One sample per request: the round's service time (group commit makes it shared).
+            self.counters.latency.observe(time.perf_counter() - started, len(replies))
+        if self._snapshot_requests:
+            self._answer_snapshots(now)
+
+    def _dispatch(self, events: list[tuple[Any, int]], now: float, replies: list[tuple[bytes, bytes]]) -> None:
         for target, _ in events:
             if target is self._sock:
                 self._read_requests(now, replies)
@@ -379,17 +400,6 @@ class BrokerServer:
                 os.read(self._wake_r, 4096)
             else:
                 self._pid_exited(target)
-        self._timers(now)
-        self._commit()
-        self._send(replies)
-        if replies:
-            # One sample per request: the round's service time (group commit makes it shared).
-            elapsed = time.perf_counter() - started
-            latency = self.counters.latency
-            for _ in replies:
-                latency.observe(elapsed)
-        if self._snapshot_requests:
-            self._answer_snapshots(now)
 
     def _answer_snapshots(self, now: float) -> None:
         requests, self._snapshot_requests = self._snapshot_requests, []
@@ -401,28 +411,27 @@ class BrokerServer:
     def _poll_timeout_ms(self) -> int:
         return 100
 
-    def _read_requests(self, now: float, replies: list[tuple[bytes, bytes]]) -> None:
+    def _read_requests(self, now: float, replies: list[tuple[bytes, bytes]]) -> int:
+        """Handle every request waiting (up to ``max_batch``); returns how many were read."""
         sock = self._sock
         assert sock is not None
-        get = sock.get
-        for _ in range(self.config.max_batch):
-            # Checking EVENTS is cheaper than the zmq.Again a NOBLOCK recv raises when empty.
-            if not get(_EVENTS) & _POLLIN:
-                return
-            rid_frame = sock.recv(_NOBLOCK, copy=False)
-            rid = rid_frame.bytes
-            if not rid_frame.more:
-                self.counters.bad_frames += 1
-                continue
-            body = sock.recv(_NOBLOCK)
-            extra = False
-            while get(_RCVMORE):
-                sock.recv(_NOBLOCK)
-                extra = True
-            peer = self._peers.get(rid)
+        recv = sock.recv
+        peers = self._peers
+        counters = self.counters
+        for count in range(self.config.max_batch):
+            try:
+                rid = recv(_NOBLOCK)  # the ROUTER's routing id frame
+            except zmq.Again:
+                return count
+            frame = recv(_NOBLOCK, copy=False)  # a Frame: its properties carry the peer's credentials
+            extra = frame.more
+            while extra and sock.get(_RCVMORE):
+                recv(_NOBLOCK)
+            peer = peers.get(rid)
             if peer is None:
-                peer = self._learn_peer(rid, rid_frame)
-            self.counters.requests += 1
+                peer = self._learn_peer(rid, frame)
+            counters.requests += 1
+            body = frame.bytes
             if extra:
                 self.counters.bad_frames += 1
                 replies.append((rid, proto.error_reply(None, "bad_request", "a request is exactly one frame")))
@@ -430,6 +439,7 @@ class BrokerServer:
             reply = self._handle(rid, peer, body, now)
             if reply is not None:
                 replies.append((rid, reply))
+        return self.config.max_batch
 
     def _learn_peer(self, rid: bytes, frame: zmq.Frame) -> Peer:
         try:
@@ -493,10 +503,12 @@ class BrokerServer:
         cached = binding.cached_reply(request.id)
         if cached is not None:
             return binding, cached
-        if self.ledger.touch(binding.session_id, now):
+        session = self.ledger.sessions[binding.session_id]
+        session.last_seen_s = now
+        if session.state is not SessionState.LIVE and self.ledger.touch(binding.session_id, now):
             log.info("event=session_live session=%s detail=lease_renewed", binding.session_id)
         reserve = getattr(request, "reserve_pages", None)
-        if reserve is not None:
+        if reserve is not None and reserve != session.reserve_pages:
             self.ledger.set_reserve_pages(binding.session_id, reserve)
         return binding, None
 
@@ -543,6 +555,7 @@ class BrokerServer:
         binding.routing_id = rid
         binding.version = version
         self.table.rekey_nonce(binding, req.nonce)
+        self._recorded.discard(binding.session_id)  # its nonce changed: journal the whole record
         holdings = None
         if req.holdings is not None:
             h = req.holdings
@@ -919,20 +932,38 @@ class BrokerServer:
         if self._store is None:
             self._pending_records.clear()
             return
+        if changes is None and not self._pending_records:
+            return
         records = self._pending_records
         self._pending_records = []
-        for session_id in changes.sessions:
-            records.append({"session": self._session_record(session_id)})
-        for session_id in changes.closed:
-            records.append({"close": session_id})
-        for instance in changes.limits:
-            limits = self.ledger.limits.get(instance)
-            records.append({"limit": instance, **limits.to_dict()} if limits else {"unlimit": instance})
+        if changes is not None:
+            recorded = self._recorded
+            for session_id in changes.sessions:
+                if session_id in recorded:  # the rest of its record is already on disk
+                    records.append({"hold": session_id, **self._holdings_record(session_id)})
+                else:
+                    records.append({"session": self._session_record(session_id)})
+                    recorded.add(session_id)
+            for session_id in changes.closed:
+                records.append({"close": session_id})
+                recorded.discard(session_id)
+            for instance in changes.limits:
+                limits = self.ledger.limits.get(instance)
+                records.append({"limit": instance, **limits.to_dict()} if limits else {"unlimit": instance})
         if not records:
             return
         self._store.append(records)
         if self._store.needs_compaction():
-            self._store.write_snapshot(self._snapshot_state())
+            self._write_snapshot()
+
+    def _write_snapshot(self) -> None:
+        assert self._store is not None
+        self._store.write_snapshot(self._snapshot_state())
+        self._recorded = set(self.ledger.sessions)
+
+    def _holdings_record(self, session_id: str) -> dict[str, Any]:
+        s = self.ledger.sessions[session_id]
+        return {"pools": s.pools, "granted_pages": s.granted_pages, "reserve_pages": s.reserve_pages, "usage": s.usage}
 
     def _session_record(self, session_id: str) -> dict[str, Any]:
         s = self.ledger.sessions[session_id]
@@ -985,6 +1016,10 @@ class BrokerServer:
         for record in loaded.records:
             if "session" in record:
                 sessions[record["session"]["id"]] = record["session"]
+            elif "hold" in record:
+                if record["hold"] in sessions:
+                    for key in ("pools", "granted_pages", "reserve_pages", "usage"):
+                        sessions[record["hold"]][key] = record[key]
             elif "close" in record:
                 sessions.pop(record["close"], None)
             elif "limit" in record:
@@ -1017,6 +1052,7 @@ class BrokerServer:
             log.info("event=recovered sessions=%d dropped=%d torn_bytes=%d", kept, dropped, loaded.torn_bytes)
         self.ledger.drain_changes()
         store.write_snapshot(self._snapshot_state())
+        self._recorded = set(self.ledger.sessions)
 
     def _restore_session(self, record: dict[str, Any], now: float) -> None:
         self.ledger.open_session(

@@ -31,15 +31,18 @@ class Binding:
     version: int
     client: str = ""
     routing_id: bytes | None = None
-    replies: "OrderedDict[int, bytes]" = field(default_factory=OrderedDict)
+    replies: dict[int, bytes] = field(default_factory=dict)
 
     def cached_reply(self, request_id: int) -> bytes | None:
         return self.replies.get(request_id)
 
     def remember_reply(self, request_id: int, reply: bytes, limit: int) -> None:
-        self.replies[request_id] = reply
-        if len(self.replies) > limit:
-            self.replies.popitem(last=False)
+        """Keep at least the last ``limit`` replies (trimmed in bulk: amortised O(1))."""
+        replies = self.replies
+        replies[request_id] = reply
+        if len(replies) > 2 * limit:
+            for old in list(replies)[: len(replies) - limit]:
+                del replies[old]
 
 
 class HelloRateLimiter:
