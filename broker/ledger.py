@@ -125,7 +125,7 @@ class _ProcessAccount:
         return max(self.reported_bytes, self.measured_bytes)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Grant:
     """The answer to :meth:`Ledger.acquire`: ``pages`` granted (0 is a refusal, not an error)."""
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
 import zmq
 from zmq.backend import zmq_poll
 
@@ -69,6 +70,8 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
 _POLLIN = int(zmq.POLLIN)
+_decode_request = msgspec.msgpack.Decoder(proto.AnyRequest).decode
+_encode = msgspec.msgpack.Encoder().encode
 
 
 @dataclass
@@ -455,10 +458,14 @@ class BrokerServer:
 
     def _handle(self, rid: bytes, peer: Peer, body: bytes, now: float) -> bytes | None:
         try:
-            request = proto.decode_request(body)
-        except proto.ProtocolError as exc:
-            self.counters.bad_frames += 1
-            return proto.error_reply(exc.request_id, "bad_request", str(exc))
+            request = _decode_request(body)  # the socket's MAXMSGSIZE already bounds its size
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            try:
+                proto.decode_request(body)
+            except proto.ProtocolError as exc:  # the full path, for its one-line reason and the id
+                self.counters.bad_frames += 1
+                return proto.error_reply(exc.request_id, "bad_request", str(exc))
+            raise
         try:
             return self._handlers[type(request)](request, rid, peer, now)
         except BrokerError as exc:
@@ -513,7 +520,7 @@ class BrokerServer:
         return binding, None
 
     def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
-        reply = proto.ok_reply(request_id, result)
+        reply = _encode(proto.Reply(id=request_id, ok=True, result=result))
         binding.remember_reply(request_id, reply, self.table.reply_cache)
         return reply
 
