@@ -33,7 +33,7 @@ test-adapters: adapter-envs
 bench: $(STAMP)
 	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
 	mkdir -p bench-results
-	$(PY) benchmarks/grant_latency.py --json bench-results/grant_latency.json
+	$(PY) benchmarks/suite.py --out bench-results
 
 replay: $(STAMP)
 	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'

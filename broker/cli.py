@@ -18,10 +18,11 @@ from typing import Any, Sequence
 from msgspec import UNSET
 
 from ..client.admin import AdminClient
-from ..client.endpoint import EndpointError, resolve_endpoint, validate_endpoint
+from ..client.endpoint import EndpointError, resolve_endpoint
 from ..client.errors import BrokerError, BrokerUnavailable
-from ..client.units import SizeError, parse_headroom, parse_size
+from ..client.units import SizeError
 from . import __version__
+from . import config as serve_config
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 log = logging.getLogger("kvcached_broker")
@@ -32,57 +33,29 @@ class UsageError(Exception):
 
 
 # --------------------------------------------------------------------- types
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except SizeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _arg_type(parse, name: str):
+    """An argparse type from one of the config parsers, so flags and the file agree on values."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except (ValueError, SizeError, EndpointError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name  # argparse names the type in its error messages
+    return convert
+
+
+_size = _arg_type(serve_config.OPTIONS["simulate"][0], "size")
+_headroom = _arg_type(serve_config.OPTIONS["headroom"][0], "headroom")
+_non_negative_int = _arg_type(serve_config.OPTIONS["device"][0], "integer")
+_port = _arg_type(serve_config.OPTIONS["metrics_port"][0], "port")
+_positive_float = _arg_type(serve_config.OPTIONS["lease"][0], "number")
+_endpoint = _arg_type(serve_config.OPTIONS["endpoint"][0], "endpoint")
 
 
 def _size_or_none(text: str) -> int | None:
     return None if text.strip().lower() == "none" else _size(text)
-
-
-def _headroom(text: str) -> str:
-    try:
-        parse_headroom(text)
-    except SizeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"expected a port between 1 and 65535, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _endpoint(text: str) -> str:
-    try:
-        return validate_endpoint(text)
-    except EndpointError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # -------------------------------------------------------------------- parser
@@ -297,7 +270,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import config as serve_config
     from . import logs
     from .device import DeviceError, NvmlDevice, SimulatedDevice
     from .sdnotify import Notifier

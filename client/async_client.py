@@ -12,9 +12,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from . import protocol as proto
-from .core import RESUME_CODES, ClientCore, check_pages, check_pools
-from .device import resolve_device
-from .endpoint import resolve_endpoint
+from .core import RESUME_CODES, ClientCore, check_pages, check_pools, prepare
 from .errors import BrokerError, BrokerUnavailable, SessionEvicted
 from .transport import AsyncTransport, CurveKeys, Timeouts
 
@@ -49,20 +47,9 @@ class AsyncBrokerClient:
         client: str = "",
         limits: dict | None = None,
     ) -> "AsyncBrokerClient":
-        physical = resolve_device(device)
-        uuid = device_uuid or physical.uuid
-        target = resolve_endpoint(physical.index, uuid=uuid, endpoint=endpoint)
-        if target is None:
-            raise BrokerUnavailable("the broker is switched off (KVCACHED_BROKER=off)")
-        core = ClientCore(
-            instance=instance,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            page_bytes=page_bytes,
-            credit_pages=credit_pages,
-            device_uuid=uuid,
-            limits=limits,
-            client=client or "kvcached-broker-async-client",
+        core, target = prepare(
+            instance, device, tp_rank, tp_size, page_bytes, endpoint, credit_pages,
+            device_uuid=device_uuid, limits=limits, client=client or "kvcached-broker-async-client",
         )
         self = cls(core, AsyncTransport(target, Timeouts.from_env(timeout_s), curve=curve))
         try:

@@ -16,7 +16,9 @@ from typing import Any
 
 from . import protocol as proto
 from .credit import CreditReserve, default_credit_pages
-from .errors import BadRequest, BrokerError, SessionEvicted, error_from_wire
+from .device import resolve_device
+from .endpoint import resolve_endpoint
+from .errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted, error_from_wire
 
 #: Error codes after which a client re-opens its session with hello(resume) and retries.
 RESUME_CODES = frozenset({"not_owner", "unknown_session"})
@@ -121,6 +123,38 @@ class ClientCore:
         if isinstance(err, SessionEvicted):
             self.evicted = True
         return err
+
+
+def prepare(
+    instance: str,
+    device: int | str,
+    tp_rank: int,
+    tp_size: int,
+    page_bytes: int,
+    endpoint: str | None,
+    credit_pages: int | None,
+    *,
+    device_uuid: str | None,
+    limits: dict[str, Any] | None,
+    client: str,
+) -> tuple[ClientCore, str]:
+    """What ``connect`` does before any I/O: find the GPU and its broker, check the arguments."""
+    physical = resolve_device(device)
+    uuid = device_uuid or physical.uuid
+    target = resolve_endpoint(physical.index, uuid=uuid, endpoint=endpoint)
+    if target is None:
+        raise BrokerUnavailable("the broker is switched off (KVCACHED_BROKER=off)")
+    core = ClientCore(
+        instance=instance,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        page_bytes=page_bytes,
+        credit_pages=credit_pages,
+        device_uuid=uuid,
+        limits=limits,
+        client=client,
+    )
+    return core, target
 
 
 def _limits_request(limits: dict[str, Any] | None) -> proto.LimitsRequest | None:

@@ -14,9 +14,7 @@ import time
 from typing import Any, Callable
 
 from . import protocol as proto
-from .core import RESUME_CODES, ClientCore, check_pages, check_pools
-from .device import resolve_device
-from .endpoint import resolve_endpoint
+from .core import RESUME_CODES, ClientCore, check_pages, check_pools, prepare
 from .errors import BrokerError, BrokerUnavailable, SessionEvicted
 from .transport import CurveKeys, SyncTransport, Timeouts
 
@@ -65,20 +63,9 @@ class BrokerClient:
         ``endpoint=None`` means ``KVCACHED_BROKER`` (or the default ipc path).  Raises
         :class:`BrokerUnavailable` if the broker is off or does not answer.
         """
-        physical = resolve_device(device)
-        uuid = device_uuid or physical.uuid
-        target = resolve_endpoint(physical.index, uuid=uuid, endpoint=endpoint)
-        if target is None:
-            raise BrokerUnavailable("the broker is switched off (KVCACHED_BROKER=off)")
-        core = ClientCore(
-            instance=instance,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            page_bytes=page_bytes,
-            credit_pages=credit_pages,
-            device_uuid=uuid,
-            limits=limits,
-            client=client or f"kvcached-broker-client/{_version()}",
+        core, target = prepare(
+            instance, device, tp_rank, tp_size, page_bytes, endpoint, credit_pages,
+            device_uuid=device_uuid, limits=limits, client=client or f"kvcached-broker-client/{_version()}",
         )
         transport = SyncTransport(target, Timeouts.from_env(timeout_s), curve=curve)
         self = cls(core, transport, background=background)
