@@ -102,7 +102,7 @@ def load(path: Path) -> dict[str, Any]:
             raise TraceError(f"{path}:{number}: {type(exc).__name__}: {exc}") from None
     if gpu is None or not models:
         raise TraceError(f"{path}: needs one gpu line and at least one model line")
-    for name, points in demand.items():
+    for points in demand.values():
         points.sort()
     return {"gpu": gpu, "models": models, "demand": demand}
 
@@ -183,7 +183,6 @@ def run_worker(trace_path: str, model: str, policy: str, endpoint: str, start_at
 def run_policy(trace: dict[str, Any], trace_path: Path, policy: str, speed: float, workdir: Path) -> list[dict]:
     from ..client.admin import AdminClient
     from ..client.errors import BrokerUnavailable
-    from ..client.units import parse_headroom
 
     endpoint = f"ipc://{workdir}/{policy}.sock"
     gpu = trace["gpu"]

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from . import protocol as proto
 from .core import RESUME_CODES, ClientCore, check_pages, check_pools, prepare
-from .errors import BrokerError, BrokerUnavailable, SessionEvicted
+from .errors import BrokerError, SessionEvicted
 from .transport import AsyncTransport, CurveKeys, Timeouts
 
 log = logging.getLogger("kvcached_broker.client")

@@ -9,7 +9,6 @@ Socket paths live in short directories under /tmp because an ipc path may not ex
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import random
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kvcached_broker.client import BrokerClient
 
-from helpers import GIB, MIB
+from helpers import GIB
 
 CHURN = r"""
 import json, random, sys, time

@@ -8,7 +8,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvcached_broker.broker.ledger import DeviceInfo, Ledger, SessionState
 from kvcached_broker.client.errors import BadRequest, BudgetExceeded, LimitExceeded, Overcommitted, StaleRevision

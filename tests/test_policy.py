@@ -12,7 +12,7 @@ from kvcached_broker.broker.ledger import DeviceInfo, Ledger
 from kvcached_broker.broker.policy import PressureBook, fair_shares
 from kvcached_broker.client import BrokerClient
 
-from helpers import GIB, MIB, wait_for
+from helpers import GIB, wait_for
 
 DEVICE = DeviceInfo(0, "SIM-GPU-0", "sim", True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcached_broker.client import BrokerClient, BrokerUnavailable, SessionEvicted
+from kvcached_broker.client import BrokerClient, BrokerUnavailable
 
 from helpers import GIB, MIB, wait_for
 

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvcached_broker.client import BadRequest, BrokerClient, BudgetExceeded, NotOwner
+from kvcached_broker.client import BadRequest, BrokerClient, BudgetExceeded
 from kvcached_broker.client import protocol as proto
 
 from helpers import GIB, MIB
