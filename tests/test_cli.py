@@ -137,3 +137,27 @@ def test_demo_runs_and_exits_0():
     assert out.returncode == 0, out.stderr
     for name in ("deepseek-v4", "llama-a", "llama-b", "swa_kv_pool", "c4_indexer_kv_pool"):
         assert name in out.stdout
+
+
+def test_status_all_shows_every_gpus_broker_in_the_runtime_dir(short_tmp):
+    env = {**os.environ, "KVCACHED_BROKER_RUNTIME_DIR": str(short_tmp)}
+    env.pop("KVCACHED_BROKER", None)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--device", str(i),
+                          "--simulate", f"{8 * (i + 1)}GiB", "--no-state"], env=env, stderr=subprocess.DEVNULL)
+        for i in (0, 1)
+    ]
+    try:
+        from helpers import wait_for
+
+        wait_for(lambda: all((short_tmp / f"gpu{i}.sock").exists() for i in (0, 1)), what="two brokers")
+        out = wait_for(lambda: (r := cli("status", "--all", "--json", env=env)).returncode == 0 and r, what="status")
+        docs = json.loads(out.stdout)
+        assert [d["device"]["index"] for d in docs] == [0, 1]
+        assert [d["total_bytes"] for d in docs] == [8 * GIB, 16 * GIB]
+        table = cli("status", "--all", env=env)
+        assert table.stdout.count("(simulated)") == 2
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=10)
