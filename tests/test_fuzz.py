@@ -116,3 +116,20 @@ def test_fuzz_budget_was_spent():
     """Runs last in this file: proves the fuzzers above actually ran their examples."""
     assert COUNTS["bytes"] >= min(EXAMPLES, 100) and COUNTS["structured"] >= min(EXAMPLES, 100), COUNTS
     print(f"fuzz cases: {COUNTS}")
+
+
+def test_coverage_guided_fuzzing_with_atheris():
+    """libFuzzer-driven inputs (bounded runs); any crash or failed assertion fails the test."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("atheris")
+    runs = int(os.environ.get("ATHERIS_RUNS", "50000"))
+    target = Path(__file__).with_name("fuzz_atheris.py")
+    out = subprocess.run([sys.executable, str(target), f"-runs={runs}", "-max_len=512", "-seed=1"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"Done {runs} runs" in out.stderr
