@@ -1,11 +1,62 @@
-"""The vLLM patch set (filled in by the vLLM adapter modules)."""
+"""The vLLM patch set: what is hooked, where, and for which vLLM releases.
+
+Supported: ``vllm >=0.19.1,<0.34`` (verified on 0.19.1 and 0.33.0 against the real classes).
+Every patch is gated by that range, and each applies to whichever of its hook symbols the
+installed release has; a module holding none of them is a failed patch (an error only under
+``KVCACHED_REQUIRE=1``).  A release outside the range logs one skip per patch and runs
+without the broker.
+
+| concern | module | symbol |
+|---|---|---|
+| reservations | ``vllm.v1.worker.utils`` | ``allocate_kv_cache`` (0.33; defining module) |
+| reservations | ``vllm.v1.worker.gpu_model_runner`` | ``allocate_kv_cache`` (0.33) or ``GPUModelRunner._allocate_kv_cache_tensors`` (0.19) |
+| reservations | ``vllm.v1.worker.gpu.attn_utils`` | ``allocate_kv_cache`` (0.33) or ``_allocate_kv_cache`` (0.19) |
+| reservations | ``vllm.v1.hisparse.binding`` | ``allocate_kv_cache`` (0.33, optional) |
+| sizing | ``vllm.v1.worker.gpu_worker`` | ``Worker.determine_available_memory`` |
+| elastic blocks | ``vllm.v1.core.block_pool`` | ``BlockPool`` allocation methods |
+| elastic blocks | ``vllm.v1.core.kv_cache_manager`` | ``KVCacheManager.allocate_slots`` |
+| elastic blocks | ``vllm.v1.engine.core`` | ``EngineCore.__init__`` (attaches the gate) |
+"""
 
 from __future__ import annotations
 
-from ..patching import Patch
+import logging
 
-PATCHES: list[Patch] = []
+from ..patching import Patch
+from ..versions import in_range, installed
+from . import block_pool, engine, kv_cache_manager, kv_reservation, kv_sizing
+
+log = logging.getLogger("kvcached_broker.adapters.vllm")
+
+MINIMUM = "0.19.1"
+BELOW = "0.34"
+#: the first release verified to define ``allocate_kv_cache`` in ``vllm.v1.worker.utils``
+SHARED_BUFFER_MINIMUM = "0.33.0"
+
+
+def _patch(name: str, module: str, apply, *, minimum: str = MINIMUM, required: bool = True) -> Patch:
+    return Patch(name, "vllm", module, apply, minimum=minimum, below=BELOW, required=required)
+
+
+PATCHES: list[Patch] = [
+    _patch("vllm_kv_alloc_utils", "vllm.v1.worker.utils", kv_reservation.apply_allocate_kv_cache,
+           minimum=SHARED_BUFFER_MINIMUM),
+    _patch("vllm_kv_alloc_model_runner", "vllm.v1.worker.gpu_model_runner", kv_reservation.apply_gpu_model_runner),
+    _patch("vllm_kv_alloc_attn_utils", "vllm.v1.worker.gpu.attn_utils", kv_reservation.apply_attn_utils),
+    _patch("vllm_kv_alloc_hisparse", "vllm.v1.hisparse.binding", kv_reservation.apply_allocate_kv_cache,
+           minimum=SHARED_BUFFER_MINIMUM, required=False),
+    _patch("vllm_kv_sizing", "vllm.v1.worker.gpu_worker", kv_sizing.apply_gpu_worker),
+    _patch("vllm_elastic_block_pool", "vllm.v1.core.block_pool", block_pool.apply_block_pool),
+    _patch("vllm_elastic_allocate_slots", "vllm.v1.core.kv_cache_manager", kv_cache_manager.apply_kv_cache_manager),
+    _patch("vllm_elastic_engine_core", "vllm.v1.engine.core", engine.apply_engine_core),
+]
 
 
 def check_flags() -> None:
-    pass
+    """Say once, at startup, when the installed vLLM is outside the supported range."""
+    version = installed("vllm")
+    if version is not None and not in_range(version, MINIMUM, BELOW):
+        log.warning(
+            "event=vllm_unsupported version=%s supported=>=%s,<%s detail=patches_skipped_running_without_broker",
+            version, MINIMUM, BELOW,
+        )

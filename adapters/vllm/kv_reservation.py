@@ -1,0 +1,137 @@
+"""Report each GPU worker's KV buffer to its GPU's broker, once, with the per-group view.
+
+vLLM allocates the KV cache in one function, bound by name where it is used:
+
+* vLLM 0.33: ``vllm.v1.worker.utils.allocate_kv_cache(kv_cache_config, device, layout, ...)``,
+  imported into ``gpu_model_runner``, ``gpu.attn_utils`` and ``hisparse.binding``: each of
+  those module attributes is patched (and the defining one, for later importers);
+* vLLM 0.19: the method ``GPUModelRunner._allocate_kv_cache_tensors(kv_cache_config)`` and
+  ``gpu.attn_utils._allocate_kv_cache(kv_cache_config, device)`` (Model Runner V2).
+
+Around the allocation, on a preallocated (normal) buffer: the bytes are held as ``kv_static``
+*before* vLLM allocates (a refusal fails startup with a clear error and nothing allocated),
+then set to the bytes really allocated (each storage once).  The per-group view from the
+real ``KVCacheConfig`` goes along as ``usage``: shown in status as ``usage_breakdown``,
+never charged.  With an on-demand backing, nothing is held statically: the worker's
+:class:`~.worker_pages.WorkerKVPages` takes pages as the scheduler makes blocks usable.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from ...client import BudgetExceeded
+from ...client.units import format_bytes
+from .. import worker
+from ..backing import on_demand_backing
+from ..patching import PatchError
+from ..tensors import storage_bytes
+from ..worker import WorkerIdentity
+from . import kv_budget, kv_config, parallel, worker_pages
+
+log = logging.getLogger("kvcached_broker.adapters.vllm")
+
+_WRAPPED = "__kvcached_broker_wrapped__"
+
+
+def before_allocation(kv_cache_config: Any, device: Any) -> WorkerIdentity:
+    """Hold the planned buffer (static backing) before vLLM allocates it."""
+    identity = parallel.identity(device)
+    if on_demand_backing() is None:
+        _report(identity, kv_config.buffer_bytes(kv_cache_config), kv_cache_config, "the KV cache buffer")
+    return identity
+
+
+def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: Any) -> None:
+    """Charge what was allocated (static), or open the elastic pages (on-demand backing)."""
+    backing = on_demand_backing()
+    client = worker.session(identity)
+    if client is None:
+        return
+    if backing is not None:
+        worker.report(identity, kv_budget.REPORTER, {}, usage=kv_config.usage_breakdown(kv_cache_config))
+        worker_pages.open_pages(identity, client, backing, kv_cache_config)
+        return
+    allocated = storage_bytes(tensors) or kv_config.buffer_bytes(kv_cache_config)
+    _report(identity, allocated, kv_cache_config, "the allocated KV cache buffer")
+    log.info(
+        "event=vllm_kv_reserved rank=%d kv_static=%s groups=%d blocks=%d",
+        identity.tp_rank, format_bytes(allocated), len(kv_cache_config.kv_cache_groups), kv_cache_config.num_blocks,
+    )
+
+
+def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, what: str) -> None:
+    usage = kv_config.usage_breakdown(kv_cache_config)
+    try:
+        worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage)
+    except BudgetExceeded as exc:
+        client = worker.session(identity)
+        room = kv_budget.measure_room(client) if client is not None else None
+        if room is None:
+            raise
+        raise kv_budget.refusal(identity, room, buffer_bytes, what) from exc
+
+
+def wrap_allocate_function(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``allocate(kv_cache_config, device, ...)`` (0.33 and 0.19 module functions)."""
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def allocate(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        identity = before_allocation(kv_cache_config, device)
+        tensors = original(kv_cache_config, device, *args, **kwargs)
+        after_allocation(identity, kv_cache_config, tensors)
+        return tensors
+
+    setattr(allocate, _WRAPPED, True)
+    return allocate
+
+
+def wrap_allocate_method(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)`` (0.19)."""
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def allocate(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        identity = before_allocation(kv_cache_config, self.device)
+        tensors = original(self, kv_cache_config, *args, **kwargs)
+        after_allocation(identity, kv_cache_config, tensors)
+        return tensors
+
+    setattr(allocate, _WRAPPED, True)
+    return allocate
+
+
+def _wrap_attribute(owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    if name not in vars(owner):
+        return False
+    setattr(owner, name, wrap(getattr(owner, name)))
+    return True
+
+
+def apply_allocate_kv_cache(module: Any) -> None:
+    """Patch a module that defines or imports ``allocate_kv_cache`` (vLLM 0.33)."""
+    if not _wrap_attribute(module, "allocate_kv_cache", wrap_allocate_function):
+        raise PatchError(f"{module.__name__} has no allocate_kv_cache")
+
+
+def apply_gpu_model_runner(module: Any) -> None:
+    """``allocate_kv_cache`` bound in the module (0.33), or the runner's method (0.19)."""
+    patched = _wrap_attribute(module, "allocate_kv_cache", wrap_allocate_function)
+    runner = getattr(module, "GPUModelRunner", None)
+    if runner is not None:
+        patched = _wrap_attribute(runner, "_allocate_kv_cache_tensors", wrap_allocate_method) or patched
+    if not patched:
+        raise PatchError(f"{module.__name__} has neither allocate_kv_cache nor GPUModelRunner._allocate_kv_cache_tensors")
+
+
+def apply_attn_utils(module: Any) -> None:
+    """``allocate_kv_cache`` bound in the module (0.33), or its own ``_allocate_kv_cache`` (0.19)."""
+    patched = _wrap_attribute(module, "allocate_kv_cache", wrap_allocate_function)
+    patched = _wrap_attribute(module, "_allocate_kv_cache", wrap_allocate_function) or patched
+    if not patched:
+        raise PatchError(f"{module.__name__} has neither allocate_kv_cache nor _allocate_kv_cache")

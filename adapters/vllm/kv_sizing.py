@@ -1,0 +1,103 @@
+"""Size vLLM's KV cache by what this GPU's broker can grant.
+
+``Worker.determine_available_memory`` returns the bytes vLLM may spend on KV cache, from a
+profile or from ``cache_config.kv_cache_memory_bytes``.  The patch caps that figure at what
+the broker can grant this worker after its other reservations, and holds it (as
+``kv_static``) right away, so no co-located instance can take it before vLLM allocates.
+
+* A profiled figure above the broker's room is lowered to the room (logged).
+* An explicit ``kv_cache_memory_bytes`` is honoured exactly or not at all: above the room,
+  the worker fails at startup rather than silently running with less than it was told.
+* Below what one ``max_model_len`` request needs, the worker fails at startup with a
+  :class:`~.kv_budget.KVCacheBudgetError` naming the broker, the budget and what others hold.
+* With an on-demand backing registered (elastic KV), the buffer is virtual: the figure is
+  capped at the most the broker could ever grant, and nothing is held (pages are granted
+  as blocks are used).
+
+All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from typing import Any, Callable
+
+from ...client.units import format_bytes
+from .. import worker
+from ..backing import on_demand_backing
+from ..patching import PatchError
+from . import kv_budget, parallel
+
+log = logging.getLogger("kvcached_broker.adapters.vllm")
+
+_WRAPPED = "__kvcached_broker_wrapped__"
+
+
+def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
+    """The KV bytes this worker may use: vLLM's figure, capped (and held) by the broker."""
+    identity = parallel.identity(vllm_worker.device)
+    client = worker.session(identity)
+    if client is None:
+        return available_bytes
+    room = kv_budget.measure_room(client)
+    elastic = on_demand_backing() is not None
+    limit = room.ceiling_bytes if elastic else room.grantable_bytes
+    explicit = getattr(vllm_worker.cache_config, "kv_cache_memory_bytes", None)
+    needed = min_kv_bytes(vllm_worker)
+    if explicit and explicit > limit:
+        raise kv_budget.refusal(identity, room, int(explicit), "kv_cache_memory_bytes")
+    capped = min(int(available_bytes), limit)
+    if capped < needed or capped <= 0:
+        raise kv_budget.refusal(identity, room, max(needed, 1), "the KV cache one max_model_len request needs")
+    if not elastic:
+        capped = kv_budget.hold(identity, client, capped, needed)
+    log.info(
+        "event=vllm_kv_sized rank=%d vllm=%s broker_limit=%s kv=%s elastic=%s",
+        identity.tp_rank, format_bytes(int(available_bytes)), format_bytes(limit), format_bytes(capped), elastic,
+    )
+    return capped
+
+
+def min_kv_bytes(vllm_worker: Any) -> int:
+    """Bytes of KV one ``max_model_len`` request needs (vLLM's own estimate); 1 if unknown."""
+    estimate = _max_memory_usage_function()
+    try:
+        specs = vllm_worker.model_runner.get_kv_cache_spec()
+        if estimate is None or not specs:
+            return 1
+        return max(1, int(estimate(vllm_worker.vllm_config, specs.values())))
+    except (AttributeError, AssertionError, TypeError, ValueError):
+        return 1
+
+
+def _max_memory_usage_function() -> Callable[..., int] | None:
+    for module in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        try:
+            found = getattr(importlib.import_module(module), "max_memory_usage_bytes", None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+def wrap_determine_available_memory(original: Callable[[Any], int]) -> Callable[[Any], int]:
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def determine_available_memory(self: Any) -> int:
+        return cap_available_memory(self, original(self))
+
+    setattr(determine_available_memory, _WRAPPED, True)
+    return determine_available_memory
+
+
+def apply_gpu_worker(module: Any) -> None:
+    """Patch ``vllm.v1.worker.gpu_worker.Worker.determine_available_memory``."""
+    cls = getattr(module, "Worker", None)
+    if cls is None or "determine_available_memory" not in vars(cls):
+        raise PatchError(f"{module.__name__}.Worker has no determine_available_memory")
+    cls.determine_available_memory = wrap_determine_available_memory(cls.determine_available_memory)

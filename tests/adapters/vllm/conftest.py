@@ -1,0 +1,82 @@
+"""vLLM adapter tests: real vLLM classes from the overlay, real brokers, patches applied once.
+
+Each test gets a fresh adapter state: the worker's broker session points at the test's
+broker, no on-demand backing is registered unless the test registers one, and no elastic
+pages survive it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvcached_broker.adapters import backing, worker
+from kvcached_broker.client import BrokerClient
+
+
+def _require_runtime():
+    """``tests/adapters/conftest.py``'s ``require_runtime`` (loaded by path: conftests share a name)."""
+    path = Path(__file__).resolve().parents[1] / "conftest.py"
+    spec = importlib.util.spec_from_file_location("kvcached_broker_adapter_tests_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.require_runtime
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_version() -> str:
+    """The overlay's vLLM version (outside an overlay run, every test here is skipped)."""
+    found = _require_runtime()("vllm")
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    return found
+
+
+@pytest.fixture(scope="session")
+def patched_vllm():
+    """Import the hooked vLLM modules and apply the adapter's patches (idempotent)."""
+    import vllm.v1.core.block_pool  # noqa: F401
+    import vllm.v1.core.kv_cache_manager  # noqa: F401
+    import vllm.v1.engine.core  # noqa: F401
+    import vllm.v1.worker.gpu.attn_utils  # noqa: F401
+    import vllm.v1.worker.gpu_model_runner  # noqa: F401
+    import vllm.v1.worker.gpu_worker  # noqa: F401
+
+    from kvcached_broker.adapters import autopatch
+
+    return autopatch.apply(["vllm"])
+
+
+def connect_to(endpoint: str, credit_pages: int | None = 0):
+    def factory(identity):
+        return BrokerClient.connect(
+            identity.instance_name(), endpoint=endpoint, tp_rank=identity.tp_rank, tp_size=identity.tp_size,
+            page_bytes=identity.page_bytes, credit_pages=credit_pages,
+        )
+
+    return factory
+
+
+@pytest.fixture
+def adapter_state(monkeypatch):
+    """Reset the worker session, elastic pages and backing around a test."""
+    from kvcached_broker.adapters.vllm import worker_pages
+
+    monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "vllm-test")
+    yield
+    worker_pages.forget()
+    worker.reset()
+    worker.client_factory = None
+    backing.register_on_demand_backing(None)
+
+
+@pytest.fixture
+def gpu_broker(inproc_factory, adapter_state):
+    """A simulated 1 GiB GPU whose broker this process's vLLM worker session talks to."""
+    from helpers import GIB
+
+    b = inproc_factory(total_bytes=GIB)
+    worker.client_factory = connect_to(b.endpoint)
+    return b

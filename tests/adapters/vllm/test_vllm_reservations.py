@@ -1,0 +1,153 @@
+"""Each worker reports its KV buffer once, with the per-group view as ``usage_breakdown``.
+
+The configs come from vLLM's own planner; the allocation is vLLM's own function, called
+through the module attribute the GPU model runner uses, with the adapter's patch on it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcached_broker.adapters import worker
+from kvcached_broker.adapters.tensors import storage_bytes
+from kvcached_broker.adapters.vllm import kv_config, parallel
+from kvcached_broker.adapters.vllm.kv_budget import KVCacheBudgetError
+from kvcached_broker.client import BrokerClient
+
+import vllm_shapes as shapes
+from helpers import GIB, MIB
+
+V4_POOLS = {"swa_kv_pool", "c4_kv_pool", "c128_kv_pool", "c4_indexer_kv_pool", "compress_state_pools"}
+
+
+def allocate(vc, kv_cfg):
+    """Allocate ``kv_cfg`` on CPU the way this release's GPU model runner does, through the patch."""
+    from vllm.v1.worker import gpu_model_runner
+
+    if hasattr(gpu_model_runner, "allocate_kv_cache"):  # 0.33: the name bound in the runner's module
+        return gpu_model_runner.allocate_kv_cache(kv_cfg, torch.device("cpu"), shapes.layout_of(vc))
+    runner = object.__new__(gpu_model_runner.GPUModelRunner)  # 0.19: the runner's own method
+    runner.device = torch.device("cpu")
+    runner.runner_only_attn_layers = set()
+    return runner._allocate_kv_cache_tensors(kv_cfg)
+
+
+def instance(status, name="vllm-test"):
+    """The instance entry holding this worker's session (or, for ``name``, that instance)."""
+    if name != "vllm-test":
+        return next(i for i in status["instances"] if i["name"] == name)
+    session_id = worker.session(parallel.identity(0)).session_id
+    return next(i for i in status["instances"] if any(s["id"] == session_id for s in i["sessions"]))
+
+
+def expected_views(kv_cfg, name_of):
+    """Bytes each role's layers address, computed here from the specs, not by the adapter."""
+    views: dict[str, int] = {}
+    for _, layer, spec in kv_config.layer_specs(kv_cfg):
+        views[name_of(layer)] = views.get(name_of(layer), 0) + kv_cfg.num_blocks * spec.page_size_bytes
+    return views
+
+
+def v4_role(layer: str) -> str:
+    if layer.endswith("indexer.k_cache"):
+        return "c4_indexer_kv_pool"
+    if layer.endswith("state_cache"):
+        return "compress_state_pools"
+    if layer.endswith("swa_cache"):
+        return "swa_kv_pool"
+    index = int(layer.split(".")[2])
+    return f"c{shapes.RATIOS[index]}_kv_pool"
+
+
+def test_deepseek_v4_buffer_is_charged_once_and_shows_the_v4_groups(patched_vllm, gpu_broker):
+    if not shapes.has_v4_specs():
+        pytest.skip("this vLLM has no DeepSeek-V4 spec fields (model_version, tokens_per_state)")
+    vc, kv_cfg = shapes.dsv4_config(64 * MIB)
+    sizes = [t.size for t in kv_cfg.kv_cache_tensors]
+    assert len(kv_cfg.kv_cache_groups) == 5 and len(set(sizes)) == 1 and len(sizes) == 8  # 8 views of 1 buffer
+
+    caches = allocate(vc, kv_cfg)
+
+    buffer = sizes[0]
+    assert storage_bytes(caches) == buffer  # vLLM really made one allocation of that size
+    inst = instance(gpu_broker.status())
+    assert inst["pools"] == {"kv_static": buffer}
+    assert inst["reserved_bytes"] == buffer < sum(sizes)
+    assert gpu_broker.status()["free_bytes"] == GIB - buffer
+    assert set(inst["usage_breakdown"]) == V4_POOLS
+    assert inst["usage_breakdown"] == expected_views(kv_cfg, v4_role)
+    assert inst["sessions"][0]["usage_breakdown"] == inst["usage_breakdown"]
+
+
+def test_a_plain_hybrid_model_is_charged_once_with_one_view_per_group(patched_vllm, gpu_broker):
+    vc, kv_cfg = shapes.hybrid_config(16 * MIB)
+    caches = allocate(vc, kv_cfg)
+
+    allocated = storage_bytes(caches)
+    inst = instance(gpu_broker.status())
+    assert inst["pools"] == {"kv_static": allocated} and allocated == kv_config.buffer_bytes(kv_cfg)
+    assert allocated <= 16 * MIB  # what the planner was given, whatever each release's tensors report
+    names = [kv_config.group_pool_name(i, g.kv_cache_spec) for i, g in enumerate(kv_cfg.kv_cache_groups)]
+    assert names == ["kv_group0_full_attention", "kv_group1_sliding_window"]
+    per_group = {name: kv_cfg.num_blocks * g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                 for name, g in zip(names, kv_cfg.kv_cache_groups)}
+    assert inst["usage_breakdown"] == per_group
+
+
+def test_a_mla_indexer_model_without_v4_fields_is_reported_per_group(patched_vllm, gpu_broker):
+    vc, kv_cfg = shapes.mla_config(32 * MIB)
+    caches = allocate(vc, kv_cfg)
+
+    inst = instance(gpu_broker.status())
+    assert inst["pools"] == {"kv_static": storage_bytes(caches)}
+    assert list(inst["usage_breakdown"]) == ["kv_group0_mla_attention"]
+    assert inst["usage_breakdown"]["kv_group0_mla_attention"] == kv_config.buffer_bytes(kv_cfg)
+
+
+def test_reallocating_replaces_the_charge(patched_vllm, gpu_broker):
+    vc, big = shapes.hybrid_config(32 * MIB)
+    allocate(vc, big)
+    vc, small = shapes.hybrid_config(8 * MIB)
+    allocate(vc, small)
+    assert instance(gpu_broker.status())["pools"] == {"kv_static": kv_config.buffer_bytes(small)}
+
+
+def test_a_buffer_the_broker_cannot_grant_fails_before_it_is_allocated(patched_vllm, gpu_broker, monkeypatch):
+    other = BrokerClient.connect("sglang-neighbour", endpoint=gpu_broker.endpoint, credit_pages=0)
+    other.reserve({"weights": GIB - 8 * MIB})
+    zeros_calls = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: zeros_calls.append(a) or real_zeros(*a, **k))
+    vc, kv_cfg = shapes.hybrid_config(16 * MIB)
+
+    with pytest.raises(KVCacheBudgetError) as caught:
+        allocate(vc, kv_cfg)
+
+    message = str(caught.value)
+    assert gpu_broker.endpoint in message and "budget" in message and "sglang-neighbour" in message
+    assert "\n" not in message
+    assert zeros_calls == []  # refused before vLLM touched the device
+    assert instance(gpu_broker.status(), "sglang-neighbour")["reserved_bytes"] == GIB - 8 * MIB
+    assert instance(gpu_broker.status())["reserved_bytes"] == 0
+    other.close()
+
+
+def test_every_binding_site_calls_the_patched_function(patched_vllm):
+    import importlib
+
+    wrapped = "__kvcached_broker_wrapped__"
+    sites = {
+        "vllm.v1.worker.utils": "allocate_kv_cache",
+        "vllm.v1.worker.gpu_model_runner": "allocate_kv_cache",
+        "vllm.v1.worker.gpu.attn_utils": "allocate_kv_cache",
+        "vllm.v1.hisparse.binding": "allocate_kv_cache",
+    }
+    from vllm.v1.worker import gpu_model_runner
+
+    if not hasattr(gpu_model_runner, "allocate_kv_cache"):  # 0.19: the method and attn_utils' own helper
+        sites = {"vllm.v1.worker.gpu.attn_utils": "_allocate_kv_cache"}
+        assert getattr(gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors, wrapped, False)
+    for module_name, name in sites.items():
+        module = importlib.import_module(module_name)
+        assert getattr(getattr(module, name), wrapped, False), f"{module_name}.{name} is not patched"
