@@ -115,8 +115,8 @@ def dsv4_config(kv_bytes: int) -> tuple[Any, Any]:
     return vc, planner().get_kv_cache_config_from_groups(vc, groups, kv_bytes)
 
 
-def hybrid_config(kv_bytes: int, layers: int = 4) -> tuple[Any, Any]:
-    """A full-attention + sliding-window model (two cache groups)."""
+def hybrid_specs(layers: int = 4) -> dict[str, Any]:
+    """Alternating full-attention and 128-token sliding-window layers (bf16, 2 KV heads of 64)."""
     m = kvi()
     specs = {}
     for layer in range(layers):
@@ -126,6 +126,12 @@ def hybrid_config(kv_bytes: int, layers: int = 4) -> tuple[Any, Any]:
         else:
             specs[f"model.layers.{layer}.attn"] = m.SlidingWindowSpec(
                 block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128)
+    return specs
+
+
+def hybrid_config(kv_bytes: int, layers: int = 4) -> tuple[Any, Any]:
+    """A full-attention + sliding-window model (two cache groups)."""
+    specs = hybrid_specs(layers)
     vc = vllm_config()
     vc.scheduler_config.disable_hybrid_kv_cache_manager = False
     _any_layout(vc, specs)
