@@ -1,16 +1,97 @@
-"""The SGLang patch set (filled in by the SGLang adapter modules)."""
+"""The SGLang patch set: what is hooked, where, and for which SGLang releases.
+
+Supported: ``sglang >=0.5.12,<0.5.24`` (0.5.12 is the first release with DeepSeek-V4 pools;
+verified against the real classes of 0.5.12, 0.5.13.post1 and 0.5.23).  A release outside the
+range logs one warning and one skip per patch, and runs without the broker (with
+``KVCACHED_REQUIRE=1`` the skip is an error instead).
+
+| concern | module | symbol | releases |
+|---|---|---|---|
+| DSV4 reservations | ``mem_cache.deepseek_v4_memory_pool`` | ``DeepSeekV4TokenToKVPool.__init__`` | all |
+| DSV4 reservations | ``mem_cache.dsv41_request_window`` | ``RequestWindow._ensure_workspace`` | 0.5.21+ |
+| KV sizing, ``kv_static`` | ``mem_cache.kv_cache_configurator`` | ``KVCacheConfigurator`` | 0.5.16+ |
+| KV sizing, ``kv_static`` | ``model_executor.model_runner_kv_cache_mixin`` | ``ModelRunnerKVCacheMixin`` | 0.5.12-0.5.15 |
+| paged allocator | ``mem_cache.allocator`` | ``PagedTokenToKVPoolAllocator`` (module or package) | all |
+| paged allocator | ``mem_cache.allocator.swa`` | the name the SWA allocator builds from | 0.5.13+ |
+| paged allocator | ``mem_cache.swa_memory_pool`` | the same, legacy layout | 0.5.12 |
+| paged allocator | ``mem_cache.kv_cache_configurator`` | the name pools are built from | 0.5.16+ |
+| paged allocator | ``model_executor.model_runner_kv_cache_mixin`` | the same, before the configurator | 0.5.12-0.5.15 |
+
+``PATCHES`` is computed when read: the patches for the installed release's module layout
+(every patch when the release is outside the supported range, so that each logs its skip).
+``ALL_PATCHES`` lists every patch of every layout.
+"""
 
 from __future__ import annotations
 
+import logging
+
 from .. import flags
 from ..patching import Patch, PatchError
+from ..versions import in_range, installed
+from . import dsv4_reservation, kv_sizing, paged_allocator
 
-PATCHES: list[Patch] = []
+log = logging.getLogger("kvcached_broker.adapters.sglang")
+
+MINIMUM = "0.5.12"
+BELOW = "0.5.24"
+CONFIGURATOR = "0.5.16"  # KVCacheConfigurator replaces the model-runner mixin
+PACKAGE_LAYOUT = "0.5.13"  # the allocator module becomes a package
+REQUEST_WINDOW = "0.5.21"
+
+_MEM = "sglang.srt.mem_cache"
+_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
+
+
+def _patch(name: str, module: str, apply, minimum: str = MINIMUM, below: str = BELOW) -> Patch:
+    return Patch(name, "sglang", module, apply, minimum=minimum, below=below)
+
+
+ALL_PATCHES: list[Patch] = [
+    _patch("sglang_dsv4_pool_reservation", f"{_MEM}.deepseek_v4_memory_pool", dsv4_reservation.apply_memory_pool),
+    _patch("sglang_dsv4_request_window", f"{_MEM}.dsv41_request_window", dsv4_reservation.apply_request_window,
+           minimum=REQUEST_WINDOW),
+    _patch("sglang_kv_sizing_configurator", f"{_MEM}.kv_cache_configurator", kv_sizing.apply_configurator,
+           minimum=CONFIGURATOR),
+    _patch("sglang_kv_sizing_mixin", _MIXIN, kv_sizing.apply_mixin, below=CONFIGURATOR),
+    _patch("sglang_paged_allocator", f"{_MEM}.allocator", paged_allocator.apply_binding),
+    _patch("sglang_paged_allocator_swa", f"{_MEM}.allocator.swa", paged_allocator.apply_binding,
+           minimum=PACKAGE_LAYOUT),
+    _patch("sglang_paged_allocator_swa_legacy", f"{_MEM}.swa_memory_pool", paged_allocator.apply_binding,
+           below=PACKAGE_LAYOUT),
+    _patch("sglang_paged_allocator_configurator", f"{_MEM}.kv_cache_configurator", paged_allocator.apply_binding,
+           minimum=CONFIGURATOR),
+    _patch("sglang_paged_allocator_mixin", _MIXIN, paged_allocator.apply_binding, below=CONFIGURATOR),
+]
+
+
+def supported(version: str | None) -> bool:
+    return version is not None and in_range(version, MINIMUM, BELOW)
+
+
+def patches_for(version: str | None) -> list[Patch]:
+    """The patches for ``version``'s module layout; every patch outside the supported range."""
+    if not supported(version):
+        return list(ALL_PATCHES)
+    return [p for p in ALL_PATCHES if in_range(version, p.minimum, p.below)]
+
+
+def __getattr__(name: str):
+    if name == "PATCHES":
+        return patches_for(installed("sglang"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_flags() -> None:
+    """Refuse the unimplemented pool bridge; say once when the installed SGLang is unsupported."""
     if flags.dsv4_kv_pool_bridge():
         raise PatchError(
             "KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE=1 is not supported: bridging a DeepSeek-V4 pool into elastic "
             "management is future work; unset it (the V4 pools stay runtime-owned and are reported as reservations)"
+        )
+    version = installed("sglang")
+    if version is not None and not supported(version):
+        log.warning(
+            "event=sglang_unsupported version=%s supported=>=%s,<%s detail=patches_skipped_running_without_broker",
+            version, MINIMUM, BELOW,
         )

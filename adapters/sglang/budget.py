@@ -1,0 +1,77 @@
+"""What the broker can still grant this worker, and the startup error when it is not enough.
+
+The room is read from the broker's status document (DESIGN §7):
+
+``grantable_bytes = free_bytes - unfilled floors of the other instances``, further capped by
+this instance's own ``max_bytes`` (what it already holds counts against the cap), and 0 when
+the device is overcommitted.  That is the most a reservation made now could grow by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...client import BrokerClient
+from ...client.units import format_bytes
+
+
+class BrokerBudgetError(RuntimeError):
+    """This worker cannot get the memory it needs to start from its GPU's broker.  One line."""
+
+
+@dataclass(frozen=True)
+class BrokerRoom:
+    endpoint: str
+    instance: str
+    budget_bytes: int
+    free_bytes: int
+    grantable_bytes: int
+    #: instance name -> bytes it is charged, for every other instance on this GPU
+    others_bytes: dict[str, int] = field(default_factory=dict)
+
+    def describe_others(self) -> str:
+        if not self.others_bytes:
+            return "no other instance holds memory"
+        ranked = sorted(self.others_bytes.items(), key=lambda kv: (-kv[1], kv[0]))
+        return "other instances hold " + ", ".join(f"{name} {format_bytes(size)}" for name, size in ranked)
+
+
+def _charged(instance: dict[str, Any]) -> int:
+    if "charged_bytes" in instance:
+        return int(instance["charged_bytes"])
+    return int(instance["reserved_bytes"]) + int(instance["granted_bytes"]) + int(instance.get("unreported_bytes", 0))
+
+
+def room_from_status(status: dict[str, Any], instance: str, endpoint: str) -> BrokerRoom:
+    """The room for ``instance`` described by one status document."""
+    own = next((i for i in status["instances"] if i["name"] == instance), None)
+    others = [i for i in status["instances"] if i["name"] != instance]
+    floors_bytes = sum(max(0, int(i.get("min_bytes") or 0) - _charged(i)) for i in others)
+    grantable = int(status["free_bytes"]) - floors_bytes
+    if own is not None and own.get("max_bytes") is not None:
+        grantable = min(grantable, int(own["max_bytes"]) - _charged(own))
+    if status.get("overcommitted"):
+        grantable = 0
+    return BrokerRoom(
+        endpoint=endpoint,
+        instance=instance,
+        budget_bytes=int(status["budget_bytes"]),
+        free_bytes=int(status["free_bytes"]),
+        grantable_bytes=max(0, grantable),
+        others_bytes={i["name"]: _charged(i) for i in others if _charged(i) > 0},
+    )
+
+
+def measure_room(client: BrokerClient, instance: str) -> BrokerRoom:
+    return room_from_status(client.status(), instance, client.endpoint)
+
+
+def refusal(room: BrokerRoom, needed_bytes: int, what: str) -> BrokerBudgetError:
+    """The startup error: names the broker, the budget and what the other instances hold."""
+    return BrokerBudgetError(
+        f"kvcached-broker at {room.endpoint} cannot give SGLang instance {room.instance!r} "
+        f"{format_bytes(needed_bytes)} for {what}: it can grant {format_bytes(room.grantable_bytes)} "
+        f"(budget {format_bytes(room.budget_bytes)}, free {format_bytes(room.free_bytes)}); "
+        f"{room.describe_others()}"
+    )

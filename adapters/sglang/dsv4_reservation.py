@@ -1,0 +1,115 @@
+"""DeepSeek-V4 runtime-owned pools as per-pool reservations (``KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION``).
+
+SGLang keeps ownership of the V4 side pools (SWA, compressed C4/C128 KV, indexer K,
+compressor state): the adapter only accounts for them, so co-located models cannot overbook
+memory this worker holds.  Hook points:
+
+* ``DeepSeekV4TokenToKVPool.__init__`` (in ``sglang.srt.mem_cache.deepseek_v4_memory_pool``,
+  the class itself, so every construction site and subclass is covered): measure and report
+  right after the pool is built.
+* the sites that build it (``KVCacheConfigurator._init_pools`` in 0.5.16+,
+  ``ModelRunnerKVCacheMixin._init_pools`` before): measure again once construction,
+  including any platform subclass, is complete (see ``kv_sizing``).
+* ``RequestWindow._ensure_workspace`` (0.5.21+): the DSV4.1 request window grows its
+  workspace lazily; the owning pool is measured again when it does.
+
+The flag is read each time a pool is built, never frozen at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any, Callable
+
+from .. import flags
+from ..patching import PatchError
+from . import dsv4_pools, pool_bytes, reporting, tp
+
+log = logging.getLogger("kvcached_broker.adapters.sglang")
+
+_WRAPPED = "__kvcached_broker_wrapped__"
+_windows: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+_said_off = False
+
+
+def is_dsv4_pool(pool: Any) -> bool:
+    """True for a DeepSeek-V4 token-to-KV pool (or a platform subclass of it)."""
+    return any(cls.__name__ == "DeepSeekV4TokenToKVPool" for cls in type(pool).__mro__)
+
+
+def register(pool: Any) -> dict[str, int] | None:
+    """Measure ``pool`` and report its runtime-owned pools; returns what was reported.
+
+    None when the flag is off, the pool is managed, or the worker runs unprotected.
+    """
+    global _said_off
+    if not flags.dsv4_runtime_reservation():
+        if not _said_off:
+            _said_off = True
+            log.warning("event=dsv4_reservation_off detail=KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION=0_pools_not_reported")
+        return None
+    if pool_bytes.is_managed(pool):
+        return None
+    pools = dsv4_pools.measure(pool)
+    identity = tp.identity(getattr(pool, "device", None))
+    _track_window(pool)
+    if not reporting.report_pool(identity, pool, "dsv4", pools, "DeepSeek-V4 runtime-owned pools"):
+        return None
+    return pools
+
+
+def _track_window(pool: Any) -> None:
+    window = getattr(pool, "request_window", None)
+    if window is not None:
+        try:
+            _windows[window] = weakref.ref(pool)
+        except TypeError:
+            pass
+
+
+def wrap_init(original: Callable[..., None]) -> Callable[..., None]:
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        register(self)
+
+    setattr(__init__, _WRAPPED, True)
+    return __init__
+
+
+def apply_memory_pool(module: Any) -> None:
+    """Patch ``DeepSeekV4TokenToKVPool.__init__`` in ``deepseek_v4_memory_pool``."""
+    cls = getattr(module, "DeepSeekV4TokenToKVPool", None)
+    if cls is None or "__init__" not in vars(cls):
+        raise PatchError(f"{module.__name__} has no DeepSeekV4TokenToKVPool.__init__")
+    cls.__init__ = wrap_init(cls.__init__)
+
+
+def wrap_ensure_workspace(original: Callable[..., None]) -> Callable[..., None]:
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def _ensure_workspace(self: Any, *args: Any, **kwargs: Any) -> None:
+        before = getattr(self, "workspace", None)
+        original(self, *args, **kwargs)
+        owner_ref = _windows.get(self)
+        owner = owner_ref() if owner_ref is not None else None
+        if owner is not None and getattr(self, "workspace", None) is not before:
+            register(owner)
+
+    setattr(_ensure_workspace, _WRAPPED, True)
+    return _ensure_workspace
+
+
+def apply_request_window(module: Any) -> None:
+    """Patch ``RequestWindow._ensure_workspace`` in ``dsv41_request_window`` (0.5.21+)."""
+    cls = getattr(module, "RequestWindow", None)
+    if cls is None or "_ensure_workspace" not in vars(cls):
+        raise PatchError(f"{module.__name__} has no RequestWindow._ensure_workspace")
+    cls._ensure_workspace = wrap_ensure_workspace(cls._ensure_workspace)

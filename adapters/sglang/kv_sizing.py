@@ -1,0 +1,206 @@
+"""Size SGLang's KV cache by what this GPU's broker can grant, and charge what gets built.
+
+SGLang decides its KV capacity from ``_profile_available_bytes(pre_model_load_memory)``: the
+free device memory after loading weights, less the ``mem_fraction_static`` slack.  Two
+co-located models both see the same free memory.  This module patches, on
+``KVCacheConfigurator`` (0.5.16+) or ``ModelRunnerKVCacheMixin`` (0.5.12-0.5.15):
+
+* ``_profile_available_bytes``: the figure is capped at what the broker can grant this
+  worker now (``budget.BrokerRoom.grantable_bytes``), held at once as ``kv_sizing_hold`` so
+  no other instance can take it before the pools exist, and min-reduced over SGLang's world
+  group so every rank sizes alike.  Nothing grantable is a startup error naming the broker,
+  the budget and what the other instances hold.
+* ``_resolve_memory_pool_config``: if the capped budget is too small for the runtime to
+  build a pool, its failure is re-raised with that same broker context.
+* ``_init_pools``: once the pools exist, a DeepSeek-V4 pool is measured again per pool
+  (``dsv4_reservation``); any other pool is charged as one ``kv_static`` reservation
+  (unless it is broker-managed, i.e. elastic); then the hold is dropped.
+
+With an on-demand backing registered (elastic KV, ``adapters/backing.py``) the KV buffer is
+virtual: the figure is still capped, but nothing is held; pages are granted as they are used.
+All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ...client import BudgetExceeded
+from ...client.units import format_bytes
+from .. import worker
+from ..backing import on_demand_backing
+from ..patching import PatchError
+from . import budget, dsv4_reservation, pool_bytes, reporting, tp
+
+log = logging.getLogger("kvcached_broker.adapters.sglang")
+
+_WRAPPED = "__kvcached_broker_wrapped__"
+_HOLD_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class SizingDecision:
+    runtime_bytes: int  # what SGLang's own profile said
+    capped_bytes: int  # what it was given
+    room: budget.BrokerRoom | None  # the broker's view when deciding (None: unprotected)
+
+    @property
+    def lowered(self) -> bool:
+        return self.capped_bytes < self.runtime_bytes
+
+
+_last = threading.local()
+
+
+def last_decision() -> SizingDecision | None:
+    """The sizing decision this thread made last (tests, and the config-failure message)."""
+    return getattr(_last, "decision", None)
+
+
+def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = None) -> int:
+    """The KV budget SGLang may use: its own figure, capped (and held) by the broker."""
+    identity = tp.identity(device, gpu_id)
+    client = worker.session(identity)
+    room, local_bytes = None, int(runtime_bytes)
+    if client is not None:
+        room, local_bytes = _hold_what_fits(client, identity, int(runtime_bytes))
+    agreed_bytes = tp.world_group().reduce_min(local_bytes)  # every rank calls it, on every path
+    _last.decision = SizingDecision(int(runtime_bytes), agreed_bytes, room)
+    if room is None:
+        return agreed_bytes
+    if agreed_bytes <= 0:
+        raise budget.refusal(room, max(1, int(runtime_bytes)), "its KV cache")
+    if reporting.held_bytes(identity) > agreed_bytes:
+        reporting.hold(identity, agreed_bytes)  # another rank got less: keep only the agreed size
+    log.info(
+        "event=sglang_kv_sized device=%s rank=%d runtime=%s broker_grantable=%s kv=%s elastic=%s",
+        identity.device, identity.tp_rank, format_bytes(int(runtime_bytes)), format_bytes(room.grantable_bytes),
+        format_bytes(agreed_bytes), on_demand_backing() is not None,
+    )
+    return agreed_bytes
+
+
+def _hold_what_fits(client: Any, identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[budget.BrokerRoom, int]:
+    """Measure the room and hold ``min(runtime, room)``; retried if another instance raced us."""
+    instance = identity.instance_name()
+    for _ in range(_HOLD_ATTEMPTS):
+        room = budget.measure_room(client, instance)
+        limit = room.grantable_bytes + reporting.held_bytes(identity)  # an earlier hold is replaced
+        capped = max(0, min(runtime_bytes, limit))
+        if capped <= 0 or on_demand_backing() is not None:
+            return room, capped
+        try:
+            reporting.hold(identity, capped)
+            return room, capped
+        except BudgetExceeded:
+            continue
+    return budget.measure_room(client, instance), 0
+
+
+def charge_pools(device: Any, gpu_id: int | None, token_to_kv_pool: Any, *extra: Any) -> None:
+    """Charge the pools just built: per pool for DeepSeek-V4, else one ``kv_static``; drop the hold."""
+    identity = tp.identity(device, gpu_id)
+    try:
+        if token_to_kv_pool is None:
+            return
+        if dsv4_reservation.is_dsv4_pool(token_to_kv_pool):
+            dsv4_reservation.register(token_to_kv_pool)
+        elif not pool_bytes.is_managed(token_to_kv_pool):
+            seen: set = set()
+            size = sum(pool_bytes.object_bytes(obj, seen) for obj in (token_to_kv_pool, *extra) if obj is not None)
+            if size:
+                reporting.report_pool(identity, token_to_kv_pool, "kv_static", {"kv_static": size}, "its static KV pool")
+    finally:
+        if worker.session(identity) is not None:
+            reporting.release_hold(identity)
+
+
+# ---------------------------------------------------------------------------- the wrappers
+def wrap_profile(original: Callable[..., int]) -> Callable[..., int]:
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
+        runtime_bytes = original(self, pre_model_load_memory)
+        return cap_available_bytes(runtime_bytes, getattr(self, "device", None), getattr(self, "gpu_id", None))
+
+    setattr(_profile_available_bytes, _WRAPPED, True)
+    return _profile_available_bytes
+
+
+def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def _resolve_memory_pool_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _last.decision = None
+        try:
+            config = original(self, *args, **kwargs)
+        except (RuntimeError, ValueError, AssertionError) as exc:
+            raise _explained(exc) from exc
+        tokens = getattr(config, "max_total_num_tokens", 1)
+        if isinstance(tokens, int) and tokens <= 0:
+            raise _explained(RuntimeError(f"the runtime sized a KV pool of {tokens} tokens"))
+        return config
+
+    setattr(_resolve_memory_pool_config, _WRAPPED, True)
+    return _resolve_memory_pool_config
+
+
+def _explained(exc: BaseException) -> BaseException:
+    """The runtime's sizing failure, with the broker's context when the broker lowered the budget."""
+    decision = last_decision()
+    if isinstance(exc, budget.BrokerBudgetError) or decision is None or decision.room is None or not decision.lowered:
+        return exc
+    error = budget.refusal(decision.room, decision.runtime_bytes, "the KV cache SGLang profiled")
+    return type(error)(f"{error} (the runtime then failed: {exc})")
+
+
+def wrap_init_pools(original: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        built = result if result is not None and hasattr(result, "token_to_kv_pool") else self
+        charge_pools(
+            getattr(self, "device", None), getattr(self, "gpu_id", None),
+            getattr(built, "token_to_kv_pool", None), getattr(built, "unified_memory_pool", None),
+        )
+        return result
+
+    setattr(_init_pools, _WRAPPED, True)
+    return _init_pools
+
+
+_WRAPPERS = {
+    "_profile_available_bytes": wrap_profile,
+    "_resolve_memory_pool_config": wrap_resolve,
+    "_init_pools": wrap_init_pools,
+}
+
+
+def _apply(module: Any, class_name: str) -> None:
+    cls = getattr(module, class_name, None)
+    missing = [name for name in _WRAPPERS if cls is None or name not in vars(cls)]
+    if missing:
+        raise PatchError(f"{module.__name__}.{class_name} lacks {', '.join(missing)}")
+    for name, wrap in _WRAPPERS.items():
+        setattr(cls, name, wrap(vars(cls)[name]))
+
+
+def apply_configurator(module: Any) -> None:
+    """Patch ``KVCacheConfigurator`` in ``sglang.srt.mem_cache.kv_cache_configurator`` (0.5.16+)."""
+    _apply(module, "KVCacheConfigurator")
+
+
+def apply_mixin(module: Any) -> None:
+    """Patch ``ModelRunnerKVCacheMixin`` in ``model_runner_kv_cache_mixin`` (0.5.12-0.5.15)."""
+    _apply(module, "ModelRunnerKVCacheMixin")

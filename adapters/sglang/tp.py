@@ -1,0 +1,128 @@
+"""Who this SGLang worker is: its GPU, its tensor-parallel rank, and its rank group.
+
+Each TP rank is its own process on its own GPU and talks to that GPU's broker, so the
+identity is read where the worker runs:
+
+* the device from the pool or model runner (``cuda:3``, ``cuda``, ``3``; ``cpu`` in tests,
+  which maps to device 0 and reaches its broker through ``KVCACHED_BROKER``);
+* the rank and size from SGLang's parallel state (``get_tp_group()``) once it is initialised,
+  else rank 0 of 1;
+* the min-reduce that elastic grants and KV sizing agree on, over SGLang's TP (or world) CPU
+  group, which is a gloo group in every SGLang release this adapter supports.
+
+Nothing here imports SGLang or torch at module import; both are looked up when asked.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .. import worker
+
+#: The page size of this worker's broker session, in bytes.  Elastic KV pages of any size are
+#: converted to session pages (see ``paged_allocator``), so one session serves every reporter.
+SESSION_PAGE_BYTES = 2 << 20
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """A process group as the adapter needs it: rank, size and a CPU (gloo) group handle."""
+
+    rank: int
+    size: int
+    cpu_group: Any = None
+
+    def reduce_min(self, value: int) -> int:
+        """The minimum of ``value`` over the group (a collective: every rank must call it)."""
+        if self.size <= 1:
+            return int(value)
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(tensor.item())
+
+    def reducer(self) -> Callable[[int], int] | None:
+        """``reduce_min`` for a group of several ranks, None for a single rank."""
+        return self.reduce_min if self.size > 1 else None
+
+
+SINGLE = RankGroup(0, 1, None)
+
+
+def _parallel_state() -> Any:
+    """SGLang's parallel state if SGLang has loaded it (never imported from here)."""
+    return sys.modules.get("sglang.srt.distributed.parallel_state")
+
+
+def _group(getter_name: str) -> RankGroup:
+    state = _parallel_state()
+    if state is None:
+        return SINGLE
+    try:
+        coordinator = getattr(state, getter_name)()
+    except (AssertionError, AttributeError, RuntimeError):
+        return SINGLE  # not initialised: a single-process run (or a test)
+    if coordinator is None:
+        return SINGLE
+    return RankGroup(int(coordinator.rank_in_group), int(coordinator.world_size), coordinator.cpu_group)
+
+
+def tp_group() -> RankGroup:
+    """This worker's tensor-parallel group (rank 0 of 1 before SGLang initialises it)."""
+    state = _parallel_state()
+    if state is None or not _initialised(state):
+        return SINGLE
+    return _group("get_tp_group")
+
+
+def world_group() -> RankGroup:
+    """SGLang's world group: what its own memory profile min-reduces over."""
+    return _group("get_world_group")
+
+
+def _initialised(state: Any) -> bool:
+    check = getattr(state, "model_parallel_is_initialized", None)
+    try:
+        return bool(check()) if check is not None else False
+    except (AssertionError, RuntimeError):
+        return False
+
+
+def device_index(device: Any, gpu_id: int | None = None) -> int:
+    """The CUDA ordinal a pool or runner lives on; ``cpu`` (CPU tests) is device 0."""
+    text = str(device if device is not None else "").strip()
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    if text.isdigit():
+        return int(text)
+    if gpu_id is not None:
+        return int(gpu_id)
+    if text == "cuda":
+        return _current_cuda_device()
+    return 0
+
+
+def _current_cuda_device() -> int:
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            return int(torch.cuda.current_device())
+    except RuntimeError:
+        pass
+    return 0
+
+
+def identity(device: Any, gpu_id: int | None = None) -> worker.WorkerIdentity:
+    """The broker identity of this worker for a pool or runner on ``device``."""
+    group = tp_group()
+    return worker.WorkerIdentity(
+        runtime="sglang",
+        device=device_index(device, gpu_id),
+        tp_rank=group.rank,
+        tp_size=group.size,
+        page_bytes=SESSION_PAGE_BYTES,
+    )
