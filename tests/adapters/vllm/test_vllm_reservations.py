@@ -21,18 +21,6 @@ from helpers import GIB, MIB
 V4_POOLS = {"swa_kv_pool", "c4_kv_pool", "c128_kv_pool", "c4_indexer_kv_pool", "compress_state_pools"}
 
 
-def allocate(vc, kv_cfg):
-    """Allocate ``kv_cfg`` on CPU the way this release's GPU model runner does, through the patch."""
-    from vllm.v1.worker import gpu_model_runner
-
-    if hasattr(gpu_model_runner, "allocate_kv_cache"):  # 0.33: the name bound in the runner's module
-        return gpu_model_runner.allocate_kv_cache(kv_cfg, torch.device("cpu"), shapes.layout_of(vc))
-    runner = object.__new__(gpu_model_runner.GPUModelRunner)  # 0.19: the runner's own method
-    runner.device = torch.device("cpu")
-    runner.runner_only_attn_layers = set()
-    return runner._allocate_kv_cache_tensors(kv_cfg)
-
-
 def instance(status, name="vllm-test"):
     """The instance entry holding this worker's session (or, for ``name``, that instance)."""
     if name != "vllm-test":
@@ -67,7 +55,7 @@ def test_deepseek_v4_buffer_is_charged_once_and_shows_the_v4_groups(patched_vllm
     sizes = [t.size for t in kv_cfg.kv_cache_tensors]
     assert len(kv_cfg.kv_cache_groups) == 5 and len(set(sizes)) == 1 and len(sizes) == 8  # 8 views of 1 buffer
 
-    caches = allocate(vc, kv_cfg)
+    caches = shapes.allocate(vc, kv_cfg)
 
     buffer = sizes[0]
     assert storage_bytes(caches) == buffer  # vLLM really made one allocation of that size
@@ -82,7 +70,7 @@ def test_deepseek_v4_buffer_is_charged_once_and_shows_the_v4_groups(patched_vllm
 
 def test_a_plain_hybrid_model_is_charged_once_with_one_view_per_group(patched_vllm, gpu_broker):
     vc, kv_cfg = shapes.hybrid_config(16 * MIB)
-    caches = allocate(vc, kv_cfg)
+    caches = shapes.allocate(vc, kv_cfg)
 
     allocated = storage_bytes(caches)
     inst = instance(gpu_broker.status())
@@ -97,7 +85,7 @@ def test_a_plain_hybrid_model_is_charged_once_with_one_view_per_group(patched_vl
 
 def test_a_mla_indexer_model_without_v4_fields_is_reported_per_group(patched_vllm, gpu_broker):
     vc, kv_cfg = shapes.mla_config(32 * MIB)
-    caches = allocate(vc, kv_cfg)
+    caches = shapes.allocate(vc, kv_cfg)
 
     inst = instance(gpu_broker.status())
     assert inst["pools"] == {"kv_static": storage_bytes(caches)}
@@ -107,9 +95,9 @@ def test_a_mla_indexer_model_without_v4_fields_is_reported_per_group(patched_vll
 
 def test_reallocating_replaces_the_charge(patched_vllm, gpu_broker):
     vc, big = shapes.hybrid_config(32 * MIB)
-    allocate(vc, big)
+    shapes.allocate(vc, big)
     vc, small = shapes.hybrid_config(8 * MIB)
-    allocate(vc, small)
+    shapes.allocate(vc, small)
     assert instance(gpu_broker.status())["pools"] == {"kv_static": kv_config.buffer_bytes(small)}
 
 
@@ -122,7 +110,7 @@ def test_a_buffer_the_broker_cannot_grant_fails_before_it_is_allocated(patched_v
     vc, kv_cfg = shapes.hybrid_config(16 * MIB)
 
     with pytest.raises(KVCacheBudgetError) as caught:
-        allocate(vc, kv_cfg)
+        shapes.allocate(vc, kv_cfg)
 
     message = str(caught.value)
     assert gpu_broker.endpoint in message and "budget" in message and "sglang-neighbour" in message

@@ -155,6 +155,18 @@ def mla_config(kv_bytes: int, layers: int = 4) -> tuple[Any, Any]:
     return vc, planner().get_kv_cache_config_from_groups(vc, groups, kv_bytes)
 
 
+def allocate(vc: Any, kv_cfg: Any) -> dict[str, Any]:
+    """Allocate ``kv_cfg`` on CPU as this release's GPU model runner does (through any patch on it)."""
+    from vllm.v1.worker import gpu_model_runner
+
+    if hasattr(gpu_model_runner, "allocate_kv_cache"):  # 0.33: the name bound in the runner's module
+        return gpu_model_runner.allocate_kv_cache(kv_cfg, torch.device("cpu"), layout_of(vc))
+    runner = object.__new__(gpu_model_runner.GPUModelRunner)  # 0.19: the runner's own method
+    runner.device = torch.device("cpu")
+    runner.runner_only_attn_layers = set()
+    return runner._allocate_kv_cache_tensors(kv_cfg)
+
+
 def kv_cache_manager(vc: Any, kv_cfg: Any, *, max_model_len: int = 8192, enable_caching: bool = False) -> Any:
     """vLLM's scheduler-side KVCacheManager over ``kv_cfg`` (the scheduler's copy, as EngineCore makes it)."""
     from vllm.v1.core import kv_cache_utils
