@@ -274,3 +274,31 @@ def test_usage_breakdown_is_shown_but_never_charged(inproc):
         assert inst["sessions"][0]["usage_breakdown"] == inst["usage_breakdown"]
         c.reserve({"kv_cache": 8 * GIB})  # usage omitted: kept
         assert c.status()["instances"][0]["usage_breakdown"]["swa_kv_pool"] == 8 * GIB
+
+
+def test_random_garbage_at_a_real_broker_socket(broker):
+    """Thousands of random frames, some oversized, some multipart, over several connections."""
+    import random
+
+    rng = random.Random(42)
+    with BrokerClient.connect("bystander", endpoint=broker.endpoint, credit_pages=0) as c:
+        c.reserve({"weights": GIB})
+        c.acquire(7)
+        before = broker.status()
+        socks = [_raw_dealer(broker.endpoint) for _ in range(4)]
+        for i in range(3000):
+            sock = socks[i % 4]
+            size = rng.choice([0, 1, 7, 64, 300, 5000, 70_000])
+            frames = [rng.randbytes(size) for _ in range(rng.choice([1, 1, 1, 2, 3]))]
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        for sock in socks:
+            sock.close()
+        assert c.acquire(1) == 1  # still serving, and the bystander's session is intact
+        after = broker.status()
+        assert after["reserved_bytes"] == before["reserved_bytes"] == GIB
+        assert after["granted_bytes"] == before["granted_bytes"] + 2 * MIB
+        assert after["broker"]["counters"]["bad_frames"] > 0
+    assert broker.proc.poll() is None
