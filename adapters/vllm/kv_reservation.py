@@ -49,6 +49,8 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
     backing = on_demand_backing()
     client = worker.session(identity)
     if client is None:
+        if backing is not None:
+            _map_everything(backing, kv_cache_config, identity.page_bytes)
         return
     if backing is not None:
         worker.report(identity, kv_budget.REPORTER, {}, usage=kv_config.usage_breakdown(kv_cache_config))
@@ -60,6 +62,13 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
         "event=vllm_kv_reserved rank=%d kv_static=%s groups=%d blocks=%d",
         identity.tp_rank, format_bytes(allocated), len(kv_cache_config.kv_cache_groups), kv_cache_config.num_blocks,
     )
+
+
+def _map_everything(backing: Any, kv_cache_config: Any, page_bytes: int) -> None:
+    """Unprotected (no broker): back the whole buffer, as vLLM would have allocated it."""
+    pages = -(-kv_config.buffer_bytes(kv_cache_config) // page_bytes)
+    backing.map_pages(range(pages))
+    log.warning("event=vllm_elastic_unprotected mapped_pages=%d detail=whole_kv_buffer_backed", pages)
 
 
 def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, what: str) -> None:

@@ -191,3 +191,13 @@ def test_a_static_worker_leaves_the_pool_ungated(patched_vllm, gpu_broker):
     assert my_session(gpu_broker)["pools"] == {"kv_static": kv_config.buffer_bytes(kv_cfg)}
     with pytest.raises(ValueError):  # vLLM's own behaviour, untouched
         manager.block_pool.get_new_blocks(manager.block_pool.num_gpu_blocks + 1)
+
+
+def test_without_a_broker_an_on_demand_buffer_is_backed_whole(patched_vllm, adapter_state, monkeypatch):
+    monkeypatch.setenv("KVCACHED_BROKER", "off")
+    rec = backing.RecordingBacking()
+    backing.register_on_demand_backing(rec)
+    vc, kv_cfg = config("hybrid")
+    shapes.allocate(vc, kv_cfg)
+    assert rec.mapped == set(range(kv_config.buffer_bytes(kv_cfg) // PAGE))
+    assert worker_pages.current() is None

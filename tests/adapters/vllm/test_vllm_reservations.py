@@ -139,3 +139,16 @@ def test_every_binding_site_calls_the_patched_function(patched_vllm):
     for module_name, name in sites.items():
         module = importlib.import_module(module_name)
         assert getattr(getattr(module, name), wrapped, False), f"{module_name}.{name} is not patched"
+
+
+def test_the_model_runner_v2_path_is_charged_the_same(patched_vllm, gpu_broker):
+    """``gpu.attn_utils`` allocates for Model Runner V2 through its own binding."""
+    from vllm.v1.worker.gpu import attn_utils
+
+    vc, kv_cfg = shapes.hybrid_config(16 * MIB)
+    if hasattr(attn_utils, "allocate_kv_cache"):
+        caches = attn_utils.allocate_kv_cache(kv_cfg, torch.device("cpu"), shapes.layout_of(vc))
+    else:
+        caches = attn_utils._allocate_kv_cache(kv_cfg, torch.device("cpu"))
+    assert instance(gpu_broker.status())["pools"] == {"kv_static": storage_bytes(caches)}
+    assert storage_bytes(caches) == kv_config.buffer_bytes(kv_cfg)

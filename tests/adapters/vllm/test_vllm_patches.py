@@ -1,0 +1,106 @@
+"""The vLLM patch set: version gates, symbol gates, idempotence, and EngineCore's attachment."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from kvcached_broker.adapters import backing, patching
+from kvcached_broker.adapters.patching import PatchError, apply_patch
+from kvcached_broker.adapters.vllm import engine, patches, worker_pages
+from kvcached_broker.adapters.vllm.block_pool import gate_of
+
+import vllm_shapes as shapes
+from helpers import MIB
+
+WORKER_SIDE = {"vllm_kv_alloc_model_runner", "vllm_kv_alloc_attn_utils", "vllm_kv_sizing"}
+ENGINE_SIDE = {"vllm_elastic_block_pool", "vllm_elastic_allocate_slots", "vllm_elastic_engine_core"}
+
+
+def outcomes(results) -> dict[str, str]:
+    return {r.patch: r.outcome for r in results}
+
+
+def test_every_hook_of_this_release_applies(patched_vllm, vllm_version):
+    seen = outcomes(patched_vllm)
+    for name in WORKER_SIDE | ENGINE_SIDE:
+        assert seen[name] in ("applied", "already"), (name, seen[name])
+    shared_buffer = vllm_version.startswith("0.33")
+    assert seen["vllm_kv_alloc_utils"] == ("applied" if shared_buffer else "skipped")
+
+
+def test_patches_are_idempotent(patched_vllm):
+    for patch in patches.PATCHES:
+        module = importlib.import_module(patch.module) if patch.module != "vllm.v1.hisparse.binding" else None
+        if module is not None and getattr(module, f"__kvcached_broker_patched_{patch.name}__", False):
+            assert apply_patch(patch, module).outcome == "already"
+
+
+def test_a_release_outside_the_range_is_skipped_with_a_clear_reason(monkeypatch, caplog):
+    monkeypatch.setattr(patching, "installed", lambda dist: "0.18.0")
+    patch = next(p for p in patches.PATCHES if p.name == "vllm_kv_sizing")
+    result = apply_patch(patch, ModuleType("vllm.v1.worker.gpu_worker"))
+    assert result.outcome == "skipped"
+    assert "vllm 0.18.0 is outside the supported range >=0.19.1,<0.34" in result.reason
+
+    monkeypatch.setattr(patches, "installed", lambda dist: "0.35.0")
+    with caplog.at_level(logging.WARNING, logger="kvcached_broker.adapters.vllm"):
+        patches.check_flags()
+    assert "event=vllm_unsupported version=0.35.0" in caplog.text
+
+
+def test_a_module_without_the_hooked_symbol_fails_clearly_and_only_raises_under_require(monkeypatch):
+    patch = next(p for p in patches.PATCHES if p.name == "vllm_kv_alloc_model_runner")
+    empty = ModuleType("vllm.v1.worker.gpu_model_runner")
+    result = apply_patch(patch, empty)
+    assert result.outcome == "failed" and "neither allocate_kv_cache nor" in result.reason
+    monkeypatch.setenv("KVCACHED_REQUIRE", "1")
+    with pytest.raises(PatchError, match="KVCACHED_REQUIRE=1"):
+        apply_patch(patch, ModuleType("vllm.v1.worker.gpu_model_runner"))
+
+
+class InProcessExecutor:
+    """``collective_rpc`` as vLLM's executors run it: the callable, pickled, with the worker as self."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        import cloudpickle  # vLLM's own dependency (its executors pickle callables with it)
+
+        self.calls += 1
+        fn = cloudpickle.loads(cloudpickle.dumps(method))
+        return [fn(SimpleNamespace(), *args, **(kwargs or {}))]
+
+
+def test_engine_core_attaches_the_gate_over_collective_rpc(patched_vllm, gpu_broker):
+    backing.register_on_demand_backing(backing.RecordingBacking())
+    vc, kv_cfg = shapes.hybrid_config(32 * MIB)
+    shapes.allocate(vc, kv_cfg)
+    manager = shapes.kv_cache_manager(vc, kv_cfg)
+    executor = InProcessExecutor()
+    core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=manager), model_executor=executor)
+
+    gate = engine.attach_engine(core)
+
+    assert gate is not None and gate_of(manager.block_pool) is gate and executor.calls >= 2
+    assert gate.limit == worker_pages.current().usable_blocks
+    assert manager.allocate_slots(shapes.request("r", 3000), 3000) is not None
+    assert worker_pages.current().usable_blocks >= gate.limit > 256
+
+
+def test_engine_core_without_elastic_workers_stays_ungated(patched_vllm, gpu_broker):
+    vc, kv_cfg = shapes.hybrid_config(16 * MIB)
+    shapes.allocate(vc, kv_cfg)
+    manager = shapes.kv_cache_manager(vc, kv_cfg)
+    core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=manager), model_executor=InProcessExecutor())
+    assert engine.attach_engine(core) is None and gate_of(manager.block_pool) is None
+
+
+def test_the_engine_core_init_patch_attaches_after_vllm_built_the_scheduler(patched_vllm):
+    from vllm.v1.engine.core import EngineCore
+
+    assert getattr(EngineCore.__init__, "__kvcached_broker_wrapped__", False)
