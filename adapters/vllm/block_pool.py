@@ -19,6 +19,7 @@ broker's budget is never overbooked.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Protocol
@@ -32,11 +33,14 @@ _WRAPPED = "__kvcached_broker_wrapped__"
 
 
 class WorkerGroup(Protocol):
-    def resize(self, target_blocks: int) -> int:
-        """Ask every worker to back ``target_blocks`` blocks; the count they all back."""
+    def resize(self, target_blocks: int, floor_blocks: int = 0) -> int:
+        """Ask every worker to back ``target_blocks`` blocks (keeping at least ``floor_blocks``);
+        returns the count they all back."""
 
 
 class ElasticBlockGate:
+    """The gate on one ``BlockPool``: ids ``[1, limit)`` usable, ``[limit, num_gpu_blocks)`` held back."""
+
     def __init__(
         self,
         pool: Any,
@@ -88,7 +92,7 @@ class ElasticBlockGate:
             return 0
         before, total = self.limit, int(self.pool.num_gpu_blocks)
         target = min(total, before + max(int(extra_blocks), self.batch_blocks))
-        agreed = min(target, int(self.workers.resize(target)))
+        agreed = min(target, int(self.workers.resize(target, floor_blocks=before)))
         if agreed > before:
             self._release_up_to(agreed)
         elif agreed < before:
@@ -112,15 +116,15 @@ class ElasticBlockGate:
     # ----------------------------------------------------------------- trimming
     def maybe_trim(self) -> int:
         """Hold back the top free blocks when more than two batches are free; returns how many."""
-        surplus = self.free_blocks() - self.batch_blocks
-        if self.free_blocks() <= 2 * self.batch_blocks or surplus <= 0:
+        free = self.free_blocks()
+        if free <= 2 * self.batch_blocks:
             return 0
-        new_limit = self._lowest_free_suffix(max_blocks=surplus)
+        new_limit = self._lowest_free_suffix(max_blocks=free - self.batch_blocks)
         if new_limit >= self.limit:
             return 0
         taken = self.limit - new_limit
         self._hold_back(new_limit)
-        self.workers.resize(self.limit)
+        self.workers.resize(self.limit, floor_blocks=self.limit)
         return taken
 
     def _lowest_free_suffix(self, max_blocks: int) -> int:
@@ -174,15 +178,13 @@ def _gated(original: Callable[..., Any], gated: Callable[..., Any]) -> Callable[
     if getattr(original, _WRAPPED, False):
         return original
 
+    @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         gate = self.__dict__.get(GATE_ATTR)
         if gate is None:
             return original(self, *args, **kwargs)
         return gated(gate, original, self, *args, **kwargs)
 
-    method.__name__ = original.__name__
-    method.__qualname__ = original.__qualname__
-    method.__doc__ = original.__doc__
     setattr(method, _WRAPPED, True)
     return method
 

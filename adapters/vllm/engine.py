@@ -51,11 +51,17 @@ class Workers:
     def infos(self) -> list[dict[str, int] | None]:
         return list(self.call("info", ()))
 
-    def resize(self, target_blocks: int) -> int:
+    def resize(self, target_blocks: int, floor_blocks: int = 0) -> int:
+        """Every worker backs ``target_blocks``; returns the count they all back.
+
+        Workers that got more than the poorest give the surplus back, but never below
+        ``floor_blocks`` (the blocks the scheduler may already have handed out).
+        """
         replies = [int(r) for r in self.call("resize", (int(target_blocks),))]
         agreed = min(replies)
-        if max(replies) > agreed:
-            self.call("resize", (agreed,))
+        settle = max(agreed, int(floor_blocks))
+        if max(replies) > settle:
+            self.call("resize", (settle,))
         return agreed
 
 

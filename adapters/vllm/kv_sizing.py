@@ -8,8 +8,10 @@ the broker can grant this worker after its other reservations, and holds it (as
 * A profiled figure above the broker's room is lowered to the room (logged).
 * An explicit ``kv_cache_memory_bytes`` is honoured exactly or not at all: above the room,
   the worker fails at startup rather than silently running with less than it was told.
-* Below what one ``max_model_len`` request needs, the worker fails at startup with a
-  :class:`~.kv_budget.KVCacheBudgetError` naming the broker, the budget and what others hold.
+* When the broker's room is below what one ``max_model_len`` request needs (and vLLM's own
+  figure is not), the worker fails at startup with a :class:`~.kv_budget.KVCacheBudgetError`
+  naming the broker, the budget and what others hold.  A profile that is short by itself
+  is left to vLLM's own error.
 * With an on-demand backing registered (elastic KV), the buffer is virtual: the figure is
   capped at the most the broker could ever grant, and nothing is held (pages are granted
   as blocks are used).
@@ -45,14 +47,14 @@ def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
     elastic = on_demand_backing() is not None
     limit = room.ceiling_bytes if elastic else room.grantable_bytes
     explicit = getattr(vllm_worker.cache_config, "kv_cache_memory_bytes", None)
-    needed = min_kv_bytes(vllm_worker)
     if explicit and explicit > limit:
         raise kv_budget.refusal(identity, room, int(explicit), "kv_cache_memory_bytes")
+    needed = min_kv_bytes(vllm_worker)
+    if limit < min(needed, int(available_bytes)):  # the broker, not vLLM's own profile, is short
+        raise kv_budget.refusal(identity, room, needed, "the KV cache one max_model_len request needs")
     capped = min(int(available_bytes), limit)
-    if capped < needed or capped <= 0:
-        raise kv_budget.refusal(identity, room, max(needed, 1), "the KV cache one max_model_len request needs")
-    if not elastic:
-        capped = kv_budget.hold(identity, client, capped, needed)
+    if capped > 0 and not elastic:
+        capped = kv_budget.hold(identity, client, capped, min(needed, capped))
     log.info(
         "event=vllm_kv_sized rank=%d vllm=%s broker_limit=%s kv=%s elastic=%s",
         identity.tp_rank, format_bytes(int(available_bytes)), format_bytes(limit), format_bytes(capped), elastic,

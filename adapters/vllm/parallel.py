@@ -1,4 +1,4 @@
-"""Where this vLLM worker sits: its GPU, its tensor-parallel rank, and the TP group's MIN.
+"""Where this vLLM worker sits: its GPU and its tensor-parallel rank.
 
 Read from vLLM when asked (its parallel state exists only after the worker initialised
 it); outside a distributed worker (tests, a single-GPU run) this is rank 0 of 1.
@@ -6,7 +6,7 @@ it); outside a distributed worker (tests, a single-GPU run) this is rank 0 of 1.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from ..worker import WorkerIdentity
 
@@ -35,24 +35,6 @@ def tp_coordinates() -> tuple[int, int]:
 def identity(device: Any) -> WorkerIdentity:
     rank, size = tp_coordinates()
     return WorkerIdentity(RUNTIME, device_index(device), tp_rank=rank, tp_size=size)
-
-
-def tp_min_reducer() -> Callable[[int], int] | None:
-    """A MIN all-reduce over the TP group's CPU (gloo) group; None when TP is 1."""
-    group = _tp_group()
-    if group is None or int(group.world_size) <= 1:
-        return None
-    cpu_group = group.cpu_group
-
-    def reduce_min(value: int) -> int:
-        import torch
-        import torch.distributed as dist
-
-        tensor = torch.tensor([int(value)], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=cpu_group)
-        return int(tensor.item())
-
-    return reduce_min
 
 
 def _tp_group() -> Any:
