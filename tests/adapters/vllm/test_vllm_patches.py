@@ -104,3 +104,26 @@ def test_the_engine_core_init_patch_attaches_after_vllm_built_the_scheduler(patc
     from vllm.v1.engine.core import EngineCore
 
     assert getattr(EngineCore.__init__, "__kvcached_broker_wrapped__", False)
+
+
+def test_enable_kvcached_patches_every_binding_at_import(tmp_path):
+    """The real start-up path: the .pth hook, then vLLM's own import order, in a fresh interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import json, importlib\n"
+        "import vllm.v1.worker.gpu_model_runner as runner, vllm.v1.worker.gpu.attn_utils as attn\n"
+        "import vllm.v1.worker.gpu_worker as gw, vllm.v1.core.block_pool as bp, vllm.v1.engine.core as core\n"
+        "w = lambda f: bool(getattr(f, '__kvcached_broker_wrapped__', False))\n"
+        "alloc = getattr(runner, 'allocate_kv_cache', None) or runner.GPUModelRunner._allocate_kv_cache_tensors\n"
+        "attn_alloc = getattr(attn, 'allocate_kv_cache', None) or attn._allocate_kv_cache\n"
+        "print(json.dumps([w(alloc), w(attn_alloc), w(gw.Worker.determine_available_memory),\n"
+        "                  w(bp.BlockPool.get_new_blocks), w(core.EngineCore.__init__)]))\n"
+    )
+    env = {**os.environ, "ENABLE_KVCACHED": "1", "KVCACHED_BROKER": "off", "VLLM_LOGGING_LEVEL": "ERROR"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True] * 5
