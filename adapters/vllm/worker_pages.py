@@ -34,6 +34,8 @@ INITIAL_PAGES = 1
 
 
 class WorkerKVPages:
+    """One worker's pages over its KV buffer (sizes in blocks, pages and bytes as named)."""
+
     def __init__(
         self, client: BrokerClient, backing: PhysicalBacking, *, num_blocks: int, bytes_per_block: int, page_bytes: int
     ):
