@@ -1,0 +1,94 @@
+"""SGLang adapter tests: real SGLang classes from the overlay, real brokers, real processes.
+
+``TRITON_INTERPRET=1`` is set before anything imports triton: SGLang 0.5.12-0.5.13 always
+launch Triton kernels in ``alloc_extend``/``alloc_decode``, and the interpreter runs them on
+CPU tensors (0.5.23 takes its torch-native path on CPU either way).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kvcached_broker.adapters import backing, worker  # noqa: E402
+from kvcached_broker.client import BrokerClient  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def _require_runtime():
+    """``tests/adapters/conftest.py``'s ``require_runtime`` (loaded by path: conftests share a name)."""
+    path = HERE.parent / "conftest.py"
+    spec = importlib.util.spec_from_file_location("kvcached_broker_adapter_tests_conftest_sglang", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.require_runtime
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sglang_version() -> str:
+    """The overlay's SGLang version (outside an overlay run, every test here is skipped)."""
+    found = _require_runtime()("sglang")
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    return found
+
+
+@pytest.fixture(scope="session")
+def patched_sglang(sglang_version):
+    """Apply the adapter explicitly, then import the hooked SGLang modules (results so far)."""
+    from kvcached_broker.adapters import autopatch
+
+    autopatch.apply(["sglang"])
+    import sglang.srt.mem_cache.allocator  # noqa: F401
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool  # noqa: F401
+
+    import sglang_cpu
+
+    if sglang_cpu.at_least("0.5.16"):
+        import sglang.srt.mem_cache.kv_cache_configurator  # noqa: F401
+    else:
+        import sglang.srt.model_executor.model_runner_kv_cache_mixin  # noqa: F401
+    return autopatch.apply(["sglang"])
+
+
+def connect_to(endpoint: str, credit_pages: int | None = 0):
+    def factory(identity):
+        return BrokerClient.connect(
+            identity.instance_name(), endpoint=endpoint, tp_rank=identity.tp_rank, tp_size=identity.tp_size,
+            page_bytes=identity.page_bytes, credit_pages=credit_pages,
+        )
+
+    return factory
+
+
+@pytest.fixture
+def adapter_state(monkeypatch):
+    """A clean adapter: no session, no reporters, no backing; the instance is named ``under-test``."""
+    from kvcached_broker.adapters.sglang import reporting
+
+    monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "under-test")
+    worker.reset()
+    reporting.reset()
+    backing.register_on_demand_backing(None)
+    yield
+    worker.reset()
+    reporting.reset()
+    backing.register_on_demand_backing(None)
+    worker.client_factory = None
+
+
+@pytest.fixture
+def sg_broker(inproc_factory, adapter_state, patched_sglang):
+    """An in-process broker on a simulated 1 GiB GPU that this process's adapter talks to."""
+    from helpers import GIB
+
+    b = inproc_factory(total_bytes=GIB)
+    worker.client_factory = connect_to(b.endpoint)
+    return b

@@ -1,0 +1,167 @@
+"""Build real SGLang memory pools on CPU, for the tests and their worker processes.
+
+Everything here uses the installed SGLang (an overlay): ``DeepSeekV4TokenToKVPool`` with
+``device="cpu"`` and the constructor arguments of the installed release, and the real
+``_profile_available_bytes`` of ``KVCacheConfigurator`` (0.5.16+) or
+``ModelRunnerKVCacheMixin`` (before), fed a simulated free-memory figure instead of CUDA's.
+
+:func:`tensor_bytes_by_pool` is the test's own account of a DeepSeek-V4 pool: it names every
+tensor by its attribute path for the installed release and sums ``numel * element_size``,
+independently of the adapter's walk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from importlib.metadata import version
+from typing import Any, Iterator
+
+import torch
+
+from kvcached_broker.adapters.versions import parse
+
+PAGE = 256
+SGLANG = version("sglang")
+
+
+def at_least(minimum: str) -> bool:
+    return parse(SGLANG) >= parse(minimum)
+
+
+@contextlib.contextmanager
+def runtime_config(**server_args: Any) -> Iterator[None]:
+    """Publish the server args SGLang's pool constructors and profiler read."""
+    if at_least("0.5.16"):
+        from sglang.srt.model_executor.cuda_graph_config import default_cuda_graph_config
+        from sglang.srt.runtime_context import get_context
+
+        args = {"page_size": PAGE, "cuda_graph_config": default_cuda_graph_config(), **server_args}
+        with get_context().override_server_args(**args):
+            yield
+        return
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool as dsv4
+
+    original = dsv4.get_global_server_args
+    dsv4.get_global_server_args = lambda: types.SimpleNamespace(
+        enable_deepseek_v4_fp4_indexer=False, speculative_algorithm=None
+    )
+    try:
+        yield
+    finally:
+        dsv4.get_global_server_args = original
+
+
+def dsv4_kwargs(full_pages: int, swa_pages: int, ratios=(4, 128, 4, 128), num_reqs: int = 4) -> dict[str, Any]:
+    """Constructor arguments of ``DeepSeekV4TokenToKVPool`` for the installed release."""
+    full_tokens = full_pages * PAGE
+    kwargs: dict[str, Any] = dict(
+        max_num_reqs=num_reqs, swa_size=swa_pages * PAGE, c4_size=full_tokens // 4, c128_size=full_tokens // 128,
+        c4_state_pool_size=swa_pages * 8, c128_state_pool_size=(num_reqs + 1) * 128, page_size=PAGE,
+        swa_page_size=PAGE, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448, qk_rope_head_dim=64,
+        indexer_head_dim=128, layer_num=len(ratios), device="cpu", enable_memory_saver=False,
+        compression_ratios=list(ratios),
+    )
+    if at_least("0.5.14"):
+        kwargs.update(c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, sliding_window=128,
+                      num_req_slots=num_reqs + 1)
+    else:
+        kwargs.update(state_dtype=torch.float32)
+    if at_least("0.5.21"):
+        kwargs.update(full_size=full_tokens)
+    return kwargs
+
+
+def build_dsv4_pool(full_pages: int, swa_pages: int, **kwargs: Any) -> Any:
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    with runtime_config():
+        return DeepSeekV4TokenToKVPool(**dsv4_kwargs(full_pages, swa_pages, **kwargs))
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def tensor_bytes_by_pool(pool: Any) -> dict[str, int]:
+    """The test's own per-pool byte count of a DeepSeek-V4 pool, by explicit attribute path."""
+    out: dict[str, int] = {}
+    if pool.swa_kv_pool is not None:
+        out["swa_kv_pool"] = _nbytes(pool.swa_kv_pool.kv_buffer)
+    if at_least("0.5.20"):
+        kv_pools = {r: p for r, p in pool.kv_pools.items() if p is not None}
+        index_pools = {r: p for r, p in pool.index_pools.items() if p is not None}
+    else:
+        kv_pools = {r: getattr(pool, f"c{r}_kv_pool") for r in (4, 128) if getattr(pool, f"c{r}_kv_pool", None)}
+        index_pools = {4: pool.c4_indexer_kv_pool} if pool.c4_indexer_kv_pool is not None else {}
+    for ratio, sub in kv_pools.items():
+        out[f"c{ratio}_kv_pool"] = _nbytes(sub.kv_buffer)
+    for ratio, sub in index_pools.items():
+        out[f"c{ratio}_indexer_kv_pool"] = _nbytes(sub.index_k_with_scale_buffer)
+    for name in ("compress_state_pools", "indexer_compress_state_pools"):
+        states = [s.kv_score_buffer.kv_score for s in getattr(pool, name) if s is not None]
+        if states:
+            out[name] = _nbytes(states)
+    return {name: size for name, size in out.items() if size}
+
+
+def dsv4_units_for(budget_bytes: int, *, swa_per_unit: int = 1, full_per_unit: int = 4) -> int:
+    """The most pool units (``full_per_unit`` full pages + ``swa_per_unit`` SWA pages) that fit.
+
+    The test's stand-in for SGLang's DSV4 pool configurator, which needs a whole model config:
+    it measures two probe pools (reservation switched off, so they are not reported) and
+    solves the linear cost.
+    """
+    saved = os.environ.get("KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION")
+    os.environ["KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION"] = "0"
+    try:
+        one = sum(tensor_bytes_by_pool(build_dsv4_pool(full_per_unit, swa_per_unit)).values())
+        two = sum(tensor_bytes_by_pool(build_dsv4_pool(2 * full_per_unit, 2 * swa_per_unit)).values())
+    finally:
+        if saved is None:
+            os.environ.pop("KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION")
+        else:
+            os.environ["KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION"] = saved
+    per_unit, fixed = two - one, 2 * one - two
+    return max(0, (budget_bytes - fixed) // per_unit)
+
+
+# ------------------------------------------------------------------------- KV sizing profile
+class _Runner:
+    """Stands in for the ModelRunner the 0.5.12-0.5.15 mixin method runs on (attributes only)."""
+
+
+def profiler(free_bytes: int) -> Any:
+    """An object whose real ``_profile_available_bytes`` sees ``free_bytes`` of free device memory.
+
+    ``get_available_gpu_memory`` (CUDA's free memory, bound by name in the profiling module) is
+    replaced by the simulated figure; everything else is the installed SGLang's code.
+    """
+    free_gib = free_bytes / (1 << 30)
+    if at_least("0.5.16"):
+        import sglang.srt.mem_cache.kv_cache_configurator as module
+
+        module.get_available_gpu_memory = lambda *args, **kwargs: free_gib
+        obj = object.__new__(module.KVCacheConfigurator)
+        obj.device, obj.gpu_id, obj.mambaish_config, obj.post_capture_kv_active = "cpu", 0, None, False
+        obj.model_config = types.SimpleNamespace(is_multimodal=False)
+        from sglang.srt.runtime_context import get_parallel
+
+        get_parallel().override_permanently(world_group=types.SimpleNamespace(cpu_group=None))
+        return obj
+    import sglang.srt.model_executor.model_runner_kv_cache_mixin as module
+
+    module.get_available_gpu_memory = lambda *args, **kwargs: free_gib
+    module.get_world_group = lambda: types.SimpleNamespace(world_size=1, cpu_group=None)
+    runner_cls = type("Runner", (module.ModelRunnerKVCacheMixin, _Runner), {})
+    obj = runner_cls()
+    obj.device, obj.gpu_id, obj.mem_fraction_static, obj.mambaish_config = "cpu", 0, 0.9, None
+    return obj
+
+
+def profile(free_bytes: int) -> int:
+    """SGLang's KV budget for ``free_bytes`` free (no weights: ``pre_model_load_memory=0``)."""
+    obj = profiler(free_bytes)
+    with runtime_config(mem_fraction_static=0.9):
+        return obj._profile_available_bytes(0)

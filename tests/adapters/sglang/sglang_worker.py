@@ -1,0 +1,124 @@
+"""A worker process for the SGLang adapter tests: real SGLang pools, the adapter on.
+
+It speaks JSON lines: one on stdout per step it reaches, and it waits on stdin between steps
+(a line to go on; end of input to exit), so a test can look at the broker while it is alive.
+
+    sglang_worker.py dsv4 FULL_PAGES SWA_PAGES [--explicit-apply]
+        build a DeepSeekV4TokenToKVPool; print its per-pool tensor bytes
+    sglang_worker.py sized FREE_BYTES
+        run SGLang's real KV profile seeing FREE_BYTES free; print the budget it got (held);
+        on "build", size a DeepSeek-V4 pool to that budget, build it, charge it, print it
+    sglang_worker.py tp RANK WORLD PORT FULL_PAGES
+        join a gloo TP group through SGLang's own parallel state, build a DeepSeek-V4 pool, then
+        take elastic pages from an MHA pool's allocator until the broker refuses
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def say(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def wait() -> bool:
+    """True on a line from the test, False at end of input."""
+    return bool(sys.stdin.readline())
+
+
+def dsv4(full_pages: int, swa_pages: int, explicit: bool) -> None:
+    from kvcached_broker.adapters import autopatch
+
+    if explicit:
+        autopatch.apply(["sglang"])
+    import sglang_cpu
+
+    pool = sglang_cpu.build_dsv4_pool(full_pages, swa_pages)
+    say(pid=os.getpid(), hook=autopatch.hook_installed(), pools=sglang_cpu.tensor_bytes_by_pool(pool))
+    wait()
+
+
+def sized(free_bytes: int) -> int:
+    import sglang_cpu
+
+    from kvcached_broker.adapters.sglang import budget, kv_sizing
+
+    try:
+        kv_bytes = sglang_cpu.profile(free_bytes)
+    except budget.BrokerBudgetError as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        return 3
+    say(event="held", kv_bytes=kv_bytes)
+    if not wait():
+        return 0
+    units = sglang_cpu.dsv4_units_for(kv_bytes)
+    pool = sglang_cpu.build_dsv4_pool(4 * units, units)
+    kv_sizing.charge_pools("cpu", 0, pool)
+    say(event="built", units=units, pools=sglang_cpu.tensor_bytes_by_pool(pool))
+    wait()
+    return 0
+
+
+def init_tp(rank: int, world: int, port: int) -> None:
+    import sglang.srt.distributed.parallel_state as ps
+
+    ps.init_distributed_environment(world_size=world, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                    local_rank=rank, backend="gloo")
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=world)  # up to 0.5.15
+    except TypeError:  # later releases read the widths from the published server args
+        from sglang.srt.runtime_context import get_context
+
+        get_context().override_server_args(tp_size=world).__enter__()
+        ps.initialize_model_parallel()
+
+
+def tensor_parallel(rank: int, world: int, port: int, full_pages: int) -> None:
+    import torch
+
+    import sglang_cpu
+
+    from kvcached_broker.adapters import backing
+    from kvcached_broker.adapters.sglang import tp
+
+    init_tp(rank, world, port)
+    group = tp.tp_group()
+    pool = sglang_cpu.build_dsv4_pool(full_pages, full_pages // 4)
+    recorder = backing.RecordingBacking()
+    backing.register_on_demand_backing(recorder)
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pages, page = 64, 16
+    kv = MHATokenToKVPool(pages * page, page, torch.bfloat16, 2, 64, 2, "cpu", False)
+    alloc = PagedTokenToKVPoolAllocator(pages * page, page, torch.bfloat16, "cpu", kv, False)
+    taken = 0
+    while alloc.alloc(page) is not None:
+        taken += 1
+    gate = alloc._kvb.gate
+    say(rank=group.rank, size=group.size, pools=sglang_cpu.tensor_bytes_by_pool(pool), elastic_pages=taken,
+        mapped=len(recorder.mapped), granted_session_pages=gate.granted_session_pages,
+        page_bytes=gate.page_bytes)
+    wait()
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[0]
+    if mode == "dsv4":
+        dsv4(int(argv[1]), int(argv[2]), "--explicit-apply" in argv)
+    elif mode == "sized":
+        return sized(int(argv[1]))
+    elif mode == "tp":
+        tensor_parallel(int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
