@@ -51,8 +51,8 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
     for session in sessions:
         for pool, size in session.pools.items():
             pools[pool] = pools.get(pool, 0) + size
-        for name, size in session.usage.items():
-            usage[name] = usage.get(name, 0) + size
+        for view, size in session.usage.items():
+            usage[view] = usage.get(view, 0) + size
     sessions.sort(key=lambda s: (s.tp_rank, s.id))
     return {
         "name": name,

@@ -269,6 +269,7 @@ def test_usage_breakdown_is_shown_but_never_charged(inproc):
         c.reserve({"kv_cache": 8 * GIB}, usage={"swa_kv_pool": 8 * GIB, "c4_kv_pool": 8 * GIB})
         s = c.status()
         inst = s["instances"][0]
+        assert inst["name"] == "vllm-like"
         assert s["reserved_bytes"] == 8 * GIB  # one buffer, charged once
         assert inst["usage_breakdown"] == {"c4_kv_pool": 8 * GIB, "swa_kv_pool": 8 * GIB}
         assert inst["sessions"][0]["usage_breakdown"] == inst["usage_breakdown"]
