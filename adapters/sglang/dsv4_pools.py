@@ -24,7 +24,8 @@ are left out and their storages are not counted under ``dsv4_other`` either.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from . import pool_bytes
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .. import flags
 from ..patching import PatchError
@@ -30,7 +31,7 @@ from . import dsv4_pools, pool_bytes, reporting, tp
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
 _WRAPPED = "__kvcached_broker_wrapped__"
-_windows: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+_windows: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
 _said_off = False
 
 

@@ -18,7 +18,8 @@ Invariant: ``used_pages`` allocator pages are mapped, and the broker grant cover
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ...client import BrokerClient
 from ..backing import PhysicalBacking

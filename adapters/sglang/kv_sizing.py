@@ -26,15 +26,16 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
 from ..backing import on_demand_backing
 from ..patching import PatchError
-from . import budget, dsv4_reservation, pool_bytes, reporting, tp
+from . import budget, dsv4_reservation, pool_bytes, reporting, session, tp
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -64,7 +65,7 @@ def last_decision() -> SizingDecision | None:
 def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = None) -> int:
     """The KV budget SGLang may use: its own figure, capped (and held) by the broker."""
     identity = tp.identity(device, gpu_id)
-    client = worker.session(identity)
+    client = session.client_for(identity)
     room, local_bytes = None, int(runtime_bytes)
     if client is not None:
         room, local_bytes = _hold_what_fits(client, identity, int(runtime_bytes))
@@ -115,7 +116,7 @@ def charge_pools(device: Any, gpu_id: int | None, token_to_kv_pool: Any, *extra:
             if size:
                 reporting.report_pool(identity, token_to_kv_pool, "kv_static", {"kv_static": size}, "its static KV pool")
     finally:
-        if worker.session(identity) is not None:
+        if session.client_for(identity) is not None:
             reporting.release_hold(identity)
 
 

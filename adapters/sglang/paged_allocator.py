@@ -38,10 +38,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .. import worker
 from ..backing import on_demand_backing
 from ..patching import PatchError
-from . import dsv4_reservation, elastic_pages, page_tracking, pool_bytes, tp
+from . import dsv4_reservation, elastic_pages, page_tracking, pool_bytes, session, tp
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -59,7 +58,7 @@ class AllocatorState:
         self.gate = gate
 
     @classmethod
-    def create(cls, alloc: Any) -> "AllocatorState":
+    def create(cls, alloc: Any) -> AllocatorState:
         label = f"{type(alloc).__name__}@{id(alloc):x}"
         tracker = page_tracking.PageTracker(alloc.num_pages, alloc.page_size, alloc.device, label)
         return cls(tracker, _elastic_gate(alloc))
@@ -86,7 +85,7 @@ def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
     if backing is None or kvcache is None or dsv4_reservation.is_dsv4_pool(kvcache):
         return None
     page_bytes = kv_page_bytes(kvcache, alloc.page_size)
-    client = worker.session(tp.identity(alloc.device))
+    client = session.client_for(tp.identity(alloc.device))
     if client is None or page_bytes <= 0:
         return None
     pool_bytes.mark_managed(kvcache)

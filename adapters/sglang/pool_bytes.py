@@ -12,7 +12,8 @@ pool that contains it does not count them either.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..tensors import storage_bytes, storage_key
 
@@ -52,7 +53,7 @@ def mark_managed(obj: Any) -> None:
 
 def _is_runtime_object(obj: Any) -> bool:
     module = type(obj).__module__ or ""
-    return module.startswith("sglang.") or module.startswith("kvcached_broker.adapters.sglang")
+    return module.startswith(("sglang.", "kvcached_broker.adapters.sglang"))
 
 
 def _attributes(obj: Any) -> Iterable[tuple[str, Any]]:

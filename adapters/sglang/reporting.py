@@ -24,7 +24,7 @@ from typing import Any
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
-from . import budget
+from . import budget, session
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -67,7 +67,7 @@ def _collected(pool_id: int, key: str) -> None:
         return
     try:
         worker.forget(identity, key)
-    except Exception as exc:  # a finaliser must not raise (it may run at interpreter exit)
+    except Exception as exc:  # noqa: BLE001 - a finaliser must not raise (it may run at interpreter exit)
         log.debug("event=forget_failed reporter=%s error=%r", key, str(exc))
 
 
@@ -77,7 +77,7 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
     Raises :class:`~.budget.BrokerBudgetError` (naming the broker, the budget and the other
     instances) if the broker has no room, which stops the worker at startup.
     """
-    client = worker.session(identity)
+    client = session.client_for(identity)
     if client is None:
         return False
     key = reporter_key(pool, kind)
@@ -103,9 +103,10 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
 
 def hold(identity: worker.WorkerIdentity, size_bytes: int) -> None:
     """Reserve ``size_bytes`` as the sizing hold (replacing any earlier hold on this device)."""
+    session.client_for(identity)
+    worker.report(identity, HOLD_REPORTER, {HOLD_POOL: size_bytes})
     with _lock:
         _holds[str(identity.device)] = size_bytes
-    worker.report(identity, HOLD_REPORTER, {HOLD_POOL: size_bytes})
 
 
 def consume_hold(identity: worker.WorkerIdentity, growth_bytes: int) -> None:

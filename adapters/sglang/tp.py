@@ -16,8 +16,9 @@ Nothing here imports SGLang or torch at module import; both are looked up when a
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .. import worker
 
@@ -68,7 +69,8 @@ def _group(getter_name: str) -> RankGroup:
         return SINGLE  # not initialised: a single-process run (or a test)
     if coordinator is None:
         return SINGLE
-    return RankGroup(int(coordinator.rank_in_group), int(coordinator.world_size), coordinator.cpu_group)
+    size = int(getattr(coordinator, "world_size", 1))
+    return RankGroup(int(getattr(coordinator, "rank_in_group", 0)), size, getattr(coordinator, "cpu_group", None))
 
 
 def tp_group() -> RankGroup:

@@ -106,6 +106,29 @@ def tensor_bytes_by_pool(pool: Any) -> dict[str, int]:
     return {name: size for name, size in out.items() if size}
 
 
+def unique_storage_bytes(pool: Any) -> int:
+    """Every distinct storage reachable from the pool, found by a walk of its own (no names)."""
+    seen, total, stack, visited = set(), 0, [pool], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited or obj is None:
+            continue
+        visited.add(id(obj))
+        if hasattr(obj, "untyped_storage"):
+            key = obj.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("sglang."):
+            attrs = getattr(obj, "__dict__", {})
+            stack.extend(v for k, v in attrs.items() if k not in ("memory_saver_adapter", "custom_mem_pool"))
+    return total
+
+
 def dsv4_units_for(budget_bytes: int, *, swa_per_unit: int = 1, full_per_unit: int = 4) -> int:
     """The most pool units (``full_per_unit`` full pages + ``swa_per_unit`` SWA pages) that fit.
 
@@ -157,6 +180,7 @@ def profiler(free_bytes: int) -> Any:
     runner_cls = type("Runner", (module.ModelRunnerKVCacheMixin, _Runner), {})
     obj = runner_cls()
     obj.device, obj.gpu_id, obj.mem_fraction_static, obj.mambaish_config = "cpu", 0, 0.9, None
+    obj.server_args = types.SimpleNamespace(page_size=PAGE, max_total_tokens=None, mem_fraction_static=0.9)
     return obj
 
 

@@ -27,28 +27,6 @@ def _instance(status: dict, name: str = "under-test") -> dict:
     return next(i for i in status["instances"] if i["name"] == name)
 
 
-def _unique_storage_bytes(pool) -> int:
-    """Every distinct storage reachable from the pool, found by a walk of its own (no names)."""
-    seen, total, stack, visited = set(), 0, [pool], set()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in visited or obj is None:
-            continue
-        visited.add(id(obj))
-        if hasattr(obj, "untyped_storage"):
-            key = obj.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += obj.untyped_storage().nbytes()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif type(obj).__module__.startswith("sglang."):
-            stack.extend(v for k, v in vars(obj).items() if k not in ("memory_saver_adapter", "custom_mem_pool"))
-    return total
-
-
 def test_each_pool_is_reported_with_its_tensor_bytes(sg_broker):
     pool = sglang_cpu.build_dsv4_pool(full_pages=64, swa_pages=16)
     expected = sglang_cpu.tensor_bytes_by_pool(pool)
@@ -56,11 +34,11 @@ def test_each_pool_is_reported_with_its_tensor_bytes(sg_broker):
             "indexer_compress_state_pools"} <= set(expected)
     inst = _instance(sg_broker.status())
     assert inst["pools"] == expected
-    assert inst["reserved_bytes"] == sum(expected.values()) == _unique_storage_bytes(pool)
+    assert inst["reserved_bytes"] == sum(expected.values()) == sglang_cpu.unique_storage_bytes(pool)
 
 
 @pytest.mark.skipif(not sglang_cpu.at_least("0.5.20"), reason="kv_pools/index_pools dicts arrived in 0.5.20")
-def test_alias_attributes_are_counted_once():
+def test_alias_attributes_are_counted_once(sg_broker):
     pool = sglang_cpu.build_dsv4_pool(full_pages=8, swa_pages=4)
     assert pool.c4_kv_pool is pool.kv_pools[4] and pool.c4_indexer_kv_pool is pool.index_pools[4]
     measured = sum(dsv4_pools.measure(pool).values())
@@ -68,7 +46,7 @@ def test_alias_attributes_are_counted_once():
              "compress_state_pools", "indexer_compress_state_pools"]
     naive = sum(pool_bytes.object_bytes(getattr(pool, name)) for name in names)  # no dedup across names
     aliases = sum(pool_bytes.object_bytes(getattr(pool, n)) for n in ("c4_kv_pool", "c128_kv_pool", "c4_indexer_kv_pool"))
-    assert measured == _unique_storage_bytes(pool)
+    assert measured == sglang_cpu.unique_storage_bytes(pool)
     assert aliases > 0 and naive == measured + aliases
 
 def test_a_managed_sub_pool_is_not_reserved(sg_broker):

@@ -1,0 +1,175 @@
+"""KV sizing from the broker: SGLang's real profile is capped, held, and charged once built.
+
+The profile is the installed SGLang's ``_profile_available_bytes`` (``KVCacheConfigurator`` in
+0.5.16+, ``ModelRunnerKVCacheMixin`` before) fed a simulated free-memory figure, since CUDA's
+free memory does not exist here.  DeepSeek-V4 pools are sized to the granted budget by the
+test's stand-in for SGLang's pool configurator (``sglang_cpu.dsv4_units_for``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import sglang_cpu
+import torch
+from helpers import GIB, MIB
+from kvcached_broker.adapters.sglang import budget, kv_sizing, reporting
+from kvcached_broker.client import BrokerClient
+
+WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
+
+
+def _pools(status: dict, name: str = "under-test") -> dict:
+    return next((i["pools"] for i in status["instances"] if i["name"] == name), {})
+
+
+@pytest.fixture
+def neighbour(sg_broker):
+    """Another instance on the same GPU, holding 700 MiB."""
+    client = BrokerClient.connect("neighbour", endpoint=sg_broker.endpoint, credit_pages=0)
+    client.reserve({"weights": 700 * MIB})
+    yield client
+    client.close()
+
+
+def _profile_class():
+    if sglang_cpu.at_least("0.5.16"):
+        from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+        return KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner_kv_cache_mixin import (
+        ModelRunnerKVCacheMixin,
+    )
+
+    return ModelRunnerKVCacheMixin
+
+
+def test_the_real_profile_is_patched_where_sglang_sizes_its_kv(patched_sglang):
+    cls = _profile_class()
+    for name in ("_profile_available_bytes", "_resolve_memory_pool_config", "_init_pools"):
+        assert getattr(vars(cls)[name], "__kvcached_broker_wrapped__", False), name
+
+
+def test_room_is_not_lowered_when_the_broker_has_it(sg_broker):
+    assert sglang_cpu.profile(100 * MIB) == 100 * MIB  # SGLang's own figure, untouched
+    assert _pools(sg_broker.status()) == {"kv_sizing_hold": 100 * MIB}  # and held until the pools exist
+
+
+def test_the_profile_is_capped_at_what_the_broker_can_grant_then_charged_per_pool(sg_broker, neighbour):
+    kv_bytes = sglang_cpu.profile(900 * MIB)  # the device looks nearly empty to SGLang
+    assert kv_bytes == GIB - 700 * MIB and kv_sizing.last_decision().lowered
+    assert _pools(sg_broker.status()) == {"kv_sizing_hold": kv_bytes}
+    units = sglang_cpu.dsv4_units_for(kv_bytes)
+    pool = sglang_cpu.build_dsv4_pool(4 * units, units)
+    kv_sizing.charge_pools("cpu", 0, pool)
+    pools = _pools(sg_broker.status())
+    assert pools == sglang_cpu.tensor_bytes_by_pool(pool)  # the hold is gone, the real pools are charged
+    assert 0.9 * kv_bytes < sum(pools.values()) <= kv_bytes
+    assert sg_broker.status()["reserved_bytes"] <= GIB
+
+
+def test_the_floors_of_other_instances_are_left_alone(sg_broker):
+    with sg_broker.admin() as admin:
+        admin.limit("guaranteed", min_bytes=600 * MIB)
+    assert sglang_cpu.profile(900 * MIB) == GIB - 600 * MIB
+
+
+def test_nothing_grantable_is_a_startup_error_naming_the_broker_budget_and_others(sg_broker):
+    other = BrokerClient.connect("big-model", endpoint=sg_broker.endpoint, credit_pages=0)
+    try:
+        other.reserve({"swa_kv_pool": GIB})
+        with pytest.raises(budget.BrokerBudgetError) as caught:
+            sglang_cpu.profile(900 * MIB)
+    finally:
+        other.close()
+    message = str(caught.value)
+    assert sg_broker.endpoint in message and "under-test" in message
+    assert "budget 1.00 GiB" in message and "big-model 1.00 GiB" in message and "\n" not in message
+
+
+def test_a_runtime_that_cannot_size_its_pool_from_the_capped_budget_fails_with_the_broker_context(
+    sg_broker, neighbour, monkeypatch
+):
+    from sglang.srt.model_executor import pool_configurator
+
+    class TooSmall:  # the runtime's configurator, refusing the budget it was handed
+        def calculate_pool_sizes(self, available_bytes, page_size):
+            raise RuntimeError(f"Not enough memory for a KV pool: {available_bytes} bytes")
+
+    monkeypatch.setattr(pool_configurator, "create_memory_pool_configurator", lambda owner: TooSmall())
+    obj = sglang_cpu.profiler(900 * MIB)
+    with sglang_cpu.runtime_config(mem_fraction_static=0.9), pytest.raises(budget.BrokerBudgetError) as caught:
+        obj._resolve_memory_pool_config(0)
+    message = str(caught.value)
+    assert "Not enough memory for a KV pool" in message and sg_broker.endpoint in message
+    assert "neighbour 700.00 MiB" in message
+
+
+def test_a_static_kv_pool_is_charged_as_kv_static(sg_broker):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(1024, 16, torch.bfloat16, 4, 64, 3, "cpu", False)
+    reporting.hold(kv_sizing_identity(), 64 * MIB)
+    kv_sizing.charge_pools("cpu", 0, pool)
+    k_bytes, v_bytes = pool.get_kv_size_bytes()
+    charged = _pools(sg_broker.status())
+    assert charged == {"kv_static": sglang_cpu.unique_storage_bytes(pool)}  # the hold is gone too
+    assert k_bytes + v_bytes <= charged["kv_static"] < k_bytes + v_bytes + 4096  # plus its pointer tables
+
+
+def kv_sizing_identity():
+    from kvcached_broker.adapters.sglang import tp
+
+    return tp.identity("cpu")
+
+
+# ------------------------------------------------------------------ co-located model processes
+def _sized(endpoint: str, instance: str, free_bytes: int) -> subprocess.Popen:
+    env = {**os.environ, "ENABLE_KVCACHED": "1", "KVCACHED_BROKER": endpoint, "KVCACHED_BROKER_INSTANCE": instance}
+    return subprocess.Popen([sys.executable, WORKER, "sized", str(free_bytes)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _read(proc: subprocess.Popen) -> dict:
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read()[-3000:]
+    return json.loads(line)
+
+
+def test_a_second_model_gets_a_smaller_pool_and_a_third_a_clear_startup_error(broker_factory):
+    """Every model sees 96 MiB free on a 128 MiB GPU; the broker makes them share it."""
+    broker = broker_factory(simulate="128MiB", extra_args=["--headroom", "0"])
+    first = _sized(broker.endpoint, "model-a", 96 * MIB)
+    procs = [first]
+    try:
+        a = _read(first)
+        second = _sized(broker.endpoint, "model-b", 96 * MIB)
+        procs.append(second)
+        b = _read(second)
+        assert (a["kv_bytes"], b["kv_bytes"]) == (96 * MIB, 32 * MIB)  # sized one after another, not both 96
+        third = _sized(broker.endpoint, "model-c", 96 * MIB)
+        procs.append(third)
+        assert third.wait(timeout=60) == 3
+        error = third.stderr.read()
+        assert broker.endpoint in error and "model-c" in error and "budget 128.00 MiB" in error
+        assert "model-a 96.00 MiB" in error and "model-b 32.00 MiB" in error
+        for proc in (first, second):
+            proc.stdin.write("build\n")
+            proc.stdin.flush()
+        built = {"model-a": _read(first), "model-b": _read(second)}
+        status = broker.status()
+        for name, report in built.items():
+            assert _pools(status, name) == report["pools"]  # no hold left: the real pools replaced it
+        a_bytes, b_bytes = (sum(built[n]["pools"].values()) for n in ("model-a", "model-b"))
+        assert b_bytes < a_bytes <= 96 * MIB and b_bytes <= 32 * MIB
+        assert status["reserved_bytes"] == a_bytes + b_bytes <= status["budget_bytes"]
+    finally:
+        for proc in procs:
+            if proc.stdin and not proc.stdin.closed:
+                proc.stdin.close()
+        for proc in procs:
+            proc.wait(timeout=60)
