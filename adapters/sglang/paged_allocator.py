@@ -97,9 +97,18 @@ def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
 
 
 def kv_page_bytes(kvcache: Any, page_size: int) -> int:
-    """KV bytes of one allocator page: the pool's bytes over its ``size + page_size`` token rows."""
+    """KV bytes of one allocator page: every per-token buffer of the pool, ``page_size`` rows of it.
+
+    Per-token buffers are the tensors with one row per token slot (``size + page_size`` rows,
+    the padding page included); the pool's small tables (layer pointers) are left out.
+    """
     rows = int(getattr(kvcache, "size", 0)) + page_size
-    return pool_bytes.object_bytes(kvcache) * page_size // rows if rows > page_size else 0
+    row_bytes = sum(
+        t.numel() * t.element_size() // rows
+        for t in pool_bytes.runtime_tensors(kvcache)
+        if t.dim() and t.shape[0] == rows
+    )
+    return row_bytes * page_size if rows > page_size else 0
 
 
 def in_free_group(alloc: Any) -> bool:

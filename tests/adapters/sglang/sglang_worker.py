@@ -94,8 +94,8 @@ def tensor_parallel(rank: int, world: int, port: int, full_pages: int) -> None:
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    pages, page = 64, 16
-    kv = MHATokenToKVPool(pages * page, page, torch.bfloat16, 2, 64, 2, "cpu", False)
+    pages, page = 64, 128  # 128 tokens x 8 heads x 128 dims x 4 layers of bf16 K and V: 2 MiB a page
+    kv = MHATokenToKVPool(pages * page, page, torch.bfloat16, 8, 128, 4, "cpu", False)
     alloc = PagedTokenToKVPoolAllocator(pages * page, page, torch.bfloat16, "cpu", kv, False)
     taken = 0
     while alloc.alloc(page) is not None:
