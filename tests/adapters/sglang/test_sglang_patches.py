@@ -1,0 +1,102 @@
+"""The SGLang patch set: applied on import or explicitly, version-gated, idempotent, loud."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+import sglang_cpu
+
+from kvcached_broker.adapters import autopatch, patching
+from kvcached_broker.adapters.patching import PatchError, apply_patch
+from kvcached_broker.adapters.sglang import dsv4_reservation, kv_sizing, patches
+
+WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
+
+
+def _names(version: str) -> set[str]:
+    return {p.name for p in patches.patches_for(version)}
+
+
+def test_the_patch_list_follows_the_module_layout_of_each_release():
+    legacy, split, newest = _names("0.5.12"), _names("0.5.13.post1"), _names("0.5.23")
+    assert {"sglang_paged_allocator_swa_legacy", "sglang_kv_sizing_mixin"} <= legacy
+    assert not {"sglang_paged_allocator_swa", "sglang_kv_sizing_configurator"} & legacy
+    assert {"sglang_paged_allocator_swa", "sglang_kv_sizing_mixin", "sglang_paged_allocator_mixin"} <= split
+    assert "sglang_dsv4_request_window" not in split and "sglang_paged_allocator_swa_legacy" not in split
+    assert {"sglang_kv_sizing_configurator", "sglang_paged_allocator_configurator",
+            "sglang_dsv4_request_window"} <= newest and "sglang_kv_sizing_mixin" not in newest
+    assert _names("0.5.24") == _names("0.5.11") == {p.name for p in patches.ALL_PATCHES}  # each logs its skip
+
+
+def test_every_patch_for_this_release_applied_once(patched_sglang, sglang_version):
+    if sglang_cpu.at_least("0.5.21"):
+        importlib.import_module("sglang.srt.mem_cache.dsv41_request_window")
+    applied = {r.patch for r in patching.RESULTS if r.outcome == "applied"}
+    for patch in patches.PATCHES:
+        module = sys.modules[patch.module]
+        assert patch.name in applied and getattr(module, f"__kvcached_broker_patched_{patch.name}__"), patch.name
+        again = apply_patch(patch, module)
+        assert again.outcome == "already"
+    assert not [r for r in patching.RESULTS if r.patch.startswith("sglang_") and r.outcome == "failed"]
+
+
+def test_wrappers_are_idempotent(patched_sglang):
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    module = sys.modules["sglang.srt.mem_cache.deepseek_v4_memory_pool"]
+    wrapped = DeepSeekV4TokenToKVPool.__init__
+    dsv4_reservation.apply_memory_pool(module)
+    assert DeepSeekV4TokenToKVPool.__init__ is wrapped and not hasattr(wrapped.__wrapped__, "__wrapped__")
+    name = "KVCacheConfigurator" if sglang_cpu.at_least("0.5.16") else "ModelRunnerKVCacheMixin"
+    cls = getattr(sys.modules[[p.module for p in patches.PATCHES if "kv_sizing" in p.name][0]], name)
+    profile = vars(cls)["_profile_available_bytes"]
+    kv_sizing._apply(sys.modules[cls.__module__], name)
+    assert vars(cls)["_profile_available_bytes"] is profile
+
+
+def test_a_release_outside_the_range_logs_a_clear_skip(monkeypatch, caplog):
+    monkeypatch.setattr(patching, "installed", lambda dist: "0.5.30")
+    monkeypatch.setattr(patches, "installed", lambda dist: "0.5.30")
+    target = types.ModuleType("fake_sglang_module")
+    patch = patches.ALL_PATCHES[0]
+    with caplog.at_level(logging.INFO, logger="kvcached_broker.adapters"):
+        result = apply_patch(patch, target)
+        patches.check_flags()
+    assert result.outcome == "skipped"
+    assert result.reason == "sglang 0.5.30 is outside the supported range >=0.5.12,<0.5.24"
+    assert any("sglang_unsupported version=0.5.30" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("KVCACHED_REQUIRE", "1")
+    with pytest.raises(PatchError, match="outside the supported range"):
+        apply_patch(patch, target)
+
+
+def test_a_patch_that_cannot_apply_fails_loudly_only_under_require(monkeypatch):
+    broken = types.ModuleType("sglang.srt.mem_cache.deepseek_v4_memory_pool")  # the class is missing
+    patch = next(p for p in patches.ALL_PATCHES if p.name == "sglang_dsv4_pool_reservation")
+    assert apply_patch(patch, broken).outcome == "failed"
+    monkeypatch.setenv("KVCACHED_REQUIRE", "1")
+    with pytest.raises(PatchError, match=r"sglang_dsv4_pool_reservation .* has no DeepSeekV4TokenToKVPool"):
+        apply_patch(patch, broken)
+
+
+def test_the_kv_pool_bridge_is_refused(monkeypatch):
+    monkeypatch.setenv("KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE", "1")
+    with pytest.raises(PatchError, match="future work"):
+        autopatch.apply(["sglang"])
+
+
+def test_require_with_no_broker_stops_a_worker_at_startup(short_tmp):
+    env = {**os.environ, "ENABLE_KVCACHED": "1", "KVCACHED_REQUIRE": "1", "KVCACHED_BROKER_TIMEOUT_S": "0.3",
+           "KVCACHED_BROKER": f"ipc://{short_tmp}/absent{{device}}.sock", "KVCACHED_BROKER_INSTANCE": "needs-broker"}
+    out = subprocess.run([sys.executable, WORKER, "dsv4", "8", "4"], env=env, capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL, check=False)
+    assert out.returncode != 0 and out.stdout == ""
+    assert "BrokerRequired: kvcached-broker is required (KVCACHED_REQUIRE=1) but unusable for device 0" in out.stderr
+    assert f"{short_tmp}/absent0.sock" in out.stderr
