@@ -59,14 +59,28 @@ def _parallel_state() -> Any:
     return sys.modules.get("sglang.srt.distributed.parallel_state")
 
 
-def _group(getter_name: str) -> RankGroup:
-    state = _parallel_state()
-    if state is None:
-        return SINGLE
+def _coordinator(name: str) -> Any:
+    """SGLang's ``GroupCoordinator`` called ``name`` (``tp_group``, ``world_group``), or None.
+
+    0.5.16+ publish groups in the runtime context (``get_parallel().tp_group``; the
+    ``parallel_state`` getters are deprecated aliases); earlier releases keep them in
+    ``parallel_state``, initialised or not.
+    """
+    context = sys.modules.get("sglang.srt.runtime_context")
+    get_parallel = getattr(context, "get_parallel", None)
     try:
-        coordinator = getattr(state, getter_name)()
+        if get_parallel is not None:
+            return getattr(get_parallel(), name)
+        state = _parallel_state()
+        if state is None or (name == "tp_group" and not _initialised(state)):
+            return None
+        return getattr(state, f"get_{name}")()
     except (AssertionError, AttributeError, RuntimeError):
-        return SINGLE  # not initialised: a single-process run (or a test)
+        return None  # not initialised: a single-process run (or a test)
+
+
+def _group(name: str) -> RankGroup:
+    coordinator = _coordinator(name)
     if coordinator is None:
         return SINGLE
     size = int(getattr(coordinator, "world_size", 1))
@@ -75,15 +89,12 @@ def _group(getter_name: str) -> RankGroup:
 
 def tp_group() -> RankGroup:
     """This worker's tensor-parallel group (rank 0 of 1 before SGLang initialises it)."""
-    state = _parallel_state()
-    if state is None or not _initialised(state):
-        return SINGLE
-    return _group("get_tp_group")
+    return _group("tp_group")
 
 
 def world_group() -> RankGroup:
     """SGLang's world group: what its own memory profile min-reduces over."""
-    return _group("get_world_group")
+    return _group("world_group")
 
 
 def _initialised(state: Any) -> bool:
