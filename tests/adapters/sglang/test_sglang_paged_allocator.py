@@ -46,12 +46,14 @@ def make(cls, pages=PAGES, need_sort=False):
 def test_the_adapter_class_is_bound_where_allocators_are_built(ours):
     upstream = upstream_of(ours)
     assert ours is not upstream and issubclass(ours, upstream) and ours.__name__ == upstream.__name__
-    sites = ["sglang.srt.mem_cache.allocator.swa"]
+    split = sglang_cpu.at_least("0.5.13")
+    sites = ["sglang.srt.mem_cache.allocator.swa" if split else "sglang.srt.mem_cache.swa_memory_pool"]
     sites.append("sglang.srt.mem_cache.kv_cache_configurator" if sglang_cpu.at_least("0.5.16")
                  else "sglang.srt.model_executor.model_runner_kv_cache_mixin")
     for site in sites:
         assert importlib.import_module(site).PagedTokenToKVPoolAllocator is ours, site
-    assert importlib.import_module("sglang.srt.mem_cache.allocator.paged").PagedTokenToKVPoolAllocator is upstream
+    if split:
+        assert importlib.import_module("sglang.srt.mem_cache.allocator.paged").PagedTokenToKVPoolAllocator is upstream
     if sglang_cpu.at_least("0.5.20"):
         from sglang.srt.mem_cache.allocator.hisparse import PagedTokenToKVPoolAllocator as seen_by_hisparse
 
@@ -175,7 +177,10 @@ def test_a_restored_state_restores_which_pages_are_in_use(ours):
 
 
 def test_the_dsv4_swa_allocator_builds_tracked_sub_allocators(ours, sg_broker):
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    if sglang_cpu.at_least("0.5.13"):
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    else:
+        from sglang.srt.mem_cache.swa_memory_pool import SWATokenToKVPoolAllocator
 
     pool = sglang_cpu.build_dsv4_pool(full_pages=16, swa_pages=8)
     size, swa_size = 16 * sglang_cpu.PAGE, 8 * sglang_cpu.PAGE
