@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,15 @@ class AllocatorState:
         if self.gate is not None:
             self.gate.returned(page_ids)
 
+    def restored(self, in_use: Any) -> None:
+        """The allocator went back to a snapshot: pages freed since are in use again, and back."""
+        freed, taken = self.tracker.restore(in_use)
+        self.freed(freed)
+        if self.gate is not None and taken.numel():
+            if not self.gate.admit(taken.numel()):  # a rollback cannot be refused; say so
+                log.warning("event=sglang_elastic_restore_unadmitted pages=%d", taken.numel())
+            self.gate.taken(taken)
+
 
 def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
     """A gate when the pool can be elastic: an on-demand backing and a KV pool of our own."""
@@ -90,10 +100,12 @@ def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
         return None
     pool_bytes.mark_managed(kvcache)
     log.info("event=sglang_elastic_allocator pages=%d page_bytes=%d", alloc.num_pages, page_bytes)
-    return elastic_pages.ElasticGate(
+    gate = elastic_pages.ElasticGate(
         client, backing, page_bytes=page_bytes, session_page_bytes=tp.SESSION_PAGE_BYTES,
         physical_pages=alloc.num_pages, reduce_min=tp.tp_group().reducer(),
     )
+    weakref.finalize(alloc, gate.close)  # a dropped allocator gives its grant back
+    return gate
 
 
 def kv_page_bytes(kvcache: Any, page_size: int) -> int:
@@ -212,11 +224,7 @@ class _OptionalMethods:
         if state is None or not isinstance(saved, _TrackedState):
             return _upstream(self).restore_state(saved)
         _upstream(self).restore_state(saved.upstream)
-        freed, taken = state.tracker.restore(saved.in_use)
-        state.freed(freed)
-        if state.gate is not None and taken.numel():
-            state.gate.admit(0)
-            state.gate.taken(taken)
+        state.restored(saved.in_use)
 
 
 def _upstream(alloc: Any) -> Any:

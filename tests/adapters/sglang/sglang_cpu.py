@@ -73,10 +73,12 @@ def dsv4_kwargs(full_pages: int, swa_pages: int, ratios=(4, 128, 4, 128), num_re
     return kwargs
 
 
-def build_dsv4_pool(full_pages: int, swa_pages: int, **kwargs: Any) -> Any:
+def build_dsv4_pool(full_pages: int, swa_pages: int, *, request_window: bool = False, **kwargs: Any) -> Any:
+    """A real DeepSeek-V4 pool; ``request_window`` builds the DSV4.1 encoder-replay mode (0.5.21+)."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
-    with runtime_config():
+    mode = {"enable_encoder_swa_bounded_replay": True, "chunked_prefill_size": 512} if request_window else {}
+    with runtime_config(**mode):
         return DeepSeekV4TokenToKVPool(**dsv4_kwargs(full_pages, swa_pages, **kwargs))
 
 
@@ -89,6 +91,10 @@ def tensor_bytes_by_pool(pool: Any) -> dict[str, int]:
     out: dict[str, int] = {}
     if pool.swa_kv_pool is not None:
         out["swa_kv_pool"] = _nbytes(pool.swa_kv_pool.kv_buffer)
+    window = getattr(pool, "request_window", None)
+    if window is not None:
+        workspace = window.workspace.kv_buffer if window.workspace is not None else []
+        out["request_window"] = _nbytes([*window.state.kv_buffer, *workspace, window.tags])
     if at_least("0.5.20"):
         kv_pools = {r: p for r, p in pool.kv_pools.items() if p is not None}
         index_pools = {r: p for r, p in pool.index_pools.items() if p is not None}

@@ -49,6 +49,19 @@ def test_alias_attributes_are_counted_once(sg_broker):
     assert measured == sglang_cpu.unique_storage_bytes(pool)
     assert aliases > 0 and naive == measured + aliases
 
+@pytest.mark.skipif(not sglang_cpu.at_least("0.5.21"), reason="the DSV4.1 request window arrived in 0.5.21")
+def test_the_request_window_is_a_pool_and_is_measured_again_when_its_workspace_grows(sg_broker):
+    pool = sglang_cpu.build_dsv4_pool(full_pages=16, swa_pages=4, request_window=True)
+    assert pool.swa_kv_pool is None
+    before = _instance(sg_broker.status())["pools"]
+    assert before == sglang_cpu.tensor_bytes_by_pool(pool) and "request_window" in before
+    window = pool.request_window
+    window._ensure_workspace(window.workspace.size * 4)  # SGLang grows it lazily, before graph capture
+    after = _instance(sg_broker.status())["pools"]
+    assert after == sglang_cpu.tensor_bytes_by_pool(pool)
+    assert after["request_window"] > before["request_window"]
+
+
 def test_a_managed_sub_pool_is_not_reserved(sg_broker):
     pool = sglang_cpu.build_dsv4_pool(full_pages=8, swa_pages=4)
     pool_bytes.mark_managed(pool.swa_kv_pool)  # as if kvcached or the broker managed the SWA pool

@@ -8,6 +8,7 @@ pages an on-demand backing (kvcached's VMM) would map.  Pool geometry: 128 token
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -81,6 +82,9 @@ def test_pages_come_from_the_broker_and_a_refusal_returns_none(sg_broker, record
     assert _granted_pages(sg_broker) == 10 + 16  # back down to use plus one batch
     alloc.free(torch.cat(taken[50:]))
     assert _granted_pages(sg_broker) == 26 and not recorder.mapped  # within slack: kept (hysteresis)
+    del alloc
+    gc.collect()
+    assert _granted_pages(sg_broker) == 0  # a dropped allocator gives its grant back
 
 
 def test_extend_and_decode_are_admitted_by_the_broker(sg_broker, recorder, crowded):
