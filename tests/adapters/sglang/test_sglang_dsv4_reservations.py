@@ -35,6 +35,13 @@ def test_each_pool_is_reported_with_its_tensor_bytes(sg_broker):
     inst = _instance(sg_broker.status())
     assert inst["pools"] == expected
     assert inst["reserved_bytes"] == sum(expected.values()) == sglang_cpu.unique_storage_bytes(pool)
+    assert inst["reserved_bytes"] == _buf_info_bytes(pool)  # SGLang's own transfer-buffer byte lengths
+
+
+def _buf_info_bytes(pool) -> int:
+    methods = ("get_contiguous_buf_infos", "get_state_buf_infos", "get_request_state_buf_infos",
+               "get_unified_swa_ring_buf_infos", "get_swa_valid_from_buf_infos")
+    return sum(sum(getattr(pool, m)()[1]) for m in methods if hasattr(pool, m))
 
 
 @pytest.mark.skipif(not sglang_cpu.at_least("0.5.20"), reason="kv_pools/index_pools dicts arrived in 0.5.20")
