@@ -1,0 +1,78 @@
+"""A vLLM instance and an SGLang instance sharing one simulated GPU, side by side in status.
+
+Each runs in its own process with its own upstream overlay (vLLM from this run's overlay,
+SGLang from ``.adapter-envs/sglang-0.5.23``), both with ``ENABLE_KVCACHED=1`` and pointed at
+one real broker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import GIB, MIB
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+SGLANG_ENV = ROOT / ".adapter-envs" / "sglang-0.5.23.env"
+
+
+def overlay_env(env_file: Path) -> dict[str, str]:
+    """The variables an overlay's .env file exports."""
+    values = {}
+    for line in env_file.read_text().splitlines():
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].partition("=")
+            values[key] = value.strip('"')
+    return values
+
+
+def spawn(argv, env) -> tuple[subprocess.Popen, dict]:
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        raise AssertionError(f"{argv[0]} exited: {proc.communicate()[1][-3000:]}")
+    return proc, json.loads(line)
+
+
+def test_vllm_and_sglang_instances_share_one_gpu_side_by_side(broker_factory):
+    if not SGLANG_ENV.exists():
+        if os.environ.get("KVCACHED_BROKER_TEST_RUNTIME"):
+            pytest.fail(f"{SGLANG_ENV} is missing: run `make adapter-envs`")
+        pytest.skip("the SGLang overlay is not built")
+    b = broker_factory(simulate="8GiB", extra_args=["--headroom", "0"])
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_TARGET_DEVICE")}
+    common = {"ENABLE_KVCACHED": "1", "KVCACHED_REQUIRE": "1", "KVCACHED_BROKER": b.endpoint}
+    vllm_env = {**os.environ, **common, "KVCACHED_BROKER_INSTANCE": "vllm-dsv4"}
+    sglang_env = {**base, **overlay_env(SGLANG_ENV), **common, "KVCACHED_BROKER_INSTANCE": "sglang-dsv4"}
+    vllm_proc, vllm_out = spawn([str(HERE / "vllm_worker.py"), str(64 * MIB)], vllm_env)
+    sglang_proc, sglang_out = spawn([str(HERE.parent / "sglang" / "sglang_worker.py"), "dsv4", "4", "2"], sglang_env)
+    try:
+        assert vllm_out["hook"] and sglang_out["hook"]  # both patched themselves through the .pth hook
+        status = b.status()
+        by_name = {i["name"]: i for i in status["instances"]}
+        assert set(by_name) == {"vllm-dsv4", "sglang-dsv4"}
+        vllm_inst, sglang_inst = by_name["vllm-dsv4"], by_name["sglang-dsv4"]
+        assert vllm_inst["pools"] == {"kv_static": vllm_out["buffer_bytes"]}  # one buffer, charged once
+        assert vllm_inst["usage_breakdown"]  # its cache groups, shown and not charged
+        assert vllm_inst["sessions"][0]["pid"] == vllm_out["pid"]
+        assert {"swa_kv_pool", "c4_kv_pool", "c128_kv_pool", "c4_indexer_kv_pool"} <= set(sglang_out["pools"])
+        assert sglang_inst["pools"] == sglang_out["pools"]  # every V4 side pool at its tensors' size
+        assert sglang_inst["sessions"][0]["pid"] == sglang_out["pid"]
+        assert status["reserved_bytes"] == vllm_out["buffer_bytes"] + sum(sglang_out["pools"].values())
+        assert status["free_bytes"] == status["budget_bytes"] - status["reserved_bytes"] - status["granted_bytes"]
+        table = subprocess.run([sys.executable, "-m", "kvcached_broker.broker.cli", "status", "--endpoint", b.endpoint],
+                               capture_output=True, text=True, env=base)
+        assert "vllm-dsv4" in table.stdout and "sglang-dsv4" in table.stdout and "swa_kv_pool" in table.stdout
+    finally:
+        for proc in (vllm_proc, sglang_proc):
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    assert b.status()["instances"] == []  # both sessions closed or reclaimed when the processes ended
