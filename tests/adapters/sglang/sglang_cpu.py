@@ -15,15 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import types
-from importlib.metadata import version
 from typing import Any, Iterator
 
 import torch
 
-from kvcached_broker.adapters.versions import parse
+from kvcached_broker.adapters.versions import installed, parse
 
 PAGE = 256
-SGLANG = version("sglang")
+SGLANG = installed("sglang") or "0"  # outside an overlay the tests are skipped (conftest)
 
 
 def at_least(minimum: str) -> bool:
