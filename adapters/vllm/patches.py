@@ -40,7 +40,7 @@ def _patch(name: str, module: str, apply, *, minimum: str = MINIMUM, required: b
 
 PATCHES: list[Patch] = [
     _patch("vllm_kv_alloc_utils", "vllm.v1.worker.utils", kv_reservation.apply_allocate_kv_cache,
-           minimum=SHARED_BUFFER_MINIMUM),
+           minimum=SHARED_BUFFER_MINIMUM, required=False),  # 0.19 allocates elsewhere
     _patch("vllm_kv_alloc_model_runner", "vllm.v1.worker.gpu_model_runner", kv_reservation.apply_gpu_model_runner),
     _patch("vllm_kv_alloc_attn_utils", "vllm.v1.worker.gpu.attn_utils", kv_reservation.apply_attn_utils),
     _patch("vllm_kv_alloc_hisparse", "vllm.v1.hisparse.binding", kv_reservation.apply_allocate_kv_cache,

@@ -35,11 +35,11 @@ def overlay_env(env_file: Path) -> dict[str, str]:
 def spawn(argv, env) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen([sys.executable, *argv], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        raise AssertionError(f"{argv[0]} exited: {proc.communicate()[1][-3000:]}")
-    return proc, json.loads(line)
+    for line in proc.stdout:  # upstream may print its own lines first
+        if line.startswith("{"):
+            return proc, json.loads(line)
+    proc.kill()
+    raise AssertionError(f"{argv[0]} exited: {proc.communicate()[1][-3000:]}")
 
 
 def test_vllm_and_sglang_instances_share_one_gpu_side_by_side(broker_factory):
