@@ -18,6 +18,7 @@ Invariant: ``used_pages`` allocator pages are mapped, and the broker grant cover
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -75,4 +76,13 @@ class ElasticGate:
         return self.budget.granted_pages
 
     def close(self) -> None:
+        """Give the whole grant back."""
         self.budget.close()
+
+    def close_later(self) -> None:
+        """:meth:`close` from a thread of its own (safe from a finaliser, which may run
+        in the middle of a request on the same session)."""
+        try:
+            threading.Thread(target=self.close, name="kvcached-broker-release", daemon=True).start()
+        except RuntimeError:  # interpreter shutdown: the session closes anyway
+            pass

@@ -16,9 +16,9 @@ co-located models both see the same free memory.  This module patches, on
   (``dsv4_reservation``); any other pool is charged as one ``kv_static`` reservation
   (unless it is broker-managed, i.e. elastic); then the hold is dropped.
 
-With an on-demand backing registered (elastic KV, ``adapters/backing.py``) the KV buffer is
-virtual: the figure is still capped, but nothing is held; pages are granted as they are used.
-All sizes are bytes.
+With an on-demand backing registered (elastic KV, ``adapters/backing.py``) the same applies
+while the worker starts; once the pools exist the hold is dropped and an elastic pool's pages
+are granted as they are used.  All sizes are bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...client import BudgetExceeded
+from ...client import BrokerError, BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
 from ..backing import on_demand_backing
@@ -66,10 +66,15 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     """The KV budget SGLang may use: its own figure, capped (and held) by the broker."""
     identity = tp.identity(device, gpu_id)
     client = session.client_for(identity)
-    room, local_bytes = None, int(runtime_bytes)
+    room, local_bytes, failure = None, int(runtime_bytes), None
     if client is not None:
-        room, local_bytes = _hold_what_fits(client, identity, int(runtime_bytes))
+        try:
+            room, local_bytes = _hold_what_fits(client, identity, int(runtime_bytes))
+        except BrokerError as exc:  # still take part in the collective, then fail
+            local_bytes, failure = 0, exc
     agreed_bytes = tp.world_group().reduce_min(local_bytes)  # every rank calls it, on every path
+    if failure is not None:
+        raise failure
     _last.decision = SizingDecision(int(runtime_bytes), agreed_bytes, room)
     if room is None:
         return agreed_bytes
@@ -92,7 +97,7 @@ def _hold_what_fits(client: Any, identity: worker.WorkerIdentity, runtime_bytes:
         room = budget.measure_room(client, instance)
         limit = room.grantable_bytes + reporting.held_bytes(identity)  # an earlier hold is replaced
         capped = max(0, min(runtime_bytes, limit))
-        if capped <= 0 or on_demand_backing() is not None:
+        if capped <= 0:
             return room, capped
         try:
             reporting.hold(identity, capped)

@@ -104,7 +104,7 @@ def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
         client, backing, page_bytes=page_bytes, session_page_bytes=tp.SESSION_PAGE_BYTES,
         physical_pages=alloc.num_pages, reduce_min=tp.tp_group().reducer(),
     )
-    weakref.finalize(alloc, gate.close)  # a dropped allocator gives its grant back
+    weakref.finalize(alloc, gate.close_later)  # a dropped allocator gives its grant back
     return gate
 
 

@@ -59,6 +59,11 @@ def _forget_when_collected(pool: Any, key: str) -> None:
 
 
 def _collected(pool_id: int, key: str) -> None:
+    """Finaliser of a pool: forget its reservations, from a thread of its own.
+
+    A finaliser runs wherever garbage collection happens, possibly in the middle of a
+    request on this very session, so it never talks to the broker itself.
+    """
     with _lock:
         _keys.pop(pool_id, None)
         _totals.pop(key, None)
@@ -66,9 +71,16 @@ def _collected(pool_id: int, key: str) -> None:
     if identity is None:
         return
     try:
+        threading.Thread(target=_forget, args=(identity, key), name="kvcached-broker-forget", daemon=True).start()
+    except RuntimeError:  # interpreter shutdown: the session closes anyway
+        pass
+
+
+def _forget(identity: worker.WorkerIdentity, key: str) -> None:
+    try:
         worker.forget(identity, key)
-    except Exception as exc:  # noqa: BLE001 - a finaliser must not raise (it may run at interpreter exit)
-        log.debug("event=forget_failed reporter=%s error=%r", key, str(exc))
+    except Exception as exc:  # noqa: BLE001 - a background forget must not raise
+        log.warning("event=forget_failed reporter=%s error=%r", key, str(exc))
 
 
 def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: dict[str, int], what: str) -> bool:

@@ -85,8 +85,8 @@ def test_a_rebuilt_pool_replaces_the_old_one_and_zero_removes_a_pool(sg_broker):
     second = sglang_cpu.build_dsv4_pool(full_pages=32, swa_pages=8, ratios=(4, 4, 4, 4))
     del first
     gc.collect()
-    pools = _instance(sg_broker.status())["pools"]
-    assert pools == sglang_cpu.tensor_bytes_by_pool(second)
+    expected = sglang_cpu.tensor_bytes_by_pool(second)
+    pools = wait_for(lambda: (p := _instance(sg_broker.status())["pools"]) == expected and p, what="old pool forgotten")
     assert "c128_kv_pool" not in pools and "compress_state_pools" in pools  # the C128 pools went to 0
 
 
