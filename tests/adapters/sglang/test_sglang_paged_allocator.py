@@ -215,7 +215,7 @@ def test_legacy_layout_binds_the_module_and_the_swa_pool(legacy):
 
 
 def test_legacy_layout_precomputed_pages_stale_ids_and_free_groups(legacy):
-    allocator, _, upstream = legacy
+    allocator, _, _ = legacy
     alloc = make(allocator.PagedTokenToKVPoolAllocator)
     before = legacy_allocator.GET_NUM_NEW_PAGES_CALLS
     out = alloc.alloc_extend(*_extend_args(), num_new_pages=4)

@@ -15,7 +15,7 @@ import sglang_cpu
 
 from kvcached_broker.adapters import autopatch, patching
 from kvcached_broker.adapters.patching import PatchError, apply_patch
-from kvcached_broker.adapters.sglang import dsv4_reservation, kv_sizing, patches
+from kvcached_broker.adapters.sglang import dsv4_reservation, patches
 
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 
@@ -54,10 +54,11 @@ def test_wrappers_are_idempotent(patched_sglang):
     wrapped = DeepSeekV4TokenToKVPool.__init__
     dsv4_reservation.apply_memory_pool(module)
     assert DeepSeekV4TokenToKVPool.__init__ is wrapped and not hasattr(wrapped.__wrapped__, "__wrapped__")
-    name = "KVCacheConfigurator" if sglang_cpu.at_least("0.5.16") else "ModelRunnerKVCacheMixin"
-    cls = getattr(sys.modules[[p.module for p in patches.PATCHES if "kv_sizing" in p.name][0]], name)
+    sizing = next(p for p in patches.PATCHES if p.name.startswith("sglang_kv_sizing"))
+    module = sys.modules[sizing.module]
+    cls = module.KVCacheConfigurator if sglang_cpu.at_least("0.5.16") else module.ModelRunnerKVCacheMixin
     profile = vars(cls)["_profile_available_bytes"]
-    kv_sizing._apply(sys.modules[cls.__module__], name)
+    sizing.apply(module)
     assert vars(cls)["_profile_available_bytes"] is profile
 
 
