@@ -35,6 +35,9 @@ class WorkerIdentity:
     tp_size: int = 1
     page_bytes: int = 2 << 20
     instance: str | None = None
+    #: Adapters batch their own elastic grants (``ElasticBudget``), so by default the client
+    #: keeps no credit reserve of its own: a worker that only reserves holds no idle pages.
+    credit_pages: int | None = 0
 
     def instance_name(self) -> str:
         return self.instance or flags.instance_name(self.runtime)
@@ -63,6 +66,7 @@ def _connect(identity: WorkerIdentity) -> BrokerClient:
         tp_rank=identity.tp_rank,
         tp_size=identity.tp_size,
         page_bytes=identity.page_bytes,
+        credit_pages=identity.credit_pages,
         client=f"kvcached-broker-adapter/{identity.runtime}",
     )
 

@@ -65,6 +65,10 @@ class AsyncBrokerClient:
         return self._core.session_id
 
     @property
+    def page_bytes(self) -> int:
+        return self._core.page_bytes
+
+    @property
     def held_pages(self) -> int:
         return self._core.credit.held_pages
 

@@ -35,6 +35,7 @@ class CreditReserve:
     target_pages: int
     reserve_pages: int = 0
     held_pages: int = 0  # pages handed to the caller and not yet released
+    used: bool = False  # no background refill for a session that never asked for a page
 
     def __post_init__(self) -> None:
         if self.target_pages < 0:
@@ -54,6 +55,7 @@ class CreditReserve:
 
     def take(self, pages: int) -> bool:
         """Serve ``pages`` from the reserve alone, if it holds that many."""
+        self.used = True
         if self.reserve_pages >= pages:
             self.reserve_pages -= pages
             self.held_pages += pages
@@ -105,6 +107,6 @@ class CreditReserve:
         self.reserve_pages += pages
 
     def refill_wanted(self) -> int:
-        if self.target_pages and self.reserve_pages < self.low_pages:
+        if self.used and self.target_pages and self.reserve_pages < self.low_pages:
             return self.target_pages - self.reserve_pages
         return 0

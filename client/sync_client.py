@@ -89,6 +89,11 @@ class BrokerClient:
         return self._transport.endpoint
 
     @property
+    def page_bytes(self) -> int:
+        """The size of one page of this session, in bytes."""
+        return self._core.page_bytes
+
+    @property
     def held_pages(self) -> int:
         """Pages handed to the caller and not yet released."""
         return self._core.credit.held_pages

@@ -12,8 +12,8 @@
 # OUT/<name>.env holds those exports; source it, then run the base python.
 #
 # usage: adapter-envs.sh [options] BASE_PYTHON OUT_DIR [OVERLAY...]
-#   OVERLAY       one of: sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0
-#                 (default: all four; `common` is always built)
+#   OVERLAY       one of: sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0
+#                 (default: all five; `common` is always built)
 #   --install-base  pip-install the pinned torch/triton into BASE_PYTHON if missing
 #   --prune-native  delete vllm's compiled CUDA extension modules (*.so) after
 #                 install; none of them loads on a CPU-only host (saves ~1.7 GB)
@@ -66,6 +66,30 @@ yarl==1.25.1
 
 # sglang 0.5.13.post1 pins transformers==5.8.1 and openai==2.6.1 itself;
 # transformers 5.8.1 needs tokenizers<=0.23.0 and huggingface-hub<2.
+# sglang 0.5.12: the last release with the single-module allocator (mem_cache/allocator.py)
+# and the first with DeepSeek-V4 pools; it resolves to the same pins as 0.5.13.post1.
+PINS_sglang_0_5_12="
+sglang==0.5.12
+compressed-tensors==0.20.1
+dill==0.4.1
+distro==1.9.0
+gguf==0.19.0
+httpcore==1.0.9
+httpx==0.29.0
+huggingface-hub==1.33.0
+ipython==9.18.1
+loguru==0.7.3
+openai==2.6.1
+orjson==3.13.0
+partial-json-parser==0.2.1.1.post7
+Pygments==2.21.0
+sentencepiece==0.2.3
+starlette==1.10.0
+tokenizers==0.22.2
+traitlets==5.16.1
+transformers==5.8.1
+"
+
 PINS_sglang_0_5_13_post1="
 sglang==0.5.13.post1
 compressed-tensors==0.20.1
@@ -171,7 +195,7 @@ uvloop==0.23.0
 xgrammar==0.2.8
 "
 
-ALL_OVERLAYS="sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0"
+ALL_OVERLAYS="sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0"
 
 # Modules each overlay must import (used by --check).
 CHECK_sglang="sglang.srt.mem_cache.deepseek_v4_memory_pool sglang.srt.mem_cache.allocator sglang.srt.mem_cache.memory_pool sglang.srt.model_executor.pool_configurator sglang.srt.model_executor.model_runner"

@@ -303,3 +303,14 @@ def test_random_garbage_at_a_real_broker_socket(broker):
         assert after["granted_bytes"] == before["granted_bytes"] + 2 * MIB
         assert after["broker"]["counters"]["bad_frames"] > 0
     assert broker.proc.poll() is None
+
+
+def test_a_session_that_never_acquires_keeps_no_idle_credit(inproc):
+    import time
+
+    with connect(inproc, "reserver", credit_pages=16) as c:
+        c.reserve({"weights": GIB})
+        time.sleep(0.3)  # several background rounds
+        assert inproc.ledger.sessions[c.session_id].granted_pages == 0
+        assert c.acquire(1) == 1
+        assert inproc.ledger.sessions[c.session_id].granted_pages == 17  # now the reserve is in use
