@@ -140,6 +140,7 @@ class LedgerChanges:
     sessions: set[str] = field(default_factory=set)
     closed: set[str] = field(default_factory=set)
     limits: set[str] = field(default_factory=set)
+    grew: bool = False  # some charge increased: the change must be durable before it is answered
 
     def __bool__(self) -> bool:
         return bool(self.sessions or self.closed or self.limits)
@@ -578,6 +579,8 @@ class Ledger:
         granted_delta = (granted_pages - session.granted_pages) * session.page_bytes
         inst = self._instances[session.instance]
         old_unfilled = self.unfilled_floor_bytes(session.instance)
+        if reserved_delta + granted_delta > 0:
+            self._changes.grew = True
         session.pools = dict(pools)
         session.reserved_bytes += reserved_delta
         session.granted_pages = granted_pages
@@ -596,6 +599,8 @@ class Ledger:
         floor = limits.min_bytes if limits is not None else 0
         if floor:
             old_unfilled = max(0, floor - inst.charge_bytes)
+        if pages > 0:
+            self._changes.grew = True
         session.granted_pages += pages
         inst.granted_bytes += delta
         self._granted_total += delta

@@ -71,6 +71,8 @@ _EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
 _POLLIN = int(zmq.POLLIN)
 _decode_request = msgspec.msgpack.Decoder(proto.AnyRequest).decode
+#: How long decrease-only journal records may wait for the next durable write.
+DEFER_S = 0.02
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -160,6 +162,8 @@ class BrokerServer:
         self._pushes: list[tuple[bytes, bytes]] = []
         self._pending_records: list[dict[str, Any]] = []
         self._recorded: set[str] = set()  # sessions whose full record is in the snapshot or journal
+        self._deferred: list[dict[str, Any]] = []  # decrease-only records not yet written
+        self._defer_until_s = 0.0
         self._started_s = clock()
         self._next_probe_s = 0.0
         self._next_lease_check_s = 0.0
@@ -171,6 +175,7 @@ class BrokerServer:
         self._next_notify_s = 0.0
         self._notify_ready = False  # systemd hears STATUS/WATCHDOG only after READY
         self._next_fd_glance_s = 0.0
+        self._saturated = False  # the last read stopped at max_batch, not at an empty socket
         self._next_watchdog_s = 0.0
         self._handlers = {
             proto.Hello: self._hello,
@@ -304,6 +309,7 @@ class BrokerServer:
         if self._store is not None:
             try:
                 self._commit()
+                self._flush()
                 self._write_snapshot()
             except Exception as exc:  # keep the journal; it is enough to recover
                 log.error("event=snapshot_failed error=%s", exc)
@@ -376,8 +382,9 @@ class BrokerServer:
         replies: list[tuple[bytes, bytes]] = []
         started = time.perf_counter()
         now = self.clock()
-        # Busy: read what is waiting without a poll call; glance at the pidfds every millisecond.
-        if self._read_requests(now, replies):
+        # Saturated (the last round stopped at max_batch): read on without a poll call, and
+        # glance at the pidfds every millisecond.  Otherwise the socket was drained: poll.
+        if self._saturated and self._read_requests(now, replies):
             if now >= self._next_fd_glance_s:
                 self._next_fd_glance_s = now + 0.001
                 self._dispatch(zmq_poll(self._poll_items[1:], 0), now, replies)
@@ -421,6 +428,7 @@ class BrokerServer:
         recv = sock.recv
         peers = self._peers
         counters = self.counters
+        self._saturated = False
         for count in range(self.config.max_batch):
             try:
                 rid = recv(_NOBLOCK)  # the ROUTER's routing id frame
@@ -442,6 +450,7 @@ class BrokerServer:
             reply = self._handle(rid, peer, body, now)
             if reply is not None:
                 replies.append((rid, reply))
+        self._saturated = True
         return self.config.max_batch
 
     def _learn_peer(self, rid: bytes, frame: zmq.Frame) -> Peer:
@@ -887,6 +896,8 @@ class BrokerServer:
                 )
         if now >= self._next_probe_s:
             self._probe_device()
+        if self._deferred and now >= self._defer_until_s:
+            self._flush()
         if self.pressure.pending:
             for session_id, ask in self.pressure.expire(now):
                 log.warning(
@@ -943,7 +954,9 @@ class BrokerServer:
             return
         records = self._pending_records
         self._pending_records = []
+        durable_now = bool(records)  # fences
         if changes is not None:
+            durable_now |= changes.grew or bool(changes.closed or changes.limits)
             recorded = self._recorded
             for session_id in changes.sessions:
                 if session_id in recorded:  # the rest of its record is already on disk
@@ -951,6 +964,7 @@ class BrokerServer:
                 else:
                     records.append({"session": self._session_record(session_id)})
                     recorded.add(session_id)
+                    durable_now = True
             for session_id in changes.closed:
                 records.append({"close": session_id})
                 recorded.discard(session_id)
@@ -959,7 +973,23 @@ class BrokerServer:
                 records.append({"limit": instance, **limits.to_dict()} if limits else {"unlimit": instance})
         if not records:
             return
-        self._store.append(records)
+        if not durable_now:
+            # Only decreases (releases, a smaller reserve): losing them in a crash over-charges
+            # until the worker re-asserts what it holds, which is safe, so they ride along with
+            # the next durable write or go out within DEFER_S.
+            if not self._deferred:
+                self._defer_until_s = self.clock() + DEFER_S
+            self._deferred.extend(records)
+            return
+        self._flush(records)
+
+    def _flush(self, records: list[dict[str, Any]] | None = None) -> None:
+        assert self._store is not None
+        batch = self._deferred + (records or [])
+        self._deferred = []
+        if not batch:
+            return
+        self._store.append(batch)
         if self._store.needs_compaction():
             self._write_snapshot()
 
