@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/kvcached-broker demo
 
-# The whole suite: the core, then the adapters against every supported upstream version.
-test: test-core test-adapters
+# The whole suite: the environments first (so the core's torch-using tests run too), then the
+# core, then the adapters against every supported upstream version.
+test: adapter-envs test-core test-adapters
 
 test-core: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/adapters
