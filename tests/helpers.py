@@ -25,3 +25,16 @@ def python_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("KVCACHED_BROKER", None)
     return env
+
+
+def connect_to(endpoint: str, credit_pages: int | None = 0):
+    """A ``worker.client_factory`` that opens adapter sessions on ``endpoint`` (adapter tests)."""
+    from kvcached_broker.client import BrokerClient
+
+    def factory(identity):
+        return BrokerClient.connect(
+            identity.instance_name(), endpoint=endpoint, tp_rank=identity.tp_rank, tp_size=identity.tp_size,
+            page_bytes=identity.page_bytes, credit_pages=credit_pages,
+        )
+
+    return factory

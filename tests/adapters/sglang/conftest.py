@@ -16,9 +16,9 @@ import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from helpers import connect_to  # noqa: E402,F401  (tests import it from here)
 
 from kvcached_broker.adapters import backing, worker  # noqa: E402
-from kvcached_broker.client import BrokerClient  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -56,16 +56,6 @@ def patched_sglang(sglang_version):
     else:
         import sglang.srt.model_executor.model_runner_kv_cache_mixin  # noqa: F401
     return autopatch.apply(["sglang"])
-
-
-def connect_to(endpoint: str, credit_pages: int | None = 0):
-    def factory(identity):
-        return BrokerClient.connect(
-            identity.instance_name(), endpoint=endpoint, tp_rank=identity.tp_rank, tp_size=identity.tp_size,
-            page_bytes=identity.page_bytes, credit_pages=credit_pages,
-        )
-
-    return factory
 
 
 @pytest.fixture

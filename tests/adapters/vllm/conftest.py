@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 
 import pytest
+from helpers import connect_to  # noqa: F401  (tests import it from here)
 
 from kvcached_broker.adapters import backing, worker
-from kvcached_broker.client import BrokerClient
 
 
 def _require_runtime():
@@ -47,16 +47,6 @@ def patched_vllm():
     from kvcached_broker.adapters import autopatch
 
     return autopatch.apply(["vllm"])
-
-
-def connect_to(endpoint: str, credit_pages: int | None = 0):
-    def factory(identity):
-        return BrokerClient.connect(
-            identity.instance_name(), endpoint=endpoint, tp_rank=identity.tp_rank, tp_size=identity.tp_size,
-            page_bytes=identity.page_bytes, credit_pages=credit_pages,
-        )
-
-    return factory
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import GIB, MIB
+from helpers import MIB
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
