@@ -68,9 +68,7 @@ _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 # Plain ints: enum arithmetic on zmq's flags costs microseconds on the request path.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
-_POLLIN = int(zmq.POLLIN)
 _decode_request = msgspec.msgpack.Decoder(proto.AnyRequest).decode
 #: The compiled send underneath pyzmq's Python wrapper (which only adds routing_id/group
 #: handling for SERVER/RADIO sockets): a third of the cost per frame, and bytes frames only.

@@ -38,3 +38,27 @@ def connect_to(endpoint: str, credit_pages: int | None = 0):
         )
 
     return factory
+
+
+def require_runtime(dist: str) -> str:
+    """The installed version of ``dist`` for the adapter tests (scripts/test-adapters.sh).
+
+    ``KVCACHED_BROKER_TEST_RUNTIME`` names the overlay being run (``sglang-0.5.23``); inside
+    one, the runtime must be importable at exactly that version (a missing runtime fails, it
+    is not skipped).  Without it (a plain ``pytest`` run) the adapter tests are skipped.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    import pytest
+
+    expected = os.environ.get("KVCACHED_BROKER_TEST_RUNTIME", "")
+    try:
+        found = version(dist)
+    except PackageNotFoundError:
+        found = None
+    if expected.startswith(dist + "-"):
+        want = expected[len(dist) + 1 :]
+        assert found == want, f"overlay {expected} expected {dist} {want}, found {found}"
+    elif found is None or not expected:
+        pytest.skip(f"{dist} adapter tests run inside an overlay (make test-adapters)")
+    return found

@@ -11,31 +11,22 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util  # noqa: E402
 import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from helpers import connect_to  # noqa: E402,F401  (tests import it from here)
+from helpers import connect_to, require_runtime  # noqa: E402,F401  (tests import connect_to from here)
 
 from kvcached_broker.adapters import backing, worker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
-def _require_runtime():
-    """``tests/adapters/conftest.py``'s ``require_runtime`` (loaded by path: conftests share a name)."""
-    path = HERE.parent / "conftest.py"
-    spec = importlib.util.spec_from_file_location("kvcached_broker_adapter_tests_conftest_sglang", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.require_runtime
-
 
 @pytest.fixture(scope="session", autouse=True)
 def sglang_version() -> str:
     """The overlay's SGLang version (outside an overlay run, every test here is skipped)."""
-    found = _require_runtime()("sglang")
+    found = require_runtime("sglang")
     logging.getLogger("sglang").setLevel(logging.ERROR)
     return found
 

@@ -7,29 +7,19 @@ pages survive it.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from pathlib import Path
 
 import pytest
-from helpers import connect_to  # noqa: F401  (tests import it from here)
+from helpers import connect_to, require_runtime  # noqa: F401  (tests import connect_to from here)
 
 from kvcached_broker.adapters import backing, worker
 
-
-def _require_runtime():
-    """``tests/adapters/conftest.py``'s ``require_runtime`` (loaded by path: conftests share a name)."""
-    path = Path(__file__).resolve().parents[1] / "conftest.py"
-    spec = importlib.util.spec_from_file_location("kvcached_broker_adapter_tests_conftest", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.require_runtime
 
 
 @pytest.fixture(scope="session", autouse=True)
 def vllm_version() -> str:
     """The overlay's vLLM version (outside an overlay run, every test here is skipped)."""
-    found = _require_runtime()("vllm")
+    found = require_runtime("vllm")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     return found
 
