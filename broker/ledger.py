@@ -125,12 +125,16 @@ class _ProcessAccount:
         return max(self.reported_bytes, self.measured_bytes)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Grant:
     """The answer to :meth:`Ledger.acquire`: ``pages`` granted (0 is a refusal, not an error)."""
 
     pages: int
     refusal: BrokerError | None = None
+
+
+#: Shared answers for the common small grants, so the grant path allocates none.
+_SMALL_GRANTS = tuple(Grant(pages) for pages in range(257))
 
 
 @dataclass
@@ -402,7 +406,7 @@ class Ledger:
 
         A refusal is ``Grant(0, refusal)``, not an exception; the ledger is then unchanged.
         """
-        session = self._session(session_id)
+        session = self.sessions.get(session_id) or self._session(session_id)
         if pages <= 0:
             raise BadRequest(f"acquire needs a positive page count, got {pages}")
         floor_pages = pages if min_pages is None else min_pages
@@ -421,12 +425,13 @@ class Ledger:
             )
             return Grant(0, refusal)
         self._add_pages(session, fit_pages)
-        self._changed(session)
-        return Grant(fit_pages)
+        self._changes.sessions.add(session_id)
+        self.version += 1
+        return _SMALL_GRANTS[fit_pages] if fit_pages < len(_SMALL_GRANTS) else Grant(fit_pages)
 
     def release(self, session_id: str, pages: int) -> int:
         """Return pages; releasing more than the session holds is ``bad_request``."""
-        session = self._session(session_id)
+        session = self.sessions.get(session_id) or self._session(session_id)
         if pages <= 0:
             raise BadRequest(f"release needs a positive page count, got {pages}")
         if pages > session.granted_pages:
@@ -437,7 +442,8 @@ class Ledger:
         self._add_pages(session, -pages)
         if session.reserve_pages > session.granted_pages:
             session.reserve_pages = session.granted_pages
-        self._changed(session)
+        self._changes.sessions.add(session_id)
+        self.version += 1
         return session.granted_pages
 
     # ----------------------------------------------------------------- limits
@@ -597,21 +603,19 @@ class Ledger:
         inst = self._instances[session.instance]
         limits = self.limits.get(session.instance)
         floor = limits.min_bytes if limits is not None else 0
-        if floor:
-            old_unfilled = max(0, floor - inst.charge_bytes)
+        unfilled_before = max(0, floor - inst.charge_bytes) if floor else 0
         if pages > 0:
             self._changes.grew = True
         session.granted_pages += pages
         inst.granted_bytes += delta
         self._granted_total += delta
         if floor:
-            self._unfilled_floor_total += max(0, floor - inst.charge_bytes) - old_unfilled
+            self._unfilled_floor_total += max(0, floor - inst.charge_bytes) - unfilled_before
         account = session.account
-        assert account is not None
-        if account.measured_bytes:
-            self._recharge(account, reported_delta=delta)
+        if account.measured_bytes:  # type: ignore[union-attr]  (bound at open_session)
+            self._recharge(account, reported_delta=delta)  # type: ignore[arg-type]
         else:  # nothing measured: no unreported excess can appear or vanish
-            account.reported_bytes += delta
+            account.reported_bytes += delta  # type: ignore[union-attr]
 
     def _growth_room(self, session: Session) -> tuple[int, int | None, int]:
         """``(device_room, cap_room, slack)`` in bytes for growing this session's reported bytes.
@@ -643,7 +647,7 @@ class Ledger:
 
     def _pages_that_fit(self, session: Session, pages: int) -> tuple[int, str | None, int]:
         """The most pages (≤ ``pages``) that fit, the binding constraint and its room in bytes."""
-        budget = self.budget_bytes
+        budget = max(0, self.total_bytes - self.headroom_bytes - self.external_bytes)  # budget_bytes, inlined
         charged = self._reserved_total + self._granted_total + self._excess_total
         if charged > budget:
             return 0, "overcommitted", 0

@@ -45,7 +45,7 @@ from ..client.units import format_bytes, parse_headroom
 from .checkpoint import StateStore
 from .device import DeviceProbe, SimulatedDevice
 from .histogram import Histogram
-from .ledger import KEEP, Ledger, Limits, SessionState
+from .ledger import KEEP, Ledger, Limits, Session, SessionState
 from .liveness import PidWatcher, process_alive, process_start_ticks
 from .security import (
     LockFile,
@@ -76,6 +76,14 @@ _raw_send = zmq.backend.Socket.send
 #: How long decrease-only journal records may wait for the next durable write.
 DEFER_S = 0.02
 _encode = msgspec.msgpack.Encoder().encode
+
+
+class _Retried(Exception):
+    """A request id the session was already answered for: send ``reply`` again, apply nothing."""
+
+    def __init__(self, reply: bytes):
+        super().__init__()
+        self.reply = reply
 
 
 @dataclass
@@ -480,6 +488,8 @@ class BrokerServer:
             raise
         try:
             return self._handlers[type(request)](request, rid, peer, now)
+        except _Retried as retried:
+            return retried.reply
         except BrokerError as exc:
             self.counters.refused(exc.code)
             return proto.error_reply(request.id, exc.code, exc.message, exc.details)
@@ -503,34 +513,40 @@ class BrokerServer:
                 log.debug("event=reply_dropped errno=%s", exc.errno)
 
     # ------------------------------------------------------------ handlers
-    def _owned(self, token: str, rid: bytes) -> Binding:
+    def _bound(self, token: str, rid: bytes) -> Binding:
+        """The binding of ``token`` if this connection drives it; raises otherwise."""
         binding = self.table.by_token(token)
-        if binding is None:
-            if token in self.table.fenced:
-                raise SessionEvicted(
-                    f"session {self.table.fenced[token]} was evicted by an operator; its memory has been given away"
-                )
-            raise UnknownSession("unknown session; open a new one with hello")
-        if binding.routing_id != rid:
+        if binding is not None and binding.routing_id == rid:
+            return binding
+        if binding is not None:
             raise NotOwner(
                 f"session {binding.session_id} is bound to another connection; its owner may resume it with hello",
                 details={"session_id": binding.session_id, "resume": True},
             )
-        return binding
+        if token in self.table.fenced:
+            raise SessionEvicted(
+                f"session {self.table.fenced[token]} was evicted by an operator; its memory has been given away"
+            )
+        raise UnknownSession("unknown session; open a new one with hello")
 
-    def _session_request(self, request: Any, rid: bytes, now: float) -> tuple[Binding, bytes | None]:
-        binding = self._owned(request.session, rid)
-        cached = binding.cached_reply(request.id)
+    def _session_request(self, request: Any, rid: bytes, now: float) -> tuple[Binding, Session]:
+        """The caller's binding and ledger session, with its lease renewed.
+
+        A retried request (an id this session has been answered for) raises :class:`_Retried`
+        carrying that first answer, so it is never applied twice.
+        """
+        binding = self._bound(request.session, rid)
+        cached = binding.replies.get(request.id)
         if cached is not None:
-            return binding, cached
+            raise _Retried(cached)
         session = self.ledger.sessions[binding.session_id]
         session.last_seen_s = now
-        if session.state is not SessionState.LIVE and self.ledger.touch(binding.session_id, now):
-            log.info("event=session_live session=%s detail=lease_renewed", binding.session_id)
+        if session.state is not SessionState.LIVE and self.ledger.touch(session.id, now):
+            log.info("event=session_live session=%s detail=lease_renewed", session.id)
         reserve = getattr(request, "reserve_pages", None)
         if reserve is not None and reserve != session.reserve_pages:
-            self.ledger.set_reserve_pages(binding.session_id, reserve)
-        return binding, None
+            self.ledger.set_reserve_pages(session.id, reserve)
+        return binding, session
 
     def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
         reply = _encode(proto.Reply(id=request_id, ok=True, result=result))
@@ -696,29 +712,23 @@ class BrokerServer:
         }
 
     def _reserve(self, req: proto.Reserve, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, cached = self._session_request(req, rid, now)
-        if cached is not None:
-            return cached
+        binding, session = self._session_request(req, rid, now)
         try:
             pools = self.ledger.reserve(
-                binding.session_id, dict(req.pools), None if req.usage is None else dict(req.usage)
+                session.id, dict(req.pools), None if req.usage is None else dict(req.usage)
             )
         except BrokerError as exc:
             log.info("event=refusal session=%s op=reserve code=%s detail=%r", binding.session_id, exc.code, exc.message)
             reply = proto.error_reply(req.id, exc.code, exc.message, exc.details)
             binding.remember_reply(req.id, reply, self.table.reply_cache)
             self.counters.refused(exc.code)
-            session = self.ledger.sessions[binding.session_id]
             self._press_for(session.instance, int(exc.details.get("asked_bytes", 0)), exc, now)
             return reply
         return self._answer(binding, req.id, {"pools": pools, "reserved_bytes": sum(pools.values())})
 
     def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, cached = self._session_request(req, rid, now)
-        if cached is not None:
-            return cached
-        grant = self.ledger.acquire(binding.session_id, req.pages, req.min_pages)
-        session = self.ledger.sessions[binding.session_id]
+        binding, session = self._session_request(req, rid, now)
+        grant = self.ledger.acquire(session.id, req.pages, req.min_pages)
         result: dict[str, Any] = {"granted": grant.pages, "granted_pages": session.granted_pages}
         if grant.refusal is not None:
             refusal = grant.refusal
@@ -731,30 +741,27 @@ class BrokerServer:
         return self._answer(binding, req.id, result)
 
     def _release(self, req: proto.Release, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, cached = self._session_request(req, rid, now)
-        if cached is not None:
-            return cached
-        remaining = self.ledger.release(binding.session_id, req.pages)
-        self.pressure.on_release(binding.session_id, req.pages)
+        binding, session = self._session_request(req, rid, now)
+        remaining = self.ledger.release(session.id, req.pages)
+        if self.pressure.pending:
+            self.pressure.on_release(session.id, req.pages)
         return self._answer(binding, req.id, {"granted_pages": remaining})
 
     def _heartbeat(self, req: proto.Heartbeat, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, cached = self._session_request(req, rid, now)
-        if cached is not None:
-            return cached
-        session = self.ledger.sessions[binding.session_id]
+        binding, session = self._session_request(req, rid, now)
         return self._answer(binding, req.id, {"state": session.state.value, "granted_pages": session.granted_pages})
 
     def _close(self, req: proto.Close, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, cached = self._session_request(req, rid, now)
-        if cached is not None:
-            return cached
+        binding, _ = self._session_request(req, rid, now)
         freed = self._end_session(binding, cause="closed")
         return proto.ok_reply(req.id, {"closed": binding.session_id, "freed_bytes": freed})
 
     def _status(self, req: proto.Status, rid: bytes, peer: Peer, now: float) -> bytes:
         if req.session is not None:
-            binding, _ = self._session_request(req, rid, now)
+            try:
+                self._session_request(req, rid, now)  # renews the lease; a status is never cached
+            except _Retried:
+                pass
         return proto.ok_reply(req.id, self.status(now))
 
     def _require_admin(self, peer: Peer, op: str) -> None:

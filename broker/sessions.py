@@ -33,9 +33,6 @@ class Binding:
     routing_id: bytes | None = None
     replies: dict[int, bytes] = field(default_factory=dict)
 
-    def cached_reply(self, request_id: int) -> bytes | None:
-        return self.replies.get(request_id)
-
     def remember_reply(self, request_id: int, reply: bytes, limit: int) -> None:
         """Keep at least the last ``limit`` replies (trimmed in bulk: amortised O(1))."""
         replies = self.replies

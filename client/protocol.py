@@ -35,6 +35,10 @@ PageBytes = Annotated[int, Meta(ge=1, le=1 << 40)]
 RequestId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 Pid = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 Token = Annotated[str, Meta(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+#: A session token on a session request: only ever a key into the broker's session table, where
+#: anything it did not issue is ``unknown_session``, so its length is bounded but no pattern is
+#: matched (the regex was most of the cost of decoding an ``acquire``).
+SessionToken = Annotated[str, Meta(min_length=8, max_length=64)]
 PublicId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 #: Instance and pool names: what shows in status and in Prometheus labels.
 Name = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@/+-]+$")]
@@ -84,7 +88,7 @@ class Hello(Request, tag="hello", kw_only=True):
 class Reserve(Request, tag="reserve", kw_only=True):
     """Replace the session's static reservations; a pool set to 0 is removed."""
 
-    session: Token
+    session: SessionToken
     pools: PoolMap
     #: How the reserved bytes are used, as overlapping views (e.g. vLLM cache groups that alias
     #: one buffer).  Shown in status as ``usage_breakdown``; never charged.  None keeps it.
@@ -94,29 +98,29 @@ class Reserve(Request, tag="reserve", kw_only=True):
 class Acquire(Request, tag="acquire", kw_only=True):
     """Ask for ``pages``; with ``min_pages`` the broker grants the largest fit in [min, pages]."""
 
-    session: Token
+    session: SessionToken
     pages: PositivePages
     min_pages: Pages | None = None
     reserve_pages: Pages | None = None
 
 
 class Release(Request, tag="release", kw_only=True):
-    session: Token
+    session: SessionToken
     pages: PositivePages
     reserve_pages: Pages | None = None
 
 
 class Heartbeat(Request, tag="heartbeat", kw_only=True):
-    session: Token
+    session: SessionToken
     reserve_pages: Pages | None = None
 
 
 class Close(Request, tag="close", kw_only=True):
-    session: Token
+    session: SessionToken
 
 
 class Status(Request, tag="status", kw_only=True):
-    session: Token | None = None
+    session: SessionToken | None = None
     reserve_pages: Pages | None = None
 
 

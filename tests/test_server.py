@@ -237,6 +237,21 @@ def test_bad_frames_get_an_error_reply_and_change_nothing(inproc, frame):
         sock.close()
 
 
+@pytest.mark.parametrize(
+    ("token", "code"),
+    [("bad token!{}\n" * 2, "unknown_session"), ("é" * 10, "unknown_session"), ("short", "bad_request"), ("x" * 65, "bad_request")],
+)
+def test_a_token_the_broker_never_issued_is_refused_and_changes_nothing(inproc, token, code):
+    with connect(inproc) as c:
+        c.acquire(2)
+        version = inproc.ledger.version
+        sock = _raw_dealer(inproc.endpoint)
+        reply = _ask(sock, {"op": "acquire", "id": 1, "session": token, "pages": 1})
+        assert reply["ok"] is False and reply["error"]["code"] == code and reply["id"] == 1
+        assert inproc.ledger.version == version and inproc.ledger.sessions[c.session_id].granted_pages == 2
+        sock.close()
+
+
 def test_oversized_and_multipart_frames_do_not_hurt_the_broker(inproc):
     sock = _raw_dealer(inproc.endpoint)
     sock.send(b"x" * (proto.MAX_REQUEST_BYTES + 10))  # ZeroMQ drops it and disconnects the peer
