@@ -73,20 +73,20 @@ class StateStore:
         """Append records with one ``write()``; returns once the kernel has them."""
         if not records:
             return
-        chunks = []
+        buffer = bytearray()
+        encode_into = self._encoder.encode_into
         for record in records:
             self.seq += 1
             record["seq"] = self.seq
-            payload = self._encoder.encode(record)
-            chunks.append(_LENGTH.pack(len(payload)))
-            chunks.append(payload)
-        data = b"".join(chunks)
+            start = len(buffer)
+            encode_into(record, buffer, start + _LENGTH.size)  # the payload, after room for its length
+            _LENGTH.pack_into(buffer, start, len(buffer) - start - _LENGTH.size)
         assert self._journal_fd is not None, "StateStore.open() first"
-        view = memoryview(data)
+        view = memoryview(buffer)
         while view:
             written = os.write(self._journal_fd, view)
             view = view[written:]
-        self.journal_bytes += len(data)
+        self.journal_bytes += len(buffer)
 
     def needs_compaction(self) -> bool:
         return self.journal_bytes >= self.compact_after_bytes

@@ -510,9 +510,10 @@ class Ledger:
     # ---------------------------------------------------------------- changes
     def drain_changes(self) -> LedgerChanges | None:
         """What changed since the last call, or None if nothing did."""
-        if not self._changes:
+        changes = self._changes
+        if not (changes.sessions or changes.closed or changes.limits):
             return None
-        changes, self._changes = self._changes, LedgerChanges()
+        self._changes = LedgerChanges(set(), set(), set())
         return changes
 
     def instance_names(self) -> Iterable[str]:

@@ -104,7 +104,10 @@ class ServeConfig:
     max_sessions_per_pid: int = 64
     hello_rate_per_s: float = 50.0
     hello_burst: int = 200
-    max_batch: int = 512
+    #: Requests a round answers before it writes the journal and sends its replies.  Small, so
+    #: replies keep flowing while later requests wait (a round that swallowed every request in
+    #: flight would leave all clients idle until it ends); still enough to share one write.
+    max_batch: int = 16
     limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
 
 
@@ -971,7 +974,7 @@ class BrokerServer:
             recorded = self._recorded
             for session_id in changes.sessions:
                 if session_id in recorded:  # the rest of its record is already on disk
-                    records.append({"hold": session_id, **self._holdings_record(session_id)})
+                    records.append(self._holdings_record(session_id))
                 else:
                     records.append({"session": self._session_record(session_id)})
                     recorded.add(session_id)
@@ -1011,7 +1014,8 @@ class BrokerServer:
 
     def _holdings_record(self, session_id: str) -> dict[str, Any]:
         s = self.ledger.sessions[session_id]
-        return {"pools": s.pools, "granted_pages": s.granted_pages, "reserve_pages": s.reserve_pages, "usage": s.usage}
+        return {"hold": session_id, "pools": s.pools, "granted_pages": s.granted_pages,
+                "reserve_pages": s.reserve_pages, "usage": s.usage}
 
     def _session_record(self, session_id: str) -> dict[str, Any]:
         s = self.ledger.sessions[session_id]
