@@ -161,6 +161,7 @@ class BrokerServer:
             external_bytes=reading.external_for((), 0),
         )
         self.table = SessionTable()
+        self._trim_replies_at = 2 * self.table.reply_cache
         self.counters = Counters()
         self.pressure = PressureBook()
         self._hellos = HelloRateLimiter(config.hello_rate_per_s, config.hello_burst)
@@ -516,21 +517,18 @@ class BrokerServer:
                 log.debug("event=reply_dropped errno=%s", exc.errno)
 
     # ------------------------------------------------------------ handlers
-    def _bound(self, token: str, rid: bytes) -> Binding:
-        """The binding of ``token`` if this connection drives it; raises otherwise."""
-        binding = self.table.by_token(token)
-        if binding is not None and binding.routing_id == rid:
-            return binding
+    def _refusal_for_token(self, token: str, binding: Binding | None) -> BrokerError:
+        """Why a request with ``token`` may not drive a session from its connection."""
         if binding is not None:
-            raise NotOwner(
+            return NotOwner(
                 f"session {binding.session_id} is bound to another connection; its owner may resume it with hello",
                 details={"session_id": binding.session_id, "resume": True},
             )
         if token in self.table.fenced:
-            raise SessionEvicted(
+            return SessionEvicted(
                 f"session {self.table.fenced[token]} was evicted by an operator; its memory has been given away"
             )
-        raise UnknownSession("unknown session; open a new one with hello")
+        return UnknownSession("unknown session; open a new one with hello")
 
     def _session_request(self, request: Any, rid: bytes, now: float) -> tuple[Binding, Session]:
         """The caller's binding and ledger session, with its lease renewed.
@@ -538,7 +536,9 @@ class BrokerServer:
         A retried request (an id this session has been answered for) raises :class:`_Retried`
         carrying that first answer, so it is never applied twice.
         """
-        binding = self._bound(request.session, rid)
+        binding = self.table.by_token(request.session)
+        if binding is None or binding.routing_id != rid:
+            raise self._refusal_for_token(request.session, binding)
         cached = binding.replies.get(request.id)
         if cached is not None:
             raise _Retried(cached)
@@ -553,7 +553,10 @@ class BrokerServer:
 
     def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
         reply = _encode(proto.Reply(id=request_id, ok=True, result=result))
-        binding.remember_reply(request_id, reply, self.table.reply_cache)
+        replies = binding.replies  # Binding.remember_reply, inlined on the grant path
+        replies[request_id] = reply
+        if len(replies) > self._trim_replies_at:
+            binding.trim_replies(self.table.reply_cache)
         return reply
 
     def _hello(self, req: proto.Hello, rid: bytes, peer: Peer, now: float) -> bytes:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 @dataclass(eq=False)
@@ -35,11 +35,15 @@ class Binding:
 
     def remember_reply(self, request_id: int, reply: bytes, limit: int) -> None:
         """Keep at least the last ``limit`` replies (trimmed in bulk: amortised O(1))."""
+        self.replies[request_id] = reply
+        if len(self.replies) > 2 * limit:
+            self.trim_replies(limit)
+
+    def trim_replies(self, limit: int) -> None:
+        """Forget all but the last ``limit`` replies."""
         replies = self.replies
-        replies[request_id] = reply
-        if len(replies) > 2 * limit:
-            for old in list(replies)[: len(replies) - limit]:
-                del replies[old]
+        for old in list(replies)[: len(replies) - limit]:
+            del replies[old]
 
 
 class HelloRateLimiter:
@@ -78,6 +82,11 @@ class SessionTable:
         self._by_nonce: dict[str, Binding] = {}
         self._by_pid: dict[int, set[str]] = {}
         self.fenced: "OrderedDict[str, str]" = OrderedDict()  # token -> session id
+        # The lookups, bound straight to the dicts: every request makes one, and a bound
+        # ``dict.get`` costs no Python frame.
+        self.by_token: Callable[[str], Binding | None] = self._by_token.get
+        self.by_id: Callable[[str], Binding | None] = self._by_id.get
+        self.by_nonce: Callable[[str], Binding | None] = self._by_nonce.get
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -118,15 +127,6 @@ class SessionTable:
         self.fenced[binding.token] = binding.session_id
         while len(self.fenced) > self.fence_limit:
             self.fenced.popitem(last=False)
-
-    def by_token(self, token: str) -> Binding | None:
-        return self._by_token.get(token)
-
-    def by_id(self, session_id: str) -> Binding | None:
-        return self._by_id.get(session_id)
-
-    def by_nonce(self, nonce: str) -> Binding | None:
-        return self._by_nonce.get(nonce)
 
     def rekey_nonce(self, binding: Binding, nonce: str) -> None:
         if self._by_nonce.get(binding.nonce) is binding:

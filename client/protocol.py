@@ -8,6 +8,9 @@ sends maps of the documented shape.  Unknown fields are ignored (forward compati
 wrong types, out-of-range integers and oversized maps or strings are ``bad_request``.
 
 Units: sizes are ``*_bytes`` ints, page counts ``*_pages`` ints, times ``*_s`` floats.
+
+Every message struct is ``gc=False``: messages hold only plain values and never a reference
+cycle, so the cyclic collector need not track the one allocated per request.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ Weight = Annotated[float, Meta(gt=0.0, le=1e6)]
 FreeText = Annotated[str, Meta(max_length=256)]
 
 
-class Holdings(Struct, kw_only=True, forbid_unknown_fields=False):
+class Holdings(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
     """What a session holds: re-asserted by a client that reconnects after a broker restart."""
 
     pools: PoolMap = {}
@@ -56,7 +59,7 @@ class Holdings(Struct, kw_only=True, forbid_unknown_fields=False):
     reserve_pages: Pages = 0
 
 
-class LimitsRequest(Struct, kw_only=True):
+class LimitsRequest(Struct, kw_only=True, gc=False):
     """Limits a worker asks for at hello; the broker's admin policy may clamp them."""
 
     max_bytes: Bytes | None | UnsetType = UNSET
@@ -64,7 +67,7 @@ class LimitsRequest(Struct, kw_only=True):
     weight: Weight | UnsetType = UNSET
 
 
-class Request(Struct, tag_field="op", kw_only=True):
+class Request(Struct, tag_field="op", kw_only=True, gc=False):
     id: RequestId
 
 
@@ -153,13 +156,13 @@ SESSION_OPS = frozenset({"reserve", "acquire", "release", "heartbeat", "close"})
 ADMIN_OPS = frozenset({"limit", "evict", "simulate"})
 
 
-class ErrorBody(Struct, kw_only=True):
+class ErrorBody(Struct, kw_only=True, gc=False):
     code: str
     message: str
     details: dict[str, Any] = {}
 
 
-class Reply(Struct, tag_field="type", tag="reply", kw_only=True, omit_defaults=True):
+class Reply(Struct, tag_field="type", tag="reply", kw_only=True, omit_defaults=True, gc=False):
     """The answer to request ``id`` (``None`` when the request could not be read at all)."""
 
     id: int | None
@@ -168,7 +171,7 @@ class Reply(Struct, tag_field="type", tag="reply", kw_only=True, omit_defaults=T
     error: ErrorBody | None = None
 
 
-class Pressure(Struct, tag_field="type", tag="pressure", kw_only=True, omit_defaults=True):
+class Pressure(Struct, tag_field="type", tag="pressure", kw_only=True, omit_defaults=True, gc=False):
     """Push: the broker asks this session to give back ``pages`` (credit reserve first)."""
 
     session_id: str
