@@ -7,7 +7,8 @@ so changes go to a journal first:
 * ``gpuN.journal``: records of ``[u32 little-endian length][MessagePack map]``.  A poll round
   appends all of its records with one ``write()`` before any reply of that round is sent
   (group commit).  Each record carries a full, absolute value (a session's holdings, a
-  limit), so replaying a record twice is harmless.
+  limit), so replaying a record twice is harmless, and a session that ends a round where
+  its latest record already left it (a page out and back) needs no record at all.
 * ``gpuN.snapshot``: the whole state, written to a temporary file and renamed over the old
   one (atomic on POSIX).  After a snapshot the journal is truncated; the snapshot's ``seq``
   says which journal records it already contains, so a crash between the rename and the

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 import zmq
@@ -76,6 +76,23 @@ _raw_send = zmq.backend.Socket.send
 #: How long decrease-only journal records may wait for the next durable write.
 DEFER_S = 0.02
 _encode = msgspec.msgpack.Encoder().encode
+
+
+class Holdings(NamedTuple):
+    """What a session's journal ``hold`` record carries, copied out of the ledger."""
+
+    granted_pages: int
+    reserve_pages: int
+    pools: dict[str, int]
+    usage: dict[str, int]
+
+    @classmethod
+    def of(cls, session: Session) -> "Holdings":
+        return cls(session.granted_pages, session.reserve_pages, dict(session.pools), dict(session.usage))
+
+    def record(self, session_id: str) -> dict[str, Any]:
+        return {"hold": session_id, "pools": self.pools, "granted_pages": self.granted_pages,
+                "reserve_pages": self.reserve_pages, "usage": self.usage}
 
 
 class _Retried(Exception):
@@ -175,7 +192,9 @@ class BrokerServer:
         self._poll_items: list[tuple[Any, int]] = []  # the ROUTER socket, the wake pipe, then pidfds
         self._pushes: list[tuple[bytes, bytes]] = []
         self._pending_records: list[dict[str, Any]] = []
-        self._recorded: set[str] = set()  # sessions whose full record is in the snapshot or journal
+        # Sessions whose full record is in the snapshot or journal, each with the holdings its
+        # latest record there carries (None: not known here, so the next change is written).
+        self._on_disk: dict[str, Holdings | None] = {}
         self._deferred: list[dict[str, Any]] = []  # decrease-only records not yet written
         self._defer_until_s = 0.0
         self._started_s = clock()
@@ -597,7 +616,7 @@ class BrokerServer:
         binding.routing_id = rid
         binding.version = version
         self.table.rekey_nonce(binding, req.nonce)
-        self._recorded.discard(binding.session_id)  # its nonce changed: journal the whole record
+        self._on_disk.pop(binding.session_id, None)  # its nonce changed: journal the whole record
         holdings = None
         if req.holdings is not None:
             h = req.holdings
@@ -974,17 +993,21 @@ class BrokerServer:
         durable_now = bool(records)  # fences
         if changes is not None:
             durable_now |= changes.grew or bool(changes.closed or changes.limits)
-            recorded = self._recorded
+            on_disk = self._on_disk
+            sessions = self.ledger.sessions
             for session_id in changes.sessions:
-                if session_id in recorded:  # the rest of its record is already on disk
-                    records.append(self._holdings_record(session_id))
-                else:
+                s = sessions[session_id]
+                if session_id not in on_disk:
                     records.append({"session": self._session_record(session_id)})
-                    recorded.add(session_id)
                     durable_now = True
+                elif on_disk[session_id] == (s.granted_pages, s.reserve_pages, s.pools, s.usage):
+                    continue  # back to what the journal already says (say, one page out and back)
+                else:  # the rest of its record is already on disk
+                    records.append(Holdings.of(s).record(session_id))
+                on_disk[session_id] = Holdings.of(s)
             for session_id in changes.closed:
                 records.append({"close": session_id})
-                recorded.discard(session_id)
+                on_disk.pop(session_id, None)
             for instance in changes.limits:
                 limits = self.ledger.limits.get(instance)
                 records.append({"limit": instance, **limits.to_dict()} if limits else {"unlimit": instance})
@@ -1013,12 +1036,7 @@ class BrokerServer:
     def _write_snapshot(self) -> None:
         assert self._store is not None
         self._store.write_snapshot(self._snapshot_state())
-        self._recorded = set(self.ledger.sessions)
-
-    def _holdings_record(self, session_id: str) -> dict[str, Any]:
-        s = self.ledger.sessions[session_id]
-        return {"hold": session_id, "pools": s.pools, "granted_pages": s.granted_pages,
-                "reserve_pages": s.reserve_pages, "usage": s.usage}
+        self._on_disk = dict.fromkeys(self.ledger.sessions)
 
     def _session_record(self, session_id: str) -> dict[str, Any]:
         s = self.ledger.sessions[session_id]
@@ -1107,7 +1125,7 @@ class BrokerServer:
             log.info("event=recovered sessions=%d dropped=%d torn_bytes=%d", kept, dropped, loaded.torn_bytes)
         self.ledger.drain_changes()
         store.write_snapshot(self._snapshot_state())
-        self._recorded = set(self.ledger.sessions)
+        self._on_disk = dict.fromkeys(self.ledger.sessions)
 
     def _restore_session(self, record: dict[str, Any], now: float) -> None:
         self.ledger.open_session(

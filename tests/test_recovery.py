@@ -366,3 +366,66 @@ def _try_connect(endpoint):
         return BrokerClient.connect("curve-worker", endpoint=endpoint, credit_pages=0, timeout_s=1.0)
     except BrokerUnavailable:
         return None
+
+
+def _journal_records(path: Path) -> list[dict]:
+    import msgspec
+
+    data, offset, records = path.read_bytes(), 0, []
+    while offset < len(data):
+        length = int.from_bytes(data[offset : offset + 4], "little")
+        records.append(msgspec.msgpack.decode(data[offset + 4 : offset + 4 + length]))
+        offset += 4 + length
+    return records
+
+
+def test_a_round_that_ends_where_the_journal_is_writes_nothing_and_restart_keeps_the_rest(short_tmp):
+    import msgpack
+    import zmq
+
+    from kvcached_broker.broker.device import SimulatedDevice
+    from kvcached_broker.broker.server import BrokerServer, ServeConfig
+
+    def serve() -> BrokerServer:
+        config = ServeConfig(endpoint=f"ipc://{short_tmp}/j.sock", state_dir=short_tmp / "state")
+        server = BrokerServer(config, SimulatedDevice(0, 80 * GIB))
+        server.start()
+        return server
+
+    def round_trip(server: BrokerServer, sock, *requests: dict) -> list[dict]:
+        for request in requests:
+            sock.send(msgpack.packb(request))
+        time.sleep(0.1)  # let ZeroMQ deliver them all, so that one round reads them together
+        server.run_round(100)
+        return [msgpack.unpackb(sock.recv()) for _ in requests]
+
+    server = serve()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 2000)  # only the one round runs: it must answer everything
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.config.endpoint)
+    (hello,) = round_trip(server, sock, {"op": "hello", "id": 1, "versions": [1], "instance": "j", "pid": os.getpid(),
+                                         "page_bytes": 2 * MIB, "nonce": "journal-nonce"})
+    token = hello["result"]["session"]
+    round_trip(server, sock, {"op": "acquire", "id": 2, "session": token, "pages": 4})
+    journal = short_tmp / "state" / "gpu0.journal"
+    records_before = _journal_records(journal)
+    assert records_before[-1]["granted_pages"] == 4
+
+    out, back = round_trip(server, sock, {"op": "acquire", "id": 3, "session": token, "pages": 1},
+                           {"op": "release", "id": 4, "session": token, "pages": 1})
+    assert out["result"]["granted"] == 1 and back["result"]["granted_pages"] == 4
+    assert _journal_records(journal) == records_before  # 4 pages, as the journal already says
+
+    (more,) = round_trip(server, sock, {"op": "acquire", "id": 5, "session": token, "pages": 3})
+    assert more["result"]["granted_pages"] == 7
+    assert _journal_records(journal)[-1]["granted_pages"] == 7
+    sock.close()
+    server.close()
+
+    restarted = serve()  # the worker is this process, still alive: its session comes back
+    try:
+        (session,) = restarted.ledger.sessions.values()
+        assert session.granted_pages == 7
+    finally:
+        restarted.close()
