@@ -602,7 +602,7 @@ class Ledger:
         """``_apply`` for a change of granted pages only: the grant path, kept short."""
         delta = pages * session.page_bytes
         inst = self._instances[session.instance]
-        limits = self.limits.get(session.instance)
+        limits = self.limits.get(session.instance) if self.limits else None
         floor = limits.min_bytes if limits is not None else 0
         unfilled_before = max(0, floor - inst.charge_bytes) if floor else 0
         if pages > 0:

@@ -76,6 +76,7 @@ _raw_send = zmq.backend.Socket.send
 #: How long decrease-only journal records may wait for the next durable write.
 DEFER_S = 0.02
 _encode = msgspec.msgpack.Encoder().encode
+_LIVE = SessionState.LIVE  # an enum member lookup costs a metaclass call; every request makes this test
 
 
 class Holdings(NamedTuple):
@@ -563,7 +564,7 @@ class BrokerServer:
             raise _Retried(cached)
         session = self.ledger.sessions[binding.session_id]
         session.last_seen_s = now
-        if session.state is not SessionState.LIVE and self.ledger.touch(session.id, now):
+        if session.state is not _LIVE and self.ledger.touch(session.id, now):
             log.info("event=session_live session=%s detail=lease_renewed", session.id)
         reserve = getattr(request, "reserve_pages", None)
         if reserve is not None and reserve != session.reserve_pages:
