@@ -613,10 +613,11 @@ class Ledger:
         if floor:
             self._unfilled_floor_total += max(0, floor - inst.charge_bytes) - unfilled_before
         account = session.account
-        if account.measured_bytes:  # type: ignore[union-attr]  (bound at open_session)
-            self._recharge(account, reported_delta=delta)  # type: ignore[arg-type]
+        assert account is not None  # bound at open_session
+        if account.measured_bytes:
+            self._recharge(account, reported_delta=delta)
         else:  # nothing measured: no unreported excess can appear or vanish
-            account.reported_bytes += delta  # type: ignore[union-attr]
+            account.reported_bytes += delta
 
     def _growth_room(self, session: Session) -> tuple[int, int | None, int]:
         """``(device_room, cap_room, slack)`` in bytes for growing this session's reported bytes.
