@@ -406,7 +406,7 @@ class Ledger:
 
         A refusal is ``Grant(0, refusal)``, not an exception; the ledger is then unchanged.
         """
-        session = self.sessions.get(session_id) or self._session(session_id)
+        session = self._session(session_id)
         if pages <= 0:
             raise BadRequest(f"acquire needs a positive page count, got {pages}")
         floor_pages = pages if min_pages is None else min_pages
@@ -425,13 +425,12 @@ class Ledger:
             )
             return Grant(0, refusal)
         self._add_pages(session, fit_pages)
-        self._changes.sessions.add(session_id)
-        self.version += 1
+        self._changed(session)
         return _SMALL_GRANTS[fit_pages] if fit_pages < len(_SMALL_GRANTS) else Grant(fit_pages)
 
     def release(self, session_id: str, pages: int) -> int:
         """Return pages; releasing more than the session holds is ``bad_request``."""
-        session = self.sessions.get(session_id) or self._session(session_id)
+        session = self._session(session_id)
         if pages <= 0:
             raise BadRequest(f"release needs a positive page count, got {pages}")
         if pages > session.granted_pages:
@@ -442,8 +441,7 @@ class Ledger:
         self._add_pages(session, -pages)
         if session.reserve_pages > session.granted_pages:
             session.reserve_pages = session.granted_pages
-        self._changes.sessions.add(session_id)
-        self.version += 1
+        self._changed(session)
         return session.granted_pages
 
     # ----------------------------------------------------------------- limits
@@ -510,10 +508,9 @@ class Ledger:
     # ---------------------------------------------------------------- changes
     def drain_changes(self) -> LedgerChanges | None:
         """What changed since the last call, or None if nothing did."""
-        changes = self._changes
-        if not (changes.sessions or changes.closed or changes.limits):
+        if not self._changes:
             return None
-        self._changes = LedgerChanges(set(), set(), set())
+        changes, self._changes = self._changes, LedgerChanges()
         return changes
 
     def instance_names(self) -> Iterable[str]:
@@ -649,7 +646,7 @@ class Ledger:
 
     def _pages_that_fit(self, session: Session, pages: int) -> tuple[int, str | None, int]:
         """The most pages (≤ ``pages``) that fit, the binding constraint and its room in bytes."""
-        budget = max(0, self.total_bytes - self.headroom_bytes - self.external_bytes)  # budget_bytes, inlined
+        budget = self.budget_bytes
         charged = self._reserved_total + self._granted_total + self._excess_total
         if charged > budget:
             return 0, "overcommitted", 0

@@ -91,6 +91,10 @@ class Holdings(NamedTuple):
     def of(cls, session: Session) -> "Holdings":
         return cls(session.granted_pages, session.reserve_pages, dict(session.pools), dict(session.usage))
 
+    def still(self, session: Session) -> bool:
+        """Whether ``session`` holds exactly this (compared in place, without copying)."""
+        return self == (session.granted_pages, session.reserve_pages, session.pools, session.usage)
+
     def record(self, session_id: str) -> dict[str, Any]:
         return {"hold": session_id, "pools": self.pools, "granted_pages": self.granted_pages,
                 "reserve_pages": self.reserve_pages, "usage": self.usage}
@@ -179,7 +183,6 @@ class BrokerServer:
             external_bytes=reading.external_for((), 0),
         )
         self.table = SessionTable()
-        self._trim_replies_at = 2 * self.table.reply_cache
         self.counters = Counters()
         self.pressure = PressureBook()
         self._hellos = HelloRateLimiter(config.hello_rate_per_s, config.hello_burst)
@@ -573,10 +576,7 @@ class BrokerServer:
 
     def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
         reply = _encode(proto.Reply(id=request_id, ok=True, result=result))
-        replies = binding.replies  # Binding.remember_reply, inlined on the grant path
-        replies[request_id] = reply
-        if len(replies) > self._trim_replies_at:
-            binding.trim_replies(self.table.reply_cache)
+        binding.remember_reply(request_id, reply, self.table.reply_cache)
         return reply
 
     def _hello(self, req: proto.Hello, rid: bytes, peer: Peer, now: float) -> bytes:
@@ -997,15 +997,17 @@ class BrokerServer:
             on_disk = self._on_disk
             sessions = self.ledger.sessions
             for session_id in changes.sessions:
-                s = sessions[session_id]
-                if session_id not in on_disk:
+                session = sessions[session_id]
+                last = on_disk.get(session_id)
+                if last is not None and last.still(session):
+                    continue  # back to what the journal already says (say, one page out and back)
+                holdings = Holdings.of(session)
+                if session_id in on_disk:  # the rest of its record is already on disk
+                    records.append(holdings.record(session_id))
+                else:
                     records.append({"session": self._session_record(session_id)})
                     durable_now = True
-                elif on_disk[session_id] == (s.granted_pages, s.reserve_pages, s.pools, s.usage):
-                    continue  # back to what the journal already says (say, one page out and back)
-                else:  # the rest of its record is already on disk
-                    records.append(Holdings.of(s).record(session_id))
-                on_disk[session_id] = Holdings.of(s)
+                on_disk[session_id] = holdings
             for session_id in changes.closed:
                 records.append({"close": session_id})
                 on_disk.pop(session_id, None)

@@ -35,15 +35,11 @@ class Binding:
 
     def remember_reply(self, request_id: int, reply: bytes, limit: int) -> None:
         """Keep at least the last ``limit`` replies (trimmed in bulk: amortised O(1))."""
-        self.replies[request_id] = reply
-        if len(self.replies) > 2 * limit:
-            self.trim_replies(limit)
-
-    def trim_replies(self, limit: int) -> None:
-        """Forget all but the last ``limit`` replies."""
         replies = self.replies
-        for old in list(replies)[: len(replies) - limit]:
-            del replies[old]
+        replies[request_id] = reply
+        if len(replies) > 2 * limit:
+            for old in list(replies)[: len(replies) - limit]:
+                del replies[old]
 
 
 class HelloRateLimiter:
