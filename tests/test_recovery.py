@@ -66,6 +66,17 @@ def session_of(status: dict, session_id: str) -> dict | None:
     return None
 
 
+def _journal_records(path: Path) -> list[dict]:
+    import msgspec
+
+    data, offset, records = path.read_bytes(), 0, []
+    while offset < len(data):
+        length = int.from_bytes(data[offset : offset + 4], "little")
+        records.append(msgspec.msgpack.decode(data[offset + 4 : offset + 4 + length]))
+        offset += 4 + length
+    return records
+
+
 def test_sigkilled_worker_is_reclaimed_at_once(broker, workers):
     w = Worker(broker.endpoint, "victim", {"swa_kv_pool": 3 * GIB, "c4_kv_pool": GIB}, pages=64)
     workers.append(w)
@@ -196,14 +207,7 @@ def test_a_stolen_token_is_useless_from_another_process(broker, workers):
         if snap.exists() and snap.stat().st_size:
             break
         time.sleep(0.05)
-    import msgspec
-
-    data = (broker.state_dir / "gpu0.journal").read_bytes()
-    offset = 0
-    while offset < len(data):
-        length = int.from_bytes(data[offset : offset + 4], "little")
-        record = msgspec.msgpack.decode(data[offset + 4 : offset + 4 + length])
-        offset += 4 + length
+    for record in _journal_records(broker.state_dir / "gpu0.journal"):
         if "session" in record and record["session"]["id"] == w.session_id:
             token = record["session"]["token"]
     assert token
@@ -366,17 +370,6 @@ def _try_connect(endpoint):
         return BrokerClient.connect("curve-worker", endpoint=endpoint, credit_pages=0, timeout_s=1.0)
     except BrokerUnavailable:
         return None
-
-
-def _journal_records(path: Path) -> list[dict]:
-    import msgspec
-
-    data, offset, records = path.read_bytes(), 0, []
-    while offset < len(data):
-        length = int.from_bytes(data[offset : offset + 4], "little")
-        records.append(msgspec.msgpack.decode(data[offset + 4 : offset + 4 + length]))
-        offset += 4 + length
-    return records
 
 
 def test_a_round_that_ends_where_the_journal_is_writes_nothing_and_restart_keeps_the_rest(short_tmp):
