@@ -58,6 +58,14 @@ def _size_or_none(text: str) -> int | None:
     return None if text.strip().lower() == "none" else _size(text)
 
 
+def _process_usage(text: str) -> tuple[int, int]:
+    """``PID=SIZE`` for ``simulate --process`` (SIZE 0 clears that process)."""
+    pid_text, sep, size_text = text.partition("=")
+    if not sep or not pid_text.strip().isdigit() or int(pid_text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected PID=SIZE with a positive pid, got {text!r}")
+    return int(pid_text), _size(size_text.strip())
+
+
 # -------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -120,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="inject usage into a simulated GPU (testing aid, admin)")
     endpoint_options(sim)
     sim.add_argument("--external", type=_size, metavar="SIZE", help="memory used by unregistered processes")
+    sim.add_argument(
+        "--process", type=_process_usage, action="append", default=[], metavar="PID=SIZE",
+        help="what the simulated device reports process PID using, as NVML would (repeatable; SIZE 0 clears it)",
+    )
 
     keygen = sub.add_parser("keygen", help="create a CURVE key pair (NAME.key, NAME.key_secret) in DIR")
     keygen.add_argument("directory", type=Path, metavar="DIR")
@@ -262,10 +274,12 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    if args.external is None:
-        raise UsageError("simulate: give --external SIZE")
+    if args.external is None and not args.process:
+        raise UsageError("simulate: give --external SIZE and/or --process PID=SIZE")
+    external = UNSET if args.external is None else args.external
+    processes = dict(args.process) if args.process else UNSET
     with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
-        print(json.dumps(admin.simulate(external_bytes=args.external)))
+        print(json.dumps(admin.simulate(external_bytes=external, process_bytes=processes)))
     return EXIT_OK
 
 

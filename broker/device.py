@@ -73,8 +73,13 @@ class SimulatedDevice:
             self._external_bytes = external_bytes
 
     def set_process_bytes(self, process_bytes: dict[int, int]) -> None:
+        """Set what the device reports these processes using (0 clears one); others keep theirs."""
         with self._lock:
-            self._process_bytes = {pid: size for pid, size in process_bytes.items() if size > 0}
+            for pid, size in process_bytes.items():
+                if size > 0:
+                    self._process_bytes[pid] = size
+                else:
+                    self._process_bytes.pop(pid, None)
 
     def read(self) -> DeviceReading:
         with self._lock:

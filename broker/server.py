@@ -673,6 +673,7 @@ class BrokerServer:
             uid=peer.uid,
             version=version,
             client=req.client,
+            adapter=None if req.adapter is None else msgspec.structs.asdict(req.adapter),
             routing_id=rid,
         )
         self.table.add(binding)
@@ -1062,6 +1063,7 @@ class BrokerServer:
             "reserve_pages": s.reserve_pages,
             "usage": dict(s.usage),
             "client": b.client,
+            "adapter": b.adapter,
         }
 
     def _snapshot_state(self) -> dict[str, Any]:
@@ -1158,6 +1160,7 @@ class BrokerServer:
                 uid=record.get("uid"),
                 version=proto.PROTOCOL_VERSION,
                 client=record.get("client", ""),
+                adapter=record.get("adapter"),
             )
         )
 

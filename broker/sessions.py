@@ -30,6 +30,7 @@ class Binding:
     uid: int | None
     version: int
     client: str = ""
+    adapter: dict[str, Any] | None = None  # the runtime adapter that opened it (status)
     routing_id: bytes | None = None
     replies: dict[int, bytes] = field(default_factory=dict)
 

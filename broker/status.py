@@ -88,4 +88,5 @@ def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, A
         "usage_breakdown": dict(sorted(session.usage.items())),
         "idle_s": round(max(0.0, now_s - session.last_seen_s), 3),
         "client": binding.client if binding else "",
+        "adapter": binding.adapter if binding else None,
     }

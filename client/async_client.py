@@ -46,10 +46,11 @@ class AsyncBrokerClient:
         curve: CurveKeys | None = None,
         client: str = "",
         limits: dict | None = None,
+        adapter: dict | None = None,
     ) -> "AsyncBrokerClient":
         core, target = prepare(
             instance, device, tp_rank, tp_size, page_bytes, endpoint, credit_pages,
-            device_uuid=device_uuid, limits=limits, client=client or "kvcached-broker-async-client",
+            device_uuid=device_uuid, limits=limits, adapter=adapter, client=client or "kvcached-broker-async-client",
         )
         self = cls(core, AsyncTransport(target, Timeouts.from_env(timeout_s), curve=curve))
         try:

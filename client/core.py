@@ -14,6 +14,8 @@ import os
 import secrets
 from typing import Any
 
+import msgspec
+
 from . import protocol as proto
 from .credit import CreditReserve, default_credit_pages
 from .device import resolve_device
@@ -37,6 +39,7 @@ class ClientCore:
         pid: int | None = None,
         client: str = "",
         limits: dict[str, Any] | None = None,
+        adapter: dict[str, Any] | None = None,
     ):
         _check_int("tp_size", tp_size, minimum=1)
         _check_int("tp_rank", tp_rank, minimum=0)
@@ -54,6 +57,7 @@ class ClientCore:
         self.device_uuid = device_uuid
         self.pid = os.getpid() if pid is None else pid
         self.client = client
+        self.adapter = _adapter_info(adapter)
         self.limits_request = _limits_request(limits)
         self.credit = CreditReserve(default_credit_pages(page_bytes) if credit_pages is None else credit_pages)
         self.pools: dict[str, int] = {}
@@ -85,6 +89,7 @@ class ClientCore:
             holdings=self.holdings() if resume else None,
             limits=self.limits_request,
             client=self.client,
+            adapter=self.adapter,
         )
 
     def holdings(self) -> proto.Holdings:
@@ -137,6 +142,7 @@ def prepare(
     device_uuid: str | None,
     limits: dict[str, Any] | None,
     client: str,
+    adapter: dict[str, Any] | None = None,
 ) -> tuple[ClientCore, str]:
     """What ``connect`` does before any I/O: find the GPU and its broker, check the arguments."""
     physical = resolve_device(device)
@@ -153,6 +159,7 @@ def prepare(
         device_uuid=uuid,
         limits=limits,
         client=client,
+        adapter=adapter,
     )
     return core, target
 
@@ -175,6 +182,16 @@ def _limits_request(limits: dict[str, Any] | None) -> proto.LimitsRequest | None
         min_bytes=limits.get("min_bytes", proto.UNSET) if limits.get("min_bytes") is not None else proto.UNSET,
         weight=float(weight) if weight is not proto.UNSET else proto.UNSET,
     )
+
+
+def _adapter_info(adapter: dict[str, Any] | None) -> proto.AdapterInfo | None:
+    """``{"runtime": .., "runtime_version": .., "patches": [..]}``: the adapter opening the session."""
+    if adapter is None:
+        return None
+    try:
+        return msgspec.convert(adapter, proto.AdapterInfo)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"adapter info: {exc}") from None
 
 
 def check_pages(name: str, value: Any, *, minimum: int) -> int:

@@ -67,6 +67,14 @@ class LimitsRequest(Struct, kw_only=True, gc=False):
     weight: Weight | UnsetType = UNSET
 
 
+class AdapterInfo(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
+    """Which runtime adapter opened a session (shown in status per session as ``adapter``)."""
+
+    runtime: Annotated[str, Meta(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$")]
+    runtime_version: Annotated[str, Meta(max_length=64)] = ""
+    patches: Annotated[list[Annotated[str, Meta(min_length=1, max_length=96)]], Meta(max_length=64)] = []
+
+
 class Request(Struct, tag_field="op", kw_only=True, gc=False):
     id: RequestId
 
@@ -86,6 +94,7 @@ class Hello(Request, tag="hello", kw_only=True):
     holdings: Holdings | None = None
     limits: LimitsRequest | None = None
     client: FreeText = ""
+    adapter: AdapterInfo | None = None
 
 
 class Reserve(Request, tag="reserve", kw_only=True):

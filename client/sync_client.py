@@ -57,6 +57,7 @@ class BrokerClient:
         background: bool = True,
         client: str = "",
         limits: dict | None = None,
+        adapter: dict | None = None,
     ) -> "BrokerClient":
         """Open a session with the broker of ``device`` (a CUDA ordinal seen by this process).
 
@@ -65,7 +66,7 @@ class BrokerClient:
         """
         core, target = prepare(
             instance, device, tp_rank, tp_size, page_bytes, endpoint, credit_pages,
-            device_uuid=device_uuid, limits=limits, client=client or f"kvcached-broker-client/{_version()}",
+            device_uuid=device_uuid, limits=limits, adapter=adapter, client=client or f"kvcached-broker-client/{_version()}",
         )
         transport = SyncTransport(target, Timeouts.from_env(timeout_s), curve=curve)
         self = cls(core, transport, background=background)
