@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import Iterable
 
-from . import flags
+from . import announce, flags, instance
 from .import_hook import when_imported
-from .patching import RESULTS, Patch, PatchResult, apply_patch
+from .patching import RESULTS, Patch, PatchError, PatchResult, apply_patch
 
 log = logging.getLogger("kvcached_broker.adapters")
 
@@ -49,21 +50,57 @@ def apply(runtimes: Iterable[str] | None = None) -> list[PatchResult]:
 
 
 def install_from_env() -> bool:
-    """What the ``.pth`` file calls at interpreter start.  Cheap when the flags are off."""
+    """What the ``.pth`` file calls at interpreter start.  Cheap when the flags are off.
+
+    A ``.pth`` line cannot stop a start by raising: ``site`` prints the traceback and goes
+    on.  So a failure here (a malformed flag, a refused flag, an import error, a patch that
+    cannot apply) is written as one line on stderr, and then either the interpreter runs on
+    without the broker (one ``event=autopatch_failed`` warning) or, with
+    ``KVCACHED_REQUIRE=1``, it exits at once with :data:`REQUIRE_EXIT_CODE`, before any
+    runtime module is imported.
+    """
     global _hook_ran
     if _hook_ran:  # some interpreters process site-packages .pth files twice
-        return flags.autopatch()
+        return _autopatch_quietly()
     _hook_ran = True
     try:
         if not flags.autopatch():
             return False
+        flags.validate()
+        instance.explicit()
         apply()
-    except Exception as exc:
-        if flags.require():
-            raise
-        log.error("event=autopatch_failed error=%r detail=running_without_kvcached_broker", str(exc))
-        return False
+    except Exception as exc:  # noqa: BLE001 - nothing may escape into site
+        return startup_failed(exc)
     return True
+
+
+#: The exit status of an interpreter that ``KVCACHED_REQUIRE=1`` stopped at start (EX_CONFIG).
+REQUIRE_EXIT_CODE = 78
+
+
+def startup_failed(exc: BaseException) -> bool:
+    """Say why the hook failed, in one line; exit under ``KVCACHED_REQUIRE=1``, else go on."""
+    reason = str(exc) if isinstance(exc, (PatchError, flags.FlagError)) else f"{type(exc).__name__}: {exc}"
+    if _required():
+        announce.say(logging.ERROR, "startup_refused", reason=reason, detail="KVCACHED_REQUIRE=1 stops this start")
+        os._exit(REQUIRE_EXIT_CODE)
+    announce.say(logging.WARNING, "autopatch_failed", reason=reason, detail="running without kvcached-broker")
+    return False
+
+
+def _required() -> bool:
+    """``KVCACHED_REQUIRE``; a value that is neither true nor false counts as required."""
+    try:
+        return flags.require()
+    except flags.FlagError:
+        return True
+
+
+def _autopatch_quietly() -> bool:
+    try:
+        return flags.autopatch()
+    except flags.FlagError:
+        return False
 
 
 def hook_installed() -> bool:

@@ -7,8 +7,15 @@ size does not make a round trip per allocation.  Both go through the client's cr
 and across TP ranks through ``acquire_tp`` with the runtime's min-reduce, so every rank holds
 the same number of pages.
 
-Invariant: ``granted_pages`` is what this pool holds from the broker; the pool's usable
-capacity is ``min(granted_pages, physical_pages)``.
+Invariant: ``granted_pages`` is what this pool may use: what it holds from the broker, or,
+once it runs without one, what it counts for itself; the pool's usable capacity is
+``min(granted_pages, physical_pages)``.
+
+Failing safe.  A budget with no client (the worker is unprotected) counts pages for itself
+and still calls ``reduce_min`` exactly once per :meth:`ensure`, as a protected rank does
+inside ``acquire_tp``, so TP ranks that differ in protection never deadlock.  A broker
+failure while serving is a miss this time; ``on_failure`` then decides whether the budget
+goes on without the broker (it drops its client) or keeps asking.  An eviction is raised.
 """
 
 from __future__ import annotations
@@ -18,18 +25,22 @@ from typing import Callable
 
 from ..client import BrokerClient, BrokerError
 
+#: ``on_failure(action, error)``: True to go on without the broker (the worker is unprotected)
+FailurePolicy = Callable[[str, BrokerError], bool]
+
 log = logging.getLogger("kvcached_broker.adapters")
 
 
 class ElasticBudget:
     def __init__(
         self,
-        client: BrokerClient,
+        client: BrokerClient | None,
         *,
         physical_pages: int,
         batch_pages: int = 16,
         slack_pages: int | None = None,
         reduce_min: Callable[[int], int] | None = None,
+        on_failure: FailurePolicy | None = None,
     ):
         if physical_pages < 0 or batch_pages < 1:
             raise ValueError("physical_pages must be >= 0 and batch_pages >= 1")
@@ -38,6 +49,7 @@ class ElasticBudget:
         self.batch_pages = batch_pages
         self.slack_pages = 2 * batch_pages if slack_pages is None else slack_pages
         self.reduce_min = reduce_min
+        self.on_failure = on_failure
         self.granted_pages = 0
         self.refusals = 0
 
@@ -49,21 +61,35 @@ class ElasticBudget:
             return False
         want = min(self.physical_pages, needed_pages + self.batch_pages) - self.granted_pages
         floor = needed_pages - self.granted_pages
-        try:
-            if self.reduce_min is not None:
-                got = self.client.acquire_tp(want, self.reduce_min, min_pages=floor)
-            else:
-                got = self.client.acquire(want, min_pages=floor)
-        except BrokerError as exc:
-            if exc.fatal:
-                raise
-            log.warning("event=elastic_miss reason=%r", str(exc))
-            got = 0
+        got = self._take(want, floor)
         self.granted_pages += got
         if got < floor:
             self.refusals += 1
             return False
         return True
+
+    @property
+    def protected(self) -> bool:
+        return self.client is not None
+
+    def _take(self, want: int, floor: int) -> int:
+        """Pages granted now (the TP minimum with several ranks); 0 on a refusal or a failure."""
+        if self.client is None:  # unprotected: count for ourselves, still join the collective
+            return int(self.reduce_min(want)) if self.reduce_min is not None else want
+        try:
+            if self.reduce_min is not None:
+                return self.client.acquire_tp(want, self.reduce_min, min_pages=floor)
+            return self.client.acquire(want, min_pages=floor)
+        except BrokerError as exc:
+            self.failed("acquire", exc)
+            return 0
+
+    def failed(self, action: str, exc: BrokerError) -> None:
+        if exc.fatal:
+            raise exc
+        log.warning("event=elastic_miss action=%s reason=%r", action, str(exc))
+        if self.on_failure is not None and self.on_failure(action, exc):
+            self.client = None
 
     def trim(self, used_pages: int) -> int:
         """Give back granted pages beyond ``used_pages + slack``; returns how many went back."""
@@ -73,14 +99,18 @@ class ElasticBudget:
         give = self.granted_pages - used_pages - self.batch_pages
         if give <= 0:
             return 0
-        self.client.release(give)
+        if self.client is not None:
+            try:
+                self.client.release(give)
+            except BrokerError as exc:
+                self.failed("release", exc)
         self.granted_pages -= give
         return give
 
     def close(self) -> None:
-        if self.granted_pages:
+        if self.granted_pages and self.client is not None:
             try:
                 self.client.release(self.granted_pages)
             except BrokerError:
                 pass
-            self.granted_pages = 0
+        self.granted_pages = 0

@@ -8,7 +8,8 @@
   pools as reservations.
 * ``KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE`` (default off): bridge a V4 pool into elastic
   management.  Not implemented; turning it on is refused with a clear message.
-* ``KVCACHED_BROKER_INSTANCE``: the instance name every TP rank of one server shares.
+* ``KVCACHED_BROKER_INSTANCE``: the instance name every TP rank of one server shares
+  (validated, with the default when unset, in ``instance``).
 """
 
 from __future__ import annotations
@@ -57,9 +58,17 @@ def dsv4_kv_pool_bridge(env: Mapping[str, str] | None = None) -> bool:
     return flag("KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE", default=False, env=env)
 
 
-def instance_name(runtime: str, env: Mapping[str, str] | None = None) -> str:
-    """``KVCACHED_BROKER_INSTANCE``, else ``RUNTIME-PGID`` (TP ranks forked by one launcher
-    share a process group).  Set it explicitly where ranks do not share one."""
-    env = os.environ if env is None else env
-    name = env.get("KVCACHED_BROKER_INSTANCE", "").strip()
-    return name or f"{runtime}-{os.getpgid(0)}"
+#: every boolean flag the adapters read, with its default
+BOOLEAN_FLAGS = {
+    "ENABLE_KVCACHED": False,
+    "KVCACHED_AUTOPATCH": False,
+    "KVCACHED_REQUIRE": False,
+    "KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION": True,
+    "KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE": False,
+}
+
+
+def validate(env: Mapping[str, str] | None = None) -> None:
+    """Read every flag once; the first malformed one raises :class:`FlagError` (at startup)."""
+    for name, default in BOOLEAN_FLAGS.items():
+        flag(name, default, env)

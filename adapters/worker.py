@@ -1,30 +1,47 @@
 """This worker process's session with its GPU's broker, shared by every adapter patch in it.
 
 A serving worker has several things to report (DeepSeek-V4 side pools, a static KV pool,
-elastic pages) but one session per device.  :class:`ReservationBook` merges what each
-reporter says under its own key into the session's one reservation map, so a rebuilt pool
-replaces its own entry and never erases another's.
+elastic pages) but one session per device.  The book merges what each reporter says under
+its own key into the session's one reservation map, so a rebuilt pool replaces its own entry
+and never erases another's.  A reporter can be *suspended* (its memory was handed back:
+SGLang's release of memory occupation, vLLM's sleep): its pools stay in the book but are
+not charged until it is resumed, through admission.
 
-With ``KVCACHED_REQUIRE=1`` an unreachable broker raises at startup; otherwise it is logged
-once and the worker runs unprotected (``session()`` returns None).
+Failing safe.  No broker, endpoint, device or protocol failure may crash a server:
+
+* :func:`session` catches every failure to open a session (an unreachable or refusing
+  broker, ``KVCACHED_BROKER=ipc://relative``, a ``CUDA_VISIBLE_DEVICES`` entry NVML cannot
+  resolve, a malformed instance name) and returns None: the worker runs unprotected;
+* :func:`guard` runs a broker round trip of an open session: a refusal (``BudgetExceeded``)
+  goes to the caller, which explains it; an eviction is always raised (its memory was given
+  away); anything else (a timeout, ``rate_limited``, ``internal``, an unknown code) turns the
+  worker unprotected and returns None.
+
+Unprotected is said once per process (``event=unprotected`` on stderr, :mod:`.announce`).
+With ``KVCACHED_REQUIRE=1`` every one of those failures raises :class:`BrokerRequired`
+instead: a startup error with the reason.  Callers that sit between TP collectives call
+:func:`guard` and keep taking part in the collective whatever it returns.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
-from ..client import BrokerClient, BrokerError, BrokerUnavailable
+from ..client import BrokerClient, BrokerError, BudgetExceeded
 from ..client.endpoint import broker_disabled
-from . import flags
+from . import announce, autopatch, flags, instance, patching, versions
 
 log = logging.getLogger("kvcached_broker.adapters")
 
+T = TypeVar("T")
+
 
 class BrokerRequired(RuntimeError):
-    """KVCACHED_REQUIRE=1 and the broker cannot protect this worker."""
+    """KVCACHED_REQUIRE=1 and the broker cannot protect this worker.  One line."""
 
 
 @dataclass
@@ -40,7 +57,7 @@ class WorkerIdentity:
     credit_pages: int | None = 0
 
     def instance_name(self) -> str:
-        return self.instance or flags.instance_name(self.runtime)
+        return self.instance or instance.instance_name(self.runtime)
 
 
 @dataclass
@@ -48,43 +65,77 @@ class _DeviceSession:
     client: BrokerClient
     book: dict[str, dict[str, int]] = field(default_factory=dict)
     usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    suspended: set[str] = field(default_factory=set)
 
 
 _lock = threading.RLock()
 _sessions: dict[str, _DeviceSession] = {}
-_warned: set[str] = set()
+_unprotected: dict[str, str] = {}  # device -> why
 #: Tests and embedders may replace how clients are made (e.g. a fixed endpoint).
 client_factory: Callable[[WorkerIdentity], BrokerClient] | None = None
 
 
-def _connect(identity: WorkerIdentity) -> BrokerClient:
-    if client_factory is not None:
-        return client_factory(identity)
+# ------------------------------------------------------------------ the adapter's identity
+def adapter_info(runtime: str) -> dict[str, object]:
+    """What the broker shows as this session's ``adapter``: runtime, version, applied patches."""
+    return {
+        "runtime": runtime,
+        "runtime_version": versions.installed(runtime) or "",
+        "patches": applied_patches(runtime)[:64],
+    }
+
+
+def applied_patches(runtime: str) -> list[str]:
+    names = [r.patch for r in patching.RESULTS if r.outcome in ("applied", "already") and r.patch.startswith(f"{runtime}_")]
+    return sorted(set(names))
+
+
+def failed_patches(runtime: str) -> list[str]:
+    names = [r.patch for r in patching.RESULTS if r.outcome == "failed" and r.patch.startswith(f"{runtime}_")]
+    return sorted(set(names))
+
+
+def connect(identity: WorkerIdentity, endpoint: str | None = None) -> BrokerClient:
+    """Open a session for ``identity`` (``endpoint=None``: ``KVCACHED_BROKER`` or the default)."""
     return BrokerClient.connect(
         identity.instance_name(),
         device=identity.device,
         tp_rank=identity.tp_rank,
         tp_size=identity.tp_size,
         page_bytes=identity.page_bytes,
+        endpoint=endpoint,
         credit_pages=identity.credit_pages,
         client=f"kvcached-broker-adapter/{identity.runtime}",
+        adapter=adapter_info(identity.runtime),
     )
 
 
+def _connect(identity: WorkerIdentity) -> BrokerClient:
+    if client_factory is not None:
+        return client_factory(identity)
+    return connect(identity)
+
+
+# ------------------------------------------------------------------------------ the session
 def session(identity: WorkerIdentity) -> BrokerClient | None:
     """The session for ``identity.device``, opened on first use; None if unprotected."""
     key = str(identity.device)
     with _lock:
         existing = _sessions.get(key)
-        if existing is not None:
+        if existing is not None and key not in _unprotected:
             return existing.client
+        if key in _unprotected:
+            return None
         if broker_disabled():
-            return _unprotected(key, "KVCACHED_BROKER=off")
+            _announce_active(identity, None)
+            return _unprotected_now(key, "KVCACHED_BROKER=off")
         try:
             client = _connect(identity)
-        except BrokerError as exc:
-            return _unprotected(key, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any failure to open leaves the worker unprotected
+            _announce_active(identity, None)
+            return _unprotected_now(key, _describe(exc), exc)
         _sessions[key] = _DeviceSession(client)
+        _announce_active(identity, client)
         log.info(
             "event=adapter_session runtime=%s device=%s instance=%s session=%s endpoint=%s",
             identity.runtime, identity.device, identity.instance_name(), client.session_id, client.endpoint,
@@ -92,15 +143,105 @@ def session(identity: WorkerIdentity) -> BrokerClient | None:
         return client
 
 
-def _unprotected(key: str, why: str) -> None:
+def protected(identity: WorkerIdentity) -> bool:
+    """True while this device's session is usable (opening it on first use)."""
+    return session(identity) is not None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return text if isinstance(exc, BrokerError) else f"{type(exc).__name__}: {text}"
+
+
+def _unprotected_now(key: str, why: str, cause: BaseException | None = None) -> None:
+    """Mark ``key`` unprotected (said once per process); under KVCACHED_REQUIRE=1, raise."""
     if flags.require():
-        raise BrokerRequired(f"kvcached-broker is required (KVCACHED_REQUIRE=1) but unusable for device {key}: {why}")
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("event=unprotected device=%s reason=%r detail=memory_is_not_arbitrated", key, why)
+        raise BrokerRequired(
+            f"kvcached-broker is required (KVCACHED_REQUIRE=1) but unusable for device {key}: {why}"
+        ) from cause
+    _mark_unprotected(key, why)
     return None
 
 
+def _mark_unprotected(key: str, why: str) -> None:
+    with _lock:
+        _unprotected[key] = why
+    announce.once("unprotected", logging.WARNING, "unprotected", pid=os.getpid(), device=key, reason=why,
+                  detail="this process's GPU memory is not arbitrated by kvcached-broker")
+
+
+def serving_failure(identity: WorkerIdentity, action: str, exc: BrokerError) -> bool:
+    """A broker failure while serving; True if the caller should go on without the broker.
+
+    An eviction is raised (fatal).  Under ``KVCACHED_REQUIRE=1`` the worker stays with its
+    broker and the caller treats the failure as a refusal (False); otherwise the worker turns
+    unprotected (said once) and the caller goes on without the broker (True).
+    """
+    if exc.fatal:
+        raise exc
+    if flags.require():
+        log.warning("event=broker_failure action=%s error=%r detail=treated_as_a_refusal(KVCACHED_REQUIRE=1)",
+                    action, str(exc))
+        return False
+    _mark_unprotected(str(identity.device), f"{action}: {exc}")
+    return True
+
+
+def unprotected_reason(identity: WorkerIdentity) -> str | None:
+    with _lock:
+        return _unprotected.get(str(identity.device))
+
+
+def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | None:
+    """Run ``call`` (a broker round trip); None if the worker is, or just turned, unprotected.
+
+    ``BudgetExceeded`` (a refusal) and a fatal error (eviction) propagate; any other failure
+    makes the worker unprotected (or, under ``KVCACHED_REQUIRE=1``, raises ``BrokerRequired``).
+    """
+    if session(identity) is None:
+        return None
+    try:
+        return call()
+    except BudgetExceeded:
+        raise
+    except BrokerError as exc:
+        if exc.fatal:
+            raise
+        with _lock:
+            return _unprotected_now(str(identity.device), f"{action}: {exc}", exc)
+
+
+def announce_process(runtime: str, role: str) -> None:
+    """The ``adapter_active`` line of a process that opens no session itself (vLLM's EngineCore)."""
+    failed = failed_patches(runtime)
+    announce.once(
+        "active", logging.INFO, "adapter_active", runtime=runtime, version=versions.installed(runtime),
+        pid=os.getpid(), hook="pth" if autopatch.hook_installed() else "explicit", role=role,
+        endpoint=os.environ.get("KVCACHED_BROKER", "").strip() or "default",
+        patches=",".join(applied_patches(runtime)) or "none", failed=",".join(failed) or None,
+    )
+
+
+def _announce_active(identity: WorkerIdentity, client: BrokerClient | None) -> None:
+    runtime = identity.runtime
+    failed = failed_patches(runtime)
+    try:
+        name = identity.instance_name()
+    except instance.InstanceNameError as exc:
+        name = f"invalid ({exc})"
+    announce.once(
+        "active", logging.INFO, "adapter_active", runtime=runtime, version=versions.installed(runtime),
+        pid=os.getpid(), hook="pth" if autopatch.hook_installed() else "explicit", instance=name,
+        endpoint=client.endpoint if client is not None else "none",
+        session=client.session_id if client is not None else "none",
+        patches=",".join(applied_patches(runtime)) or "none", failed=",".join(failed) or None,
+    )
+    if identity.instance is None and instance.defaulted():
+        announce.once("instance", logging.WARNING, "instance_default", instance=name,
+                      detail="KVCACHED_BROKER_INSTANCE is unset: give every rank of this server the same name there")
+
+
+# ------------------------------------------------------------------------------ the book
 def report(
     identity: WorkerIdentity, reporter: str, pools: dict[str, int], usage: dict[str, int] | None = None
 ) -> dict[str, int] | None:
@@ -108,19 +249,26 @@ def report(
 
     ``usage`` is the reporter's informational breakdown (overlapping views, never charged).
     Raises ``BudgetExceeded`` (naming the pool) if the broker has no room; the book is then
-    left as it was.
+    left as it was.  None when the worker runs unprotected (see :func:`guard`).
     """
-    client = session(identity)
-    if client is None:
+    if session(identity) is None:
         return None
     key = str(identity.device)
     with _lock:
         entry = _sessions[key]
         proposed = {**entry.book, reporter: {k: v for k, v in pools.items() if v > 0}}
         proposed_usage = {**entry.usage, reporter: {k: v for k, v in (usage or {}).items() if v > 0}}
-        result = client.reserve(_merge(proposed), usage=_merge(proposed_usage))
-        entry.book, entry.usage = proposed, proposed_usage
+        result = _send(identity, entry, proposed, proposed_usage, entry.suspended, f"report {reporter}")
+        if result is not None:
+            entry.book, entry.usage = proposed, proposed_usage
         return result
+
+
+def _send(identity: WorkerIdentity, entry: _DeviceSession, book: dict, usage: dict, suspended: set[str],
+          action: str) -> dict[str, int] | None:
+    charged = {name: pools for name, pools in book.items() if name not in suspended}
+    shown = {name: views for name, views in usage.items() if name not in suspended}
+    return guard(identity, action, lambda: entry.client.reserve(_merge(charged), usage=_merge(shown)))
 
 
 def _merge(by_reporter: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -129,6 +277,53 @@ def _merge(by_reporter: dict[str, dict[str, int]]) -> dict[str, int]:
         for name, size in pools.items():
             merged[name] = merged.get(name, 0) + size
     return merged
+
+
+def reporters(identity: WorkerIdentity) -> list[str]:
+    """The reporters in this device's book."""
+    with _lock:
+        entry = _sessions.get(str(identity.device))
+        return sorted(entry.book) if entry is not None else []
+
+
+def suspend(identity: WorkerIdentity, names: list[str]) -> int:
+    """Stop charging ``names`` (their memory was handed back); returns the bytes no longer charged."""
+    with _lock:
+        entry = _sessions.get(str(identity.device))
+        names = [n for n in names if entry is not None and n in entry.book and n not in entry.suspended]
+        if not names:
+            return 0
+        freed = sum(sum(entry.book[n].values()) for n in names)
+        if _send(identity, entry, entry.book, entry.usage, entry.suspended | set(names), "suspend") is not None:
+            entry.suspended |= set(names)
+            return freed
+        return 0
+
+
+def resume(identity: WorkerIdentity, names: list[str] | None = None) -> int:
+    """Charge the suspended ``names`` (all, if None) again; returns the bytes charged again.
+
+    This is an admission: ``BudgetExceeded`` if the broker has no room for them (they stay
+    suspended).  0 when nothing was suspended or the worker runs unprotected.
+    """
+    with _lock:
+        entry = _sessions.get(str(identity.device))
+        if entry is None:
+            return 0
+        back = set(entry.suspended if names is None else entry.suspended.intersection(names))
+        if not back:
+            return 0
+        charged = sum(sum(entry.book[n].values()) for n in back)
+        if _send(identity, entry, entry.book, entry.usage, entry.suspended - back, "resume") is None:
+            return 0
+        entry.suspended -= back
+        return charged
+
+
+def suspended(identity: WorkerIdentity) -> list[str]:
+    with _lock:
+        entry = _sessions.get(str(identity.device))
+        return sorted(entry.suspended) if entry is not None else []
 
 
 def forget(identity: WorkerIdentity, reporter: str) -> None:
@@ -140,15 +335,18 @@ def forget(identity: WorkerIdentity, reporter: str) -> None:
             report(identity, reporter, {})
             del entry.book[reporter]
             entry.usage.pop(reporter, None)
+            entry.suspended.discard(reporter)
 
 
 def reset() -> None:
-    """Close every session (tests; a worker shutting down)."""
+    """Close every session and forget the process's unprotected state (tests; a worker shutting down)."""
     with _lock:
         for entry in _sessions.values():
             try:
                 entry.client.close()
-            except BrokerUnavailable:
+            except BrokerError:
                 pass
         _sessions.clear()
-        _warned.clear()
+        _unprotected.clear()
+    announce.reset()
+    instance.reset()

@@ -28,14 +28,17 @@ def python_env() -> dict[str, str]:
 
 
 def connect_to(endpoint: str, credit_pages: int | None = 0):
-    """A ``worker.client_factory`` that opens adapter sessions on ``endpoint`` (adapter tests)."""
-    from kvcached_broker.client import BrokerClient
+    """A ``worker.client_factory`` that opens adapter sessions on ``endpoint`` (adapter tests).
+
+    It opens them as the adapter does (``worker.connect``: the adapter identity included),
+    only with the endpoint fixed.
+    """
+    import dataclasses
+
+    from kvcached_broker.adapters import worker
 
     def factory(identity):
-        return BrokerClient.connect(
-            identity.instance_name(), endpoint=endpoint, tp_rank=identity.tp_rank, tp_size=identity.tp_size,
-            page_bytes=identity.page_bytes, credit_pages=credit_pages,
-        )
+        return worker.connect(dataclasses.replace(identity, credit_pages=credit_pages), endpoint=endpoint)
 
     return factory
 

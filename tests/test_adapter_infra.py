@@ -29,8 +29,9 @@ def test_flags_read_the_environment_when_asked():
     assert flags.dsv4_runtime_reservation({"KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION": "0"}) is False
     with pytest.raises(flags.FlagError, match="KVCACHED_REQUIRE"):
         flags.require({"KVCACHED_REQUIRE": "maybe"})
-    assert flags.instance_name("sglang", {"KVCACHED_BROKER_INSTANCE": "dsv4-a"}) == "dsv4-a"
-    assert flags.instance_name("vllm", {}) == f"vllm-{os.getpgid(0)}"
+    with pytest.raises(flags.FlagError, match="KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE='sometimes'"):
+        flags.validate({"KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE": "sometimes"})
+    flags.validate({"ENABLE_KVCACHED": "on", "KVCACHED_REQUIRE": "0"})
 
 
 def test_version_ranges():

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...client import BrokerClient
+from ...client import BrokerClient, BudgetExceeded
 from ...client.units import format_bytes
+from .. import worker
 
 
 class BrokerBudgetError(RuntimeError):
@@ -74,4 +75,18 @@ def refusal(room: BrokerRoom, needed_bytes: int, what: str) -> BrokerBudgetError
         f"{format_bytes(needed_bytes)} for {what}: it can grant {format_bytes(room.grantable_bytes)} "
         f"(budget {format_bytes(room.budget_bytes)}, free {format_bytes(room.free_bytes)}); "
         f"{room.describe_others()}"
+    )
+
+
+def explain_refusal(
+    identity: worker.WorkerIdentity, client: BrokerClient, needed_bytes: int, what: str, exc: BudgetExceeded
+) -> BrokerBudgetError:
+    """The startup error for a refused reservation, with the room if the broker still answers."""
+    instance = identity.instance_name()
+    room = worker.guard(identity, "status", lambda: measure_room(client, instance))
+    if room is not None:
+        return refusal(room, needed_bytes, what)
+    return BrokerBudgetError(
+        f"kvcached-broker at {client.endpoint} cannot give SGLang instance {instance!r} "
+        f"{format_bytes(needed_bytes)} for {what}: {exc}"
     )

@@ -11,7 +11,9 @@ memory this worker holds.  Hook points:
   ``ModelRunnerKVCacheMixin._init_pools`` before): measure again once construction,
   including any platform subclass, is complete (see ``kv_sizing``).
 * ``RequestWindow._ensure_workspace`` (0.5.21+): the DSV4.1 request window grows its
-  workspace lazily; the owning pool is measured again when it does.
+  workspace lazily, inside a forward pass; the owning pool is measured again when it does,
+  on the adapter's background thread (``adapters/background.py``), so no broker round trip
+  (which can be slow or fail) ever runs inside the forward pass.
 
 The flag is read each time a pool is built, never frozen at import.
 """
@@ -24,9 +26,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import flags
+from .. import background, flags
 from ..patching import PatchError
-from . import dsv4_pools, pool_bytes, reporting, tp
+from . import budget, dsv4_pools, pool_bytes, reporting, tp
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -100,12 +102,26 @@ def wrap_ensure_workspace(original: Callable[..., None]) -> Callable[..., None]:
         before = getattr(self, "workspace", None)
         original(self, *args, **kwargs)
         owner_ref = _windows.get(self)
-        owner = owner_ref() if owner_ref is not None else None
-        if owner is not None and getattr(self, "workspace", None) is not before:
-            register(owner)
+        if owner_ref is not None and getattr(self, "workspace", None) is not before:
+            background.submit(f"dsv4 request window {id(self):x}", lambda: _remeasure(owner_ref))
 
     setattr(_ensure_workspace, _WRAPPED, True)
     return _ensure_workspace
+
+
+def _remeasure(owner_ref: weakref.ref) -> None:
+    """Measure a request window's pool again (background: never inside the forward pass).
+
+    The workspace is already allocated when this runs, so a refusal cannot be undone: it is
+    logged, and the pool stays charged at what it was before it grew.
+    """
+    owner = owner_ref()
+    if owner is None:
+        return
+    try:
+        register(owner)
+    except budget.BrokerBudgetError as exc:
+        log.warning("event=dsv4_request_window_uncharged reason=%r", str(exc))
 
 
 def apply_request_window(module: Any) -> None:

@@ -13,24 +13,25 @@ session counts pages of ``session_page_bytes``.  The gate converts between the t
   around a size makes no round trip per request.
 
 Invariant: ``used_pages`` allocator pages are mapped, and the broker grant covers them:
-``session_pages(used_pages) <= budget.granted_pages``.
+``session_pages(used_pages) <= budget.granted_pages``.  A gate without a client (the
+worker runs unprotected) grants itself, but still joins every TP min-reduce its peers make.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from ...client import BrokerClient
+from .. import background
 from ..backing import PhysicalBacking
-from ..elastic import ElasticBudget
+from ..elastic import ElasticBudget, FailurePolicy
 
 
 class ElasticGate:
     def __init__(
         self,
-        client: BrokerClient,
+        client: BrokerClient | None,
         backing: PhysicalBacking,
         *,
         page_bytes: int,
@@ -38,6 +39,7 @@ class ElasticGate:
         physical_pages: int,
         reduce_min: Callable[[int], int] | None = None,
         batch_pages: int = 16,
+        on_failure: FailurePolicy | None = None,
     ):
         if page_bytes <= 0 or session_page_bytes <= 0:
             raise ValueError("page_bytes and session_page_bytes must be positive")
@@ -47,7 +49,7 @@ class ElasticGate:
         self.used_pages = 0
         self.budget = ElasticBudget(
             client, physical_pages=self.session_pages(physical_pages), batch_pages=batch_pages,
-            reduce_min=reduce_min,
+            reduce_min=reduce_min, on_failure=on_failure,
         )
 
     def session_pages(self, pages: int) -> int:
@@ -80,9 +82,6 @@ class ElasticGate:
         self.budget.close()
 
     def close_later(self) -> None:
-        """:meth:`close` from a thread of its own (safe from a finaliser, which may run
-        in the middle of a request on the same session)."""
-        try:
-            threading.Thread(target=self.close, name="kvcached-broker-release", daemon=True).start()
-        except RuntimeError:  # interpreter shutdown: the session closes anyway
-            pass
+        """:meth:`close` on the adapter's background thread (safe from a finaliser, which may
+        run in the middle of a request on the same session)."""
+        background.submit(f"release elastic grant {id(self):x}", self.close)

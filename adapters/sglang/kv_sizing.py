@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...client import BrokerError, BudgetExceeded
+from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
 from ..backing import on_demand_backing
@@ -63,15 +63,21 @@ def last_decision() -> SizingDecision | None:
 
 
 def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = None) -> int:
-    """The KV budget SGLang may use: its own figure, capped (and held) by the broker."""
+    """The KV budget SGLang may use: its own figure, capped (and held) by the broker.
+
+    Every rank calls the world min-reduce exactly once, whatever happened with its broker:
+    an unprotected rank offers SGLang's own figure, and a rank that must stop (a refusal
+    under ``KVCACHED_REQUIRE=1``, an eviction) raises only after the collective.
+    """
     identity = tp.identity(device, gpu_id)
-    client = session.client_for(identity)
     room, local_bytes, failure = None, int(runtime_bytes), None
-    if client is not None:
-        try:
-            room, local_bytes = _hold_what_fits(client, identity, int(runtime_bytes))
-        except BrokerError as exc:  # still take part in the collective, then fail
-            local_bytes, failure = 0, exc
+    try:
+        if session.client_for(identity) is not None:
+            found = _hold_what_fits(identity, int(runtime_bytes))
+            if found is not None:
+                room, local_bytes = found
+    except Exception as exc:  # noqa: BLE001 - still take part in the collective, then fail
+        room, local_bytes, failure = None, int(runtime_bytes), exc
     agreed_bytes = tp.world_group().reduce_min(local_bytes)  # every rank calls it, on every path
     if failure is not None:
         raise failure
@@ -90,21 +96,29 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     return agreed_bytes
 
 
-def _hold_what_fits(client: Any, identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[budget.BrokerRoom, int]:
-    """Measure the room and hold ``min(runtime, room)``; retried if another instance raced us."""
+def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[budget.BrokerRoom, int] | None:
+    """Measure the room and hold ``min(runtime, room)``; retried if another instance raced us.
+
+    None when the worker is, or turns, unprotected.
+    """
+    client = session.client_for(identity)
     instance = identity.instance_name()
     for _ in range(_HOLD_ATTEMPTS):
-        room = budget.measure_room(client, instance)
+        room = worker.guard(identity, "status", lambda: budget.measure_room(client, instance))
+        if room is None:
+            return None
         limit = room.grantable_bytes + reporting.held_bytes(identity)  # an earlier hold is replaced
         capped = max(0, min(runtime_bytes, limit))
         if capped <= 0:
             return room, capped
         try:
-            reporting.hold(identity, capped)
+            if not reporting.hold(identity, capped):
+                return None
             return room, capped
         except BudgetExceeded:
             continue
-    return budget.measure_room(client, instance), 0
+    room = worker.guard(identity, "status", lambda: budget.measure_room(client, instance))
+    return None if room is None else (room, 0)
 
 
 def charge_pools(device: Any, gpu_id: int | None, token_to_kv_pool: Any, *extra: Any) -> None:

@@ -75,25 +75,30 @@ class PageTracker:
         in_range = (pages >= 1) & (pages <= self.num_pages)
         return in_range & self.in_use[pages.clamp(0, self.num_pages)]
 
-    def release_token_ids(self, token_ids: Any) -> tuple[Any, Any]:
-        """``(kept token ids, pages they free)``; the pages stop being in use."""
+    def release_token_ids(self, token_ids: Any, *, count: bool = True) -> tuple[Any, Any]:
+        """``(kept token ids, pages they free)``; the pages stop being in use.
+
+        ``count=False``: the dropped ids are not counted as stale (they go to upstream anyway).
+        """
         import torch
 
         pages = token_ids // self.page_size
         keep = self._valid_pages(pages)
         kept = token_ids[keep]
-        self._count(token_ids, keep, token_ids.numel() - kept.numel())
+        if count:
+            self._count(token_ids, keep, token_ids.numel() - kept.numel())
         freed = torch.unique(pages[keep])
         self.in_use[freed] = False
         return kept, freed
 
-    def release_page_ids(self, page_ids: Any) -> Any:
+    def release_page_ids(self, page_ids: Any, *, count: bool = True) -> Any:
         """The distinct valid pages of ``page_ids``; they stop being in use."""
         import torch
 
         keep = self._valid_pages(page_ids)
         freed = torch.unique(page_ids[keep])
-        self._count(page_ids, keep, page_ids.numel() - freed.numel())
+        if count:
+            self._count(page_ids, keep, page_ids.numel() - freed.numel())
         self.in_use[freed] = False
         return freed
 

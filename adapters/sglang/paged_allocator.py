@@ -25,7 +25,9 @@ What the subclass adds:
 * ``alloc_extend(..., num_new_pages=None)``: a precomputed count is passed through, so the
   runtime's ``get_num_new_pages`` is not called for it;
 * ``free``/``free_page_ids``: stale and out-of-range ids are dropped (``page_tracking``)
-  before they reach the free list or the broker;
+  before they reach the free list or the broker, except in SGLang's debug mode
+  (``SGLANG_DEBUG_MEMORY_POOL=1``), where every id reaches upstream so that its own
+  double-free checks fire;
 * elastic mode (an on-demand backing is registered and the pool has tensors): every
   allocation is admitted by the broker first (``elastic_pages``); a refusal returns None.
 """
@@ -39,6 +41,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from .. import worker
 from ..backing import on_demand_backing
 from ..patching import PatchError
 from . import dsv4_reservation, elastic_pages, page_tracking, pool_bytes, session, tp
@@ -89,20 +92,28 @@ class AllocatorState:
 
 
 def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
-    """A gate when the pool can be elastic: an on-demand backing and a KV pool of our own."""
+    """A gate when the pool can be elastic: an on-demand backing and a KV pool of our own.
+
+    The decision depends only on what every TP rank has alike (the backing, the pool), never
+    on whether this rank's broker answers: a rank that runs unprotected still gets a gate
+    (one without a client), so it joins the same min-reduces as its peers.
+    """
     backing = on_demand_backing()
     kvcache = getattr(alloc, "_kvcache", None)
     if backing is None or kvcache is None or dsv4_reservation.is_dsv4_pool(kvcache):
         return None
     page_bytes = kv_page_bytes(kvcache, alloc.page_size)
-    client = session.client_for(tp.identity(alloc.device))
-    if client is None or page_bytes <= 0:
+    if page_bytes <= 0:
         return None
+    identity = tp.identity(alloc.device)
+    client = session.client_for(identity)
     pool_bytes.mark_managed(kvcache)
-    log.info("event=sglang_elastic_allocator pages=%d page_bytes=%d", alloc.num_pages, page_bytes)
+    log.info("event=sglang_elastic_allocator pages=%d page_bytes=%d protected=%s", alloc.num_pages, page_bytes,
+             client is not None)
     gate = elastic_pages.ElasticGate(
         client, backing, page_bytes=page_bytes, session_page_bytes=tp.SESSION_PAGE_BYTES,
         physical_pages=alloc.num_pages, reduce_min=tp.tp_group().reducer(),
+        on_failure=lambda action, exc: worker.serving_failure(identity, f"elastic {action}", exc),
     )
     weakref.finalize(alloc, gate.close_later)  # a dropped allocator gives its grant back
     return gate
@@ -121,6 +132,12 @@ def kv_page_bytes(kvcache: Any, page_size: int) -> int:
         if t.dim() and t.shape[0] == rows
     )
     return row_bytes * page_size if rows > page_size else 0
+
+
+def debug_mode(alloc: Any) -> bool:
+    """SGLang's ``SGLANG_DEBUG_MEMORY_POOL=1``: its allocator checks frees itself, so the
+    adapter passes every id through unfiltered and lets those checks fire."""
+    return bool(getattr(alloc, "debug_mode", False))
 
 
 def in_free_group(alloc: Any) -> bool:
@@ -186,8 +203,15 @@ class BrokerPagedAllocatorMixin:
         state = self._kvb
         if state is None or free_index.numel() == 0:
             return super().free(free_index)
+        debug = debug_mode(self)  # upstream's own checks see every id, double frees included
         if in_free_group(self):  # applied at free_group_end, which frees through here again
-            return super().free(state.tracker.in_range_token_ids(free_index))
+            return super().free(free_index if debug else state.tracker.in_range_token_ids(free_index))
+        if debug:
+            _kept, freed_pages = state.tracker.release_token_ids(free_index, count=False)
+            try:
+                return super().free(free_index)
+            finally:
+                state.freed(freed_pages)
         kept, freed_pages = state.tracker.release_token_ids(free_index)
         if kept.numel():
             super().free(kept)
@@ -209,6 +233,12 @@ class _OptionalMethods:
         state = self._kvb
         if state is None or page_ids.numel() == 0:
             return _upstream(self).free_page_ids(page_ids)
+        if debug_mode(self):  # upstream's own checks see every id, double frees included
+            freed_pages = state.tracker.release_page_ids(page_ids, count=False)
+            try:
+                return _upstream(self).free_page_ids(page_ids)
+            finally:
+                state.freed(freed_pages)
         freed_pages = state.tracker.release_page_ids(page_ids)
         if freed_pages.numel():
             _upstream(self).free_page_ids(freed_pages)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import worker
+from .. import background, worker
 from . import budget, session
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
@@ -59,7 +59,7 @@ def _forget_when_collected(pool: Any, key: str) -> None:
 
 
 def _collected(pool_id: int, key: str) -> None:
-    """Finaliser of a pool: forget its reservations, from a thread of its own.
+    """Finaliser of a pool: forget its reservations, on the adapter's background thread.
 
     A finaliser runs wherever garbage collection happens, possibly in the middle of a
     request on this very session, so it never talks to the broker itself.
@@ -68,26 +68,16 @@ def _collected(pool_id: int, key: str) -> None:
         _keys.pop(pool_id, None)
         _totals.pop(key, None)
         identity = _identity.pop(key, None)
-    if identity is None:
-        return
-    try:
-        threading.Thread(target=_forget, args=(identity, key), name="kvcached-broker-forget", daemon=True).start()
-    except RuntimeError:  # interpreter shutdown: the session closes anyway
-        pass
-
-
-def _forget(identity: worker.WorkerIdentity, key: str) -> None:
-    try:
-        worker.forget(identity, key)
-    except Exception as exc:  # noqa: BLE001 - a background forget must not raise
-        log.warning("event=forget_failed reporter=%s error=%r", key, str(exc))
+    if identity is not None:
+        background.submit(f"forget {key}", lambda: worker.forget(identity, key))
 
 
 def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: dict[str, int], what: str) -> bool:
     """Reserve ``pools`` (name -> bytes) for ``pool``; False if the worker runs unprotected.
 
     Raises :class:`~.budget.BrokerBudgetError` (naming the broker, the budget and the other
-    instances) if the broker has no room, which stops the worker at startup.
+    instances) if the broker has no room, which stops the worker at startup.  Any other
+    broker failure leaves the worker unprotected (``worker.guard``).
     """
     client = session.client_for(identity)
     if client is None:
@@ -99,10 +89,10 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
         _identity[key] = identity
     consume_hold(identity, growth)
     try:
-        worker.report(identity, key, pools)
+        if worker.report(identity, key, pools) is None:
+            return False
     except BudgetExceeded as exc:
-        room = budget.measure_room(client, identity.instance_name())
-        raise budget.refusal(room, growth, what) from exc
+        raise budget.explain_refusal(identity, client, growth, what, exc) from exc
     with _lock:
         _totals[key] = total
     log.info(
@@ -113,12 +103,16 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
     return True
 
 
-def hold(identity: worker.WorkerIdentity, size_bytes: int) -> None:
-    """Reserve ``size_bytes`` as the sizing hold (replacing any earlier hold on this device)."""
-    session.client_for(identity)
-    worker.report(identity, HOLD_REPORTER, {HOLD_POOL: size_bytes})
+def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
+    """Reserve ``size_bytes`` as the sizing hold (replacing any earlier hold on this device).
+
+    False if the worker runs unprotected; ``BudgetExceeded`` if the broker has no room.
+    """
+    if worker.report(identity, HOLD_REPORTER, {HOLD_POOL: size_bytes}) is None:
+        return False
     with _lock:
         _holds[str(identity.device)] = size_bytes
+    return True
 
 
 def consume_hold(identity: worker.WorkerIdentity, growth_bytes: int) -> None:
@@ -139,6 +133,13 @@ def release_hold(identity: worker.WorkerIdentity) -> None:
         held = _holds.pop(str(identity.device), 0)
     if held:
         worker.report(identity, HOLD_REPORTER, {})
+
+
+def kv_reporters(identity: worker.WorkerIdentity) -> list[str]:
+    """The reporters of this device that hold KV memory (every pool this module reported)."""
+    with _lock:
+        keys = {key for key, ident in _identity.items() if str(ident.device) == str(identity.device)}
+    return sorted(keys)
 
 
 def held_bytes(identity: worker.WorkerIdentity) -> int:

@@ -28,6 +28,7 @@ import functools
 import logging
 from typing import Any, Callable, Sequence
 
+from .. import worker
 from ..patching import PatchError
 from . import block_pool, worker_pages
 
@@ -112,7 +113,8 @@ def wrap_engine_init(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        attach_engine(self)
+        gate = attach_engine(self)
+        worker.announce_process("vllm", "engine_core" if gate is None else "engine_core_elastic")
 
     setattr(__init__, _WRAPPED, True)
     return __init__

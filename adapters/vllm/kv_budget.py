@@ -74,20 +74,34 @@ def refusal(identity: WorkerIdentity, room: Room, asked_bytes: int, what: str) -
     )
 
 
-def hold(identity: WorkerIdentity, client: BrokerClient, wanted_bytes: int, needed_bytes: int) -> int:
+def hold(identity: WorkerIdentity, client: BrokerClient, wanted_bytes: int, needed_bytes: int) -> int | None:
     """Reserve ``wanted_bytes`` of KV (at least ``needed_bytes``); returns what is held.
 
     When the broker refuses the whole ask but has room for at least ``needed_bytes``, that
     room is held instead.  Raises :class:`KVCacheBudgetError` when even that does not fit.
+    None when the worker runs (or just turned) unprotected.
     """
     try:
-        worker.report(identity, REPORTER, {STATIC_POOL: wanted_bytes})
+        if worker.report(identity, REPORTER, {STATIC_POOL: wanted_bytes}) is None:
+            return None
         return wanted_bytes
     except BudgetExceeded as exc:
         room = int(exc.details.get("free_bytes", 0)) + _held(client)
         if needed_bytes <= room < wanted_bytes:
             return hold(identity, client, room, needed_bytes)
-        raise refusal(identity, measure_room(client), wanted_bytes, "the KV cache") from exc
+        raise explain(identity, client, wanted_bytes, "the KV cache", exc) from exc
+
+
+def explain(identity: WorkerIdentity, client: BrokerClient, asked_bytes: int, what: str,
+            exc: BudgetExceeded) -> KVCacheBudgetError:
+    """The startup error for a refusal, with the room if the broker still answers."""
+    room = worker.guard(identity, "status", lambda: measure_room(client))
+    if room is not None:
+        return refusal(identity, room, asked_bytes, what)
+    return KVCacheBudgetError(
+        f"kvcached-broker at {client.endpoint} cannot grant {what} for vLLM instance {identity.instance_name()!r} "
+        f"(GPU {identity.device}, TP rank {identity.tp_rank}/{identity.tp_size}): asked {format_bytes(asked_bytes)}: {exc}"
+    )
 
 
 def _held(client: BrokerClient) -> int:

@@ -50,11 +50,11 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
     client = worker.session(identity)
     if client is None:
         if backing is not None:
-            _map_everything(backing, kv_cache_config, identity.page_bytes)
+            worker_pages.open_pages(identity, None, backing, kv_cache_config)
         return
     if backing is not None:
         worker.report(identity, kv_budget.REPORTER, {}, usage=kv_config.usage_breakdown(kv_cache_config))
-        worker_pages.open_pages(identity, client, backing, kv_cache_config)
+        worker_pages.open_pages(identity, worker.session(identity), backing, kv_cache_config)
         return
     allocated = storage_bytes(tensors) or kv_config.buffer_bytes(kv_cache_config)
     _report(identity, allocated, kv_cache_config, "the allocated KV cache buffer")
@@ -64,23 +64,15 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
     )
 
 
-def _map_everything(backing: Any, kv_cache_config: Any, page_bytes: int) -> None:
-    """Unprotected (no broker): back the whole buffer, as vLLM would have allocated it."""
-    pages = -(-kv_config.buffer_bytes(kv_cache_config) // page_bytes)
-    backing.map_pages(range(pages))
-    log.warning("event=vllm_elastic_unprotected mapped_pages=%d detail=whole_kv_buffer_backed", pages)
-
-
 def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, what: str) -> None:
     usage = kv_config.usage_breakdown(kv_cache_config)
     try:
         worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage)
     except BudgetExceeded as exc:
         client = worker.session(identity)
-        room = kv_budget.measure_room(client) if client is not None else None
-        if room is None:
+        if client is None:
             raise
-        raise kv_budget.refusal(identity, room, buffer_bytes, what) from exc
+        raise kv_budget.explain(identity, client, buffer_bytes, what, exc) from exc
 
 
 def wrap_allocate_function(original: Callable[..., Any]) -> Callable[..., Any]:

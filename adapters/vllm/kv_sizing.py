@@ -43,7 +43,9 @@ def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
     client = worker.session(identity)
     if client is None:
         return available_bytes
-    room = kv_budget.measure_room(client)
+    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client))
+    if room is None:  # the broker failed: unprotected, vLLM's own figure
+        return available_bytes
     elastic = on_demand_backing() is not None
     limit = room.ceiling_bytes if elastic else room.grantable_bytes
     explicit = getattr(vllm_worker.cache_config, "kv_cache_memory_bytes", None)
@@ -54,7 +56,10 @@ def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
         raise kv_budget.refusal(identity, room, needed, "the KV cache one max_model_len request needs")
     capped = min(int(available_bytes), limit)
     if capped > 0 and not elastic:
-        capped = kv_budget.hold(identity, client, capped, min(needed, capped))
+        held = kv_budget.hold(identity, client, capped, min(needed, capped))
+        if held is None:  # the broker failed: unprotected, vLLM's own figure
+            return available_bytes
+        capped = held
     log.info(
         "event=vllm_kv_sized rank=%d vllm=%s broker_limit=%s kv=%s elastic=%s",
         identity.tp_rank, format_bytes(int(available_bytes)), format_bytes(limit), format_bytes(capped), elastic,

@@ -21,7 +21,8 @@ import logging
 import threading
 from typing import Any
 
-from ...client import BrokerClient
+from ...client import BrokerClient, BrokerError
+from .. import worker
 from ..backing import PhysicalBacking
 from ..elastic import ElasticBudget
 from ..worker import WorkerIdentity
@@ -37,16 +38,19 @@ class WorkerKVPages:
     """One worker's pages over its KV buffer (sizes in blocks, pages and bytes as named)."""
 
     def __init__(
-        self, client: BrokerClient, backing: PhysicalBacking, *, num_blocks: int, bytes_per_block: int, page_bytes: int
+        self, client: BrokerClient | None, backing: PhysicalBacking, *, num_blocks: int, bytes_per_block: int,
+        page_bytes: int, identity: WorkerIdentity | None = None,
     ):
         if num_blocks < 1 or bytes_per_block < 1 or page_bytes < 1:
             raise ValueError("num_blocks, bytes_per_block and page_bytes must be >= 1")
-        self.client = client
         self.backing = backing
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
         self.page_bytes = page_bytes
-        self.budget = ElasticBudget(client, physical_pages=self.pages_for(num_blocks), batch_pages=1, slack_pages=0)
+        on_failure = None if identity is None else (
+            lambda action, exc: worker.serving_failure(identity, f"elastic {action}", exc))
+        self.budget = ElasticBudget(client, physical_pages=self.pages_for(num_blocks), batch_pages=1, slack_pages=0,
+                                    on_failure=on_failure)
         self._lock = threading.Lock()
 
     @property
@@ -100,7 +104,11 @@ class WorkerKVPages:
         if surplus <= 0:
             return
         self.backing.unmap_pages(range(keep_pages, self.granted_pages))
-        self.client.release(surplus)
+        if self.budget.protected:
+            try:
+                self.budget.client.release(surplus)
+            except BrokerError as exc:
+                self.budget.failed("release", exc)
         self.budget.granted_pages = keep_pages
 
 
@@ -109,11 +117,13 @@ _current: WorkerKVPages | None = None
 
 
 def open_pages(
-    identity: WorkerIdentity, client: BrokerClient, backing: PhysicalBacking, kv_cache_config: Any
+    identity: WorkerIdentity, client: BrokerClient | None, backing: PhysicalBacking, kv_cache_config: Any
 ) -> WorkerKVPages:
     """Start elastic pages for a freshly allocated KV buffer (replacing any earlier one).
 
-    Raises :class:`~.kv_budget.KVCacheBudgetError` when not even the first page is granted.
+    ``client=None`` (the worker runs unprotected): the pages grant themselves, so EngineCore
+    coordinates this worker like the others.  Raises :class:`~.kv_budget.KVCacheBudgetError`
+    when not even the first page is granted.
     """
     global _current
     pages = WorkerKVPages(
@@ -122,10 +132,13 @@ def open_pages(
         num_blocks=int(kv_cache_config.num_blocks),
         bytes_per_block=kv_config.bytes_per_block(kv_cache_config),
         page_bytes=identity.page_bytes,
+        identity=identity,
     )
     initial_blocks = max(1, min(pages.num_blocks, INITIAL_PAGES * pages.page_bytes // pages.bytes_per_block))
-    if pages.resize(initial_blocks) < 1:
-        raise kv_budget.refusal(identity, kv_budget.measure_room(client), pages.pages_for(1) * pages.page_bytes, "elastic KV pages")
+    if pages.resize(initial_blocks) < 1 and client is not None:
+        room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client))
+        if room is not None:
+            raise kv_budget.refusal(identity, room, pages.pages_for(1) * pages.page_bytes, "elastic KV pages")
     with _lock:
         previous, _current = _current, pages
     if previous is not None:

@@ -160,11 +160,12 @@ class _Runner:
     """Stands in for the ModelRunner the 0.5.12-0.5.15 mixin method runs on (attributes only)."""
 
 
-def profiler(free_bytes: int) -> Any:
+def profiler(free_bytes: int, real_world_group: bool = False) -> Any:
     """An object whose real ``_profile_available_bytes`` sees ``free_bytes`` of free device memory.
 
     ``get_available_gpu_memory`` (CUDA's free memory, bound by name in the profiling module) is
-    replaced by the simulated figure; everything else is the installed SGLang's code.
+    replaced by the simulated figure; everything else is the installed SGLang's code.  With
+    ``real_world_group`` (a process that joined a TP group) SGLang's world group is left alone.
     """
     free_gib = free_bytes / (1 << 30)
     if at_least("0.5.16"):
@@ -176,12 +177,14 @@ def profiler(free_bytes: int) -> Any:
         obj.model_config = types.SimpleNamespace(is_multimodal=False)
         from sglang.srt.runtime_context import get_parallel
 
-        get_parallel().override_permanently(world_group=types.SimpleNamespace(cpu_group=None))
+        if not real_world_group:
+            get_parallel().override_permanently(world_group=types.SimpleNamespace(cpu_group=None))
         return obj
     import sglang.srt.model_executor.model_runner_kv_cache_mixin as module
 
     module.get_available_gpu_memory = lambda *args, **kwargs: free_gib
-    module.get_world_group = lambda: types.SimpleNamespace(world_size=1, cpu_group=None)
+    if not real_world_group:
+        module.get_world_group = lambda: types.SimpleNamespace(world_size=1, cpu_group=None)
     runner_cls = type("Runner", (module.ModelRunnerKVCacheMixin, _Runner), {})
     obj = runner_cls()
     obj.device, obj.gpu_id, obj.mem_fraction_static, obj.mambaish_config = "cpu", 0, 0.9, None
@@ -189,8 +192,15 @@ def profiler(free_bytes: int) -> Any:
     return obj
 
 
-def profile(free_bytes: int) -> int:
+def profile(free_bytes: int, real_world_group: bool = False) -> int:
     """SGLang's KV budget for ``free_bytes`` free (no weights: ``pre_model_load_memory=0``)."""
-    obj = profiler(free_bytes)
+    obj = profiler(free_bytes, real_world_group)
     with runtime_config(mem_fraction_static=0.9):
         return obj._profile_available_bytes(0)
+
+
+def configure_logging(level: str) -> None:
+    """Configure logging as an SGLang scheduler process does, with SGLang's own function."""
+    from sglang.srt.utils import configure_logger
+
+    configure_logger(types.SimpleNamespace(log_level=level), prefix=" TP0")

@@ -8,9 +8,13 @@ It speaks JSON lines: one on stdout per step it reaches, and it waits on stdin b
     sglang_worker.py sized FREE_BYTES
         run SGLang's real KV profile seeing FREE_BYTES free; print the budget it got (held);
         on "build", size a DeepSeek-V4 pool to that budget, build it, charge it, print it
-    sglang_worker.py tp RANK WORLD PORT FULL_PAGES
-        join a gloo TP group through SGLang's own parallel state, build a DeepSeek-V4 pool, then
-        take elastic pages from an MHA pool's allocator until the broker refuses
+    sglang_worker.py tp RANK WORLD PORT FULL_PAGES [FREE_BYTES]
+        join a gloo TP group through SGLang's own parallel state; with FREE_BYTES, run SGLang's
+        real KV profile over the real world group first (then drop its hold); build a
+        DeepSeek-V4 pool, then take elastic pages from an MHA pool's allocator until refused
+
+The dsv4 mode configures logging as an SGLang scheduler does (SGLang's own ``configure_logger``,
+at ``--log-level error``) before anything reaches the broker.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def dsv4(full_pages: int, swa_pages: int, explicit: bool) -> None:
         autopatch.apply(["sglang"])
     import sglang_cpu
 
+    sglang_cpu.configure_logging("error")
     pool = sglang_cpu.build_dsv4_pool(full_pages, swa_pages)
     say(pid=os.getpid(), hook=autopatch.hook_installed(), pools=sglang_cpu.tensor_bytes_by_pool(pool))
     wait()
@@ -78,16 +83,20 @@ def init_tp(rank: int, world: int, port: int) -> None:
         ps.initialize_model_parallel()
 
 
-def tensor_parallel(rank: int, world: int, port: int, full_pages: int) -> None:
+def tensor_parallel(rank: int, world: int, port: int, full_pages: int, free_bytes: int | None) -> None:
     import torch
 
     import sglang_cpu
 
     from kvcached_broker.adapters import backing
-    from kvcached_broker.adapters.sglang import tp
+    from kvcached_broker.adapters.sglang import reporting, tp
 
     init_tp(rank, world, port)
     group = tp.tp_group()
+    kv_bytes = None
+    if free_bytes is not None:
+        kv_bytes = sglang_cpu.profile(free_bytes, real_world_group=True)
+        reporting.release_hold(tp.identity("cpu"))
     pool = sglang_cpu.build_dsv4_pool(full_pages, full_pages // 4)
     recorder = backing.RecordingBacking()
     backing.register_on_demand_backing(recorder)
@@ -101,7 +110,7 @@ def tensor_parallel(rank: int, world: int, port: int, full_pages: int) -> None:
     while alloc.alloc(page) is not None:
         taken += 1
     gate = alloc._kvb.gate
-    say(rank=group.rank, size=group.size, pools=sglang_cpu.tensor_bytes_by_pool(pool), elastic_pages=taken,
+    say(rank=group.rank, size=group.size, kv_bytes=kv_bytes, pools=sglang_cpu.tensor_bytes_by_pool(pool), elastic_pages=taken,
         mapped=len(recorder.mapped), granted_session_pages=gate.granted_session_pages,
         page_bytes=gate.page_bytes)
     wait()
@@ -114,7 +123,7 @@ def main(argv: list[str]) -> int:
     elif mode == "sized":
         return sized(int(argv[1]))
     elif mode == "tp":
-        tensor_parallel(int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]))
+        tensor_parallel(int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]), int(argv[5]) if len(argv) > 5 else None)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     return 0

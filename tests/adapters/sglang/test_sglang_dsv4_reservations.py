@@ -17,7 +17,7 @@ import pytest
 import sglang_cpu
 from helpers import MIB, wait_for
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import background, worker
 from kvcached_broker.adapters.sglang import dsv4_pools, dsv4_reservation, pool_bytes, tp
 
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
@@ -63,7 +63,8 @@ def test_the_request_window_is_a_pool_and_is_measured_again_when_its_workspace_g
     before = _instance(sg_broker.status())["pools"]
     assert before == sglang_cpu.tensor_bytes_by_pool(pool) and "request_window" in before
     window = pool.request_window
-    window._ensure_workspace(window.workspace.size * 4)  # SGLang grows it lazily, before graph capture
+    window._ensure_workspace(window.workspace.size * 4)  # SGLang grows it lazily, inside a forward pass
+    assert background.drain()  # measured again off the forward pass, on the adapter's own thread
     after = _instance(sg_broker.status())["pools"]
     assert after == sglang_cpu.tensor_bytes_by_pool(pool)
     assert after["request_window"] > before["request_window"]

@@ -193,11 +193,21 @@ def test_a_static_worker_leaves_the_pool_ungated(patched_vllm, gpu_broker):
         manager.block_pool.get_new_blocks(manager.block_pool.num_gpu_blocks + 1)
 
 
-def test_without_a_broker_an_on_demand_buffer_is_backed_whole(patched_vllm, adapter_state, monkeypatch):
+def test_without_a_broker_elastic_pages_grant_themselves_and_engine_core_still_coordinates(
+    patched_vllm, adapter_state, monkeypatch
+):
+    """An unprotected worker keeps its elastic pages (granting itself), so that EngineCore gates
+    the pool alike for every rank: a rank backed whole beside gated ranks would be asked for
+    blocks its peers never mapped."""
     monkeypatch.setenv("KVCACHED_BROKER", "off")
     rec = backing.RecordingBacking()
     backing.register_on_demand_backing(rec)
     vc, kv_cfg = config("hybrid")
     shapes.allocate(vc, kv_cfg)
-    assert rec.mapped == set(range(kv_config.buffer_bytes(kv_cfg) // PAGE))
-    assert worker_pages.current() is None
+    pages = worker_pages.current()
+    assert pages is not None and not pages.budget.protected
+    manager = shapes.kv_cache_manager(vc, kv_cfg)
+    gate = engine.attach_workers(manager.block_pool, local_workers())
+    assert gate is not None
+    assert manager.allocate_slots(shapes.request("r", 3000), 3000) is not None  # grown without a broker
+    assert rec.mapped == set(range(pages.granted_pages)) and pages.usable_blocks >= gate.limit

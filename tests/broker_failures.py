@@ -1,0 +1,131 @@
+"""Every way a worker's broker can fail, arranged for the adapter tests of both runtimes.
+
+Real where the failure is real: a socket nobody listens on, an endpoint or a device the
+client cannot use, a broker that refuses the hello for its own rate limit, a broker process
+that is stopped (SIGSTOP: slow) or gone (SIGKILL), an operator's eviction.  Injected at the
+client boundary only where no real broker produces the failure on demand: an ``internal``
+error, a ``rate_limited`` reply to a session request, and an error code this client does
+not know (a newer broker).
+
+``arrange(kind)`` sets the failure up for the adapter's real connection path
+(``worker.session`` with ``KVCACHED_BROKER``); for the failures of a live session,
+``break_after_open(identity)`` opens the session first and then breaks it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+
+from kvcached_broker.adapters import worker
+from kvcached_broker.client.errors import error_from_wire
+
+#: failure kind -> a piece of the reason the worker gives when it turns unprotected
+REASONS = {
+    "unreachable": "[unavailable]",
+    "invalid_endpoint": "an ipc path must be absolute",
+    "unresolvable_device": "NVML cannot resolve it",
+    "hello_rate_limited": "[rate_limited]",
+    "slow": "[unavailable]",
+    "gone": "[unavailable]",
+    "rate_limited": "[rate_limited]",
+    "internal": "[internal]",
+    "unknown_code": "[quota_exhausted]",
+}
+#: the failures of a session that opened
+AFTER_OPEN = {"slow", "gone", "rate_limited", "internal", "unknown_code", "evicted"}
+KINDS = [*REASONS, "evicted"]
+#: what the injected kinds answer, as a broker would put it on the wire
+INJECTED = {
+    "rate_limited": ("rate_limited", "too many requests from this peer; retry shortly"),
+    "internal": ("internal", "ledger invariant check failed; the request was not applied"),
+    "unknown_code": ("quota_exhausted", "this broker speaks a newer protocol"),
+}
+
+
+@dataclass
+class Arranged:
+    kind: str
+    request: object
+    broker: object = None
+    stopped_pid: int | None = None
+    armed: list = field(default_factory=list)
+
+    @property
+    def reason(self) -> str | None:
+        return REASONS.get(self.kind)
+
+    def break_after_open(self, identity: worker.WorkerIdentity) -> None:
+        """For the failures of a live session: open it now, then make it fail."""
+        if self.kind not in AFTER_OPEN:
+            return
+        client = worker.session(identity)
+        assert client is not None, "the session should open before it fails"
+        if self.kind == "slow":
+            self.stopped_pid = self.broker.proc.pid
+            os.kill(self.stopped_pid, signal.SIGSTOP)
+        elif self.kind == "gone":
+            self.broker.kill()
+        elif self.kind == "evicted":
+            with self.broker.admin() as admin:
+                admin.evict(client.session_id)
+        else:
+            self.armed.append(True)
+
+    def undo(self) -> None:
+        """Resume a stopped broker, then close the worker's sessions while their broker still runs."""
+        if self.stopped_pid is not None:
+            os.kill(self.stopped_pid, signal.SIGCONT)
+            self.stopped_pid = None
+        worker.reset()
+
+
+def _failing_client(arranged: Arranged, endpoint: str):
+    """Real sessions on ``endpoint``; once armed, every request answers the injected error."""
+    code, message = INJECTED[arranged.kind]
+
+    def factory(identity):
+        client = worker.connect(identity, endpoint=endpoint)
+        for name in ("reserve", "status", "acquire", "release"):
+            real = getattr(client, name)
+
+            def call(*args, _real=real, **kwargs):
+                if arranged.armed:
+                    raise error_from_wire(code, message, {})
+                return _real(*args, **kwargs)
+
+            setattr(client, name, call)
+        return client
+
+    return factory
+
+
+def arrange(kind: str, request, monkeypatch, total_bytes: int = 1 << 30) -> Arranged:
+    """Set ``kind`` up for this test (environment, brokers, client factory)."""
+    short_tmp = request.getfixturevalue("short_tmp")
+    arranged = Arranged(kind, request)
+    worker.client_factory = None  # the adapter's own connection path
+    monkeypatch.setenv("KVCACHED_BROKER_TIMEOUT_S", "0.5")
+    if kind == "unreachable":
+        monkeypatch.setenv("KVCACHED_BROKER", f"ipc://{short_tmp}/nobody{{device}}.sock")
+    elif kind == "invalid_endpoint":
+        monkeypatch.setenv("KVCACHED_BROKER", "ipc://relative/gpu{device}.sock")
+    elif kind in ("slow", "gone"):
+        arranged.broker = request.getfixturevalue("broker_factory")(simulate="1GiB", extra_args=["--headroom", "0"])
+        monkeypatch.setenv("KVCACHED_BROKER", arranged.broker.endpoint)
+    else:
+        config = {"max_sessions_per_pid": 0} if kind == "hello_rate_limited" else {}
+        arranged.broker = request.getfixturevalue("inproc_factory")(total_bytes=total_bytes, **config)
+        monkeypatch.setenv("KVCACHED_BROKER", arranged.broker.endpoint)
+        if kind == "unresolvable_device":
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000-dead-beef-0000-000000000000")
+        if kind in INJECTED:
+            worker.client_factory = _failing_client(arranged, arranged.broker.endpoint)
+    request.addfinalizer(arranged.undo)
+    return arranged
+
+
+def unprotected_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "event=unprotected" in line]
+

@@ -1,0 +1,95 @@
+"""The ``.pth`` startup hook in fresh interpreters: KVCACHED_REQUIRE=1 stops the start, else one warning.
+
+CPython's ``site`` prints and swallows any exception a ``.pth`` line raises, so a hook that
+only raised could never stop a start.  Each case here starts a real interpreter of the
+test venv (whose site-packages holds the installed hook) and looks at its exit status and
+its stderr; the ``-c`` code only runs if the interpreter got past the hook.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from kvcached_broker.adapters.autopatch import REQUIRE_EXIT_CODE
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = "import sys; print('interpreter ran'); print('sglang' in sys.modules)"
+BRIDGE = {"KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE": "1"}
+
+
+def _start(tmp_path: Path, extra_path: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("KVCACHED", "ENABLE_KVCACHED"))}
+    full.pop("PYTHONPATH", None)
+    if extra_path:
+        full["PYTHONPATH"] = extra_path
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
+
+
+def _lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+def test_the_installed_hook_is_the_one_in_the_source_tree():
+    installed = Path(sysconfig.get_paths()["purelib"]) / "kvcached_broker_autopatch.pth"
+    source = ROOT / "adapters" / "kvcached_broker_autopatch.pth"
+    assert installed.read_text() == source.read_text(), "reinstall the package (pip install -e .) to update the hook"
+
+
+@pytest.fixture
+def broken_dependency(tmp_path) -> str:
+    """A directory that shadows pyzmq with a package whose import fails (a broken install)."""
+    shadow = tmp_path / "shadow" / "zmq"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('libzmq.so.5: cannot open shared object file')\n")
+    return str(shadow.parent)
+
+
+CASES = {
+    "refused flag": (BRIDGE, None, "KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE=1 is not supported"),
+    "malformed flag": ({"KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION": "sometimes"}, None,
+                       "KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION='sometimes': expected 1/0"),
+    "malformed enable flag": ({"ENABLE_KVCACHED": "maybe"}, None, "ENABLE_KVCACHED='maybe'"),
+    "import error": ({}, "broken", "ImportError: libzmq.so.5: cannot open shared object file"),
+    "bad instance name": ({"KVCACHED_BROKER_INSTANCE": "model a"}, None, "KVCACHED_BROKER_INSTANCE='model a'"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_require_stops_the_start_with_one_line_and_no_runtime_import(tmp_path, broken_dependency, case):
+    env, path, reason = CASES[case]
+    env = {"ENABLE_KVCACHED": "1", **env, "KVCACHED_REQUIRE": "1"}
+    out = _start(tmp_path, broken_dependency if path else None, **env)
+    assert out.returncode == REQUIRE_EXIT_CODE, out.stderr
+    assert out.stdout == ""  # the -c code never ran
+    (line,) = _lines(out.stderr)
+    assert line.startswith("kvcached-broker: ERROR event=startup_refused") and reason in line
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_without_require_the_interpreter_runs_on_with_one_warning(tmp_path, broken_dependency, case):
+    env, path, reason = CASES[case]
+    out = _start(tmp_path, broken_dependency if path else None, **{"ENABLE_KVCACHED": "1", **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["interpreter ran", "False"]
+    (line,) = _lines(out.stderr)
+    assert line.startswith("kvcached-broker: WARNING event=autopatch_failed") and reason in line
+
+
+def test_a_malformed_require_flag_counts_as_required(tmp_path):
+    out = _start(tmp_path, ENABLE_KVCACHED="1", KVCACHED_REQUIRE="maybe")
+    assert out.returncode == REQUIRE_EXIT_CODE and out.stdout == ""
+    (line,) = _lines(out.stderr)
+    assert "KVCACHED_REQUIRE='maybe'" in line
+
+
+def test_a_clean_start_says_nothing(tmp_path):
+    out = _start(tmp_path, ENABLE_KVCACHED="1", KVCACHED_REQUIRE="1")
+    assert (out.returncode, out.stdout.splitlines(), out.stderr) == (0, ["interpreter ran", "False"], "")
