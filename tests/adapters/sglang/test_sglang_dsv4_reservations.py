@@ -155,6 +155,10 @@ def test_several_processes_report_their_pools_to_a_simulated_gpu_broker(broker_f
             assert by_name[name]["sessions"][0]["pid"] == report["pid"]
         assert status["reserved_bytes"] == sum(sum(r["pools"].values()) for r in reports.values())
         assert reports["dsv4-b"]["pools"]["swa_kv_pool"] > reports["dsv4-a"]["pools"]["swa_kv_pool"] > reports["dsv4-c"]["pools"]["swa_kv_pool"]
+        for name, report in reports.items():  # the adapter that opened each session, per session
+            adapter = by_name[name]["sessions"][0]["adapter"]
+            assert adapter["runtime"] == "sglang" and adapter["runtime_version"] == sglang_cpu.SGLANG
+            assert "sglang_dsv4_pool_reservation" in adapter["patches"]
     finally:
         for proc in procs.values():
             proc.stdin.close()
@@ -162,3 +166,8 @@ def test_several_processes_report_their_pools_to_a_simulated_gpu_broker(broker_f
             proc.wait(timeout=60)
     wait_for(lambda: _status_json(broker.endpoint)["reserved_bytes"] == 0, what="pools freed with their processes")
     assert MIB < min(sum(r["pools"].values()) for r in reports.values())
+    for name, proc in procs.items():  # one line each, though SGLang's logging runs at --log-level error
+        (line,) = [line for line in proc.stderr.read().splitlines() if "event=adapter_active" in line]
+        assert f"runtime=sglang version={sglang_cpu.SGLANG}" in line and f"instance={name}" in line
+        assert f"endpoint={broker.endpoint}" in line and "sglang_dsv4_pool_reservation" in line
+        assert ("hook=explicit" if shapes[name][2] else "hook=pth") in line

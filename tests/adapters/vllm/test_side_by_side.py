@@ -17,6 +17,8 @@ import pytest
 
 from helpers import MIB
 
+from kvcached_broker.adapters.versions import installed
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 SGLANG_ENV = ROOT / ".adapter-envs" / "sglang-0.5.23.env"
@@ -30,6 +32,11 @@ def overlay_env(env_file: Path) -> dict[str, str]:
             key, _, value = line[len("export "):].partition("=")
             values[key] = value.strip('"')
     return values
+
+
+def overlay_version(env_file: Path) -> str:
+    """The upstream version an overlay holds (``sglang-0.5.23.env`` -> ``0.5.23``)."""
+    return env_file.name.removesuffix(".env").split("-", 1)[1]
 
 
 def spawn(argv, env) -> tuple[subprocess.Popen, dict]:
@@ -71,8 +78,23 @@ def test_vllm_and_sglang_instances_share_one_gpu_side_by_side(broker_factory):
         table = subprocess.run([sys.executable, "-m", "kvcached_broker.broker.cli", "status", "--endpoint", b.endpoint],
                                capture_output=True, text=True, env=base)
         assert "vllm-dsv4" in table.stdout and "sglang-dsv4" in table.stdout and "swa_kv_pool" in table.stdout
+        adapters = {name: inst["sessions"][0]["adapter"] for name, inst in by_name.items()}
+        assert adapters["vllm-dsv4"]["runtime"] == "vllm" and adapters["sglang-dsv4"]["runtime"] == "sglang"
+        assert adapters["vllm-dsv4"]["runtime_version"] == installed("vllm")
+        assert adapters["sglang-dsv4"]["runtime_version"] == overlay_version(SGLANG_ENV)
+        assert "vllm_kv_alloc_model_runner" in adapters["vllm-dsv4"]["patches"]  # what this process imported
+        assert {"sglang_dsv4_pool_reservation", "sglang_paged_allocator"} <= set(adapters["sglang-dsv4"]["patches"])
     finally:
         for proc in (vllm_proc, sglang_proc):
             proc.stdin.close()
             proc.wait(timeout=30)
     assert b.status()["instances"] == []  # both sessions closed or reclaimed when the processes ended
+    # One line each on stderr, past vLLM's logging configuration (its own logger, propagate=False)
+    # and SGLang's (configure_logger at --log-level error): runtime, version, patches, endpoint, instance.
+    for proc, name, adapter in ((vllm_proc, "vllm-dsv4", adapters["vllm-dsv4"]),
+                                (sglang_proc, "sglang-dsv4", adapters["sglang-dsv4"])):
+        (line,) = [line for line in proc.stderr.read().splitlines() if "event=adapter_active" in line]
+        assert line.startswith("kvcached-broker: INFO event=adapter_active")
+        assert f"runtime={adapter['runtime']} version={adapter['runtime_version']}" in line
+        assert f"instance={name}" in line and f"endpoint={b.endpoint}" in line and "hook=pth" in line
+        assert f"patches={','.join(adapter['patches'])}" in line
