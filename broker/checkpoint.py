@@ -4,47 +4,72 @@ The broker must not forget a grant it has answered, or a restarted broker would 
 same memory out twice.  Writing a whole snapshot per request is too slow for the grant path,
 so changes go to a journal first:
 
-* ``gpuN.journal``: records of ``[u32 little-endian length][MessagePack map]``.  A poll round
-  appends all of its records with one ``write()`` before any reply of that round is sent
-  (group commit).  Each record carries a full, absolute value (a session's holdings, a
-  limit), so replaying a record twice is harmless, and a session that ends a round where
-  its latest record already left it (a page out and back) needs no record at all.
-* ``gpuN.snapshot``: the whole state, written to a temporary file and renamed over the old
-  one (atomic on POSIX).  After a snapshot the journal is truncated; the snapshot's ``seq``
-  says which journal records it already contains, so a crash between the rename and the
-  truncate replays nothing twice.
+* ``gpuN.journal``: records of ``[u32 length][u32 CRC-32 of the payload][MessagePack
+  payload]`` (little-endian), each a typed record of ``state_records``.  A poll round appends
+  all of its records with one ``write()`` before any reply of that round is sent (group
+  commit).  Each record carries a full, absolute value (a session's holdings, a limit), so
+  replaying a record twice is harmless, and a session that ends a round where its latest
+  record already left it (a page out and back) needs no record at all.
+* ``gpuN.snapshot``: ``KVBSNAP2``, the CRC-32 of the payload, then the whole state, written
+  to a temporary file and renamed over the old one (atomic on POSIX).  After a snapshot the
+  journal is truncated; the snapshot's ``seq`` says which journal records it already
+  contains, so a crash between the rename and the truncate replays nothing twice.
 
 No ``fsync``: the state describes GPU memory held by live processes, and neither survives
 a reboot.  What must survive is a crash of the broker process, and for that the kernel's page
 cache is enough: a completed ``write()`` or ``rename()`` is visible to the next process even
-if this one is SIGKILLed a moment later.  A torn record at the journal's tail (the broker died
-inside ``write()``) was never answered and is dropped on load.
+if this one is SIGKILLed a moment later.
+
+What a load makes of damage (every case is one log line from the server, never a crash):
+
+* a record cut short at the journal's end (the broker died inside ``write()``) is dropped:
+  it was never answered (``torn_bytes``);
+* a record whose checksum or schema fails is skipped and counted (``damaged_records``); the
+  records after it are still read when its length frame is intact;
+* a length frame that cannot be right (past the end of a file that goes on, or absurdly
+  large) ends the read: the rest is counted as damaged (``damaged_bytes``);
+* a snapshot that fails its checksum or schema is ignored (``snapshot_damage``).
+
+Whatever the damage, the server then treats what it restored as untrusted until the workers
+have reconnected and re-asserted what they hold (see ``server``).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
-SNAPSHOT_FORMAT = 1
-_LENGTH = struct.Struct("<I")
+from .state_records import JournalRecord, Snapshot
+
+SNAPSHOT_MAGIC = b"KVBSNAP2"
+_FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
+_CRC = struct.Struct("<I")
 _MAX_RECORD_BYTES = 16 << 20
+_decode_record = msgspec.msgpack.Decoder(JournalRecord).decode
+_decode_snapshot = msgspec.msgpack.Decoder(Snapshot).decode
 
 
 class CheckpointError(RuntimeError):
-    """The state directory cannot be used or its files cannot be read."""
+    """The state directory cannot be used.  One line."""
 
 
 @dataclass
 class LoadedState:
-    snapshot: dict[str, Any] | None
-    records: list[dict[str, Any]] = field(default_factory=list)
-    torn_bytes: int = 0
+    snapshot: Snapshot | None
+    records: list[JournalRecord] = field(default_factory=list)
+    torn_bytes: int = 0  # an unanswered record cut short at the end: dropped, harmless
+    damaged_records: int = 0  # records whose checksum or schema failed
+    damaged_bytes: int = 0  # bytes skipped as damaged (those records, and any unreadable rest)
+    snapshot_damage: str | None = None  # why the snapshot was ignored
+
+    @property
+    def damaged(self) -> bool:
+        return bool(self.damaged_records or self.damaged_bytes or self.snapshot_damage)
 
 
 class StateStore:
@@ -70,18 +95,20 @@ class StateStore:
         self.journal_bytes = os.fstat(self._journal_fd).st_size
         return loaded
 
-    def append(self, records: list[dict[str, Any]]) -> None:
+    def append(self, records: list[JournalRecord]) -> None:
         """Append records with one ``write()``; returns once the kernel has them."""
         if not records:
             return
         buffer = bytearray()
         encode_into = self._encoder.encode_into
+        crc32 = zlib.crc32
         for record in records:
             self.seq += 1
-            record["seq"] = self.seq
+            record.seq = self.seq
             start = len(buffer)
-            encode_into(record, buffer, start + _LENGTH.size)  # the payload, after room for its length
-            _LENGTH.pack_into(buffer, start, len(buffer) - start - _LENGTH.size)
+            payload_at = start + _FRAME.size
+            encode_into(record, buffer, payload_at)  # the payload, after room for its frame
+            _FRAME.pack_into(buffer, start, len(buffer) - payload_at, crc32(memoryview(buffer)[payload_at:]))
         assert self._journal_fd is not None, "StateStore.open() first"
         view = memoryview(buffer)
         while view:
@@ -92,13 +119,17 @@ class StateStore:
     def needs_compaction(self) -> bool:
         return self.journal_bytes >= self.compact_after_bytes
 
-    def write_snapshot(self, state: dict[str, Any]) -> None:
+    def write_snapshot(self, state: Snapshot) -> None:
         """Atomically replace the snapshot with ``state`` and empty the journal."""
-        state = {**state, "format": SNAPSHOT_FORMAT, "seq": self.seq}
+        state.seq = self.seq
+        payload = self._encoder.encode(state)
         tmp = self.snapshot_path.with_name(self.snapshot_path.name + f".tmp{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, self._encoder.encode(state))
+            data = SNAPSHOT_MAGIC + _CRC.pack(zlib.crc32(payload)) + payload
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         finally:
             os.close(fd)
         os.replace(tmp, self.snapshot_path)
@@ -112,36 +143,63 @@ class StateStore:
             self._journal_fd = None
 
     def _load(self) -> LoadedState:
-        snapshot = None
+        loaded = LoadedState(snapshot=None)
         if self.snapshot_path.exists():
-            try:
-                snapshot = msgspec.msgpack.decode(self.snapshot_path.read_bytes())
-            except msgspec.DecodeError as exc:
-                raise CheckpointError(f"cannot read snapshot {self.snapshot_path}: {exc}") from None
-            if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
-                raise CheckpointError(f"snapshot {self.snapshot_path} has an unknown format")
-        snapshot_seq = int(snapshot.get("seq", 0)) if snapshot else 0
-        records, torn = [], 0
+            loaded.snapshot, loaded.snapshot_damage = _read_snapshot(self.snapshot_path.read_bytes())
+        snapshot_seq = loaded.snapshot.seq if loaded.snapshot else 0
         if self.journal_path.exists():
-            data = self.journal_path.read_bytes()
-            offset = 0
-            while offset < len(data):
-                if offset + _LENGTH.size > len(data):
-                    break
-                (length,) = _LENGTH.unpack_from(data, offset)
-                end = offset + _LENGTH.size + length
-                if length > _MAX_RECORD_BYTES or end > len(data):
-                    break
-                try:
-                    record = msgspec.msgpack.decode(data[offset + _LENGTH.size : end])
-                except msgspec.DecodeError:
-                    break
-                offset = end
-                if isinstance(record, dict) and int(record.get("seq", 0)) > snapshot_seq:
-                    records.append(record)
-            torn = len(data) - offset
-        self.seq = max([snapshot_seq] + [int(r["seq"]) for r in records])
-        return LoadedState(snapshot=snapshot, records=records, torn_bytes=torn)
+            self._read_journal(self.journal_path.read_bytes(), snapshot_seq, loaded)
+        self.seq = max([snapshot_seq] + [r.seq for r in loaded.records])
+        return loaded
+
+    @staticmethod
+    def _read_journal(data: bytes, snapshot_seq: int, loaded: LoadedState) -> None:
+        offset = 0
+        while offset < len(data):
+            if offset + _FRAME.size > len(data):
+                loaded.torn_bytes = len(data) - offset
+                return
+            length, crc = _FRAME.unpack_from(data, offset)
+            payload_at = offset + _FRAME.size
+            end = payload_at + length
+            if length > _MAX_RECORD_BYTES or length == 0:
+                loaded.damaged_bytes += len(data) - offset  # no frame to trust past here
+                return
+            if end > len(data):
+                loaded.torn_bytes = len(data) - offset
+                return
+            payload = data[payload_at:end]
+            offset = end
+            record = _checked_record(payload, crc)
+            if record is None:
+                loaded.damaged_records += 1
+                loaded.damaged_bytes += _FRAME.size + length
+            elif record.seq > snapshot_seq:
+                loaded.records.append(record)
+
+
+def _checked_record(payload: bytes, crc: int) -> JournalRecord | None:
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        return _decode_record(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+
+
+def _read_snapshot(data: bytes) -> tuple[Snapshot | None, str | None]:
+    """The snapshot in ``data``, or why it cannot be trusted."""
+    head = len(SNAPSHOT_MAGIC) + _CRC.size
+    if not data.startswith(SNAPSHOT_MAGIC) or len(data) < head:
+        return None, "not a kvcached-broker snapshot of this format"
+    (crc,) = _CRC.unpack_from(data, len(SNAPSHOT_MAGIC))
+    payload = data[head:]
+    if zlib.crc32(payload) != crc:
+        return None, "checksum mismatch"
+    try:
+        return _decode_snapshot(payload), None
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        return None, f"invalid content ({exc})"
 
 
 def _ensure_private_dir(path: Path) -> None:

@@ -324,6 +324,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         curve_dir=opts.curve_dir,
         limits=opts.limits,
     )
+    if opts.metrics_port:
+        from .metrics import missing_package
+
+        missing = missing_package()
+        if missing:
+            print(f"kvcached-broker serve: --metrics-port needs {missing}: pip install 'kvcached-broker[metrics]'",
+                  file=sys.stderr)
+            return EXIT_REFUSED
     server = BrokerServer(config, probe, notifier=Notifier())
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())

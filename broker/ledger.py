@@ -82,6 +82,9 @@ class Session:
     granted_pages: int = 0
     reserve_pages: int = 0
     restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
+    #: May grow while the ledger holds growth: it is re-asserting memory it held before
+    #: the broker restarted (restored, or re-opened because its record was lost).
+    reasserting: bool = False
     usage: dict[str, int] = field(default_factory=dict)  # informational breakdown; never charged
     account: "_ProcessAccount | None" = field(default=None, repr=False)
 
@@ -168,6 +171,9 @@ class Ledger:
         self._excess_total = 0
         self._unfilled_floor_total = 0
         self._changes = LedgerChanges()
+        #: Why nobody may grow right now (state restored from damage), or None.  Sessions
+        #: that re-assert what they held (``reasserting``) are exempt.
+        self.growth_hold: str | None = None
         #: Grows on every change; lets the shell cache what it derives (status, metrics).
         self.version = 0
 
@@ -286,6 +292,7 @@ class Ledger:
             last_seen_s=now_s,
             state=state,
             restored=restored,
+            reasserting=restored,
         )
         self.sessions[session_id] = session
         inst = self._instances.get(instance)
@@ -334,24 +341,42 @@ class Ledger:
             return True
         return False
 
-    def resume(self, session_id: str, now_s: float, *, holdings: tuple[dict[str, int], int, int] | None) -> Session:
-        """A worker reconnected to its session.
+    def resume(
+        self, session_id: str, now_s: float, *, holdings: tuple[dict[str, int], int, int] | None
+    ) -> tuple[Session, bool]:
+        """A worker reconnected to its session; returns it and whether its claims were adopted.
 
         A session restored from a checkpoint adopts what the worker re-asserts (the worker
-        knows what it holds; the broker may have answered a request it then forgot).  A
-        session that never left this broker keeps the broker's figures: its reply cache
-        covers any request whose answer the worker missed.
+        knows what it holds; the broker may have answered a request it then forgot), but only
+        through admission: claims above the checkpoint must fit like any grant, or the
+        checkpoint's figures stay.  A session that never left this broker keeps the broker's
+        figures: its reply cache covers any request whose answer the worker missed.
         """
         session = self._session(session_id)
+        adopted = False
         if session.restored and holdings is not None:
             pools, granted_pages, reserve_pages = holdings
-            self._apply(session, pools=_clean_pools(pools), granted_pages=granted_pages)
-            session.reserve_pages = min(reserve_pages, session.granted_pages)
+            clean = _clean_pools(pools)
+            growth_bytes = sum(clean.values()) - session.reserved_bytes
+            growth_bytes += (granted_pages - session.granted_pages) * session.page_bytes
+            if growth_bytes <= 0 or self._room_for(session, growth_bytes, resuming=True) is None:
+                self._apply(session, pools=clean, granted_pages=granted_pages)
+                session.reserve_pages = min(reserve_pages, session.granted_pages)
+                adopted = True
         session.restored = False
         session.state = SessionState.LIVE
         session.last_seen_s = now_s
         self._changed(session)
-        return session
+        return session, adopted
+
+    def hold_growth(self, reason: str) -> None:
+        """Refuse growth to every session that is not re-asserting what it held."""
+        self.growth_hold = reason
+
+    def release_growth(self) -> None:
+        self.growth_hold = None
+        for session in self.sessions.values():
+            session.reasserting = False
 
     def expire_leases(self, now_s: float, lease_s: float) -> list[Session]:
         """Mark sessions silent for longer than ``lease_s`` stale (still charged)."""
@@ -379,7 +404,9 @@ class Ledger:
         """
         session = self._session(session_id)
         new_pools = _clean_pools(pools)
-        growth_bytes = sum(new_pools.values()) - session.reserved_bytes
+        new_total = sum(new_pools.values())
+        views = None if usage is None else _clean_views(usage, new_total)
+        growth_bytes = new_total - session.reserved_bytes
         if growth_bytes > 0:
             pool, pool_growth = _largest_growth(session.pools, new_pools)
             fit = self._room_for(session, growth_bytes)
@@ -395,8 +422,10 @@ class Ledger:
                     details={"pool": pool, "pool_asked_bytes": pool_growth},
                 )
         self._apply(session, pools=new_pools, granted_pages=session.granted_pages)
-        if usage is not None:
-            session.usage = _clean_pools(usage)
+        if views is not None:
+            session.usage = views
+        elif any(size > new_total for size in session.usage.values()):
+            session.usage = {}  # views of reservations that are gone
         self._changed(session)
         return dict(session.pools)
 
@@ -633,10 +662,12 @@ class Ledger:
             cap_room = limits.max_bytes - self.instance_charge_bytes(session.instance) + own_slack
         return device_room, cap_room, slack
 
-    def _room_for(self, session: Session, growth_bytes: int) -> tuple[str, int] | None:
+    def _room_for(self, session: Session, growth_bytes: int, *, resuming: bool = False) -> tuple[str, int] | None:
         """None if ``growth_bytes`` fits; else the refusal code and the room there is."""
         if self.overcommitted:
             return "overcommitted", 0
+        if self.growth_hold is not None and not (resuming or session.reasserting):
+            return "held", 0
         device_room, cap_room, _ = self._growth_room(session)
         if cap_room is not None and growth_bytes > cap_room:
             return "limit_exceeded", max(0, cap_room)
@@ -650,6 +681,8 @@ class Ledger:
         charged = self._reserved_total + self._granted_total + self._excess_total
         if charged > budget:
             return 0, "overcommitted", 0
+        if self.growth_hold is not None and not session.reasserting:
+            return 0, "held", 0
         if not self._unfilled_floor_total and session.instance not in self.limits and not session.account.measured_bytes:
             fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
             return fit, (None if fit == pages else "budget_exceeded"), budget - charged
@@ -671,6 +704,19 @@ def _clean_pools(pools: dict[str, int]) -> dict[str, int]:
     return {name: size for name, size in pools.items() if size > 0}
 
 
+def _clean_views(usage: dict[str, int], reserved_bytes: int) -> dict[str, int]:
+    """Usage views describe a session's reserved bytes, so none may be larger than they are."""
+    views = _clean_pools(usage)
+    for name, size in views.items():
+        if size > reserved_bytes:
+            raise BadRequest(
+                f"usage view {name!r} ({format_bytes(size)}) is larger than the session's reservations "
+                f"({format_bytes(reserved_bytes)})",
+                details={"view": name, "view_bytes": size, "reserved_bytes": reserved_bytes},
+            )
+    return views
+
+
 def _largest_growth(old: dict[str, int], new: dict[str, int]) -> tuple[str, int]:
     growth = {name: size - old.get(name, 0) for name, size in new.items() if size > old.get(name, 0)}
     name = max(growth, key=growth.__getitem__)
@@ -689,12 +735,17 @@ def _refusal(
 ) -> BrokerError:
     dev = ledger.device
     where = f"GPU {dev.index}"
-    if code == "overcommitted":
+    if code == "held":
+        message = f"{what} for {instance!r} refused for now: {ledger.growth_hold}"
+        cls: type[BrokerError] = BudgetExceeded
+        room_bytes = 0
+        details = {**details, "held": True}
+    elif code == "overcommitted":
         message = (
             f"{what} for {instance!r} refused: {where} is overcommitted "
             f"(charges {format_bytes(ledger.charged_bytes)} > budget {format_bytes(ledger.budget_bytes)})"
         )
-        cls: type[BrokerError] = Overcommitted
+        cls = Overcommitted
     elif code == "limit_exceeded":
         limits = ledger.limits.get(instance, Limits())
         message = (

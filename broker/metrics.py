@@ -25,6 +25,17 @@ DEVICE_GAUGES = {
 }
 
 
+def missing_package() -> str | None:
+    """The package ``/metrics`` needs, if it is not installed (checked before the broker starts)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("prometheus_client") is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else "prometheus_client"
+
+
 class StatusCollector:
     """A prometheus_client collector over a ``snapshot()`` callable returning the status document."""
 

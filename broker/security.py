@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import grp
+import ipaddress
 import os
 import stat
 from contextlib import contextmanager
@@ -56,6 +57,16 @@ def parse_peer_address(address: str | None) -> Peer:
         if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
             return Peer(int(parts[1]), int(parts[2]), int(parts[3]), address)
     return Peer(None, None, None, address or "")
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or any loopback address (all of 127.0.0.0/8, ``::1``)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def resolve_group(name_or_gid: str | int | None) -> int | None:

@@ -42,7 +42,7 @@ from ..client.errors import (
     WrongDevice,
 )
 from ..client.units import format_bytes, parse_headroom
-from .checkpoint import StateStore
+from .checkpoint import LoadedState, StateStore
 from .device import DeviceProbe, SimulatedDevice
 from .histogram import Histogram
 from .ledger import KEEP, Ledger, Limits, Session, SessionState
@@ -52,6 +52,7 @@ from .security import (
     Peer,
     SecurityError,
     is_admin,
+    is_loopback,
     parse_peer_address,
     prepare_socket_dir,
     secure_socket_file,
@@ -60,11 +61,20 @@ from .security import (
 from .sessions import Binding, HelloRateLimiter, SessionTable
 from .policy import PressureBook, fair_shares
 from .sdnotify import Notifier
+from .state_records import (
+    CloseRecord,
+    FenceRecord,
+    HoldRecord,
+    JournalRecord,
+    LimitRecord,
+    SessionRecord,
+    Snapshot,
+    UnlimitRecord,
+)
 from .status import build_status
 
 log = logging.getLogger("kvcached_broker")
 
-_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 # Plain ints: enum arithmetic on zmq's flags costs microseconds on the request path.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
@@ -95,9 +105,9 @@ class Holdings(NamedTuple):
         """Whether ``session`` holds exactly this (compared in place, without copying)."""
         return self == (session.granted_pages, session.reserve_pages, session.pools, session.usage)
 
-    def record(self, session_id: str) -> dict[str, Any]:
-        return {"hold": session_id, "pools": self.pools, "granted_pages": self.granted_pages,
-                "reserve_pages": self.reserve_pages, "usage": self.usage}
+    def record(self, session_id: str) -> HoldRecord:
+        return HoldRecord(session_id=session_id, pools=self.pools, granted_pages=self.granted_pages,
+                          reserve_pages=self.reserve_pages, usage=self.usage)
 
 
 class _Retried(Exception):
@@ -124,6 +134,8 @@ class ServeConfig:
     probe_interval_s: float = 0.5
     max_sessions: int = 4096
     max_sessions_per_pid: int = 64
+    #: So that one member of the socket group cannot fill the table and lock others out.
+    max_sessions_per_uid: int = 1024
     hello_rate_per_s: float = 50.0
     hello_burst: int = 200
     #: Requests a round answers before it writes the journal and sends its replies.  Small, so
@@ -195,11 +207,11 @@ class BrokerServer:
         self._auth = None
         self._poll_items: list[tuple[Any, int]] = []  # the ROUTER socket, the wake pipe, then pidfds
         self._pushes: list[tuple[bytes, bytes]] = []
-        self._pending_records: list[dict[str, Any]] = []
+        self._pending_records: list[JournalRecord] = []
         # Sessions whose full record is in the snapshot or journal, each with the holdings its
         # latest record there carries (None: not known here, so the next change is written).
         self._on_disk: dict[str, Holdings | None] = {}
-        self._deferred: list[dict[str, Any]] = []  # decrease-only records not yet written
+        self._deferred: list[JournalRecord] = []  # decrease-only records not yet written
         self._defer_until_s = 0.0
         self._started_s = clock()
         self._next_probe_s = 0.0
@@ -214,6 +226,9 @@ class BrokerServer:
         self._next_fd_glance_s = 0.0
         self._saturated = False  # the last read stopped at max_batch, not at an empty socket
         self._next_watchdog_s = 0.0
+        self._body = b""  # the request being handled
+        self.state_damage: dict[str, Any] | None = None  # what the last restore found damaged
+        self._hold_until_s = 0.0  # growth held (damaged state) until then at the latest
         self._handlers = {
             proto.Hello: self._hello,
             proto.Reserve: self._reserve,
@@ -290,7 +305,7 @@ class BrokerServer:
                 f"refusing to serve {cfg.endpoint} without CURVE keys; use an ipc:// endpoint, "
                 "configure CURVE, or pass --insecure-tcp for a loopback address"
             )
-        if host not in _LOOPBACK:
+        if not is_loopback(host):
             raise SecurityError(f"--insecure-tcp is allowed only on a loopback address, not {host}")
         log.warning("event=insecure_tcp endpoint=%s detail=no_authentication_or_encryption", cfg.endpoint)
 
@@ -506,13 +521,14 @@ class BrokerServer:
     def _handle(self, rid: bytes, peer: Peer, body: bytes, now: float) -> bytes | None:
         try:
             request = _decode_request(body)  # the socket's MAXMSGSIZE already bounds its size
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            self.counters.bad_frames += 1
             try:
                 proto.decode_request(body)
             except proto.ProtocolError as exc:  # the full path, for its one-line reason and the id
-                self.counters.bad_frames += 1
                 return proto.error_reply(exc.request_id, "bad_request", str(exc))
-            raise
+            return proto.error_reply(None, "bad_request", "invalid request")
+        self._body = body  # what the reply cache fingerprints (see _answer)
         try:
             return self._handlers[type(request)](request, rid, peer, now)
         except _Retried as retried:
@@ -562,9 +578,10 @@ class BrokerServer:
         binding = self.table.by_token(request.session)
         if binding is None or binding.routing_id != rid:
             raise self._refusal_for_token(request.session, binding)
-        cached = binding.replies.get(request.id)
-        if cached is not None:
-            raise _Retried(cached)
+        if request.id in binding.replies or request.id <= binding.forgotten_id:
+            cached = binding.replay(request.id, hash(self._body))
+            if cached is not None:
+                raise _Retried(cached)
         session = self.ledger.sessions[binding.session_id]
         session.last_seen_s = now
         if session.state is not _LIVE and self.ledger.touch(session.id, now):
@@ -576,7 +593,7 @@ class BrokerServer:
 
     def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
         reply = _encode(proto.Reply(id=request_id, ok=True, result=result))
-        binding.remember_reply(request_id, reply, self.table.reply_cache)
+        binding.remember_reply(request_id, hash(self._body), reply, self.table.reply_cache)
         return reply
 
     def _hello(self, req: proto.Hello, rid: bytes, peer: Peer, now: float) -> bytes:
@@ -622,15 +639,26 @@ class BrokerServer:
         if req.holdings is not None:
             h = req.holdings
             holdings = (dict(h.pools), h.granted_pages, h.reserve_pages)
-        was = self.ledger.sessions[binding.session_id]
-        restored = was.restored
-        session = self.ledger.resume(binding.session_id, now, holdings=holdings)
+        restored = self.ledger.sessions[binding.session_id].restored
+        session, adopted = self.ledger.resume(binding.session_id, now, holdings=holdings)
+        if adopted:
+            # The worker's books already show these requests (releases it booked before
+            # sending); answer their retries from the cache instead of applying them again.
+            result = {"granted_pages": session.granted_pages, "settled": True}
+            for request_id in req.settled:
+                binding.remember_reply(request_id, None, proto.ok_reply(request_id, result), self.table.reply_cache)
+        elif restored and holdings is not None:
+            log.warning(
+                "event=resume_claims_refused session=%s instance=%s detail=growth_does_not_fit_kept_checkpoint",
+                session.id, session.instance,
+            )
         log.info(
-            "event=session_resumed session=%s instance=%s pid=%d restored=%s reserved=%d granted_pages=%d",
+            "event=session_resumed session=%s instance=%s pid=%d restored=%s adopted=%s reserved=%d granted_pages=%d",
             session.id,
             session.instance,
             session.pid,
             restored,
+            adopted,
             session.reserved_bytes,
             session.granted_pages,
         )
@@ -645,11 +673,16 @@ class BrokerServer:
             raise RateLimited(f"the broker already serves {cfg.max_sessions} sessions")
         if peer.pid_known and self.table.count_for_pid(peer.pid) >= cfg.max_sessions_per_pid:
             raise RateLimited(f"pid {peer.pid} already has {cfg.max_sessions_per_pid} sessions")
+        if peer.uid is not None and self.table.count_for_uid(peer.uid) >= cfg.max_sessions_per_uid:
+            raise RateLimited(f"uid {peer.uid} already has {cfg.max_sessions_per_uid} sessions")
         if req.page_bytes > self.ledger.total_bytes:
             raise BadRequest(f"page_bytes {req.page_bytes} is larger than the device ({self.ledger.total_bytes} bytes)")
+        if req.holdings is not None and (req.holdings.pools or req.holdings.granted_pages):
+            # Claims are a resume's business: a session this broker never knew starts empty,
+            # and its worker asks again for what it holds, through admission like anyone.
+            log.info("event=hello_claims_ignored instance=%s pid=%d resume=%s", req.instance, req.pid, req.resume is not None)
         session_id, token = self.table.new_ids()
         verified = peer.pid_known
-        holdings = req.holdings or proto.Holdings()
         self.ledger.open_session(
             session_id,
             instance=req.instance,
@@ -659,9 +692,6 @@ class BrokerServer:
             tp_size=req.tp_size,
             page_bytes=req.page_bytes,
             now_s=now,
-            pools=dict(holdings.pools),
-            granted_pages=holdings.granted_pages,
-            reserve_pages=holdings.reserve_pages,
         )
         binding = Binding(
             session_id=session_id,
@@ -677,20 +707,22 @@ class BrokerServer:
             routing_id=rid,
         )
         self.table.add(binding)
+        if req.resume is not None and self.ledger.growth_hold is not None:
+            self.ledger.sessions[session_id].reasserting = True  # its record was lost: let it ask again
         if req.limits is not None:
             self._limits_from_hello(req.instance, req.limits)
         if verified:
             self._watch_pid(req.pid)
         log.info(
-            "event=session_open session=%s instance=%s pid=%d verified=%s rank=%d tp_size=%d page_bytes=%d adopted_bytes=%d",
+            "event=session_open session=%s instance=%s pid=%d uid=%s verified=%s rank=%d tp_size=%d page_bytes=%d",
             session_id,
             req.instance,
             req.pid,
+            peer.uid,
             verified,
             req.tp_rank,
             req.tp_size,
             req.page_bytes,
-            self.ledger.sessions[session_id].reported_bytes,
         )
         return proto.ok_reply(req.id, self._hello_result(binding, version, resumed=False))
 
@@ -747,7 +779,7 @@ class BrokerServer:
         except BrokerError as exc:
             log.info("event=refusal session=%s op=reserve code=%s detail=%r", binding.session_id, exc.code, exc.message)
             reply = proto.error_reply(req.id, exc.code, exc.message, exc.details)
-            binding.remember_reply(req.id, reply, self.table.reply_cache)
+            binding.remember_reply(req.id, hash(self._body), reply, self.table.reply_cache)
             self.counters.refused(exc.code)
             self._press_for(session.instance, int(exc.details.get("asked_bytes", 0)), exc, now)
             return reply
@@ -821,6 +853,11 @@ class BrokerServer:
         binding = self.table.by_id(req.session_id)
         if binding is None:
             raise UnknownSession(f"no session {req.session_id} (see `kvcached-broker status` for ids)")
+        if req.kill and binding.pid_verified and not _may_signal(peer, binding):
+            raise Forbidden(
+                f"uid {peer.uid} may not kill pid {binding.pid} (uid {binding.uid}); only root or its own user may. "
+                "Nothing was evicted; evict without --kill, or ask root"
+            )
         killed = False
         kill_error = None
         if req.kill:
@@ -833,7 +870,7 @@ class BrokerServer:
                 except OSError as exc:
                     kill_error = exc.strerror
         self.table.fence(binding)
-        self._pending_records.append({"fence": binding.token, "sid": binding.session_id})
+        self._pending_records.append(FenceRecord(token=binding.token, session_id=binding.session_id))
         freed = self._end_session(binding, cause="evicted")
         result = {"evicted": binding.session_id, "freed_bytes": freed, "killed": killed}
         if kill_error:
@@ -854,8 +891,8 @@ class BrokerServer:
     # --------------------------------------------------------------- pressure
     def _press_for(self, instance: str, asked_bytes: int, refusal: BrokerError, now: float) -> None:
         """A refused instance below its floor or fair share: ask those above theirs for pages."""
-        if refusal.code != "budget_exceeded":
-            return  # its own cap, or external overcommit: taking from others would not help
+        if refusal.code != "budget_exceeded" or refusal.details.get("held"):
+            return  # its own cap, external overcommit or a recovery hold: taking from others would not help
         need = asked_bytes - int(refusal.details.get("free_bytes", 0))
         for ask in self.pressure.plan(self.ledger, instance, need, now):
             binding = self.table.by_id(ask.session_id)
@@ -934,6 +971,9 @@ class BrokerServer:
                 )
         if now >= self._next_probe_s:
             self._probe_device()
+        if self.ledger.growth_hold is not None and (now >= self._hold_until_s or not self._recovering()):
+            log.warning("event=growth_hold_lifted recovering_sessions=%d", self._recovering())
+            self.ledger.release_growth()
         if self._deferred and now >= self._defer_until_s:
             self._flush()
         if self.pressure.pending:
@@ -950,6 +990,9 @@ class BrokerServer:
             if interval and now >= self._next_watchdog_s:
                 self._next_watchdog_s = now + interval
                 self.notifier.watchdog()
+
+    def _recovering(self) -> int:
+        return sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING)
 
     def _probe_device(self, force: bool = False) -> None:
         now = self.clock()
@@ -1006,15 +1049,15 @@ class BrokerServer:
                 if session_id in on_disk:  # the rest of its record is already on disk
                     records.append(holdings.record(session_id))
                 else:
-                    records.append({"session": self._session_record(session_id)})
+                    records.append(self._session_record(session_id))
                     durable_now = True
                 on_disk[session_id] = holdings
             for session_id in changes.closed:
-                records.append({"close": session_id})
+                records.append(CloseRecord(session_id=session_id))
                 on_disk.pop(session_id, None)
             for instance in changes.limits:
                 limits = self.ledger.limits.get(instance)
-                records.append({"limit": instance, **limits.to_dict()} if limits else {"unlimit": instance})
+                records.append(_limit_record(instance, limits) if limits else UnlimitRecord(instance=instance))
         if not records:
             return
         if not durable_now:
@@ -1027,7 +1070,7 @@ class BrokerServer:
             return
         self._flush(records)
 
-    def _flush(self, records: list[dict[str, Any]] | None = None) -> None:
+    def _flush(self, records: list[JournalRecord] | None = None) -> None:
         assert self._store is not None
         batch = self._deferred + (records or [])
         self._deferred = []
@@ -1042,125 +1085,131 @@ class BrokerServer:
         self._store.write_snapshot(self._snapshot_state())
         self._on_disk = dict.fromkeys(self.ledger.sessions)
 
-    def _session_record(self, session_id: str) -> dict[str, Any]:
+    def _session_record(self, session_id: str) -> SessionRecord:
         s = self.ledger.sessions[session_id]
         b = self.table.by_id(session_id)
         assert b is not None
-        return {
-            "id": s.id,
-            "token": b.token,
-            "nonce": b.nonce,
-            "instance": s.instance,
-            "pid": s.pid,
-            "pid_verified": s.pid_verified,
-            "pid_start_ticks": b.pid_start_ticks,
-            "uid": b.uid,
-            "rank": s.tp_rank,
-            "tp_size": s.tp_size,
-            "page_bytes": s.page_bytes,
-            "pools": dict(s.pools),
-            "granted_pages": s.granted_pages,
-            "reserve_pages": s.reserve_pages,
-            "usage": dict(s.usage),
-            "client": b.client,
-            "adapter": b.adapter,
-        }
+        return SessionRecord(
+            id=s.id,
+            token=b.token,
+            nonce=b.nonce,
+            instance=s.instance,
+            pid=s.pid,
+            pid_verified=s.pid_verified,
+            pid_start_ticks=b.pid_start_ticks,
+            uid=b.uid,
+            rank=s.tp_rank,
+            tp_size=s.tp_size,
+            page_bytes=s.page_bytes,
+            pools=dict(s.pools),
+            granted_pages=s.granted_pages,
+            reserve_pages=s.reserve_pages,
+            usage=dict(s.usage),
+            client=b.client,
+            adapter=None if b.adapter is None else proto.AdapterInfo(**b.adapter),
+        )
 
-    def _snapshot_state(self) -> dict[str, Any]:
-        return {
-            "device_uuid": self.ledger.device.uuid,
-            "sessions": [self._session_record(sid) for sid in self.ledger.sessions],
-            "limits": {name: limits.to_dict() for name, limits in self.ledger.limits.items()},
-            "fenced": dict(self.table.fenced),
-        }
+    def _snapshot_state(self) -> Snapshot:
+        return Snapshot(
+            device_uuid=self.ledger.device.uuid,
+            sessions=[self._session_record(sid) for sid in self.ledger.sessions],
+            limits=[_limit_record(name, limits) for name, limits in self.ledger.limits.items()],
+            fenced=[FenceRecord(token=token, session_id=sid) for token, sid in self.table.fenced.items()],
+        )
 
     def _restore(self, store: StateStore) -> None:
         loaded = store.open()
-        sessions: dict[str, dict[str, Any]] = {}
-        limits: dict[str, dict[str, Any]] = {}
-        fenced: dict[str, str] = {}
-        snap = loaded.snapshot or {}
-        if snap.get("device_uuid") not in (None, self.ledger.device.uuid):
+        snap = loaded.snapshot
+        records = loaded.records
+        if snap is not None and snap.device_uuid != self.ledger.device.uuid:
             log.warning(
                 "event=state_device_mismatch state_uuid=%s device_uuid=%s detail=state_ignored",
-                snap.get("device_uuid"),
+                snap.device_uuid,
                 self.ledger.device.uuid,
             )
-            snap, loaded.records = {}, []
-        for record in snap.get("sessions", []):
-            sessions[record["id"]] = record
-        limits.update(snap.get("limits", {}))
-        fenced.update(snap.get("fenced", {}))
-        for record in loaded.records:
-            if "session" in record:
-                sessions[record["session"]["id"]] = record["session"]
-            elif "hold" in record:
-                if record["hold"] in sessions:
-                    for key in ("pools", "granted_pages", "reserve_pages", "usage"):
-                        sessions[record["hold"]][key] = record[key]
-            elif "close" in record:
-                sessions.pop(record["close"], None)
-            elif "limit" in record:
-                limits[record["limit"]] = {k: record[k] for k in ("max_bytes", "min_bytes", "weight", "revision")}
-            elif "unlimit" in record:
-                limits.pop(record["unlimit"], None)
-            elif "fence" in record:
-                fenced[record["fence"]] = record["sid"]
-        for name, values in limits.items():
-            self.ledger.restore_limits(name, Limits(**values))
+            snap, records = None, []
+        sessions, limits, fenced = _replay(snap, records)
+        for name, limit in limits.items():
+            self.ledger.restore_limits(
+                name, Limits(max_bytes=limit.max_bytes, min_bytes=limit.min_bytes, weight=limit.weight, revision=limit.revision)
+            )
         for token, session_id in fenced.items():
             self.table.fenced[token] = session_id
         now = self.clock()
         kept = dropped = 0
         for record in sessions.values():
-            if record["pid_verified"] and not process_alive(record["pid"], record.get("pid_start_ticks")):
+            if record.pid_verified and not process_alive(record.pid, record.pid_start_ticks):
                 dropped += 1
                 self.counters.reclaimed("exited_while_down")
                 log.info(
                     "event=session_end cause=exited_while_down session=%s instance=%s pid=%d freed_bytes=%d",
-                    record["id"],
-                    record["instance"],
-                    record["pid"],
-                    sum(record["pools"].values()) + record["granted_pages"] * record["page_bytes"],
+                    record.id,
+                    record.instance,
+                    record.pid,
+                    sum(record.pools.values()) + record.granted_pages * record.page_bytes,
                 )
                 continue
             self._restore_session(record, now)
             kept += 1
-        if loaded.snapshot or loaded.records:
+        if snap is not None or records:
             log.info("event=recovered sessions=%d dropped=%d torn_bytes=%d", kept, dropped, loaded.torn_bytes)
+        self._distrust_if_damaged(loaded, now)
         self.ledger.drain_changes()
         store.write_snapshot(self._snapshot_state())
         self._on_disk = dict.fromkeys(self.ledger.sessions)
 
-    def _restore_session(self, record: dict[str, Any], now: float) -> None:
+    def _distrust_if_damaged(self, loaded: LoadedState, now: float) -> None:
+        """Damaged or cut-short state may under-count what the restored sessions hold: until
+        their workers have re-asserted it (or a lease has passed), nobody else may grow."""
+        if not (loaded.damaged or loaded.torn_bytes):
+            return
+        self.state_damage = {
+            "damaged_records": loaded.damaged_records,
+            "damaged_bytes": loaded.damaged_bytes,
+            "torn_bytes": loaded.torn_bytes,
+            "snapshot": loaded.snapshot_damage,
+        }
+        log.warning(
+            "event=state_damaged damaged_records=%d damaged_bytes=%d torn_bytes=%d snapshot=%r "
+            "detail=growth_held_until_restored_sessions_reassert_or_%.0fs",
+            loaded.damaged_records, loaded.damaged_bytes, loaded.torn_bytes, loaded.snapshot_damage,
+            self._hold_s(),
+        )
+        self.ledger.hold_growth("the broker restarted from damaged state and waits for its workers to re-assert what they hold")
+        self._hold_until_s = now + self._hold_s()
+
+    def _hold_s(self) -> float:
+        return 2 * self.config.lease_s
+
+    def _restore_session(self, record: SessionRecord, now: float) -> None:
         self.ledger.open_session(
-            record["id"],
-            instance=record["instance"],
-            pid=record["pid"],
-            pid_verified=record["pid_verified"],
-            tp_rank=record["rank"],
-            tp_size=record["tp_size"],
-            page_bytes=record["page_bytes"],
+            record.id,
+            instance=record.instance,
+            pid=record.pid,
+            pid_verified=record.pid_verified,
+            tp_rank=record.rank,
+            tp_size=record.tp_size,
+            page_bytes=record.page_bytes,
             now_s=now,
-            pools=record["pools"],
-            granted_pages=record["granted_pages"],
-            reserve_pages=record["reserve_pages"],
+            pools=dict(record.pools),
+            granted_pages=record.granted_pages,
+            reserve_pages=record.reserve_pages,
             state=SessionState.RECOVERING,
             restored=True,
         )
-        self.ledger.sessions[record["id"]].usage = dict(record.get("usage", {}))
+        self.ledger.sessions[record.id].usage = dict(record.usage)
         self.table.add(
             Binding(
-                session_id=record["id"],
-                token=record["token"],
-                nonce=record["nonce"],
-                pid=record["pid"],
-                pid_verified=record["pid_verified"],
-                pid_start_ticks=record.get("pid_start_ticks"),
-                uid=record.get("uid"),
+                session_id=record.id,
+                token=record.token,
+                nonce=record.nonce,
+                pid=record.pid,
+                pid_verified=record.pid_verified,
+                pid_start_ticks=record.pid_start_ticks,
+                uid=record.uid,
                 version=proto.PROTOCOL_VERSION,
-                client=record.get("client", ""),
-                adapter=record.get("adapter"),
+                client=record.client,
+                adapter=None if record.adapter is None else msgspec.structs.asdict(record.adapter),
             )
         )
 
@@ -1177,7 +1226,9 @@ class BrokerServer:
             "uptime_s": round(now - self._started_s, 3),
             "lease_s": self.config.lease_s,
             "state_dir": str(self.config.state_dir) if self.config.state_dir else None,
-            "recovering_sessions": sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING),
+            "recovering_sessions": self._recovering(),
+            "state_damage": self.state_damage,
+            "growth_held": self.ledger.growth_hold,
             "counters": self.counters.to_dict(),
         }
         shares = fair_shares(self.ledger)
@@ -1186,6 +1237,45 @@ class BrokerServer:
             return {"fair_share_bytes": shares.get(instance, 0), "pressure": self.pressure.instance_view(instance)}
 
         return build_status(self.ledger, self.table, broker_meta, now, policy_view)
+
+
+def _may_signal(peer: Peer, binding: Binding) -> bool:
+    """Whether the admin could send a signal to the session's process itself (kill(2)'s rule,
+    without capabilities): root, or the same user."""
+    return peer.uid == 0 or (peer.uid is not None and peer.uid == binding.uid)
+
+
+def _limit_record(instance: str, limits: Limits) -> LimitRecord:
+    return LimitRecord(instance=instance, max_bytes=limits.max_bytes, min_bytes=limits.min_bytes,
+                       weight=limits.weight, revision=limits.revision)
+
+
+def _replay(
+    snap: Snapshot | None, records: list[JournalRecord]
+) -> tuple[dict[str, SessionRecord], dict[str, LimitRecord], dict[str, str]]:
+    """Sessions, limits and fences after applying the journal's records to the snapshot."""
+    sessions = {r.id: r for r in snap.sessions} if snap else {}
+    limits = {r.instance: r for r in snap.limits} if snap else {}
+    fenced = {r.token: r.session_id for r in snap.fenced} if snap else {}
+    for record in records:
+        if isinstance(record, SessionRecord):
+            sessions[record.id] = record
+        elif isinstance(record, HoldRecord):
+            known = sessions.get(record.session_id)
+            if known is not None:
+                sessions[record.session_id] = msgspec.structs.replace(
+                    known, pools=record.pools, granted_pages=record.granted_pages,
+                    reserve_pages=record.reserve_pages, usage=record.usage,
+                )
+        elif isinstance(record, CloseRecord):
+            sessions.pop(record.session_id, None)
+        elif isinstance(record, LimitRecord):
+            limits[record.instance] = record
+        elif isinstance(record, UnlimitRecord):
+            limits.pop(record.instance, None)
+        elif isinstance(record, FenceRecord):
+            fenced[record.token] = record.session_id
+    return sessions, limits, fenced
 
 
 def _pairs(values: dict[str, Any]) -> str:

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from ..client.errors import BadRequest
+
 
 @dataclass(eq=False)
 class Binding:
@@ -32,15 +34,42 @@ class Binding:
     client: str = ""
     adapter: dict[str, Any] | None = None  # the runtime adapter that opened it (status)
     routing_id: bytes | None = None
-    replies: dict[int, bytes] = field(default_factory=dict)
+    #: request id -> (hash of the request's bytes, or None for "any body", reply)
+    replies: dict[int, tuple[int | None, bytes]] = field(default_factory=dict)
+    #: The largest request id trimmed out of ``replies``: an id at or below it that is not
+    #: cached can no longer be told apart from a replay, so it is refused.
+    forgotten_id: int = -1
 
-    def remember_reply(self, request_id: int, reply: bytes, limit: int) -> None:
+    def remember_reply(self, request_id: int, body_hash: int | None, reply: bytes, limit: int) -> None:
         """Keep at least the last ``limit`` replies (trimmed in bulk: amortised O(1))."""
         replies = self.replies
-        replies[request_id] = reply
+        replies[request_id] = (body_hash, reply)
         if len(replies) > 2 * limit:
-            for old in list(replies)[: len(replies) - limit]:
+            old_ids = list(replies)[: len(replies) - limit]
+            for old in old_ids:
                 del replies[old]
+            self.forgotten_id = max(self.forgotten_id, max(old_ids))
+
+    def replay(self, request_id: int, body_hash: int) -> bytes | None:
+        """The cached reply for a retried request id, or None if the id is new.
+
+        Raises :class:`BadRequest` if the id was used for a different request, or is older
+        than the reply window (its first answer is forgotten, so applying it could be twice).
+        """
+        cached = self.replies.get(request_id)
+        if cached is None:
+            if request_id <= self.forgotten_id:
+                raise BadRequest(
+                    f"request id {request_id} is older than this session's reply window; use a new id",
+                    details={"id": request_id, "forgotten_id": self.forgotten_id},
+                )
+            return None
+        first_hash, reply = cached
+        if first_hash is not None and first_hash != body_hash:
+            raise BadRequest(
+                f"request id {request_id} was already used for a different request", details={"id": request_id}
+            )
+        return reply
 
 
 class HelloRateLimiter:
@@ -78,6 +107,7 @@ class SessionTable:
         self._by_id: dict[str, Binding] = {}
         self._by_nonce: dict[str, Binding] = {}
         self._by_pid: dict[int, set[str]] = {}
+        self._count_by_uid: dict[int, int] = {}
         self.fenced: "OrderedDict[str, str]" = OrderedDict()  # token -> session id
         # The lookups, bound straight to the dicts: every request makes one, and a bound
         # ``dict.get`` costs no Python frame.
@@ -104,6 +134,8 @@ class SessionTable:
         self._by_nonce[binding.nonce] = binding
         if binding.pid_verified:
             self._by_pid.setdefault(binding.pid, set()).add(binding.session_id)
+        if binding.uid is not None:
+            self._count_by_uid[binding.uid] = self._count_by_uid.get(binding.uid, 0) + 1
 
     def remove(self, session_id: str) -> Binding | None:
         binding = self._by_id.pop(session_id, None)
@@ -118,6 +150,12 @@ class SessionTable:
                 ids.discard(session_id)
                 if not ids:
                     del self._by_pid[binding.pid]
+        if binding.uid is not None:
+            left = self._count_by_uid.get(binding.uid, 1) - 1
+            if left > 0:
+                self._count_by_uid[binding.uid] = left
+            else:
+                self._count_by_uid.pop(binding.uid, None)
         return binding
 
     def fence(self, binding: Binding) -> None:
@@ -136,6 +174,9 @@ class SessionTable:
 
     def count_for_pid(self, pid: int) -> int:
         return len(self._by_pid.get(pid, ()))
+
+    def count_for_uid(self, uid: int) -> int:
+        return self._count_by_uid.get(uid, 0)
 
     def pids(self) -> list[int]:
         return list(self._by_pid)

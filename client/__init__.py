@@ -18,6 +18,7 @@ from .errors import (
     StaleRevision,
     UnknownSession,
     UnsupportedVersion,
+    UntrustedEndpoint,
     WrongDevice,
 )
 from .sync_client import BrokerClient
@@ -38,5 +39,6 @@ __all__ = [
     "StaleRevision",
     "UnknownSession",
     "UnsupportedVersion",
+    "UntrustedEndpoint",
     "WrongDevice",
 ]

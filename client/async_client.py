@@ -13,10 +13,13 @@ from typing import Any, Awaitable, Callable
 
 from . import protocol as proto
 from .core import RESUME_CODES, ClientCore, check_pages, check_pools, prepare
-from .errors import BrokerError, SessionEvicted
+from .errors import BrokerError, BrokerUnavailable, SessionEvicted
+from .trust import check_endpoint
 from .transport import AsyncTransport, CurveKeys, Timeouts
 
 log = logging.getLogger("kvcached_broker.client")
+#: What an exchange returns for a request that a lost session made moot.
+_MOOT = object()
 
 
 class AsyncBrokerClient:
@@ -25,6 +28,7 @@ class AsyncBrokerClient:
         self._transport = transport
         self._heartbeat_task: asyncio.Task | None = None
         self._resuming: asyncio.Future | None = None
+        self._settling = asyncio.Lock()
         self._next_heartbeat_s = 0.0
         self._pressure_callback: Callable[[int], Awaitable[int] | int] | None = None
         self.pressure_log: list[dict[str, int]] = []
@@ -81,9 +85,10 @@ class AsyncBrokerClient:
         clean = check_pools(pools)
         views = None if usage is None else check_pools(usage)
         result = await self._call(
-            lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean, usage=views)
+            lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean, usage=views),
+            track={"on_answer": self._core.book_pools},
         )
-        self._core.pools = dict(result["pools"])
+        self._core.book_pools(result)
         return dict(result["pools"])
 
     async def acquire(self, pages: int, min_pages: int | None = None) -> int:
@@ -93,6 +98,7 @@ class AsyncBrokerClient:
             if min_pages > pages:
                 raise BrokerError(f"min_pages ({min_pages}) must not exceed pages ({pages})", code="bad_request")
         self._core.check_usable()
+        await self._settle_in_doubt(None)  # a late grant may serve this from the reserve
         credit = self._core.credit
         if credit.take(pages):
             return pages
@@ -100,7 +106,8 @@ class AsyncBrokerClient:
         result = await self._call(
             lambda rid: proto.Acquire(
                 id=rid, session=self._core.session_token(), pages=ask, min_pages=ask_min, reserve_pages=credit.reserve_pages
-            )
+            ),
+            track={"on_answer": self._core.book_late_grant},
         )
         return credit.settle(pages, min_pages, int(result["granted"]))
 
@@ -110,15 +117,7 @@ class AsyncBrokerClient:
         credit = self._core.credit
         surplus = credit.put_back(pages)
         if surplus:
-            try:
-                await self._call(
-                    lambda rid: proto.Release(
-                        id=rid, session=self._core.session_token(), pages=surplus, reserve_pages=credit.reserve_pages
-                    )
-                )
-            except BaseException:
-                credit.reattach(surplus)
-                raise
+            await self._return_pages(surplus)
 
     async def acquire_tp(
         self, pages: int, reduce_min: Callable[[int], Awaitable[int] | int], min_pages: int | None = None
@@ -173,11 +172,37 @@ class AsyncBrokerClient:
 
     # ------------------------------------------------------------ internals
     async def _open(self, *, resume: bool) -> None:
+        check_endpoint(self._transport.endpoint)
         hello = self._core.hello(resume=resume)
         reply = await self._transport.request(proto.encode(hello), hello.id)
         if not reply.ok:
             raise self._core.error_of(reply)
-        self._core.on_hello(reply.result)
+        if self._core.on_hello(reply.result):
+            await self._reassert()
+
+    async def _reassert(self) -> None:
+        """The broker lost this session: ask the new one for what the books say is held."""
+        core = self._core
+        pools, pages = core.reassertion()
+        got_pools = None
+        if pools:
+            try:
+                result = await self._call(
+                    lambda rid: proto.Reserve(id=rid, session=core.session_token(), pools=pools),
+                    track={"on_answer": core.book_pools},
+                )
+                got_pools = dict(result["pools"])
+            except BrokerError as exc:
+                log.error("event=reassert_refused session=%s what=pools error=%s", core.session_id, exc)
+                got_pools = {}
+        granted = 0
+        if pages:
+            result = await self._call(
+                lambda rid: proto.Acquire(id=rid, session=core.session_token(), pages=pages, min_pages=0),
+                track={"on_answer": core.book_late_grant},
+            )
+            granted = int(result["granted"])
+        core.book_reasserted(got_pools, granted)
 
     async def _resume_once(self) -> None:
         """Resume the session; concurrent callers share one hello."""
@@ -194,22 +219,103 @@ class AsyncBrokerClient:
         finally:
             self._resuming = None
 
-    async def _call(self, build: Callable[[int], Any], *, total_s: float | None = None, resume: bool = True) -> Any:
-        self._core.check_usable()
-        request_id = self._core.next_id()
+    async def _call(
+        self,
+        build: Callable[[int], Any],
+        *,
+        total_s: float | None = None,
+        resume: bool = True,
+        track: dict[str, Any] | None = None,
+    ) -> Any:
+        """As :meth:`BrokerClient._call`: ``track`` marks a request that changes holdings."""
+        core = self._core
+        core.check_usable()
+        await self._settle_in_doubt(total_s)
+        request_id = core.next_id()
+        payload = proto.encode(build(request_id))
+        booked = bool(track and track.get("booked"))
+        if track is not None:
+            core.track(request_id, payload, **track)
+        try:
+            result = await self._exchange(request_id, payload, build, total_s=total_s, resume=resume, booked=booked)
+        finally:
+            core.gave_up(request_id)
+        return {"settled": True} if result is _MOOT else result
+
+    async def _exchange(
+        self,
+        request_id: int,
+        payload: bytes,
+        build: Callable[[int], Any] | None,
+        *,
+        total_s: float | None,
+        resume: bool,
+        booked: bool,
+    ) -> Any:
+        core = self._core
         for _ in range(3):
-            token_used = self._core.token
-            reply = await self._transport.request(proto.encode(build(request_id)), request_id, total_s=total_s)
+            token_used = core.token
+            reply = await self._transport.request(payload, request_id, total_s=total_s)
             if reply.ok:
-                self._next_heartbeat_s = time.monotonic() + self._core.heartbeat_s
+                core.answered(request_id)
+                self._next_heartbeat_s = time.monotonic() + core.heartbeat_s
                 return reply.result
             assert reply.error is not None
             if resume and reply.error.code in RESUME_CODES:
-                if self._core.token == token_used:
+                entry = core.outstanding.get(request_id)
+                if core.token == token_used:
                     await self._resume_once()
+                if core.token != token_used:  # a new session, already given the books' holdings
+                    if booked or build is None:
+                        return _MOOT
+                    payload = proto.encode(build(request_id))
+                    core.retrack(request_id, entry, payload)
                 continue
-            raise self._core.error_of(reply)
-        raise self._core.error_of(reply)
+            core.answered(request_id)
+            raise core.error_of(reply)
+        core.answered(request_id)
+        raise core.error_of(reply)
+
+    async def _settle_in_doubt(self, total_s: float | None) -> None:
+        """Send every request a caller gave up on again, before anything else (one coroutine at a time)."""
+        if not self._core.outstanding:
+            return
+        async with self._settling:
+            for request_id, outstanding in self._core.in_doubt():
+                if self._core.outstanding.get(request_id) is not outstanding:
+                    continue  # a lost session dropped it meanwhile
+                outstanding.waiting = True
+                try:
+                    result = await self._exchange(
+                        request_id, outstanding.payload, None, total_s=total_s, resume=True, booked=outstanding.booked
+                    )
+                except BrokerUnavailable:
+                    outstanding.waiting = False
+                    raise
+                except BrokerError:
+                    outstanding.on_refusal()
+                    continue
+                if result is not _MOOT:
+                    outstanding.on_answer(result)
+        surplus = self._core.credit.trim()
+        if surplus:
+            await self._return_pages(surplus)
+
+    async def _return_pages(self, pages: int) -> None:
+        """Hand ``pages`` (already off the books) back to the broker."""
+        credit = self._core.credit
+        try:
+            await self._call(
+                lambda rid: proto.Release(
+                    id=rid, session=self._core.session_token(), pages=pages, reserve_pages=credit.reserve_pages
+                ),
+                track={"booked": True, "on_refusal": lambda: credit.reattach(pages)},
+            )
+        except BrokerUnavailable:
+            raise  # in doubt: stays off the books and is sent again before the next request
+        except BrokerError:
+            credit.reattach(pages)
+            raise
 
     async def _heartbeat_loop(self) -> None:
         while not self._core.closed:
@@ -239,7 +345,10 @@ class AsyncBrokerClient:
     async def _handle_pressure(self, push: proto.Pressure) -> None:
         pages = self._core.credit.detach(push.pages)
         if pages:
-            await self._return_reserve(pages)
+            try:
+                await self._return_pages(pages)
+            except BrokerError as exc:
+                log.warning("event=pressure_return_failed session=%s error=%s", self._core.session_id, exc)
         freed = 0
         if push.pages > pages and self._pressure_callback is not None:
             try:
@@ -248,12 +357,3 @@ class AsyncBrokerClient:
             except Exception:
                 log.exception("event=pressure_callback_failed session=%s", self._core.session_id)
         self.pressure_log.append({"asked": push.pages, "from_reserve": pages, "from_runtime": freed})
-
-    async def _return_reserve(self, pages: int) -> None:
-        credit = self._core.credit
-        try:
-            await self._call(
-                lambda rid: proto.Release(id=rid, session=self._core.session_token(), pages=pages, reserve_pages=credit.reserve_pages)
-            )
-        except BrokerError:
-            credit.reattach(pages)

@@ -5,14 +5,26 @@ re-asserts when it reconnects to a broker that restarted:
 
 * ``pools``: the reservation map the broker last acknowledged;
 * ``credit.held_pages`` / ``credit.reserve_pages``: pages handed to the caller / kept in reserve.
+
+**Exactly once.**  Every request that changes holdings stays in ``outstanding`` from the
+moment it is built until the broker answers it, whatever happens to the call that sent it
+(a timeout, an interrupt).  An outstanding request whose caller gave up is *in doubt*: the
+broker may or may not have applied it, so it is sent again, with the same id and the same
+bytes, before anything else, and the broker's reply cache makes the repeat harmless; its
+late answer is then booked (``Outstanding.on_answer``).  A release is booked before it is
+sent (the pages leave the books at once); a resume names such requests in
+``Hello.settled``, so a restarted broker that adopts the books answers their repeats
+without applying them twice.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import secrets
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import msgspec
 
@@ -22,8 +34,26 @@ from .device import resolve_device
 from .endpoint import resolve_endpoint
 from .errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted, error_from_wire
 
+log = logging.getLogger("kvcached_broker.client")
+
 #: Error codes after which a client re-opens its session with hello(resume) and retries.
 RESUME_CODES = frozenset({"not_owner", "unknown_session"})
+
+
+@dataclass
+class Outstanding:
+    """A request that changes holdings and has no answer yet."""
+
+    payload: bytes
+    #: Its effect is already in the books (a release): a broker that adopts the books on
+    #: resume must not apply it again.
+    booked: bool
+    #: Book a late answer (the caller gave up on it): ``on_answer(result)``.
+    on_answer: Callable[[dict[str, Any]], None]
+    #: The broker refused it: undo what booking it did (put a release's pages back).
+    on_refusal: Callable[[], None]
+    #: A caller is waiting for it right now (not in doubt).
+    waiting: bool = True
 
 
 class ClientCore:
@@ -68,6 +98,7 @@ class ClientCore:
         self.device: dict[str, Any] = {}
         self.evicted = False
         self.closed = False
+        self.outstanding: dict[int, Outstanding] = {}
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------- requests
@@ -87,6 +118,7 @@ class ClientCore:
             device_uuid=self.device_uuid,
             resume=self.token if resume else None,
             holdings=self.holdings() if resume else None,
+            settled=[rid for rid, o in self.outstanding.items() if o.booked] if resume else [],
             limits=self.limits_request,
             client=self.client,
             adapter=self.adapter,
@@ -99,12 +131,78 @@ class ClientCore:
             reserve_pages=self.credit.reserve_pages,
         )
 
-    def on_hello(self, result: dict[str, Any]) -> None:
+    def on_hello(self, result: dict[str, Any]) -> bool:
+        """Take a hello's answer; True if it opened a new session where this client had one.
+
+        Then the broker had lost the old session (its state did not survive): nothing
+        outstanding can be answered any more, and the books must be asked for again.
+        """
+        lost = self.token is not None and not result.get("resumed", False)
+        if lost:
+            log.warning(
+                "event=session_lost old_session=%s new_session=%s detail=reasserting_holdings",
+                self.session_id, result["session_id"],
+            )
+            self.outstanding.clear()
         self.token = result["session"]
         self.session_id = result["session_id"]
         self.lease_s = float(result.get("lease_s", self.lease_s))
         self.heartbeat_s = float(result.get("heartbeat_s", self.lease_s / 4))
         self.device = result.get("device", {})
+        return lost
+
+    # --------------------------------------------------------- outstanding
+    def track(self, request_id: int, payload: bytes, *, booked: bool = False,
+              on_answer: Callable[[dict[str, Any]], None] | None = None,
+              on_refusal: Callable[[], None] | None = None) -> None:
+        """Keep a request that changes holdings until the broker answers it."""
+        self.outstanding[request_id] = Outstanding(
+            payload, booked, on_answer or _ignore_answer, on_refusal or _nothing
+        )
+
+    def retrack(self, request_id: int, entry: Outstanding | None, payload: bytes) -> None:
+        """Track a request again, rebuilt for the new session that replaced a lost one."""
+        if entry is not None:
+            entry.payload = payload
+            self.outstanding[request_id] = entry
+
+    def answered(self, request_id: int) -> Outstanding | None:
+        """The broker answered (or definitively refused) ``request_id``."""
+        return self.outstanding.pop(request_id, None)
+
+    def gave_up(self, request_id: int) -> None:
+        """The caller stopped waiting without an answer: the request is now in doubt."""
+        outstanding = self.outstanding.get(request_id)
+        if outstanding is not None:
+            outstanding.waiting = False
+
+    def in_doubt(self) -> list[tuple[int, Outstanding]]:
+        return [(rid, o) for rid, o in self.outstanding.items() if not o.waiting]
+
+    def book_pools(self, result: dict[str, Any]) -> None:
+        """A reserve's answer: the pools the broker now charges."""
+        self.pools = dict(result["pools"])
+
+    def book_late_grant(self, result: dict[str, Any]) -> None:
+        """The answer to an acquire whose caller gave up: its pages go to the credit reserve."""
+        self.credit.reattach(int(result["granted"]))
+
+    def reassertion(self) -> tuple[dict[str, int], int]:
+        """What to ask a broker that lost this session for: ``(pools, pages)``."""
+        return dict(self.pools), self.credit.granted_pages
+
+    def book_reasserted(self, pools: dict[str, int] | None, granted_pages: int) -> None:
+        """Book what a re-assertion got back; pages short of what is held stay uncharged."""
+        if pools is not None:
+            self.pools = dict(pools)
+        credit = self.credit
+        short = credit.held_pages - granted_pages
+        credit.reserve_pages = max(0, granted_pages - credit.held_pages)
+        if short > 0:
+            log.error(
+                "event=uncharged_pages session=%s pages=%d detail=the_broker_lost_this_session_and_cannot_grant_them_again",
+                self.session_id, short,
+            )
 
     def check_usable(self) -> None:
         if self.evicted:
@@ -128,6 +226,14 @@ class ClientCore:
         if isinstance(err, SessionEvicted):
             self.evicted = True
         return err
+
+
+def _ignore_answer(result: dict[str, Any]) -> None:
+    return None
+
+
+def _nothing() -> None:
+    return None
 
 
 def prepare(

@@ -92,6 +92,10 @@ class CreditReserve:
             )
         self.held_pages -= pages
         self.reserve_pages += pages
+        return self.trim()
+
+    def trim(self) -> int:
+        """Take the surplus above the high watermark out of the reserve (a late grant, say)."""
         if self.reserve_pages > self.high_pages:
             return self.detach(self.reserve_pages - self.target_pages)
         return 0

@@ -28,6 +28,7 @@ ERROR_CODES = (
     "rate_limited",
     "stale_revision",
     "unavailable",
+    "untrusted_endpoint",
     "internal",
 )
 
@@ -135,6 +136,13 @@ class BrokerUnavailable(BrokerError):
     retryable = True
 
 
+class UntrustedEndpoint(BrokerError):
+    """The broker's socket is not where only the broker could have put it (a foreign owner, a
+    symlink, a world-writable directory): whatever answers there may be an impostor."""
+
+    code = "untrusted_endpoint"
+
+
 class InternalError(BrokerError):
     """A bug in the broker; the request was not applied."""
 
@@ -157,6 +165,7 @@ _BY_CODE: dict[str, type[BrokerError]] = {
         RateLimited,
         StaleRevision,
         BrokerUnavailable,
+        UntrustedEndpoint,
         InternalError,
     )
 }

@@ -30,6 +30,7 @@ MAX_REQUEST_BYTES = 64 << 10
 MAX_POOLS = 64
 MAX_PAGES = 1 << 40
 MAX_TP_SIZE = 4096
+MAX_SETTLED = 1024
 
 Bytes = Annotated[int, Meta(ge=0, le=MAX_SIZE_BYTES)]
 Pages = Annotated[int, Meta(ge=0, le=MAX_PAGES)]
@@ -92,6 +93,10 @@ class Hello(Request, tag="hello", kw_only=True):
     device_uuid: Annotated[str, Meta(max_length=96)] | None = None
     resume: Token | None = None
     holdings: Holdings | None = None
+    #: With ``resume``: ids of requests whose effect ``holdings`` already shows (a release the
+    #: client booked before sending it).  A broker that adopts ``holdings`` answers these ids
+    #: from its reply cache, so a release in flight across a restart is applied exactly once.
+    settled: Annotated[list[RequestId], Meta(max_length=MAX_SETTLED)] = []
     limits: LimitsRequest | None = None
     client: FreeText = ""
     adapter: AdapterInfo | None = None
@@ -211,6 +216,8 @@ def decode_request(frame: bytes) -> AnyRequest:
         return _request_decoder.decode(frame)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"invalid request: {exc}", _salvage_id(frame)) from None
+    except RecursionError:
+        raise ProtocolError("invalid request: nested too deeply", _salvage_id(frame)) from None
 
 
 def _salvage_id(frame: bytes) -> int | None:
@@ -227,7 +234,11 @@ def _salvage_id(frame: bytes) -> int | None:
 
 
 def decode_broker_message(frame: bytes) -> Reply | Pressure:
-    return _broker_decoder.decode(frame)
+    """Raises ``msgspec.DecodeError`` for a frame that is not a broker message (nesting too)."""
+    try:
+        return _broker_decoder.decode(frame)
+    except RecursionError:
+        raise msgspec.DecodeError("broker message nested too deeply") from None
 
 
 def encode(message: Any) -> bytes:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from . import protocol as proto
 from .core import RESUME_CODES, ClientCore, check_pages, check_pools, prepare
 from .errors import BrokerError, BrokerUnavailable, SessionEvicted
+from .trust import check_endpoint
 from .transport import CurveKeys, SyncTransport, Timeouts
 
 log = logging.getLogger("kvcached_broker.client")
@@ -24,6 +25,8 @@ log = logging.getLogger("kvcached_broker.client")
 #: wanted after the credit reserve, it frees what it can, hands those pages back with
 #: ``client.release()`` itself, and returns how many it released.
 PressureCallback = Callable[[int], int]
+#: What an exchange returns for a request that a lost session made moot.
+_MOOT = object()
 
 
 class BrokerClient:
@@ -123,9 +126,10 @@ class BrokerClient:
         views = None if usage is None else check_pools(usage)
         with self._lock:
             result = self._call(
-                lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean, usage=views)
+                lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean, usage=views),
+                track={"on_answer": self._core.book_pools},
             )
-            self._core.pools = dict(result["pools"])
+            self._core.book_pools(result)
             return dict(result["pools"])
 
     def acquire(self, pages: int, min_pages: int | None = None) -> int:
@@ -140,6 +144,7 @@ class BrokerClient:
                 raise BrokerError(f"min_pages ({min_pages}) must not exceed pages ({pages})", code="bad_request")
         with self._lock:
             self._core.check_usable()
+            self._settle_in_doubt(None)  # a late grant may serve this from the reserve
             credit = self._core.credit
             if credit.take(pages):
                 return pages
@@ -151,7 +156,8 @@ class BrokerClient:
                     pages=ask,
                     min_pages=ask_min,
                     reserve_pages=credit.reserve_pages,
-                )
+                ),
+                track={"on_answer": self._core.book_late_grant},
             )
             return credit.settle(pages, min_pages, int(result["granted"]))
 
@@ -221,44 +227,143 @@ class BrokerClient:
 
     # ------------------------------------------------------------ internals
     def _open(self, *, resume: bool) -> None:
+        check_endpoint(self._transport.endpoint)
         hello = self._core.hello(resume=resume)
         reply = self._transport.request(proto.encode(hello), hello.id)
         if not reply.ok:
             raise self._core.error_of(reply)
-        self._core.on_hello(reply.result)
+        lost = self._core.on_hello(reply.result)
         self._next_heartbeat_s = time.monotonic() + self._core.heartbeat_s
+        if lost:
+            self._reassert()
 
-    def _call(self, build: Callable[[int], Any], *, total_s: float | None = None, resume: bool = True) -> Any:
-        """Send one request (retried with the same id) and return its result.
+    def _reassert(self) -> None:
+        """The broker lost this session: ask the new one for what the books say is held."""
+        pools, pages = self._core.reassertion()
+        got_pools = None
+        if pools:
+            try:
+                got_pools = self._reserve_locked(pools)
+            except BrokerError as exc:
+                log.error("event=reassert_refused session=%s what=pools error=%s", self._core.session_id, exc)
+                got_pools = {}
+        granted = 0
+        if pages:
+            result = self._call(
+                lambda rid: proto.Acquire(id=rid, session=self._core.session_token(), pages=pages, min_pages=0),
+                track={"on_answer": self._core.book_late_grant},
+            )
+            granted = int(result["granted"])
+        self._core.book_reasserted(got_pools, granted)
 
-        On ``not_owner``/``unknown_session`` (the broker restarted or the connection was
-        replaced) the session is resumed and the request sent again with the same id.
+    def _reserve_locked(self, pools: dict[str, int]) -> dict[str, int]:
+        result = self._call(
+            lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=pools),
+            track={"on_answer": self._core.book_pools},
+        )
+        return dict(result["pools"])
+
+    def _call(
+        self,
+        build: Callable[[int], Any],
+        *,
+        total_s: float | None = None,
+        resume: bool = True,
+        track: dict[str, Any] | None = None,
+    ) -> Any:
+        """Send one request (retried with the same id and bytes) and return its result.
+
+        ``track`` marks a request that changes holdings (see ``core.Outstanding``): it stays
+        outstanding until answered, and is sent again before the next request if this call
+        gives up on it.  On ``not_owner``/``unknown_session`` (the broker restarted or the
+        connection was replaced) the session is resumed and the request sent again.
         """
-        self._core.check_usable()
-        request_id = self._core.next_id()
+        core = self._core
+        core.check_usable()
+        self._settle_in_doubt(total_s)
+        request_id = core.next_id()
+        payload = proto.encode(build(request_id))
+        booked = bool(track and track.get("booked"))
+        if track is not None:
+            core.track(request_id, payload, **track)
+        try:
+            result = self._exchange(request_id, payload, build, total_s=total_s, resume=resume, booked=booked)
+        finally:
+            core.gave_up(request_id)  # nothing if it was answered
+        return {"settled": True} if result is _MOOT else result
+
+    def _exchange(
+        self,
+        request_id: int,
+        payload: bytes,
+        build: Callable[[int], Any] | None,
+        *,
+        total_s: float | None,
+        resume: bool,
+        booked: bool,
+    ) -> Any:
+        core = self._core
         for _ in range(3):
-            reply = self._transport.request(proto.encode(build(request_id)), request_id, total_s=total_s)
+            reply = self._transport.request(payload, request_id, total_s=total_s)
             if reply.ok:
-                self._next_heartbeat_s = time.monotonic() + self._core.heartbeat_s
+                core.answered(request_id)
+                self._next_heartbeat_s = time.monotonic() + core.heartbeat_s
                 return reply.result
             assert reply.error is not None
             if resume and reply.error.code in RESUME_CODES:
-                log.info("event=resume session=%s reason=%s", self._core.session_id, reply.error.code)
+                log.info("event=resume session=%s reason=%s", core.session_id, reply.error.code)
+                token, entry = core.token, core.outstanding.get(request_id)
                 self._open(resume=True)
+                if core.token != token:  # a new session, already given the books' holdings
+                    if booked or build is None:
+                        return _MOOT
+                    payload = proto.encode(build(request_id))
+                    core.retrack(request_id, entry, payload)
                 continue
-            raise self._core.error_of(reply)
-        raise self._core.error_of(reply)
+            core.answered(request_id)
+            raise core.error_of(reply)
+        core.answered(request_id)
+        raise core.error_of(reply)
+
+    def _settle_in_doubt(self, total_s: float | None) -> None:
+        """Send every request a caller gave up on again, before anything else, and book its answer."""
+        core = self._core
+        if not core.outstanding:
+            return
+        for request_id, outstanding in core.in_doubt():
+            if core.outstanding.get(request_id) is not outstanding:
+                continue  # a lost session dropped it meanwhile
+            outstanding.waiting = True
+            try:
+                result = self._exchange(
+                    request_id, outstanding.payload, None, total_s=total_s, resume=True, booked=outstanding.booked
+                )
+            except BrokerUnavailable:
+                outstanding.waiting = False
+                raise
+            except BrokerError:
+                outstanding.on_refusal()
+                continue
+            if result is not _MOOT:
+                outstanding.on_answer(result)
+        surplus = core.credit.trim()
+        if surplus:
+            self._return_pages(surplus)
 
     def _return_pages(self, pages: int) -> None:
+        """Hand ``pages`` (already off the books) back to the broker."""
         credit = self._core.credit
         try:
             self._call(
                 lambda rid: proto.Release(
                     id=rid, session=self._core.session_token(), pages=pages, reserve_pages=credit.reserve_pages
-                )
+                ),
+                track={"booked": True, "on_refusal": lambda: credit.reattach(pages)},
             )
-        except BaseException:
-            credit.reattach(pages)
+        except BrokerUnavailable:
+            raise  # in doubt: stays off the books and is sent again before the next request
+        except BrokerError:
+            credit.reattach(pages)  # refused: the pages are still this session's
             raise
 
     def _heartbeat_locked(self) -> None:
@@ -302,7 +407,8 @@ class BrokerClient:
             result = self._call(
                 lambda rid: proto.Acquire(
                     id=rid, session=self._core.session_token(), pages=wanted, min_pages=0, reserve_pages=credit.reserve_pages
-                )
+                ),
+                track={"on_answer": self._core.book_late_grant},
             )
             credit.reattach(int(result["granted"]))
         if time.monotonic() >= self._next_heartbeat_s:

@@ -67,13 +67,19 @@ def session_of(status: dict, session_id: str) -> dict | None:
 
 
 def _journal_records(path: Path) -> list[dict]:
+    """The journal as documented: ``[u32 length][u32 CRC-32][MessagePack map]`` records."""
+    import zlib
+
     import msgspec
 
     data, offset, records = path.read_bytes(), 0, []
     while offset < len(data):
         length = int.from_bytes(data[offset : offset + 4], "little")
-        records.append(msgspec.msgpack.decode(data[offset + 4 : offset + 4 + length]))
-        offset += 4 + length
+        crc = int.from_bytes(data[offset + 4 : offset + 8], "little")
+        payload = data[offset + 8 : offset + 8 + length]
+        assert zlib.crc32(payload) == crc, f"record at {offset} fails its checksum"
+        records.append(msgspec.msgpack.decode(payload))
+        offset += 8 + length
     return records
 
 
@@ -208,8 +214,8 @@ def test_a_stolen_token_is_useless_from_another_process(broker, workers):
             break
         time.sleep(0.05)
     for record in _journal_records(broker.state_dir / "gpu0.journal"):
-        if "session" in record and record["session"]["id"] == w.session_id:
-            token = record["session"]["token"]
+        if record["kind"] == "session" and record["id"] == w.session_id:
+            token = record["token"]
     assert token
     import msgpack
     import zmq
@@ -422,3 +428,203 @@ def test_a_round_that_ends_where_the_journal_is_writes_nothing_and_restart_keeps
         assert session.granted_pages == 7
     finally:
         restarted.close()
+
+
+def _books_pages(client: BrokerClient) -> int:
+    return client.held_pages + client.reserve_pages
+
+
+@pytest.mark.parametrize("credit_pages", [0, None])
+def test_a_release_after_a_restart_is_applied_once(broker_factory, credit_pages):
+    """A holds the whole device, the broker is SIGKILLed and restarted, A releases half: B may
+    get at most that half, and A's books and the broker's charge agree."""
+    b = broker_factory(simulate="64GiB", extra_args=["--headroom", "0"])
+    page_bytes = 256 * MIB
+    all_pages = (64 * GIB) // page_bytes
+    a = BrokerClient.connect("a", endpoint=b.endpoint, page_bytes=page_bytes, credit_pages=credit_pages, background=False)
+    assert a.acquire(all_pages, min_pages=all_pages - 8) >= all_pages - 8
+    held = a.held_pages
+    b.restart()
+    half = held // 2
+    a.release(half)  # reaches the restarted broker: not_owner, resume, then the release
+    with BrokerClient.connect("b", endpoint=b.endpoint, page_bytes=page_bytes, credit_pages=0) as other:
+        got = other.acquire(all_pages, min_pages=1)
+        s = b.status()
+        mine = session_of(s, a.session_id)
+        assert mine["granted_pages"] == _books_pages(a), (mine, a.held_pages, a.reserve_pages)
+        assert got * page_bytes <= 64 * GIB - _books_pages(a) * page_bytes
+        assert got <= all_pages - a.held_pages
+        assert s["granted_bytes"] <= s["budget_bytes"] and not s["overcommitted"]
+    a.close()
+
+
+def test_a_release_in_flight_when_the_broker_dies_is_applied_once(broker_factory):
+    """The broker dies before answering a release: the client re-sends it to the restarted
+    broker after resuming, and it is applied exactly once whichever broker saw it first."""
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"])
+    a = BrokerClient.connect("a", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0, background=False, timeout_s=1.0)
+    assert a.acquire(10) == 10
+    b.proc.send_signal(signal.SIGSTOP)  # the release reaches a broker that never answers it
+    with pytest.raises(BrokerUnavailable):
+        a.release(4)
+    assert a.held_pages == 6  # booked: it is in doubt, not given back to the caller
+    b.kill(signal.SIGKILL)
+    b.start()
+    assert a.acquire(1) == 1  # first re-sends the release in doubt, then asks
+    s = b.status()
+    assert session_of(s, a.session_id)["granted_pages"] == 7 == a.held_pages
+    a.close()
+
+
+def _stopped_holder(b, workers, pages: int) -> "Worker":
+    """A worker that holds ``pages`` and cannot reconnect (SIGSTOPped) while the broker restarts."""
+    w = Worker(b.endpoint, "holder", {}, pages=pages, page_bytes=GIB)
+    workers.append(w)
+    w.signal(signal.SIGSTOP)
+    return w
+
+
+def _flip(path: Path, offset_from_end: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) - offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_a_flipped_bit_in_the_journal_is_refused_and_the_broker_starts(broker_factory, workers, where):
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    w = _stopped_holder(b, workers, pages=6)
+    journal = b.state_dir / "gpu0.journal"
+    records = _journal_records(journal)
+    assert records[-1]["granted_pages"] == 6  # the last record is the one that says 6 pages
+    b.kill()
+    payload = msgpack_of(records[-1])
+    # the last record's payload ends the file: flip a bit in a key name or in the pages value
+    offset = len(payload) - payload.rindex(b"granted_pages") if where == "key" else 1
+    _flip(journal, offset)
+    b.start()  # it starts (it used to crash on an uncaught KeyError, every time)
+    log = b.log()
+    assert "event=state_damaged damaged_records=1" in log
+    s = b.status()
+    assert s["broker"]["state_damage"]["damaged_records"] == 1 and s["broker"]["growth_held"]
+    # Its latest record is gone, so the holder is under-counted; until it re-asserts, nobody else grows.
+    with BrokerClient.connect("newcomer", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as c:
+        assert c.acquire(1) == 0
+        w.signal(signal.SIGCONT)  # the holder wakes, resumes and re-asserts its 6 pages
+        wait_for(lambda: _instance_pages(b.status(), "holder") == 6, what="holder re-asserted its 6 pages")
+        wait_for(lambda: not b.status()["broker"]["growth_held"], what="growth hold lifted")
+        assert c.acquire(16) == 0 and c.acquire(10) == 10  # 6 of 16 are the holder's
+    assert w.query()["held_pages"] == 6
+
+
+def msgpack_of(record: dict) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(record)
+
+
+def _instance_pages(status: dict, name: str) -> int:
+    return sum(s["granted_pages"] for i in status["instances"] if i["name"] == name for s in i["sessions"])
+
+
+def test_a_damaged_snapshot_is_ignored_with_one_line(broker_factory, workers):
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    w = Worker(b.endpoint, "holder", {}, pages=3, page_bytes=GIB)
+    workers.append(w)
+    b.stop()  # a clean stop writes a snapshot and empties the journal
+    snapshot = b.state_dir / "gpu0.snapshot"
+    assert snapshot.read_bytes().startswith(b"KVBSNAP2")
+    _flip(snapshot, 5)
+    b.start()
+    damaged = [line for line in b.log().splitlines() if "event=state_damaged" in line]
+    assert len(damaged) == 1 and "checksum mismatch" in damaged[0]
+    # The holder is alive and awake: it re-opens and re-asserts, so the books still agree.
+    wait_for(lambda: _instance_pages(b.status(), "holder") == 3, what="holder re-asserted")
+    assert w.query()["held_pages"] == 3
+
+
+def test_a_cut_short_or_zeroed_journal_tail_holds_growth_until_workers_reassert(broker_factory, workers):
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    w = _stopped_holder(b, workers, pages=5)
+    journal = b.state_dir / "gpu0.journal"
+    b.kill()
+    data = journal.read_bytes()
+    journal.write_bytes(data[:-3] + b"\0\0\0")  # the tail zeroed: its record is damaged
+    b.start()
+    assert b.status()["broker"]["growth_held"]
+    with BrokerClient.connect("newcomer", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as c:
+        assert c.acquire(1) == 0
+        w.signal(signal.SIGCONT)
+        wait_for(lambda: not b.status()["broker"]["growth_held"], what="growth hold lifted")
+        assert c.acquire(12) == 0 and c.acquire(11) == 11
+    assert _instance_pages(b.status(), "holder") == 5
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to own files as another user")
+def test_the_client_refuses_an_endpoint_another_user_prepared(short_tmp, monkeypatch):
+    from kvcached_broker.client import UntrustedEndpoint
+
+    impostor = short_tmp / "kvcached-1000"
+    impostor.mkdir()
+    os.chown(impostor, 4242, 4242)
+    endpoint = f"ipc://{impostor}/gpu0.sock"
+    with pytest.raises(UntrustedEndpoint, match="owned by uid 4242"):
+        BrokerClient.connect("victim", endpoint=endpoint, timeout_s=0.5)
+    monkeypatch.setenv("KVCACHED_BROKER_UID", "4242")  # a broker that runs as that user: trusted
+    with pytest.raises(BrokerUnavailable):
+        BrokerClient.connect("victim", endpoint=endpoint, timeout_s=0.5)
+    link = short_tmp / "link"
+    link.symlink_to(impostor)
+    with pytest.raises(UntrustedEndpoint, match="symlink"):
+        BrokerClient.connect("victim", endpoint=f"ipc://{link}/gpu0.sock", timeout_s=0.5)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run an admin as another user")
+def test_an_admin_group_member_cannot_kill_another_users_worker(broker_factory, workers):
+    import grp
+
+    nogroup = grp.getgrgid(65534).gr_name
+    os.chmod(broker_factory.workdir, 0o755)
+    b = broker_factory(extra_args=["--socket-group", nogroup, "--admin-group", nogroup], socket_subdir="run")
+    w = Worker(b.endpoint, "roots", {"weights": GIB}, pages=0)  # runs as root
+    workers.append(w)
+    script = (
+        "import os;"
+        "from kvcached_broker.client.admin import AdminClient;"
+        "from kvcached_broker.client.errors import Forbidden;"
+        "os.setgid(65534); os.setuid(65534);"
+        f"a = AdminClient({b.endpoint!r});"
+        f"\ntry:\n    a.evict({w.session_id!r}, kill=True)\nexcept Forbidden as e:\n    print('forbidden', e)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("forbidden") and "may not kill" in out.stdout
+    assert w.proc.poll() is None and session_of(b.status(), w.session_id) is not None  # nothing happened
+
+
+def test_every_loopback_address_counts_for_insecure_tcp(short_tmp):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "8GiB", "--no-state",
+           "--endpoint", f"tcp://127.0.0.2:{port}", "--insecure-tcp"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "event=ready" in line or "loopback" in line:
+                break
+        assert "event=ready" in line, line
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_metrics_without_the_extra_fail_before_ready(short_tmp):
+    script = (
+        "import sys; sys.modules['prometheus_client'] = None;"
+        "from kvcached_broker.broker.cli import main;"
+        f"sys.exit(main(['serve', '--simulate', '8GiB', '--no-state', '--endpoint', 'ipc://{short_tmp}/m.sock',"
+        "'--metrics-port', '9', '--log-level', 'info']))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert "event=ready" not in out.stderr + out.stdout
+    assert "kvcached-broker[metrics]" in out.stderr

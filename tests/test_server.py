@@ -329,3 +329,137 @@ def test_a_session_that_never_acquires_keeps_no_idle_credit(inproc):
         assert inproc.ledger.sessions[c.session_id].granted_pages == 0
         assert c.acquire(1) == 1
         assert inproc.ledger.sessions[c.session_id].granted_pages == 17  # now the reserve is in use
+
+
+def _hello(sock, nonce: str, **extra) -> dict:
+    return _ask(sock, {"op": "hello", "id": 1, "versions": [1], "instance": extra.pop("instance", "claimer"),
+                       "pid": os.getpid(), "page_bytes": extra.pop("page_bytes", 4096), "nonce": nonce, **extra})
+
+
+@pytest.mark.parametrize(
+    "holdings",
+    [
+        {"granted_pages": 10 * GIB // 4096},  # past a 1 GiB cap
+        {"granted_pages": 78 * GIB // 4096},  # past the 64 GiB device
+        {"granted_pages": 1 << 40},  # 2**40 pages of the largest page size
+        {"pools": {"weights": 70 * GIB}, "granted_pages": 0},
+    ],
+)
+def test_a_fresh_hello_adopts_no_claimed_holdings(inproc_factory, holdings):
+    b = inproc_factory(total_bytes=64 * GIB)
+    b.admin().limit("claimer", max_bytes=GIB)
+    sock = _raw_dealer(b.endpoint)
+    page_bytes = (1 << 40) if holdings["granted_pages"] == 1 << 40 else 4096
+    reply = _hello(sock, "claim-nonce-1", page_bytes=min(page_bytes, 64 * GIB), holdings=holdings)
+    assert reply["ok"], reply
+    assert reply["result"]["holdings"] == {"pools": {}, "granted_pages": 0, "reserve_pages": 0}
+    with connect(b, "honest") as c:
+        assert c.acquire(8) == 8  # nobody was locked out
+    status = b.status()  # and status still answers
+    assert status["granted_bytes"] == 0 and status["reserved_bytes"] == 0 and not status["overcommitted"]
+    sock.close()
+
+
+def test_a_resume_claiming_more_than_its_checkpoint_passes_admission(short_tmp):
+    """After a restart a worker re-asserts what it holds; a claim above the checkpoint must
+    fit like any grant, and one that does not keeps the checkpoint's figures."""
+    from kvcached_broker.broker.device import SimulatedDevice
+    from kvcached_broker.broker.server import BrokerServer, ServeConfig
+
+    def serve():
+        server = BrokerServer(ServeConfig(endpoint=f"ipc://{short_tmp}/r.sock", headroom="0",
+                                          state_dir=short_tmp / "state"), SimulatedDevice(0, 8 * GIB))
+        server.start()
+        return server
+
+    server = serve()
+    sock = _raw_dealer(server.config.endpoint)
+
+    def ask(message):
+        sock.send(msgpack.packb(message))
+        server.run_round(2000)
+        return msgpack.unpackb(sock.recv())
+
+    hello = {"op": "hello", "id": 1, "versions": [1], "instance": "r", "pid": os.getpid(), "page_bytes": GIB,
+             "nonce": "resume-nonce-1"}
+    token = ask(hello)["result"]["session"]
+    assert ask({"op": "acquire", "id": 2, "session": token, "pages": 2})["result"]["granted"] == 2
+    sock.close()
+    server.close()
+
+    server = serve()
+    sock = _raw_dealer(server.config.endpoint)
+    claim = {**hello, "id": 3, "nonce": "resume-nonce-2", "resume": token, "holdings": {"granted_pages": 100}}
+    reply = ask(claim)
+    assert reply["ok"] and reply["result"]["holdings"]["granted_pages"] == 2  # 100 GiB do not fit in 8
+    assert ask({**claim, "id": 4, "nonce": "resume-nonce-3", "holdings": {"granted_pages": 3}})["ok"]
+    (session,) = server.ledger.sessions.values()
+    assert session.granted_pages == 2  # a session resumed once adopts no more claims
+    sock.close()
+    server.close()
+
+
+@pytest.mark.parametrize("depth", [200, 1000, 20_000])
+def test_deeply_nested_frames_get_bad_request(inproc, depth):
+    """msgpack nested 1,000 deep once killed the broker (a RecursionError in the decoder)."""
+    sock = _raw_dealer(inproc.endpoint)
+    for nested in (b"\x91" * depth + b"\x01", b"\x81\xa1k" * depth + b"\x01"):
+        frame = b"\x83\xa2op\xa6status\xa2id\x07\xa1x" + nested  # an unknown field holds the nesting
+        if len(frame) > proto.MAX_REQUEST_BYTES:
+            continue
+        sock.send(frame)
+        reply = msgpack.unpackb(sock.recv())
+        if depth >= 1000:
+            assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+        else:  # shallow enough to skip: a valid status request with an unknown field
+            assert reply["ok"] is True and reply["id"] == 7
+    assert inproc.status()["free_bytes"] == 80 * GIB  # alive, and nothing changed
+    sock.close()
+
+
+def test_a_request_id_is_answered_from_the_cache_only_for_the_same_body(inproc):
+    sock = _raw_dealer(inproc.endpoint)
+    token = _hello(sock, "cache-nonce-1")["result"]["session"]
+    first = _ask(sock, {"op": "acquire", "id": 2, "session": token, "pages": 3})
+    assert first["result"]["granted"] == 3
+    assert _ask(sock, {"op": "acquire", "id": 2, "session": token, "pages": 3}) == first
+    other = _ask(sock, {"op": "acquire", "id": 2, "session": token, "pages": 5})
+    assert other["ok"] is False and other["error"]["code"] == "bad_request" and "different" in other["error"]["message"]
+    assert inproc.status()["granted_bytes"] == 3 * 4096
+    sock.close()
+
+
+def test_a_request_id_older_than_the_reply_window_is_refused(inproc):
+    sock = _raw_dealer(inproc.endpoint)
+    token = _hello(sock, "window-nonce-1")["result"]["session"]
+    window = inproc.server.table.reply_cache
+    assert _ask(sock, {"op": "acquire", "id": 10, "session": token, "pages": 1})["ok"]
+    for request_id in range(11, 11 + 3 * window):
+        _ask(sock, {"op": "heartbeat", "id": request_id, "session": token})
+    again = _ask(sock, {"op": "acquire", "id": 10, "session": token, "pages": 1})
+    assert again["ok"] is False and again["error"]["code"] == "bad_request" and "window" in again["error"]["message"]
+    assert inproc.status()["granted_bytes"] == 4096  # applied once
+    sock.close()
+
+
+def test_one_uid_cannot_fill_the_session_table(inproc_factory):
+    from kvcached_broker.client import RateLimited
+
+    b = inproc_factory(max_sessions_per_uid=4, max_sessions_per_pid=64)
+    clients = [connect(b, f"u{i}") for i in range(4)]
+    with pytest.raises(RateLimited) as info:
+        connect(b, "u4")
+    assert f"uid {os.getuid()}" in str(info.value)
+    clients.pop().close()
+    clients.append(connect(b, "u5"))  # a slot came free
+    for c in clients:
+        c.close()
+
+
+def test_usage_views_larger_than_the_reservations_are_refused(inproc):
+    with connect(inproc, "views") as c:
+        c.reserve({"kv_cache": GIB}, usage={"group0": GIB})
+        with pytest.raises(BadRequest, match="larger than the session's reservations"):
+            c.reserve({"kv_cache": GIB}, usage={"group0": 1 << 56})
+        (inst,) = inproc.status()["instances"]
+        assert inst["usage_breakdown"] == {"group0": GIB}
