@@ -112,9 +112,60 @@ def test_structured_garbage_gets_an_error_or_a_valid_effect(message):
     assert SERVER.ledger.charged_bytes <= SERVER.ledger.budget_bytes or SERVER.ledger.overcommitted
 
 
+EXTREMES = [0, 1, -1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 40, (1 << 56) + 1, (1 << 63) - 1, 1 << 63,
+            (1 << 64) - 1, -(1 << 63)]
+INT_FIELDS = ["id", "pages", "min_pages", "pid", "page_bytes", "tp_rank", "tp_size", "max_bytes", "min_bytes",
+              "external_bytes", "reserve_pages", "revision"]
+
+
+@st.composite
+def nested(draw):
+    """A value nested ``depth`` deep in lists or maps: a recursion bomb for a naive decoder."""
+    depth = draw(st.integers(min_value=1, max_value=30_000))
+    opener = draw(st.sampled_from([b"\x91", b"\x81\xa1k", b"\xdd\x00\x00\x00\x01"]))
+    return opener * min(depth, proto.MAX_REQUEST_BYTES // (len(opener) + 1)) + b"\xc0"
+
+
+@FUZZ_SETTINGS
+@given(st.sampled_from(["hello", "reserve", "acquire", "release", "status", "limit", "simulate"]),
+       st.sampled_from(FIELDS + ["x"]), nested())
+def test_nesting_at_any_depth_gets_a_reply(op, field, bomb):
+    COUNTS["nested"] = COUNTS.get("nested", 0) + 1
+    head = msgpack.packb({"op": op, "id": 9, "session": TOKEN})
+    frame = bytes([head[0] + 1]) + head[1:] + msgpack.packb(field) + bomb  # one more map entry, the bomb
+    before = fingerprint(SERVER)
+    reply = check_reply(SERVER._handle(RID, PEER, frame, 3.0))
+    if not reply.ok:
+        assert fingerprint(SERVER) == before
+    check_reply(SERVER._handle(RID, PEER, proto.encode(proto.Status(id=10)), 3.0))  # status still answers
+
+
+@FUZZ_SETTINGS
+@given(st.sampled_from(["hello", "reserve", "acquire", "release", "limit", "simulate"]),
+       st.dictionaries(st.sampled_from(INT_FIELDS), st.sampled_from(EXTREMES), min_size=1, max_size=6),
+       st.booleans())
+def test_integer_extremes_never_break_the_ledger_or_status(op, ints, claim):
+    COUNTS["extremes"] = COUNTS.get("extremes", 0) + 1
+    message = {"op": op, "session": TOKEN, "instance": "fuzz", "versions": [1], "nonce": "fuzz-nonce-x", **ints}
+    message.setdefault("id", 11)
+    if claim:
+        message["holdings"] = {"granted_pages": ints.get("pages", 1 << 40), "pools": {"w": ints.get("max_bytes", 1)}}
+    try:
+        frame = msgpack.packb(message)
+    except (OverflowError, ValueError):
+        return
+    before = fingerprint(SERVER)
+    reply = check_reply(SERVER._handle(RID, PEER, frame, 4.0))
+    if not reply.ok:
+        assert fingerprint(SERVER) == before, message
+    SERVER.ledger.check_invariant()
+    status = check_reply(SERVER._handle(RID, PEER, proto.encode(proto.Status(id=12)), 4.0))
+    assert status.ok and status.result["free_bytes"] >= 0 and not status.result["overcommitted"]
+
+
 def test_fuzz_budget_was_spent():
     """Runs last in this file: proves the fuzzers above actually ran their examples."""
-    assert COUNTS["bytes"] >= min(EXAMPLES, 100) and COUNTS["structured"] >= min(EXAMPLES, 100), COUNTS
+    assert all(COUNTS.get(kind, 0) >= min(EXAMPLES, 100) for kind in ("bytes", "structured", "nested", "extremes")), COUNTS
     print(f"fuzz cases: {COUNTS}")
 
 
