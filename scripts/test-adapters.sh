@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the adapter tests once per upstream version, each against the real upstream classes
-# installed in its overlay (see scripts/adapter-envs.sh).
+# installed in its overlay (see scripts/adapter-envs.sh); then upstream's own allocator and
+# block-pool tests with the patches off and on (scripts/upstream-tests.py; fetched files only).
 #   usage: test-adapters.sh PYTHON ENVS_DIR [OVERLAY...]
 set -euo pipefail
 PY=$1 ENVS=$2; shift 2
@@ -15,5 +16,6 @@ for overlay in $OVERLAYS; do
     export KVCACHED_BROKER_TEST_RUNTIME="$overlay"
     "$PY" -m pytest -q -p no:cacheprovider "tests/adapters/$runtime"
   ) || status=1
+  "$PY" scripts/upstream-tests.py run "$PY" "$ENVS" "$overlay" || status=1
 done
 exit $status

@@ -115,6 +115,24 @@ def test_stale_and_out_of_range_ids_never_reach_the_free_list(ours, caplog):
     assert len([r for r in caplog.records if "sglang_stale_free" in r.getMessage()]) == 1  # logged once
 
 
+def test_in_debug_mode_a_double_free_reaches_upstreams_own_check(ours, monkeypatch):
+    """``SGLANG_DEBUG_MEMORY_POOL=1``: upstream checks frees itself, so nothing is filtered first."""
+    monkeypatch.setenv("SGLANG_DEBUG_MEMORY_POOL", "1")
+    alloc = make(ours)
+    assert alloc.debug_mode
+    out = alloc.alloc(2 * PS)
+    alloc.free(out)
+    assert alloc.available_size() == PAGES * PS and alloc.stale_free_ids == 0
+    with pytest.raises(AssertionError):  # upstream's _debug_check_no_duplicate_pages (or its equivalent)
+        alloc.free(out)
+    monkeypatch.delenv("SGLANG_DEBUG_MEMORY_POOL")
+    quiet = make(ours)
+    out = quiet.alloc(2 * PS)
+    quiet.free(out)
+    quiet.free(out)  # without debug mode the adapter drops the double free
+    assert quiet.available_size() == PAGES * PS and quiet.stale_free_ids == 2 * PS
+
+
 def test_a_mixed_free_keeps_the_live_ids(ours):
     alloc = make(ours)
     live, dead = alloc.alloc(PS), alloc.alloc(PS)
