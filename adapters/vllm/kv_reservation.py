@@ -6,7 +6,9 @@ vLLM allocates the KV cache in one function, bound by name where it is used:
   imported into ``gpu_model_runner``, ``gpu.attn_utils`` and ``hisparse.binding``: each of
   those module attributes is patched (and the defining one, for later importers);
 * vLLM 0.19: the method ``GPUModelRunner._allocate_kv_cache_tensors(kv_cache_config)`` and
-  ``gpu.attn_utils._allocate_kv_cache(kv_cache_config, device)`` (Model Runner V2).
+  ``gpu.attn_utils._allocate_kv_cache(kv_cache_config, device)`` (Model Runner V2), and, for a
+  KV connector that prefers cross-layer blocks, the static
+  ``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (one tensor for every layer).
 
 Around the allocation, on a preallocated (normal) buffer: the bytes are held as ``kv_static``
 *before* vLLM allocates (a refusal fails startup with a clear error and nothing allocated),
@@ -105,6 +107,37 @@ def wrap_allocate_method(original: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(allocate, _WRAPPED, True)
     return allocate
+
+
+def wrap_allocate_uniform(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``allocate_uniform_kv_caches(kv_cache_config, attn_groups, cache_dtype, device, ...)`` (0.19).
+
+    A KV connector that prefers cross-layer blocks allocates the whole cache as one tensor
+    here instead of through ``_allocate_kv_cache_tensors``; it returns
+    ``(kv_caches, cross_layers_kv_cache, attn_backend)``.
+    """
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def allocate_uniform_kv_caches(kv_cache_config: Any, attn_groups: Any, cache_dtype: Any, device: Any,
+                                   *args: Any, **kwargs: Any) -> Any:
+        identity = before_allocation(kv_cache_config, device)
+        result = original(kv_cache_config, attn_groups, cache_dtype, device, *args, **kwargs)
+        after_allocation(identity, kv_cache_config, result[1])
+        return result
+
+    setattr(allocate_uniform_kv_caches, _WRAPPED, True)
+    return allocate_uniform_kv_caches
+
+
+def apply_uniform_kv_caches(module: Any) -> None:
+    """``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (a staticmethod, 0.19)."""
+    mixin = getattr(module, "KVConnectorModelRunnerMixin", None)
+    found = vars(mixin).get("allocate_uniform_kv_caches") if mixin is not None else None
+    if not isinstance(found, staticmethod):
+        raise PatchError(f"{module.__name__} has no KVConnectorModelRunnerMixin.allocate_uniform_kv_caches")
+    mixin.allocate_uniform_kv_caches = staticmethod(wrap_allocate_uniform(found.__func__))
 
 
 def _wrap_attribute(owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:

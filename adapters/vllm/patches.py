@@ -12,6 +12,7 @@ without the broker.
 | reservations | ``vllm.v1.worker.gpu_model_runner`` | ``allocate_kv_cache`` (0.33) or ``GPUModelRunner._allocate_kv_cache_tensors`` (0.19) |
 | reservations | ``vllm.v1.worker.gpu.attn_utils`` | ``allocate_kv_cache`` (0.33) or ``_allocate_kv_cache`` (0.19) |
 | reservations | ``vllm.v1.hisparse.binding`` | ``allocate_kv_cache`` (0.33, optional) |
+| reservations | ``vllm.v1.worker.kv_connector_model_runner_mixin`` | ``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (0.19, cross-layer KV connectors) |
 | sizing | ``vllm.v1.worker.gpu_worker`` | ``Worker.determine_available_memory`` |
 | elastic blocks | ``vllm.v1.core.block_pool`` | ``BlockPool`` allocation methods |
 | elastic blocks | ``vllm.v1.core.kv_cache_manager`` | ``KVCacheManager.allocate_slots`` |
@@ -34,8 +35,9 @@ BELOW = "0.34"
 SHARED_BUFFER_MINIMUM = "0.33.0"
 
 
-def _patch(name: str, module: str, apply, *, minimum: str = MINIMUM, required: bool = True) -> Patch:
-    return Patch(name, "vllm", module, apply, minimum=minimum, below=BELOW, required=required)
+def _patch(name: str, module: str, apply, *, minimum: str = MINIMUM, below: str = BELOW,
+           required: bool = True) -> Patch:
+    return Patch(name, "vllm", module, apply, minimum=minimum, below=below, required=required)
 
 
 PATCHES: list[Patch] = [
@@ -45,6 +47,8 @@ PATCHES: list[Patch] = [
     _patch("vllm_kv_alloc_attn_utils", "vllm.v1.worker.gpu.attn_utils", kv_reservation.apply_attn_utils),
     _patch("vllm_kv_alloc_hisparse", "vllm.v1.hisparse.binding", kv_reservation.apply_allocate_kv_cache,
            minimum=SHARED_BUFFER_MINIMUM, required=False),
+    _patch("vllm_kv_alloc_uniform", "vllm.v1.worker.kv_connector_model_runner_mixin",
+           kv_reservation.apply_uniform_kv_caches, below=SHARED_BUFFER_MINIMUM, required=False),
     _patch("vllm_kv_sizing", "vllm.v1.worker.gpu_worker", kv_sizing.apply_gpu_worker),
     _patch("vllm_elastic_block_pool", "vllm.v1.core.block_pool", block_pool.apply_block_pool),
     _patch("vllm_elastic_allocate_slots", "vllm.v1.core.kv_cache_manager", kv_cache_manager.apply_kv_cache_manager),

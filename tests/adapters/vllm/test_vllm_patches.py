@@ -30,6 +30,7 @@ def test_every_hook_of_this_release_applies(patched_vllm, vllm_version):
         assert seen[name] in ("applied", "already"), (name, seen[name])
     shared_buffer = vllm_version.startswith("0.33")
     assert seen["vllm_kv_alloc_utils"] == ("applied" if shared_buffer else "skipped")
+    assert seen["vllm_kv_alloc_uniform"] == ("skipped" if shared_buffer else "applied")  # cross-layer connectors
 
 
 def test_patches_are_idempotent(patched_vllm):

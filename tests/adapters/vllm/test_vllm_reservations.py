@@ -152,3 +152,30 @@ def test_the_model_runner_v2_path_is_charged_the_same(patched_vllm, gpu_broker):
         caches = attn_utils._allocate_kv_cache(kv_cfg, torch.device("cpu"))
     assert instance(gpu_broker.status())["pools"] == {"kv_static": storage_bytes(caches)}
     assert storage_bytes(caches) == kv_config.buffer_bytes(kv_cfg)
+
+
+def test_a_cross_layer_kv_connector_allocation_is_charged_too(patched_vllm, gpu_broker, vllm_version):
+    """vLLM 0.19: a KV connector that prefers cross-layer blocks allocates every layer as one
+    tensor through ``allocate_uniform_kv_caches``, not ``_allocate_kv_cache_tensors``."""
+    from vllm.v1.worker import gpu_model_runner
+
+    runner_cls = gpu_model_runner.GPUModelRunner
+    if not hasattr(runner_cls, "allocate_uniform_kv_caches"):
+        assert vllm_version.startswith("0.33")  # gone in the shared-buffer releases
+        pytest.skip("this vLLM allocates cross-layer caches through allocate_kv_cache")
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    specs = {f"model.layers.{i}.attn": shapes.kvi().FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16) for i in range(4)}
+    vc = shapes.vllm_config()
+    groups = shapes.planner().get_kv_cache_groups(vc, specs)
+    kv_cfg = shapes.planner().get_kv_cache_config_from_groups(vc, groups, 16 * MIB)
+    group = SimpleNamespace(kv_cache_spec=kv_cfg.kv_cache_groups[0].kv_cache_spec, backend=TritonAttentionBackend)
+    kv_caches, cross_layers, _ = runner_cls.allocate_uniform_kv_caches(  # as GPUModelRunner calls it
+        kv_cfg, [[group]], "auto", torch.device("cpu"), [16])
+    assert set(kv_caches) == set(specs)
+    allocated = storage_bytes(cross_layers)
+    assert allocated == kv_config.buffer_bytes(kv_cfg) > 0
+    assert instance(gpu_broker.status())["pools"] == {"kv_static": allocated}
