@@ -6,13 +6,22 @@ file and starts no thread, so every rule below can be checked by a property test
 Vocabulary (DESIGN §3):
 
 * **session**: one worker process of an instance (a TP rank), with a page size.
-* **reservation**: static bytes a session holds, by pool name; replaced wholesale.
+* **reservation**: static bytes a session holds, by pool name; replaced wholesale.  A
+  *resident* pool (``pools``) is memory the process has allocated, or is allocating as it
+  reports it; a **hold** (``holds``) is memory promised to it that it has not allocated yet
+  (a KV sizing hold).  ``reserved_bytes`` counts both.
 * **grant**: elastic pages a session holds (``granted_pages``, of which ``reserve_pages`` sit
   unused in its client's credit reserve).
-* **reported** bytes of a process: its sessions' reservations plus granted pages.
-* **measured** bytes of a process: what the device says it uses (NVML; 0 when simulated).
-* **charge** of a process: ``max(reported, measured)``; ``excess = charge - reported`` is the
-  unreported usage.
+* **reported** bytes of a process: its sessions' resident pools plus granted pages.
+* **measured** bytes of a process: what the device says it uses (NVML; ``simulate
+  --process`` on a simulated device).
+* **charge** of a process: ``max(reported, measured) + held``.  Measured usage can cover a
+  resident pool (it is in there once allocated) but never a hold (it is not, yet), so a hold
+  taken after the weights load is never absorbed by them.  ``excess = max(0, measured -
+  reported)`` is the unreported usage.  A process pins what it already uses as its
+  ``runtime_base`` pool (``reserve(..., measured_base=True)``) before it holds, so that the
+  hold can turn into resident pools in one request without the charge dipping while the
+  device's measurement catches up.
 * **budget** = ``total - headroom - external``.
 
 Invariant: at every decision that adds charge, ``sum(charges) <= budget`` afterwards, and
@@ -34,6 +43,9 @@ from ..client.units import format_bytes
 
 #: Sentinel for "leave this limit as it is" in :meth:`Ledger.set_limits`.
 KEEP: Any = object()
+#: The pool that ``reserve(..., measured_base=True)`` sets: what a process had allocated
+#: before it reported anything (weights, CUDA context, runtime buffers).
+RUNTIME_BASE_POOL = "runtime_base"
 
 
 class SessionState(str, enum.Enum):
@@ -77,8 +89,10 @@ class Session:
     opened_s: float
     last_seen_s: float
     state: SessionState = SessionState.LIVE
-    pools: dict[str, int] = field(default_factory=dict)
-    reserved_bytes: int = 0
+    pools: dict[str, int] = field(default_factory=dict)  # resident: allocated
+    holds: dict[str, int] = field(default_factory=dict)  # promised, not allocated yet
+    reserved_bytes: int = 0  # pools and holds
+    held_bytes: int = 0  # holds
     granted_pages: int = 0
     reserve_pages: int = 0
     restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
@@ -94,7 +108,13 @@ class Session:
 
     @property
     def reported_bytes(self) -> int:
+        """Everything it holds: its pools, its holds and its pages."""
         return self.reserved_bytes + self.granted_pages * self.page_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """What measured usage can cover: pools and pages, not holds."""
+        return self.reserved_bytes - self.held_bytes + self.granted_pages * self.page_bytes
 
 
 @dataclass(eq=False)
@@ -115,7 +135,7 @@ class _ProcessAccount:
     """Charges of one process; sessions without a verified pid each get their own account."""
 
     instance: str  # unreported excess is attributed to this instance
-    reported_bytes: int = 0
+    reported_bytes: int = 0  # resident pools and pages of its sessions (holds are charged apart)
     measured_bytes: int = 0
     session_ids: set[str] = field(default_factory=set)
 
@@ -126,6 +146,16 @@ class _ProcessAccount:
     @property
     def charge_bytes(self) -> int:
         return max(self.reported_bytes, self.measured_bytes)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Holdings a worker re-asserts when it resumes a restored session."""
+
+    pools: dict[str, int]
+    granted_pages: int
+    reserve_pages: int
+    holds: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +197,7 @@ class Ledger:
         self._accounts: dict[object, _ProcessAccount] = {}
         self._measured_by_pid: dict[int, int] = {}
         self._reserved_total = 0
+        self._held_total = 0
         self._granted_total = 0
         self._excess_total = 0
         self._unfilled_floor_total = 0
@@ -189,6 +220,11 @@ class Ledger:
     @property
     def granted_bytes(self) -> int:
         return self._granted_total
+
+    @property
+    def held_bytes(self) -> int:
+        """The part of ``reserved_bytes`` that is holds (promised, not allocated)."""
+        return self._held_total
 
     @property
     def unreported_bytes(self) -> int:
@@ -222,13 +258,20 @@ class Ledger:
         granted = sum(s.granted_bytes for s in self.sessions.values())
         excess = sum(a.excess_bytes for a in self._accounts.values())
         assert reserved == self._reserved_total, (reserved, self._reserved_total)
+        held = sum(s.held_bytes for s in self.sessions.values())
+        assert held == self._held_total, (held, self._held_total)
+        for account in self._accounts.values():
+            resident = sum(self.sessions[sid].resident_bytes for sid in account.session_ids)
+            assert resident == account.reported_bytes, (resident, account.reported_bytes)
         assert granted == self._granted_total, (granted, self._granted_total)
         assert excess == self._excess_total, (excess, self._excess_total)
         names = set(self.limits) | set(self._instances)
         unfilled = sum(self.unfilled_floor_bytes(n) for n in names)
         assert unfilled == self._unfilled_floor_total, (unfilled, self._unfilled_floor_total)
         for s in self.sessions.values():
-            assert s.reserved_bytes == sum(s.pools.values()) and all(v > 0 for v in s.pools.values())
+            assert s.reserved_bytes == sum(s.pools.values()) + sum(s.holds.values())
+            assert s.held_bytes == sum(s.holds.values())
+            assert all(v > 0 for v in s.pools.values()) and all(v > 0 for v in s.holds.values())
             assert 0 <= s.reserve_pages <= s.granted_pages
 
     # ------------------------------------------------------------ device view
@@ -272,6 +315,7 @@ class Ledger:
         reserve_pages: int = 0,
         state: SessionState = SessionState.LIVE,
         restored: bool = False,
+        holds: dict[str, int] | None = None,
     ) -> Session:
         """Register a session.  Holdings passed here are adopted without admission: they
         describe memory the process already holds (a reconnect after a broker restart)."""
@@ -301,7 +345,7 @@ class Ledger:
         inst.session_ids.add(session_id)
         session.account = self._account_for(session)
         session.account.session_ids.add(session_id)
-        self._apply(session, pools=clean_pools, granted_pages=granted_pages)
+        self._apply(session, pools=clean_pools, granted_pages=granted_pages, holds=_clean_pools(holds or {}))
         session.reserve_pages = min(reserve_pages, session.granted_pages)
         self._changed(session)
         return session
@@ -309,7 +353,7 @@ class Ledger:
     def close_session(self, session_id: str) -> Session:
         """Free everything the session holds and forget it."""
         session = self._session(session_id)
-        self._apply(session, pools={}, granted_pages=0)
+        self._apply(session, pools={}, granted_pages=0, holds={})
         key = self._account_key(session)
         account = self._accounts[key]
         account.session_ids.discard(session_id)
@@ -341,9 +385,7 @@ class Ledger:
             return True
         return False
 
-    def resume(
-        self, session_id: str, now_s: float, *, holdings: tuple[dict[str, int], int, int] | None
-    ) -> tuple[Session, bool]:
+    def resume(self, session_id: str, now_s: float, *, holdings: "Claim | None") -> tuple[Session, bool]:
         """A worker reconnected to its session; returns it and whether its claims were adopted.
 
         A session restored from a checkpoint adopts what the worker re-asserts (the worker
@@ -355,13 +397,13 @@ class Ledger:
         session = self._session(session_id)
         adopted = False
         if session.restored and holdings is not None:
-            pools, granted_pages, reserve_pages = holdings
-            clean = _clean_pools(pools)
-            growth_bytes = sum(clean.values()) - session.reserved_bytes
-            growth_bytes += (granted_pages - session.granted_pages) * session.page_bytes
-            if growth_bytes <= 0 or self._room_for(session, growth_bytes, resuming=True) is None:
-                self._apply(session, pools=clean, granted_pages=granted_pages)
-                session.reserve_pages = min(reserve_pages, session.granted_pages)
+            pools, holds = _clean_pools(holdings.pools), _clean_pools(holdings.holds)
+            resident_delta = sum(pools.values()) - (session.reserved_bytes - session.held_bytes)
+            resident_delta += (holdings.granted_pages - session.granted_pages) * session.page_bytes
+            held_delta = sum(holds.values()) - session.held_bytes
+            if self._fits(session, resident_delta, held_delta, resuming=True) is None:
+                self._apply(session, pools=pools, granted_pages=holdings.granted_pages, holds=holds)
+                session.reserve_pages = min(holdings.reserve_pages, session.granted_pages)
                 adopted = True
         session.restored = False
         session.state = SessionState.LIVE
@@ -396,38 +438,73 @@ class Ledger:
             self._changed(session)
 
     # ------------------------------------------------------------ reservations
-    def reserve(self, session_id: str, pools: dict[str, int], usage: dict[str, int] | None = None) -> dict[str, int]:
-        """Replace the session's reservation map (a pool set to 0 is removed).
+    def reserve(
+        self,
+        session_id: str,
+        pools: dict[str, int],
+        usage: dict[str, int] | None = None,
+        *,
+        holds: dict[str, int] | None = None,
+        measured_base: bool = False,
+    ) -> dict[str, int]:
+        """Replace the session's resident pools (a pool set to 0 is removed), and its holds
+        unless ``holds`` is None.  Returns the resident pools.
 
-        Raises :class:`BudgetExceeded` (or ``LimitExceeded``/``Overcommitted``) naming the
-        pool if the growth does not fit; the ledger is then unchanged.
+        ``measured_base`` sets the ``runtime_base`` pool to what the device measures this
+        process using beyond everything else it reports after this request.  Raises
+        :class:`BudgetExceeded` (or ``LimitExceeded``/``Overcommitted``) naming the pool if the
+        growth does not fit; the ledger is then unchanged.
         """
         session = self._session(session_id)
         new_pools = _clean_pools(pools)
-        new_total = sum(new_pools.values())
+        new_holds = session.holds if holds is None else _clean_pools(holds)
+        both = set(new_pools) & set(new_holds)
+        if both:
+            raise BadRequest(f"pool {sorted(both)[0]!r} cannot be both a reservation and a hold")
+        if measured_base:
+            new_pools = self._with_measured_base(session, new_pools)
+        resident_delta = sum(new_pools.values()) - (session.reserved_bytes - session.held_bytes)
+        held_delta = sum(new_holds.values()) - session.held_bytes
+        new_total = session.reserved_bytes + resident_delta + held_delta
         views = None if usage is None else _clean_views(usage, new_total)
-        growth_bytes = new_total - session.reserved_bytes
-        if growth_bytes > 0:
-            pool, pool_growth = _largest_growth(session.pools, new_pools)
-            fit = self._room_for(session, growth_bytes)
-            if fit is not None:
-                code, room_bytes = fit
-                raise _refusal(
-                    code,
-                    what=f"reservation of pool {pool!r} (+{format_bytes(pool_growth)})",
-                    instance=session.instance,
-                    asked_bytes=growth_bytes,
-                    room_bytes=room_bytes,
-                    ledger=self,
-                    details={"pool": pool, "pool_asked_bytes": pool_growth},
-                )
-        self._apply(session, pools=new_pools, granted_pages=session.granted_pages)
+        fit = self._fits(session, resident_delta, held_delta)
+        if fit is not None:
+            code, room_bytes = fit
+            # name what costs the charge: a hold, charged in full, before a pool measured usage may cover
+            grown = (session.holds, new_holds) if held_delta > 0 else (session.pools, new_pools)
+            pool, pool_growth = _largest_growth(*grown)
+            raise _refusal(
+                code,
+                what=f"reservation of pool {pool!r} (+{format_bytes(pool_growth)})",
+                instance=session.instance,
+                asked_bytes=max(0, resident_delta + held_delta),
+                room_bytes=room_bytes,
+                ledger=self,
+                details={"pool": pool, "pool_asked_bytes": pool_growth},
+            )
+        self._apply(session, pools=new_pools, granted_pages=session.granted_pages, holds=new_holds)
         if views is not None:
             session.usage = views
         elif any(size > new_total for size in session.usage.values()):
             session.usage = {}  # views of reservations that are gone
         self._changed(session)
         return dict(session.pools)
+
+    def measured_bytes(self, session_id: str) -> int:
+        """What the device measures the session's process using (0 where it cannot say)."""
+        account = self._session(session_id).account
+        return account.measured_bytes if account is not None else 0
+
+    def _with_measured_base(self, session: Session, pools: dict[str, int]) -> dict[str, int]:
+        account = session.account
+        assert account is not None
+        others_bytes = account.reported_bytes - session.resident_bytes  # the process's other sessions
+        mine_bytes = sum(size for name, size in pools.items() if name != RUNTIME_BASE_POOL) + session.granted_bytes
+        base_bytes = max(0, account.measured_bytes - others_bytes - mine_bytes)
+        pools = {name: size for name, size in pools.items() if name != RUNTIME_BASE_POOL}
+        if base_bytes:
+            pools[RUNTIME_BASE_POOL] = base_bytes
+        return pools
 
     # ------------------------------------------------------------------ pages
     def acquire(self, session_id: str, pages: int, min_pages: int | None = None) -> Grant:
@@ -606,23 +683,27 @@ class Ledger:
         account.instance = instance
         self._move_instance_excess(instance, excess)
 
-    def _apply(self, session: Session, *, pools: dict[str, int], granted_pages: int) -> None:
+    def _apply(self, session: Session, *, pools: dict[str, int], granted_pages: int, holds: dict[str, int]) -> None:
         """Set a session's holdings and keep instance, process and device totals in step."""
-        reserved_delta = sum(pools.values()) - session.reserved_bytes
+        held_delta = sum(holds.values()) - session.held_bytes
+        reserved_delta = sum(pools.values()) + held_delta + session.held_bytes - session.reserved_bytes
         granted_delta = (granted_pages - session.granted_pages) * session.page_bytes
         inst = self._instances[session.instance]
         old_unfilled = self.unfilled_floor_bytes(session.instance)
-        if reserved_delta + granted_delta > 0:
+        if reserved_delta + granted_delta > 0 or held_delta > 0:
             self._changes.grew = True
         session.pools = dict(pools)
+        session.holds = dict(holds)
         session.reserved_bytes += reserved_delta
+        session.held_bytes += held_delta
         session.granted_pages = granted_pages
         inst.reserved_bytes += reserved_delta
         inst.granted_bytes += granted_delta
         self._reserved_total += reserved_delta
+        self._held_total += held_delta
         self._granted_total += granted_delta
         self._unfilled_floor_total += self.unfilled_floor_bytes(session.instance) - old_unfilled
-        self._recharge(self._account_for(session), reported_delta=reserved_delta + granted_delta)
+        self._recharge(self._account_for(session), reported_delta=reserved_delta - held_delta + granted_delta)
 
     def _add_pages(self, session: Session, pages: int) -> None:
         """``_apply`` for a change of granted pages only: the grant path, kept short."""
@@ -662,16 +743,35 @@ class Ledger:
             cap_room = limits.max_bytes - self.instance_charge_bytes(session.instance) + own_slack
         return device_room, cap_room, slack
 
-    def _room_for(self, session: Session, growth_bytes: int, *, resuming: bool = False) -> tuple[str, int] | None:
-        """None if ``growth_bytes`` fits; else the refusal code and the room there is."""
+    def _fits(
+        self, session: Session, resident_delta: int, held_delta: int, *, resuming: bool = False
+    ) -> tuple[str, int] | None:
+        """None if the session may change its resident bytes and holds by these deltas; else
+        the refusal code and the room there is.  Decreases always fit.
+
+        Resident growth is first covered by what the process is measured using beyond its
+        reports (it is charged already); holds are charged in full.
+        """
+        account = session.account
+        assert account is not None
+        measured, reported = account.measured_bytes, account.reported_bytes
+        device_delta = held_delta + max(measured, reported + resident_delta) - max(measured, reported)
+        own_excess = account.instance == session.instance
+        instance_delta = device_delta if own_excess else held_delta + resident_delta
+        if device_delta <= 0 and instance_delta <= 0:
+            return None
         if self.overcommitted:
             return "overcommitted", 0
         if self.growth_hold is not None and not (resuming or session.reasserting):
             return "held", 0
-        device_room, cap_room, _ = self._growth_room(session)
-        if cap_room is not None and growth_bytes > cap_room:
-            return "limit_exceeded", max(0, cap_room)
-        if growth_bytes > device_room:
+        limits = self.limits.get(session.instance)
+        if limits is not None and limits.max_bytes is not None:
+            cap_room = limits.max_bytes - self.instance_charge_bytes(session.instance)
+            if instance_delta > cap_room:
+                return "limit_exceeded", max(0, cap_room)
+        others_unfilled = self._unfilled_floor_total - self.unfilled_floor_bytes(session.instance)
+        device_room = self.budget_bytes - self.charged_bytes - others_unfilled
+        if device_delta > device_room:
             return "budget_exceeded", max(0, device_room)
         return None
 
@@ -719,6 +819,8 @@ def _clean_views(usage: dict[str, int], reserved_bytes: int) -> dict[str, int]:
 
 def _largest_growth(old: dict[str, int], new: dict[str, int]) -> tuple[str, int]:
     growth = {name: size - old.get(name, 0) for name, size in new.items() if size > old.get(name, 0)}
+    if not growth:
+        return "(reservations)", 0
     name = max(growth, key=growth.__getitem__)
     return name, growth[name]
 

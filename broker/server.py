@@ -29,6 +29,7 @@ import zmq.backend
 from zmq.backend import zmq_poll
 
 from ..client import protocol as proto
+from ..client.credit import split_grant
 from ..client.endpoint import ipc_path, tcp_host
 from ..client.errors import (
     BadRequest,
@@ -45,7 +46,7 @@ from ..client.units import format_bytes, parse_headroom
 from .checkpoint import LoadedState, StateStore
 from .device import DeviceProbe, SimulatedDevice
 from .histogram import Histogram
-from .ledger import KEEP, Ledger, Limits, Session, SessionState
+from .ledger import KEEP, Claim, Ledger, Limits, Session, SessionState
 from .liveness import PidWatcher, process_alive, process_start_ticks
 from .security import (
     LockFile,
@@ -96,18 +97,20 @@ class Holdings(NamedTuple):
     reserve_pages: int
     pools: dict[str, int]
     usage: dict[str, int]
+    holds: dict[str, int]
 
     @classmethod
     def of(cls, session: Session) -> "Holdings":
-        return cls(session.granted_pages, session.reserve_pages, dict(session.pools), dict(session.usage))
+        return cls(session.granted_pages, session.reserve_pages, dict(session.pools), dict(session.usage),
+                   dict(session.holds))
 
     def still(self, session: Session) -> bool:
         """Whether ``session`` holds exactly this (compared in place, without copying)."""
-        return self == (session.granted_pages, session.reserve_pages, session.pools, session.usage)
+        return self == (session.granted_pages, session.reserve_pages, session.pools, session.usage, session.holds)
 
     def record(self, session_id: str) -> HoldRecord:
         return HoldRecord(session_id=session_id, pools=self.pools, granted_pages=self.granted_pages,
-                          reserve_pages=self.reserve_pages, usage=self.usage)
+                          reserve_pages=self.reserve_pages, usage=self.usage, holds=self.holds)
 
 
 class _Retried(Exception):
@@ -638,7 +641,7 @@ class BrokerServer:
         holdings = None
         if req.holdings is not None:
             h = req.holdings
-            holdings = (dict(h.pools), h.granted_pages, h.reserve_pages)
+            holdings = Claim(dict(h.pools), h.granted_pages, h.reserve_pages, dict(h.holds))
         restored = self.ledger.sessions[binding.session_id].restored
         session, adopted = self.ledger.resume(binding.session_id, now, holdings=holdings)
         if adopted:
@@ -767,14 +770,18 @@ class BrokerServer:
                 "pools": dict(session.pools),
                 "granted_pages": session.granted_pages,
                 "reserve_pages": session.reserve_pages,
+                "holds": dict(session.holds),
             },
         }
 
     def _reserve(self, req: proto.Reserve, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)
+        if req.measured_base:
+            self._probe_device(force=True)  # pin what the device says now, not a reading ago
         try:
             pools = self.ledger.reserve(
-                session.id, dict(req.pools), None if req.usage is None else dict(req.usage)
+                session.id, dict(req.pools), None if req.usage is None else dict(req.usage),
+                holds=None if req.holds is None else dict(req.holds), measured_base=req.measured_base,
             )
         except BrokerError as exc:
             log.info("event=refusal session=%s op=reserve code=%s detail=%r", binding.session_id, exc.code, exc.message)
@@ -783,11 +790,17 @@ class BrokerServer:
             self.counters.refused(exc.code)
             self._press_for(session.instance, int(exc.details.get("asked_bytes", 0)), exc, now)
             return reply
-        return self._answer(binding, req.id, {"pools": pools, "reserved_bytes": sum(pools.values())})
+        return self._answer(binding, req.id, {
+            "pools": pools, "holds": dict(session.holds), "reserved_bytes": session.reserved_bytes,
+            "measured_bytes": self.ledger.measured_bytes(session.id),
+        })
 
     def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)
         grant = self.ledger.acquire(session.id, req.pages, req.min_pages)
+        if req.caller_pages is not None:  # the client's reserve after this grant, as it books it
+            _, reserve_after = split_grant(session.reserve_pages, grant.pages, req.caller_pages, req.caller_min_pages)
+            self.ledger.set_reserve_pages(session.id, reserve_after)
         result: dict[str, Any] = {"granted": grant.pages, "granted_pages": session.granted_pages}
         if grant.refusal is not None:
             refusal = grant.refusal
@@ -1105,6 +1118,7 @@ class BrokerServer:
             granted_pages=s.granted_pages,
             reserve_pages=s.reserve_pages,
             usage=dict(s.usage),
+            holds=dict(s.holds),
             client=b.client,
             adapter=None if b.adapter is None else proto.AdapterInfo(**b.adapter),
         )
@@ -1146,7 +1160,7 @@ class BrokerServer:
                     record.id,
                     record.instance,
                     record.pid,
-                    sum(record.pools.values()) + record.granted_pages * record.page_bytes,
+                    sum(record.pools.values()) + sum(record.holds.values()) + record.granted_pages * record.page_bytes,
                 )
                 continue
             self._restore_session(record, now)
@@ -1196,6 +1210,7 @@ class BrokerServer:
             reserve_pages=record.reserve_pages,
             state=SessionState.RECOVERING,
             restored=True,
+            holds=dict(record.holds),
         )
         self.ledger.sessions[record.id].usage = dict(record.usage)
         self.table.add(
@@ -1265,7 +1280,7 @@ def _replay(
             if known is not None:
                 sessions[record.session_id] = msgspec.structs.replace(
                     known, pools=record.pools, granted_pages=record.granted_pages,
-                    reserve_pages=record.reserve_pages, usage=record.usage,
+                    reserve_pages=record.reserve_pages, usage=record.usage, holds=record.holds,
                 )
         elif isinstance(record, CloseRecord):
             sessions.pop(record.session_id, None)

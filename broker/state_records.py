@@ -48,6 +48,7 @@ class SessionRecord(Record, tag="session", kw_only=True):
     granted_pages: proto.Pages = 0
     reserve_pages: proto.Pages = 0
     usage: proto.PoolMap = {}
+    holds: proto.PoolMap = {}
     client: proto.FreeText = ""
     adapter: proto.AdapterInfo | None = None
 
@@ -58,6 +59,7 @@ class HoldRecord(Record, tag="hold", kw_only=True):
     granted_pages: proto.Pages = 0
     reserve_pages: proto.Pages = 0
     usage: proto.PoolMap = {}
+    holds: proto.PoolMap = {}
 
 
 class CloseRecord(Record, tag="close", kw_only=True):

@@ -33,6 +33,7 @@ def build_status(
         "reserved_bytes": ledger.reserved_bytes,
         "granted_bytes": ledger.granted_bytes,
         "unreported_bytes": ledger.unreported_bytes,
+        "held_bytes": ledger.held_bytes,
         "free_bytes": ledger.free_bytes,
         "overcommitted": ledger.overcommitted,
         "instances": [
@@ -47,10 +48,14 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
     limits = ledger.limits.get(name, Limits())
     reserved, granted, unreported = ledger.instance_totals(name)
     pools: dict[str, int] = {}
+    holds: dict[str, int] = {}
     usage: dict[str, int] = {}
     for session in sessions:
         for pool, size in session.pools.items():
             pools[pool] = pools.get(pool, 0) + size
+        for pool, size in session.holds.items():
+            pools[pool] = pools.get(pool, 0) + size
+            holds[pool] = holds.get(pool, 0) + size
         for view, size in session.usage.items():
             usage[view] = usage.get(view, 0) + size
     sessions.sort(key=lambda s: (s.tp_rank, s.id))
@@ -64,7 +69,9 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
         "granted_bytes": granted,
         "unreported_bytes": unreported,
         "charged_bytes": reserved + granted + unreported,
+        "held_bytes": sum(holds.values()),
         "pools": dict(sorted(pools.items())),
+        "holds": dict(sorted(holds.items())),
         "usage_breakdown": dict(sorted(usage.items())),
         "sessions": [_session(table, s, now_s) for s in sessions],
     }
@@ -72,6 +79,7 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
 
 def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, Any]:
     binding = table.by_id(session.id)
+    account = session.account
     return {
         "id": session.id,
         "rank": session.tp_rank,
@@ -84,7 +92,10 @@ def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, A
         "reserve_pages": session.reserve_pages,
         "reserved_bytes": session.reserved_bytes,
         "granted_bytes": session.granted_bytes,
-        "pools": dict(sorted(session.pools.items())),
+        "held_bytes": session.held_bytes,
+        "measured_bytes": account.measured_bytes if account is not None else 0,
+        "pools": dict(sorted({**session.pools, **session.holds}.items())),
+        "holds": dict(sorted(session.holds.items())),
         "usage_breakdown": dict(sorted(session.usage.items())),
         "idle_s": round(max(0.0, now_s - session.last_seen_s), 3),
         "client": binding.client if binding else "",

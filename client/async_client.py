@@ -12,7 +12,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from . import protocol as proto
-from .core import RESUME_CODES, ClientCore, check_pages, check_pools, prepare
+from .core import RESUME_CODES, ClientCore, check_pages, prepare
 from .errors import BrokerError, BrokerUnavailable, SessionEvicted
 from .trust import check_endpoint
 from .transport import AsyncTransport, CurveKeys, Timeouts
@@ -81,12 +81,17 @@ class AsyncBrokerClient:
     def reserve_pages(self) -> int:
         return self._core.credit.reserve_pages
 
-    async def reserve(self, pools: dict[str, int], usage: dict[str, int] | None = None) -> dict[str, int]:
-        clean = check_pools(pools)
-        views = None if usage is None else check_pools(usage)
+    async def reserve(
+        self,
+        pools: dict[str, int],
+        usage: dict[str, int] | None = None,
+        *,
+        holds: dict[str, int] | None = None,
+        measured_base: bool = False,
+    ) -> dict[str, int]:
+        """As :meth:`BrokerClient.reserve`."""
         result = await self._call(
-            lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean, usage=views),
-            track={"on_answer": self._core.book_pools},
+            self._core.reserve_request(pools, usage, holds, measured_base), track={"on_answer": self._core.book_pools}
         )
         self._core.book_pools(result)
         return dict(result["pools"])
@@ -105,7 +110,8 @@ class AsyncBrokerClient:
         ask, ask_min = credit.ask(pages, min_pages)
         result = await self._call(
             lambda rid: proto.Acquire(
-                id=rid, session=self._core.session_token(), pages=ask, min_pages=ask_min, reserve_pages=credit.reserve_pages
+                id=rid, session=self._core.session_token(), pages=ask, min_pages=ask_min, reserve_pages=credit.reserve_pages,
+                caller_pages=pages, caller_min_pages=min_pages,
             ),
             track={"on_answer": self._core.book_late_grant},
         )
@@ -183,18 +189,14 @@ class AsyncBrokerClient:
     async def _reassert(self) -> None:
         """The broker lost this session: ask the new one for what the books say is held."""
         core = self._core
-        pools, pages = core.reassertion()
+        pools, holds, pages = core.reassertion()
         got_pools = None
-        if pools:
+        if pools or holds:
             try:
-                result = await self._call(
-                    lambda rid: proto.Reserve(id=rid, session=core.session_token(), pools=pools),
-                    track={"on_answer": core.book_pools},
-                )
-                got_pools = dict(result["pools"])
+                got_pools = await self._call(core.reserve_request(pools, None, holds), track={"on_answer": core.book_pools})
             except BrokerError as exc:
                 log.error("event=reassert_refused session=%s what=pools error=%s", core.session_id, exc)
-                got_pools = {}
+                got_pools = {"pools": {}, "holds": {}}
         granted = 0
         if pages:
             result = await self._call(

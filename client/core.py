@@ -91,6 +91,7 @@ class ClientCore:
         self.limits_request = _limits_request(limits)
         self.credit = CreditReserve(default_credit_pages(page_bytes) if credit_pages is None else credit_pages)
         self.pools: dict[str, int] = {}
+        self.holds: dict[str, int] = {}
         self.token: str | None = None
         self.session_id: str | None = None
         self.lease_s = 10.0
@@ -129,6 +130,7 @@ class ClientCore:
             pools=dict(self.pools),
             granted_pages=self.credit.granted_pages,
             reserve_pages=self.credit.reserve_pages,
+            holds=dict(self.holds),
         )
 
     def on_hello(self, result: dict[str, Any]) -> bool:
@@ -180,21 +182,22 @@ class ClientCore:
         return [(rid, o) for rid, o in self.outstanding.items() if not o.waiting]
 
     def book_pools(self, result: dict[str, Any]) -> None:
-        """A reserve's answer: the pools the broker now charges."""
+        """A reserve's answer: the pools and holds the broker now charges."""
         self.pools = dict(result["pools"])
+        self.holds = dict(result.get("holds", {}))
 
     def book_late_grant(self, result: dict[str, Any]) -> None:
         """The answer to an acquire whose caller gave up: its pages go to the credit reserve."""
         self.credit.reattach(int(result["granted"]))
 
-    def reassertion(self) -> tuple[dict[str, int], int]:
-        """What to ask a broker that lost this session for: ``(pools, pages)``."""
-        return dict(self.pools), self.credit.granted_pages
+    def reassertion(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """What to ask a broker that lost this session for: ``(pools, holds, pages)``."""
+        return dict(self.pools), dict(self.holds), self.credit.granted_pages
 
-    def book_reasserted(self, pools: dict[str, int] | None, granted_pages: int) -> None:
+    def book_reasserted(self, result: dict[str, Any] | None, granted_pages: int) -> None:
         """Book what a re-assertion got back; pages short of what is held stay uncharged."""
-        if pools is not None:
-            self.pools = dict(pools)
+        if result is not None:
+            self.book_pools(result)
         credit = self.credit
         short = credit.held_pages - granted_pages
         credit.reserve_pages = max(0, granted_pages - credit.held_pages)
@@ -214,6 +217,21 @@ class ClientCore:
                 "this broker client belongs to the parent process; create a new client after fork",
                 code="not_owner",
             )
+
+    def reserve_request(
+        self,
+        pools: dict[str, int],
+        usage: dict[str, int] | None = None,
+        holds: dict[str, int] | None = None,
+        measured_base: bool = False,
+    ) -> Callable[[int], proto.Reserve]:
+        """Check a reserve's arguments now; build its request (for an id) when it is sent."""
+        clean, views = check_pools(pools), None if usage is None else check_pools(usage)
+        promised = None if holds is None else check_pools(holds)
+        return lambda rid: proto.Reserve(
+            id=rid, session=self.session_token(), pools=clean, usage=views, holds=promised,
+            measured_base=bool(measured_base),
+        )
 
     def session_token(self) -> str:
         assert self.token is not None, "hello first"

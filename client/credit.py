@@ -30,6 +30,21 @@ def default_credit_pages(page_bytes: int) -> int:
     return max(1, min(MAX_DEFAULT_CREDIT_PAGES, DEFAULT_CREDIT_BYTES // max(1, page_bytes)))
 
 
+def split_grant(reserve_pages: int, granted: int, pages: int, min_pages: int | None) -> tuple[int, int]:
+    """How a grant is shared between a caller who asked for ``pages`` (at least ``min_pages``)
+    and the reserve: ``(pages for the caller, reserve afterwards)``.
+
+    The broker makes the same split when it answers, so status shows the reserve exactly as
+    soon as the grant is answered.
+    """
+    floor = pages if min_pages is None else min_pages
+    available = reserve_pages + granted
+    give = min(pages, available)
+    if give < floor or give == 0:
+        give = 0
+    return give, available - give
+
+
 @dataclass
 class CreditReserve:
     target_pages: int
@@ -73,12 +88,7 @@ class CreditReserve:
 
     def settle(self, pages: int, min_pages: int | None, granted: int) -> int:
         """Book ``granted`` pages from the broker; return how many the caller gets (0: refused)."""
-        floor = pages if min_pages is None else min_pages
-        available = self.reserve_pages + granted
-        give = min(pages, available)
-        if give < floor or give == 0:
-            give = 0
-        self.reserve_pages = available - give
+        give, self.reserve_pages = split_grant(self.reserve_pages, granted, pages, min_pages)
         self.held_pages += give
         return give
 

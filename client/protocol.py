@@ -58,6 +58,7 @@ class Holdings(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
     pools: PoolMap = {}
     granted_pages: Pages = 0
     reserve_pages: Pages = 0
+    holds: PoolMap = {}
 
 
 class LimitsRequest(Struct, kw_only=True, gc=False):
@@ -110,6 +111,12 @@ class Reserve(Request, tag="reserve", kw_only=True):
     #: How the reserved bytes are used, as overlapping views (e.g. vLLM cache groups that alias
     #: one buffer).  Shown in status as ``usage_breakdown``; never charged.  None keeps it.
     usage: PoolMap | None = None
+    #: Memory promised to the session that it has not allocated yet (a KV sizing hold),
+    #: charged on top of what the device measures the process using.  None keeps the holds.
+    holds: PoolMap | None = None
+    #: Set the ``runtime_base`` pool to what the device measures this process using beyond
+    #: everything else it reports (weights, CUDA context): pin it before holding.
+    measured_base: bool = False
 
 
 class Acquire(Request, tag="acquire", kw_only=True):
@@ -118,7 +125,12 @@ class Acquire(Request, tag="acquire", kw_only=True):
     session: SessionToken
     pages: PositivePages
     min_pages: Pages | None = None
+    #: The client's credit reserve before this grant.
     reserve_pages: Pages | None = None
+    #: How many of (reserve + grant) its caller takes, at least ``caller_min_pages``; the rest
+    #: stays in the reserve (``credit.split_grant``), so status shows it at once.
+    caller_pages: Pages | None = None
+    caller_min_pages: Pages | None = None
 
 
 class Release(Request, tag="release", kw_only=True):

@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from . import protocol as proto
-from .core import RESUME_CODES, ClientCore, check_pages, check_pools, prepare
+from .core import RESUME_CODES, ClientCore, check_pages, prepare
 from .errors import BrokerError, BrokerUnavailable, SessionEvicted
 from .trust import check_endpoint
 from .transport import CurveKeys, SyncTransport, Timeouts
@@ -111,26 +111,35 @@ class BrokerClient:
         return dict(self._core.pools)
 
     @property
+    def holds(self) -> dict[str, int]:
+        return dict(self._core.holds)
+
+    @property
     def lease_s(self) -> float:
         return self._core.lease_s
 
     # -------------------------------------------------------------- the API
-    def reserve(self, pools: dict[str, int], usage: dict[str, int] | None = None) -> dict[str, int]:
-        """Replace this session's static reservations; a pool at 0 is removed.
+    def reserve(
+        self,
+        pools: dict[str, int],
+        usage: dict[str, int] | None = None,
+        *,
+        holds: dict[str, int] | None = None,
+        measured_base: bool = False,
+    ) -> dict[str, int]:
+        """Replace this session's static reservations; a pool at 0 is removed.  Returns them.
 
         ``usage`` optionally says how those bytes are used, as overlapping named views (shown
-        in status as ``usage_breakdown``, never charged).  Raises :class:`BudgetExceeded`
+        in status as ``usage_breakdown``, never charged).  ``holds`` replaces the session's
+        holds (memory promised but not allocated yet, charged on top of what the device
+        measures this process using; None keeps them), so a hold turns into the pools it was
+        for in one call.  ``measured_base`` pins what the device measures this process using
+        beyond its other reports as the ``runtime_base`` pool.  Raises :class:`BudgetExceeded`
         (naming the pool) if the growth does not fit.
         """
-        clean = check_pools(pools)
-        views = None if usage is None else check_pools(usage)
+        request = self._core.reserve_request(pools, usage, holds, measured_base)
         with self._lock:
-            result = self._call(
-                lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=clean, usage=views),
-                track={"on_answer": self._core.book_pools},
-            )
-            self._core.book_pools(result)
-            return dict(result["pools"])
+            return self._reserve_locked(request)
 
     def acquire(self, pages: int, min_pages: int | None = None) -> int:
         """Take ``pages`` (all or nothing), or with ``min_pages`` the most that fit in between.
@@ -156,6 +165,8 @@ class BrokerClient:
                     pages=ask,
                     min_pages=ask_min,
                     reserve_pages=credit.reserve_pages,
+                    caller_pages=pages,
+                    caller_min_pages=min_pages,
                 ),
                 track={"on_answer": self._core.book_late_grant},
             )
@@ -239,14 +250,14 @@ class BrokerClient:
 
     def _reassert(self) -> None:
         """The broker lost this session: ask the new one for what the books say is held."""
-        pools, pages = self._core.reassertion()
+        pools, holds, pages = self._core.reassertion()
         got_pools = None
-        if pools:
+        if pools or holds:
             try:
-                got_pools = self._reserve_locked(pools)
+                got_pools = self._call(self._core.reserve_request(pools, None, holds), track={"on_answer": self._core.book_pools})
             except BrokerError as exc:
                 log.error("event=reassert_refused session=%s what=pools error=%s", self._core.session_id, exc)
-                got_pools = {}
+                got_pools = {"pools": {}, "holds": {}}
         granted = 0
         if pages:
             result = self._call(
@@ -256,11 +267,9 @@ class BrokerClient:
             granted = int(result["granted"])
         self._core.book_reasserted(got_pools, granted)
 
-    def _reserve_locked(self, pools: dict[str, int]) -> dict[str, int]:
-        result = self._call(
-            lambda rid: proto.Reserve(id=rid, session=self._core.session_token(), pools=pools),
-            track={"on_answer": self._core.book_pools},
-        )
+    def _reserve_locked(self, request: Callable[[int], proto.Reserve]) -> dict[str, int]:
+        result = self._call(request, track={"on_answer": self._core.book_pools})
+        self._core.book_pools(result)
         return dict(result["pools"])
 
     def _call(
@@ -406,7 +415,8 @@ class BrokerClient:
         if wanted:
             result = self._call(
                 lambda rid: proto.Acquire(
-                    id=rid, session=self._core.session_token(), pages=wanted, min_pages=0, reserve_pages=credit.reserve_pages
+                    id=rid, session=self._core.session_token(), pages=wanted, min_pages=0,
+                    reserve_pages=credit.reserve_pages, caller_pages=0,
                 ),
                 track={"on_answer": self._core.book_late_grant},
             )

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvcached_broker.broker.ledger import DeviceInfo, Ledger, SessionState
+from kvcached_broker.broker.ledger import Claim, DeviceInfo, Ledger, SessionState
 from kvcached_broker.client.errors import BadRequest, BudgetExceeded, LimitExceeded, Overcommitted, StaleRevision
 
 GIB = 1 << 30
@@ -160,15 +160,16 @@ def test_stale_sessions_stay_charged_and_revive():
 def test_resume_adopts_reasserted_holdings_only_for_restored_sessions():
     ledger = new_ledger()
     open_session(ledger, granted_pages=10, state=SessionState.RECOVERING, restored=True)
-    ledger.resume("s1", 1.0, holdings=({"swa_kv_pool": GIB}, 6, 2))
+    ledger.resume("s1", 1.0, holdings=Claim({"swa_kv_pool": GIB}, 6, 2))
     s = ledger.sessions["s1"]
     assert (s.pools, s.granted_pages, s.reserve_pages, s.state) == ({"swa_kv_pool": GIB}, 6, 2, SessionState.LIVE)
-    ledger.resume("s1", 2.0, holdings=({}, 0, 0))  # no longer restored: the broker's figures stand
+    ledger.resume("s1", 2.0, holdings=Claim({}, 0, 0))  # no longer restored: the broker's figures stand
     assert ledger.sessions["s1"].granted_pages == 6
 
 
 # --------------------------------------------------------------------------- state machine
 POOL_NAMES = ["swa_kv_pool", "c4_kv_pool", "c128_kv_pool", "weights"]
+HOLD_NAMES = ["kv_sizing_hold", "draft_hold"]
 SIZES = st.integers(min_value=0, max_value=12 * GIB)
 
 
@@ -183,10 +184,11 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger = Ledger(DEVICE, total_bytes=64 * GIB, headroom_bytes=GIB)
         self.counter = 0
         self.now = 0.0
+        self.measured_by_pid: dict[int, int] = {}
 
     def _snapshot(self):
         return {
-            sid: (dict(s.pools), s.granted_pages, s.reserve_pages) for sid, s in self.ledger.sessions.items()
+            sid: (dict(s.pools), dict(s.holds), s.granted_pages, s.reserve_pages) for sid, s in self.ledger.sessions.items()
         }, self.ledger.charged_bytes
 
     def _assert_admitted(self, instance, charged_before, instance_before):
@@ -219,22 +221,29 @@ class LedgerMachine(RuleBasedStateMachine):
         )
         return sid
 
-    @rule(sid=sessions, pools=st.dictionaries(st.sampled_from(POOL_NAMES), SIZES, max_size=4))
-    def reserve(self, sid, pools):
+    @rule(
+        sid=sessions,
+        pools=st.dictionaries(st.sampled_from(POOL_NAMES), SIZES, max_size=4),
+        holds=st.one_of(st.none(), st.dictionaries(st.sampled_from(HOLD_NAMES), SIZES, max_size=2)),
+        measured_base=st.booleans(),
+    )
+    def reserve(self, sid, pools, holds, measured_base):
         if sid not in self.ledger.sessions:
             return
         before = self._snapshot()
-        instance = self.ledger.sessions[sid].instance
-        grows = sum(v for v in pools.values()) > self.ledger.sessions[sid].reserved_bytes
+        session = self.ledger.sessions[sid]
+        instance = session.instance
         charged, inst_charge = self.ledger.charged_bytes, self.ledger.instance_charge_bytes(instance)
         try:
-            self.ledger.reserve(sid, pools)
+            self.ledger.reserve(sid, pools, holds=holds, measured_base=measured_base)
         except BudgetExceeded:
             assert self._snapshot() == before
             return
-        assert self.ledger.sessions[sid].pools == {k: v for k, v in pools.items() if v}
-        if grows:
-            self._assert_admitted(instance, charged, inst_charge)
+        expected = {k: v for k, v in pools.items() if v and k != "runtime_base"}
+        assert {k: v for k, v in session.pools.items() if k != "runtime_base"} == expected
+        if holds is not None:
+            assert session.holds == {k: v for k, v in holds.items() if v}
+        self._assert_admitted(instance, charged, inst_charge)  # charges_follow_the_model: holds in full
 
     @rule(sid=sessions, pages=st.integers(min_value=1, max_value=20_000), partial=st.booleans(), data=st.data())
     def acquire(self, sid, pages, partial, data):
@@ -293,6 +302,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(measured=st.dictionaries(st.integers(min_value=1, max_value=4), SIZES, max_size=4))
     def measured(self, measured):
+        self.measured_by_pid = dict(measured)
         self.ledger.observe_device(measured_by_pid=measured)
 
     @rule(sid=sessions, reserve=st.integers(min_value=0, max_value=50))
@@ -307,6 +317,20 @@ class LedgerMachine(RuleBasedStateMachine):
             assert session.state is SessionState.STALE
 
     @invariant()
+    def charges_follow_the_model(self):
+        """charge(process) = max(measured, pools + pages) + holds, recomputed from the sessions."""
+        led = self.ledger
+        accounts: dict[object, list] = {}
+        for s in led.sessions.values():
+            accounts.setdefault(s.pid if s.pid_verified else s.id, []).append(s)
+        charged = 0
+        for key, members in accounts.items():
+            measured = self.measured_by_pid.get(key, 0) if isinstance(key, int) else 0
+            resident = sum(sum(s.pools.values()) + s.granted_bytes for s in members)
+            charged += max(measured, resident) + sum(s.held_bytes for s in members)
+        assert led.charged_bytes == charged
+
+    @invariant()
     def totals_agree(self):
         self.ledger.check_invariant()
         led = self.ledger
@@ -318,3 +342,61 @@ TestLedgerMachine = LedgerMachine.TestCase
 TestLedgerMachine.settings = settings(
     max_examples=int(os.environ.get("LEDGER_EXAMPLES", "150")), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def _colocated(measured_weights=30 * GIB):
+    """80 GiB, no headroom, two processes that each loaded 30 GiB of weights (as NVML shows)."""
+    ledger = new_ledger(total=80 * GIB, headroom=0)
+    open_session(ledger, "a", instance="a", pid=101)
+    open_session(ledger, "b", instance="b", pid=102)
+    ledger.observe_device(measured_by_pid={101: measured_weights, 102: measured_weights})
+    return ledger
+
+
+def test_a_hold_is_never_absorbed_by_what_the_process_already_uses():
+    """The issue's example: with 30 GiB of weights in each of two processes, A holds 20 GiB
+    and nothing is left for B's hold; nothing can overbook once both allocate."""
+    ledger = _colocated()
+    assert ledger.free_bytes == 20 * GIB
+    ledger.reserve("a", {}, holds={"kv_sizing_hold": 20 * GIB}, measured_base=True)
+    assert ledger.free_bytes == 0 and ledger.sessions["a"].pools == {"runtime_base": 30 * GIB}
+    with pytest.raises(BudgetExceeded) as info:
+        ledger.reserve("b", {}, holds={"kv_sizing_hold": 20 * GIB}, measured_base=True)
+    assert info.value.details["pool"] == "kv_sizing_hold" and info.value.details["free_bytes"] == 0
+    assert ledger.charged_bytes == 80 * GIB and not ledger.overcommitted
+
+
+def test_a_hold_turns_into_its_pools_in_one_call_without_a_dip():
+    ledger = _colocated()
+    ledger.reserve("a", {}, holds={"kv_sizing_hold": 20 * GIB}, measured_base=True)
+    # one call: the pools appear as the hold goes; the device has not measured them yet
+    ledger.reserve("a", {"runtime_base": 30 * GIB, "kv_static": 18 * GIB, "draft_kv": 2 * GIB}, holds={})
+    assert ledger.charged_bytes == 80 * GIB  # 30 measured for b, 30 + 20 reported for a
+    ledger.observe_device(measured_by_pid={101: 50 * GIB + 512 * MIB, 102: 30 * GIB})  # allocated, plus activations
+    assert ledger.unreported_bytes == 30 * GIB + 512 * MIB and ledger.overcommitted  # b's 30 and a's 512 MiB
+    ledger.observe_device(measured_by_pid={101: 50 * GIB, 102: 30 * GIB})
+    assert ledger.charged_bytes == 80 * GIB and not ledger.overcommitted
+
+
+def test_without_a_pinned_base_the_pools_dip_inside_the_measured_weights():
+    """Why ``measured_base``: measured usage covers resident pools, and lags their allocation."""
+    ledger = _colocated()
+    ledger.reserve("a", {}, holds={"kv_sizing_hold": 20 * GIB})
+    assert ledger.free_bytes == 0  # the hold alone is charged on top
+    ledger.reserve("a", {"kv_static": 20 * GIB}, holds={})
+    assert ledger.free_bytes == 20 * GIB  # until the device measures the new 20 GiB
+
+
+def test_measured_base_counts_only_what_the_process_does_not_report():
+    ledger = _colocated()
+    ledger.reserve("a", {"weights": 25 * GIB}, measured_base=True)
+    assert ledger.sessions["a"].pools == {"weights": 25 * GIB, "runtime_base": 5 * GIB}
+    ledger.observe_device(measured_by_pid={101: 20 * GIB, 102: 30 * GIB})
+    ledger.reserve("a", {"weights": 25 * GIB}, measured_base=True)
+    assert ledger.sessions["a"].pools == {"weights": 25 * GIB}  # nothing beyond its reports
+
+
+def test_a_pool_cannot_be_both_reserved_and_held():
+    ledger = _colocated()
+    with pytest.raises(BadRequest, match="both"):
+        ledger.reserve("a", {"kv": GIB}, holds={"kv": GIB})

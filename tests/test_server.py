@@ -352,7 +352,7 @@ def test_a_fresh_hello_adopts_no_claimed_holdings(inproc_factory, holdings):
     page_bytes = (1 << 40) if holdings["granted_pages"] == 1 << 40 else 4096
     reply = _hello(sock, "claim-nonce-1", page_bytes=min(page_bytes, 64 * GIB), holdings=holdings)
     assert reply["ok"], reply
-    assert reply["result"]["holdings"] == {"pools": {}, "granted_pages": 0, "reserve_pages": 0}
+    assert reply["result"]["holdings"] == {"pools": {}, "granted_pages": 0, "reserve_pages": 0, "holds": {}}
     with connect(b, "honest") as c:
         assert c.acquire(8) == 8  # nobody was locked out
     status = b.status()  # and status still answers
@@ -463,3 +463,13 @@ def test_usage_views_larger_than_the_reservations_are_refused(inproc):
             c.reserve({"kv_cache": GIB}, usage={"group0": 1 << 56})
         (inst,) = inproc.status()["instances"]
         assert inst["usage_breakdown"] == {"group0": GIB}
+
+
+def test_reserve_pages_are_exact_in_status_as_soon_as_a_grant_is_answered(inproc):
+    with connect(inproc, "credit", credit_pages=8, background=False) as c:
+        assert c.acquire(3) == 3  # asks for 3 + 8: the 8 go to the reserve
+        (session,) = inproc.status()["instances"][0]["sessions"]
+        assert session["granted_pages"] == 11 and session["reserve_pages"] == 8 == c.reserve_pages
+        assert c.acquire(20, min_pages=2) == 20
+        (session,) = inproc.status()["instances"][0]["sessions"]
+        assert session["reserve_pages"] == c.reserve_pages and session["granted_pages"] == 23 + c.reserve_pages
