@@ -1,0 +1,99 @@
+"""Instructions per request on the broker's request path, counted by callgrind.
+
+Wall-clock times on a shared VM move by tens of percent between runs; instruction counts
+repeat.  This drives the broker's request handling in-process, with no sockets: a session
+that alternates ``acquire(1)`` and ``release(1)`` (plus a heartbeat every 16 requests), rounds
+of 16 requests each followed by the journal commit, exactly as the server loop runs them.
+
+    python benchmarks/request_path.py --compare     # runs itself under callgrind twice
+
+prints the instructions per request (the difference between a run of N requests and a run
+of 0, divided by N), so start-up costs cancel out.  ``--requests N`` alone runs the workload
+once, without callgrind (that is what callgrind runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROUND = 16
+
+
+def build_server(state_dir: Path | None):
+    from kvcached_broker.broker.device import SimulatedDevice
+    from kvcached_broker.broker.server import BrokerServer, ServeConfig
+
+    config = ServeConfig(endpoint="ipc:///nonexistent/request-path.sock", headroom="0", state_dir=state_dir)
+    server = BrokerServer(config, SimulatedDevice(0, 80 << 30))
+    if state_dir is not None:
+        from kvcached_broker.broker.checkpoint import StateStore
+
+        store = StateStore(state_dir, 0)
+        server._restore(store)
+        server._store = store
+    return server
+
+
+def workload(requests: int, state_dir: Path | None) -> None:
+    from kvcached_broker.broker.security import Peer
+    from kvcached_broker.client import protocol as proto
+
+    server = build_server(state_dir)
+    peer = Peer(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), address="localhost")
+    rid = b"\x00path"
+    hello = proto.encode(proto.Hello(id=1, versions=[1], instance="path", pid=os.getpid(), page_bytes=2 << 20,
+                                     nonce="path-nonce-0"))
+    token = proto.decode_broker_message(server._handle(rid, peer, hello, 0.0)).result["session"]
+    frames = []
+    for i in range(requests):
+        request_id = 2 + i
+        if i % ROUND == ROUND - 1:
+            frames.append(proto.encode(proto.Heartbeat(id=request_id, session=token)))
+        elif i % 2:
+            frames.append(proto.encode(proto.Release(id=request_id, session=token, pages=1)))
+        else:
+            frames.append(proto.encode(proto.Acquire(id=request_id, session=token, pages=1)))
+    handle, commit = server._handle, server._commit
+    for start in range(0, len(frames), ROUND):
+        for frame in frames[start : start + ROUND]:
+            handle(rid, peer, frame, 1.0)
+        commit()
+
+
+def count(requests: int, state: bool) -> int:
+    out_dir = Path(tempfile.mkdtemp(prefix="kb-callgrind-"))
+    out_file = out_dir / "callgrind.out"
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}", sys.executable, __file__,
+           "--requests", str(requests)] + (["--state-dir", str(out_dir / "state")] if state else [])
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    match = re.search(r"Collected : (\d+)", result.stderr)
+    if result.returncode != 0 or not match:
+        raise SystemExit(f"callgrind failed:\n{result.stderr[-2000:]}")
+    return int(match.group(1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, help="run the workload once (what callgrind runs)")
+    parser.add_argument("--state-dir", type=Path, help="journal into this directory")
+    parser.add_argument("--compare", action="store_true", help="count instructions per request under callgrind")
+    parser.add_argument("-n", type=int, default=4000, help="requests per counted run (default 4000)")
+    args = parser.parse_args()
+    if args.requests is not None:
+        workload(args.requests, args.state_dir)
+        return 0
+    for state in (True, False):
+        base, loaded = count(0, state), count(args.n, state)
+        label = "with journal" if state else "--no-state"
+        print(f"request path, {label}: {(loaded - base) / args.n:,.0f} instructions per request")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
