@@ -320,6 +320,13 @@ def resume(identity: WorkerIdentity, names: list[str] | None = None) -> int:
         return charged
 
 
+def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:
+    """The bytes ``reporter`` has in this device's book (charged or suspended)."""
+    with _lock:
+        entry = _sessions.get(str(identity.device))
+        return sum(entry.book.get(reporter, {}).values()) if entry is not None else 0
+
+
 def suspended(identity: WorkerIdentity) -> list[str]:
     with _lock:
         entry = _sessions.get(str(identity.device))

@@ -135,11 +135,19 @@ def release_hold(identity: worker.WorkerIdentity) -> None:
         worker.report(identity, HOLD_REPORTER, {})
 
 
-def kv_reporters(identity: worker.WorkerIdentity) -> list[str]:
-    """The reporters of this device that hold KV memory (every pool this module reported)."""
+def kv_reporters_by_device() -> list[tuple[worker.WorkerIdentity, list[str]]]:
+    """``(identity, reporter keys)`` per device: every KV pool this module reported."""
     with _lock:
-        keys = {key for key, ident in _identity.items() if str(ident.device) == str(identity.device)}
-    return sorted(keys)
+        by_device: dict[str, tuple[worker.WorkerIdentity, list[str]]] = {}
+        for key, identity in _identity.items():
+            by_device.setdefault(str(identity.device), (identity, []))[1].append(key)
+    return [(identity, sorted(keys)) for identity, keys in by_device.values()]
+
+
+def totals_of(keys: list[str]) -> int:
+    """Bytes the reporters ``keys`` last reported."""
+    with _lock:
+        return sum(_totals.get(key, 0) for key in keys)
 
 
 def held_bytes(identity: worker.WorkerIdentity) -> int:

@@ -46,6 +46,10 @@ def patched_sglang(sglang_version):
         import sglang.srt.mem_cache.kv_cache_configurator  # noqa: F401
     else:
         import sglang.srt.model_executor.model_runner_kv_cache_mixin  # noqa: F401
+    if sglang_cpu.at_least("0.5.13"):
+        import sglang.srt.managers.scheduler_components.weight_updater  # noqa: F401
+    else:
+        import sglang.srt.managers.scheduler_update_weights_mixin  # noqa: F401
     return autopatch.apply(["sglang"])
 
 
