@@ -43,9 +43,10 @@ def weight_updater(saver: MemorySaver):
     for name, value in {"memory_saver_adapter": saver, "offload_tags": set(), "scheduler": None, "tp_worker": None,
                         "draft_worker": None, "flush_cache": lambda *a, **k: True,
                         "is_fully_idle": lambda *a, **k: True}.items():
-        if name in ("scheduler", "draft_worker") and not sglang_cpu.at_least("0.5.13"):
-            continue
-        setattr(obj, name, value)
+        try:
+            setattr(obj, name, value)
+        except AttributeError:  # a slotted release without that field (0.5.13 has no scheduler)
+            pass
     return obj
 
 
