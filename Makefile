@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 ENVS := .adapter-envs
 
-.PHONY: demo test test-core test-adapters adapter-envs bench replay clean
+.PHONY: demo test test-core test-adapters adapter-envs bench chaos replay clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
 	mkdir -p bench-results
 	$(PY) benchmarks/suite.py --out bench-results
+
+# Randomized worker and broker kills, stops, evictions and limit changes (about 6 minutes on
+# 2 cores); prints the figures, writes bench-results/chaos.json, exits 1 on any mismatch.
+chaos: $(STAMP)
+	mkdir -p bench-results
+	$(PY) benchmarks/chaos.py $(CHAOS_ARGS) --json bench-results/chaos.json
 
 replay: $(STAMP)
 	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
