@@ -10,9 +10,10 @@ one module serves every supported release:
   device cost is the sum.
 
 The per-group view (:func:`usage_breakdown`) counts, for each cache role, the bytes its
-layers address: ``num_blocks * page_size_bytes`` per layer.  Groups overlay one buffer and a
-block belongs to one group at a time, so these views overlap and do not add up to the
-charge.  They go to the broker as ``usage`` (status ``usage_breakdown``), never as charges.
+layers address: ``num_blocks * page_size_bytes`` per layer, at most the whole buffer
+(:func:`within`).  Groups overlay one buffer and a block belongs to one group at a time, so
+these views overlap and do not add up to the charge.  They go to the broker as ``usage``
+(status ``usage_breakdown``), never as charges.
 
 All sizes are bytes (int).
 """
@@ -81,6 +82,12 @@ def usage_breakdown(kv_cache_config: Any) -> dict[str, int]:
         pool = (v4 and v4_pool_name(name, spec)) or group_pool_name(index, groups[index].kv_cache_spec)
         views[pool] = views.get(pool, 0) + blocks * int(spec.page_size_bytes)
     return views
+
+
+def within(views: dict[str, int], limit_bytes: int) -> dict[str, int]:
+    """``views`` with none larger than ``limit_bytes``: what a role's layers address is at most
+    the buffer they share (the broker refuses a view larger than the session's reservations)."""
+    return {name: min(size, limit_bytes) for name, size in views.items()}
 
 
 def v4_pool_name(layer_name: str, spec: Any) -> str | None:

@@ -54,8 +54,8 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
         if backing is not None:
             worker_pages.open_pages(identity, None, backing, kv_cache_config)
         return
-    if backing is not None:
-        worker.report(identity, kv_budget.REPORTER, {}, usage=kv_config.usage_breakdown(kv_cache_config))
+    if backing is not None:  # no static charge; the broker takes no usage views beyond reservations
+        worker.report(identity, kv_budget.REPORTER, {})
         worker_pages.open_pages(identity, worker.session(identity), backing, kv_cache_config)
         return
     allocated = storage_bytes(tensors) or kv_config.buffer_bytes(kv_cache_config)
@@ -67,7 +67,7 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
 
 
 def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, what: str) -> None:
-    usage = kv_config.usage_breakdown(kv_cache_config)
+    usage = kv_config.within(kv_config.usage_breakdown(kv_cache_config), buffer_bytes)
     try:
         worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage)
     except BudgetExceeded as exc:

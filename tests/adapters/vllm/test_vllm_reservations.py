@@ -64,7 +64,9 @@ def test_deepseek_v4_buffer_is_charged_once_and_shows_the_v4_groups(patched_vllm
     assert inst["reserved_bytes"] == buffer < sum(sizes)
     assert gpu_broker.status()["free_bytes"] == GIB - buffer
     assert set(inst["usage_breakdown"]) == V4_POOLS
-    assert inst["usage_breakdown"] == expected_views(kv_cfg, v4_role)
+    views = expected_views(kv_cfg, v4_role)
+    assert max(views.values()) > buffer  # the SWA layers address the shared buffer more than once
+    assert inst["usage_breakdown"] == {name: min(size, buffer) for name, size in views.items()}
     assert inst["sessions"][0]["usage_breakdown"] == inst["usage_breakdown"]
 
 
@@ -80,7 +82,7 @@ def test_a_plain_hybrid_model_is_charged_once_with_one_view_per_group(patched_vl
     assert names == ["kv_group0_full_attention", "kv_group1_sliding_window"]
     per_group = {name: kv_cfg.num_blocks * g.kv_cache_spec.page_size_bytes * len(g.layer_names)
                  for name, g in zip(names, kv_cfg.kv_cache_groups)}
-    assert inst["usage_breakdown"] == per_group
+    assert inst["usage_breakdown"] == {name: min(size, allocated) for name, size in per_group.items()}
 
 
 def test_a_mla_indexer_model_without_v4_fields_is_reported_per_group(patched_vllm, gpu_broker):
