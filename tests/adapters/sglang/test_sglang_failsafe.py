@@ -93,6 +93,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.skipif(not sglang_cpu.at_least("0.5.13"), reason="0.5.12 finds its TP group as 0.5.13 does (suite time)")
 def test_an_unprotected_tp_rank_still_joins_every_collective(broker_factory):
     """Rank 1's endpoint is invalid: it runs unprotected, rank 0's small GPU decides for both."""
     small = broker_factory(device=0, simulate="64MiB", extra_args=["--headroom", "0"])
