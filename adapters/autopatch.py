@@ -81,19 +81,11 @@ REQUIRE_EXIT_CODE = 78
 def startup_failed(exc: BaseException) -> bool:
     """Say why the hook failed, in one line; exit under ``KVCACHED_REQUIRE=1``, else go on."""
     reason = str(exc) if isinstance(exc, (PatchError, flags.FlagError)) else f"{type(exc).__name__}: {exc}"
-    if _required():
+    if flags.required():
         announce.say(logging.ERROR, "startup_refused", reason=reason, detail="KVCACHED_REQUIRE=1 stops this start")
         os._exit(REQUIRE_EXIT_CODE)
     announce.say(logging.WARNING, "autopatch_failed", reason=reason, detail="running without kvcached-broker")
     return False
-
-
-def _required() -> bool:
-    """``KVCACHED_REQUIRE``; a value that is neither true nor false counts as required."""
-    try:
-        return flags.require()
-    except flags.FlagError:
-        return True
 
 
 def _autopatch_quietly() -> bool:

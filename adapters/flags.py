@@ -50,6 +50,15 @@ def require(env: Mapping[str, str] | None = None) -> bool:
     return flag("KVCACHED_REQUIRE", env=env)
 
 
+def required(env: Mapping[str, str] | None = None) -> bool:
+    """``KVCACHED_REQUIRE``, where a value that is neither true nor false counts as on (the
+    operator asked for something: never run unprotected on a guess)."""
+    try:
+        return require(env)
+    except FlagError:
+        return True
+
+
 def dsv4_runtime_reservation(env: Mapping[str, str] | None = None) -> bool:
     return flag("KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION", default=True, env=env)
 

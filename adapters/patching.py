@@ -71,7 +71,7 @@ def apply_patch(patch: Patch, module: ModuleType) -> PatchResult:
 
 def _fail_or_skip(patch: Patch, outcome: str, reason: str) -> PatchResult:
     result = _record(patch, outcome, reason)
-    if patch.required and flags.require():
+    if patch.required and flags.required():
         raise PatchError(f"kvcached-broker patch {patch.name} on {patch.module} did not apply: {reason} (KVCACHED_REQUIRE=1)")
     return result
 

@@ -155,7 +155,7 @@ def _describe(exc: BaseException) -> str:
 
 def _unprotected_now(key: str, why: str, cause: BaseException | None = None) -> None:
     """Mark ``key`` unprotected (said once per process); under KVCACHED_REQUIRE=1, raise."""
-    if flags.require():
+    if flags.required():
         raise BrokerRequired(
             f"kvcached-broker is required (KVCACHED_REQUIRE=1) but unusable for device {key}: {why}"
         ) from cause
@@ -179,7 +179,7 @@ def serving_failure(identity: WorkerIdentity, action: str, exc: BrokerError) -> 
     """
     if exc.fatal:
         raise exc
-    if flags.require():
+    if flags.required():
         log.warning("event=broker_failure action=%s error=%r detail=treated_as_a_refusal(KVCACHED_REQUIRE=1)",
                     action, str(exc))
         return False
