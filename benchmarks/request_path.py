@@ -25,31 +25,46 @@ from pathlib import Path
 ROUND = 16
 
 
-def build_server(state_dir: Path | None):
+class _Processes:
+    """Every pid is alive and watched: the request path makes no process checks of its own."""
+
+    def start_ticks(self, pid):
+        return 1
+
+    def alive(self, pid, start_ticks):
+        return True
+
+    def kill(self, pid):
+        raise OSError("not here")
+
+    def watch(self, pid):
+        return True
+
+    def unwatch(self, pid):
+        return None
+
+
+def build(state_dir: Path | None):
+    """The request core and its journal, as the server wires them, without sockets."""
     from kvcached_broker.broker.device import SimulatedDevice
-    from kvcached_broker.broker.server import BrokerServer, ServeConfig
+    from kvcached_broker.broker.request_core import build_core
 
-    config = ServeConfig(endpoint="ipc:///nonexistent/request-path.sock", headroom="0", state_dir=state_dir)
-    server = BrokerServer(config, SimulatedDevice(0, 80 << 30))
-    if state_dir is not None:
-        from kvcached_broker.broker.checkpoint import StateStore
-
-        store = StateStore(state_dir, 0)
-        server._restore(store)
-        server._store = store
-    return server
+    core = build_core(SimulatedDevice(0, 80 << 30), _Processes(), headroom="0", state_dir=state_dir)
+    core.restore(core.journal.restore(), 0.0)
+    core.journal.started()
+    return core
 
 
 def workload(requests: int, state_dir: Path | None) -> None:
     from kvcached_broker.broker.security import Peer
     from kvcached_broker.client import protocol as proto
 
-    server = build_server(state_dir)
+    core = build(state_dir)
     peer = Peer(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), address="localhost")
     rid = b"\x00path"
     hello = proto.encode(proto.Hello(id=1, versions=[1], instance="path", pid=os.getpid(), page_bytes=2 << 20,
                                      nonce="path-nonce-0"))
-    token = proto.decode_broker_message(server._handle(rid, peer, hello, 0.0)).result["session"]
+    token = proto.decode_broker_message(core.handle(rid, peer, hello, 0.0)).result["session"]
     frames = []
     for i in range(requests):
         request_id = 2 + i
@@ -59,11 +74,11 @@ def workload(requests: int, state_dir: Path | None) -> None:
             frames.append(proto.encode(proto.Release(id=request_id, session=token, pages=1)))
         else:
             frames.append(proto.encode(proto.Acquire(id=request_id, session=token, pages=1)))
-    handle, commit = server._handle, server._commit
+    handle, commit = core.handle, core.journal.commit
     for start in range(0, len(frames), ROUND):
         for frame in frames[start : start + ROUND]:
             handle(rid, peer, frame, 1.0)
-        commit()
+        commit(1.0)
 
 
 def count(requests: int, state: bool) -> int:

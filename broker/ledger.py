@@ -64,15 +64,22 @@ class DeviceInfo:
 
 @dataclass
 class Limits:
-    """An instance's limits.  ``revision`` grows by one on every change."""
+    """An instance's limits.  ``revision`` grows by one on every change.
+
+    ``source`` says who set them: ``admin`` (the ``limit`` command), ``config`` (the config
+    file) or ``hello`` (the instance's own worker asked; such limits give way to an admin's or
+    the config's, and leave with the instance).
+    """
 
     max_bytes: int | None = None
     min_bytes: int = 0
     weight: float = 1.0
     revision: int = 0
+    source: str = "admin"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight, "revision": self.revision}
+        return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,
+                "revision": self.revision, "source": self.source}
 
 
 @dataclass(eq=False)
@@ -559,6 +566,7 @@ class Ledger:
         min_bytes: int = KEEP,
         weight: float = KEEP,
         revision: int | None = None,
+        source: str = "admin",
     ) -> Limits:
         """Change an instance's limits (the instance need not be registered yet).
 
@@ -576,6 +584,7 @@ class Ledger:
             min_bytes=current.min_bytes if min_bytes is KEEP else min_bytes,
             weight=current.weight if weight is KEEP else weight,
             revision=current.revision + 1,
+            source=source,
         )
         if new.max_bytes is not None and new.min_bytes > new.max_bytes:
             raise LimitExceeded(

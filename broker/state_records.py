@@ -16,7 +16,7 @@ Units: ``*_bytes`` ints of bytes, ``*_pages`` ints of pages.
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 from msgspec import Meta, Struct
 
@@ -72,6 +72,7 @@ class LimitRecord(Record, tag="limit", kw_only=True):
     min_bytes: proto.Bytes = 0
     weight: proto.Weight = 1.0
     revision: Annotated[int, Meta(ge=0)] = 0
+    source: Literal["admin", "config", "hello"] = "admin"
 
 
 class UnlimitRecord(Record, tag="unlimit", kw_only=True):

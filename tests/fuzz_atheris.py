@@ -17,16 +17,17 @@ import atheris
 with atheris.instrument_imports(include=["kvcached_broker"]):
     import msgspec
 
-    from kvcached_broker.broker.device import SimulatedDevice
     from kvcached_broker.broker.security import Peer
-    from kvcached_broker.broker.server import BrokerServer, ServeConfig
     from kvcached_broker.client import protocol as proto
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import make_core  # noqa: E402  (the request core alone: no sockets, files or processes)
 
 PEER = Peer(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), address="localhost")
 RID = b"\x00fuzz"
-SERVER = BrokerServer(ServeConfig(endpoint="ipc:///nonexistent/fuzz.sock", headroom="0"), SimulatedDevice(0, 8 << 30))
+SERVER = make_core(8 << 30, is_admin=lambda peer: True)
 _hello = proto.Hello(id=1, versions=[1], instance="fuzz", pid=os.getpid(), page_bytes=1 << 20, nonce="atheris-nonce")
-TOKEN = proto.decode_broker_message(SERVER._handle(RID, PEER, proto.encode(_hello), 0.0)).result["session"]
+TOKEN = proto.decode_broker_message(SERVER.handle(RID, PEER, proto.encode(_hello), 0.0)).result["session"]
 
 
 def fingerprint():
@@ -46,7 +47,7 @@ def test_one_input(data: bytes) -> None:
     else:
         frame = fdp.ConsumeBytes(fdp.remaining_bytes())
     before = fingerprint()
-    raw = SERVER._handle(RID, PEER, frame, 1.0)
+    raw = SERVER.handle(RID, PEER, frame, 1.0)
     reply = msgspec.msgpack.decode(raw, type=proto.Reply)
     if not reply.ok:
         assert reply.error is not None and reply.error.code != "internal", reply.error

@@ -65,3 +65,42 @@ def require_runtime(dist: str) -> str:
     elif found is None or not expected:
         pytest.skip(f"{dist} adapter tests run inside an overlay (make test-adapters)")
     return found
+
+
+class FakeProcesses:
+    """``ProcessOps`` for driving the request core without processes: every pid is alive unless
+    listed in ``dead``; kills and watches are recorded."""
+
+    def __init__(self) -> None:
+        self.dead: set[int] = set()
+        self.killed: list[int] = []
+        self.watched: set[int] = set()
+
+    def start_ticks(self, pid: int) -> int | None:
+        return None if pid in self.dead else 1
+
+    def alive(self, pid: int, start_ticks: int | None) -> bool:
+        return pid not in self.dead
+
+    def kill(self, pid: int) -> None:
+        self.killed.append(pid)
+        self.dead.add(pid)
+
+    def watch(self, pid: int) -> bool:
+        if pid in self.dead:
+            return False
+        self.watched.add(pid)
+        return True
+
+    def unwatch(self, pid: int) -> None:
+        self.watched.discard(pid)
+
+
+def make_core(total_bytes: int = 8 * GIB, **kwargs):
+    """A request core on a simulated device, with no sockets, files or processes of its own."""
+    from kvcached_broker.broker.device import SimulatedDevice
+    from kvcached_broker.broker.request_core import build_core
+
+    processes = kwargs.pop("processes", None) or FakeProcesses()
+    kwargs.setdefault("headroom", "0")
+    return build_core(SimulatedDevice(0, total_bytes), processes, **kwargs)

@@ -13,12 +13,10 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcached_broker.broker.device import SimulatedDevice
 from kvcached_broker.broker.security import Peer
-from kvcached_broker.broker.server import BrokerServer, ServeConfig
 from kvcached_broker.client import protocol as proto
 
-from helpers import GIB
+from helpers import GIB, make_core
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "400"))
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -28,14 +26,15 @@ COUNTS = {"bytes": 0, "structured": 0}
 
 
 def make_server():
-    server = BrokerServer(ServeConfig(endpoint="ipc:///nonexistent/fuzz.sock", headroom="0"), SimulatedDevice(0, 8 * GIB))
+    """The request core alone: no sockets, files or processes (admin ops allowed, as for root)."""
+    server = make_core(8 * GIB, is_admin=lambda peer: True)
     hello = proto.encode(proto.Hello(id=1, versions=[1], instance="fuzz", pid=os.getpid(), page_bytes=1 << 20,
                                      nonce="fuzz-nonce-0"))
-    reply = proto.decode_broker_message(server._handle(RID, PEER, hello, 0.0))
+    reply = proto.decode_broker_message(server.handle(RID, PEER, hello, 0.0))
     assert reply.ok
     token = reply.result["session"]
-    server._handle(RID, PEER, proto.encode(proto.Reserve(id=2, session=token, pools={"weights": GIB})), 0.0)
-    server._handle(RID, PEER, proto.encode(proto.Acquire(id=3, session=token, pages=10)), 0.0)
+    server.handle(RID, PEER, proto.encode(proto.Reserve(id=2, session=token, pools={"weights": GIB})), 0.0)
+    server.handle(RID, PEER, proto.encode(proto.Acquire(id=3, session=token, pages=10)), 0.0)
     return server, token
 
 
@@ -63,7 +62,7 @@ def check_reply(raw: bytes) -> proto.Reply:
 def test_random_bytes_never_crash_and_never_change_the_ledger(frame):
     COUNTS["bytes"] += 1
     before = fingerprint(SERVER)
-    reply = SERVER._handle(RID, PEER, frame, 1.0)
+    reply = SERVER.handle(RID, PEER, frame, 1.0)
     if reply is not None:
         decoded = check_reply(reply)
         if not decoded.ok:
@@ -104,7 +103,7 @@ def test_structured_garbage_gets_an_error_or_a_valid_effect(message):
     except (OverflowError, ValueError, TypeError):
         return
     before = fingerprint(SERVER)
-    raw = SERVER._handle(RID, PEER, frame, 2.0)
+    raw = SERVER.handle(RID, PEER, frame, 2.0)
     reply = check_reply(raw)
     if not reply.ok:
         assert fingerprint(SERVER) == before, message
@@ -134,10 +133,10 @@ def test_nesting_at_any_depth_gets_a_reply(op, field, bomb):
     head = msgpack.packb({"op": op, "id": 9, "session": TOKEN})
     frame = bytes([head[0] + 1]) + head[1:] + msgpack.packb(field) + bomb  # one more map entry, the bomb
     before = fingerprint(SERVER)
-    reply = check_reply(SERVER._handle(RID, PEER, frame, 3.0))
+    reply = check_reply(SERVER.handle(RID, PEER, frame, 3.0))
     if not reply.ok:
         assert fingerprint(SERVER) == before
-    check_reply(SERVER._handle(RID, PEER, proto.encode(proto.Status(id=10)), 3.0))  # status still answers
+    check_reply(SERVER.handle(RID, PEER, proto.encode(proto.Status(id=10)), 3.0))  # status still answers
 
 
 @FUZZ_SETTINGS
@@ -155,11 +154,11 @@ def test_integer_extremes_never_break_the_ledger_or_status(op, ints, claim):
     except (OverflowError, ValueError):
         return
     before = fingerprint(SERVER)
-    reply = check_reply(SERVER._handle(RID, PEER, frame, 4.0))
+    reply = check_reply(SERVER.handle(RID, PEER, frame, 4.0))
     if not reply.ok:
         assert fingerprint(SERVER) == before, message
     SERVER.ledger.check_invariant()
-    status = check_reply(SERVER._handle(RID, PEER, proto.encode(proto.Status(id=12)), 4.0))
+    status = check_reply(SERVER.handle(RID, PEER, proto.encode(proto.Status(id=12)), 4.0))
     assert status.ok and status.result["free_bytes"] >= 0 and not status.result["overcommitted"]
 
 

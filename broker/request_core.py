@@ -1,0 +1,356 @@
+"""The broker's request layer, sans I/O: bytes and a clock value in, bytes out (the h11 style).
+
+:meth:`RequestCore.handle` takes one request frame from one peer and returns the reply
+frame.  It opens no socket or file and reads no clock; process checks, kills and pid watches
+go through an injected :class:`~.lifecycle.ProcessOps`, the admin check is an injected
+function, and what must reach disk goes to the journal, which the shell commits once per
+round before it sends the round's replies.  Pushes (pressure asks) wait in an outbox the
+shell drains with :meth:`take_pushes`.
+
+Anything a peer sends gets a reply or is dropped: an exception other than a ``BrokerError``
+escaping :meth:`handle` is a bug (it is answered ``internal`` and logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+
+from ..client import protocol as proto
+from ..client.credit import split_grant
+from ..client.errors import BrokerError, NotOwner, SessionEvicted, UnknownSession
+from .admin_ops import AdminOps
+from .checkpoint import StateStore
+from .counters import Counters
+from .device import DeviceProbe
+from .device_monitor import DeviceMonitor
+from .journal import Journal, NullJournal, Restored, record_bytes, restore_session
+from .ledger import Ledger, Session, SessionState
+from .lifecycle import ProcessOps, SessionLifecycle
+from .policy import PressureBook, fair_shares
+from .security import Peer
+from .session_opener import SessionOpener, SessionQuotas
+from .sessions import Binding, SessionTable
+from .status import build_status
+
+log = logging.getLogger("kvcached_broker")
+
+_decode_request = msgspec.msgpack.Decoder(proto.AnyRequest).decode
+_encode = msgspec.msgpack.Encoder().encode
+_LIVE = SessionState.LIVE  # bound once: an enum member lookup costs a metaclass call
+
+
+class _Retried(Exception):
+    """A request id the session was already answered for: send ``reply`` again, apply nothing."""
+
+    def __init__(self, reply: bytes):
+        super().__init__()
+        self.reply = reply
+
+
+class RequestCore:
+    """Decides every request against the ledger and the session table."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        journal: Journal | NullJournal,
+        device: DeviceMonitor,
+        processes: ProcessOps,
+        is_admin: Callable[[Peer], bool],
+        quotas: SessionQuotas,
+        table: SessionTable,
+        meta: dict[str, Any] | None = None,
+        started_s: float = 0.0,
+    ):
+        self.ledger = ledger
+        self.journal = journal
+        self.device = device
+        self.table = table
+        self.quotas = quotas
+        self.counters = Counters()
+        self.pressure = PressureBook()
+        self.lifecycle = SessionLifecycle(ledger, table, self.pressure, processes, self.counters)
+        self.opener = SessionOpener(ledger, table, self.lifecycle, journal, quotas)
+        self.admin = AdminOps(ledger, self.lifecycle, journal, device, is_admin)
+        self.meta = dict(meta or {})
+        self.started_s = started_s
+        self.state_damage: dict[str, Any] | None = None  # what the restore found damaged
+        self._hold_until_s = 0.0  # growth held (damaged state) until then at the latest
+        self._pushes: list[tuple[bytes, bytes]] = []
+        self._body = b""  # the frame being handled: the reply cache fingerprints it
+        self._handlers = {
+            proto.Hello: self.opener.hello,
+            proto.Reserve: self._reserve,
+            proto.Acquire: self._acquire,
+            proto.Release: self._release,
+            proto.Heartbeat: self._heartbeat,
+            proto.Close: self._close,
+            proto.Status: self._status,
+            proto.SetLimit: self.admin.set_limit,
+            proto.Evict: self.admin.evict,
+            proto.Simulate: self.admin.simulate,
+        }
+
+    # -------------------------------------------------------------- requests
+    def handle(self, rid: bytes, peer: Peer, body: bytes, now: float) -> bytes | None:
+        """The reply to one request frame from the connection ``rid`` of ``peer``."""
+        try:
+            request = _decode_request(body)  # the socket's MAXMSGSIZE already bounds its size
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            self.counters.bad_frames += 1
+            try:
+                proto.decode_request(body)
+            except proto.ProtocolError as exc:  # the full path, for its one-line reason and the id
+                return proto.error_reply(exc.request_id, "bad_request", str(exc))
+            return proto.error_reply(None, "bad_request", "invalid request")
+        self._body = body
+        try:
+            return self._handlers[type(request)](request, rid, peer, now)
+        except _Retried as retried:
+            return retried.reply
+        except BrokerError as exc:
+            self.counters.refused(exc.code)
+            return proto.error_reply(request.id, exc.code, exc.message, exc.details)
+        except Exception:
+            log.exception("event=internal_error op=%s", type(request).__name__)
+            return proto.error_reply(request.id, "internal", "internal broker error; the request was not applied")
+
+    def has_pushes(self) -> bool:
+        return bool(self._pushes)
+
+    def take_pushes(self) -> list[tuple[bytes, bytes]]:
+        """Messages to send unasked, as ``(routing id, frame)``: pressure asks."""
+        pushes, self._pushes = self._pushes, []
+        return pushes
+
+    def reclaim_pid(self, pid: int) -> None:
+        """The process ``pid`` exited: free every session it held."""
+        self.lifecycle.reclaim_pid(pid)
+
+    def _refusal_for_token(self, token: str, binding: Binding | None) -> BrokerError:
+        """Why a request with ``token`` may not drive a session from its connection."""
+        if binding is not None:
+            return NotOwner(
+                f"session {binding.session_id} is bound to another connection; its owner may resume it with hello",
+                details={"session_id": binding.session_id, "resume": True},
+            )
+        if token in self.table.fenced:
+            return SessionEvicted(
+                f"session {self.table.fenced[token]} was evicted by an operator; its memory has been given away"
+            )
+        return UnknownSession("unknown session; open a new one with hello")
+
+    def _session_request(self, request: Any, rid: bytes, now: float) -> tuple[Binding, Session]:
+        """The caller's binding and ledger session, with its lease renewed.
+
+        A retried request (an id this session has been answered for) raises :class:`_Retried`
+        carrying that first answer, so it is never applied twice.
+        """
+        binding = self.table.by_token(request.session)
+        if binding is None or binding.routing_id != rid:
+            raise self._refusal_for_token(request.session, binding)
+        if request.id in binding.replies or request.id <= binding.forgotten_id:
+            cached = binding.replay(request.id, hash(self._body))
+            if cached is not None:
+                raise _Retried(cached)
+        session = self.ledger.sessions[binding.session_id]
+        session.last_seen_s = now
+        if session.state is not _LIVE and self.ledger.touch(session.id, now):
+            log.info("event=session_live session=%s detail=lease_renewed", session.id)
+        reserve = getattr(request, "reserve_pages", None)
+        if reserve is not None and reserve != session.reserve_pages:
+            self.ledger.set_reserve_pages(session.id, reserve)
+        return binding, session
+
+    def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
+        reply = _encode(proto.Reply(id=request_id, ok=True, result=result))
+        binding.remember_reply(request_id, hash(self._body), reply, self.table.reply_cache)
+        return reply
+
+    def _reserve(self, req: proto.Reserve, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, session = self._session_request(req, rid, now)
+        if req.measured_base:
+            self.device.observe(self.ledger, now)  # pin what the device says now, not a reading ago
+        try:
+            pools = self.ledger.reserve(
+                session.id, dict(req.pools), None if req.usage is None else dict(req.usage),
+                holds=None if req.holds is None else dict(req.holds), measured_base=req.measured_base,
+            )
+        except BrokerError as exc:
+            log.info("event=refusal session=%s op=reserve code=%s detail=%r", binding.session_id, exc.code, exc.message)
+            reply = proto.error_reply(req.id, exc.code, exc.message, exc.details)
+            binding.remember_reply(req.id, hash(self._body), reply, self.table.reply_cache)
+            self.counters.refused(exc.code)
+            self._press_for(session.instance, int(exc.details.get("asked_bytes", 0)), exc, now)
+            return reply
+        return self._answer(binding, req.id, {
+            "pools": pools, "holds": dict(session.holds), "reserved_bytes": session.reserved_bytes,
+            "measured_bytes": self.ledger.measured_bytes(session.id),
+        })
+
+    def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, session = self._session_request(req, rid, now)
+        grant = self.ledger.acquire(session.id, req.pages, req.min_pages)
+        if req.caller_pages is not None:  # the client's reserve after this grant, as it books it
+            _, reserve_after = split_grant(session.reserve_pages, grant.pages, req.caller_pages, req.caller_min_pages)
+            self.ledger.set_reserve_pages(session.id, reserve_after)
+        result: dict[str, Any] = {"granted": grant.pages, "granted_pages": session.granted_pages}
+        if grant.refusal is not None:
+            refusal = grant.refusal
+            self.counters.refused(refusal.code)
+            result["refused"] = {"code": refusal.code, "message": refusal.message, "details": refusal.details}
+            floor_pages = req.pages if req.min_pages is None else max(1, req.min_pages)
+            self._press_for(session.instance, floor_pages * session.page_bytes, refusal, now)
+        else:
+            self.counters.grants += 1
+        return self._answer(binding, req.id, result)
+
+    def _release(self, req: proto.Release, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, session = self._session_request(req, rid, now)
+        remaining = self.ledger.release(session.id, req.pages)
+        if self.pressure.pending:
+            self.pressure.on_release(session.id, req.pages)
+        return self._answer(binding, req.id, {"granted_pages": remaining})
+
+    def _heartbeat(self, req: proto.Heartbeat, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, session = self._session_request(req, rid, now)
+        return self._answer(binding, req.id, {"state": session.state.value, "granted_pages": session.granted_pages})
+
+    def _close(self, req: proto.Close, rid: bytes, peer: Peer, now: float) -> bytes:
+        binding, _ = self._session_request(req, rid, now)
+        freed = self.lifecycle.end(binding, cause="closed")
+        return proto.ok_reply(req.id, {"closed": binding.session_id, "freed_bytes": freed})
+
+    def _status(self, req: proto.Status, rid: bytes, peer: Peer, now: float) -> bytes:
+        if req.session is not None:
+            try:
+                self._session_request(req, rid, now)  # renews the lease; a status is never cached
+            except _Retried:
+                pass
+        return proto.ok_reply(req.id, self.status(now))
+
+    def _press_for(self, instance: str, asked_bytes: int, refusal: BrokerError, now: float) -> None:
+        """A refused instance below its floor or fair share: ask those above theirs for pages."""
+        if refusal.code != "budget_exceeded" or refusal.details.get("held"):
+            return  # its own cap, external overcommit or a recovery hold: taking from others would not help
+        need = asked_bytes - int(refusal.details.get("free_bytes", 0))
+        for ask in self.pressure.plan(self.ledger, instance, need, now):
+            binding = self.table.by_id(ask.session_id)
+            if binding is None or binding.routing_id is None:
+                continue
+            push = proto.Pressure(session_id=ask.session_id, pages=ask.pages, reason=f"{instance} is below its share")
+            self._pushes.append((binding.routing_id, proto.encode(push)))
+            log.info(
+                "event=pressure for=%s session=%s instance=%s pages=%d bytes=%d",
+                instance, ask.session_id, ask.instance, ask.pages, ask.pages * ask.page_bytes,
+            )
+
+    # ---------------------------------------------------------------- time
+    def expire_leases(self, now: float) -> None:
+        """Sessions silent past the lease turn stale (and stay charged)."""
+        for session in self.ledger.expire_leases(now, self.quotas.lease_s):
+            log.warning(
+                "event=session_stale session=%s instance=%s pid=%d idle_s=%.1f charged_bytes=%d",
+                session.id, session.instance, session.pid, now - session.last_seen_s, session.reported_bytes,
+            )
+
+    def expire_pressure(self, now: float) -> None:
+        if self.pressure.pending:
+            for session_id, ask in self.pressure.expire(now):
+                log.warning(
+                    "event=pressure_ignored session=%s instance=%s outstanding_pages=%d detail=still_charged",
+                    session_id, ask.instance, ask.outstanding_pages,
+                )
+
+    def lift_growth_hold(self, now: float) -> None:
+        """A hold after damaged state ends once nobody is recovering, or when its time is up."""
+        if self.ledger.growth_hold is not None and (now >= self._hold_until_s or not self.recovering()):
+            log.warning("event=growth_hold_lifted recovering_sessions=%d", self.recovering())
+            self.ledger.release_growth()
+
+    def recovering(self) -> int:
+        return sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING)
+
+    # -------------------------------------------------------------- restore
+    def restore(self, restored: Restored, now: float) -> None:
+        """Bring back the sessions a journal replay found, except those whose process is gone."""
+        processes = self.lifecycle.processes
+        kept = dropped = 0
+        for record in restored.sessions:
+            if record.pid_verified and not processes.alive(record.pid, record.pid_start_ticks):
+                dropped += 1
+                self.counters.reclaimed("exited_while_down")
+                log.info(
+                    "event=session_end cause=exited_while_down session=%s instance=%s pid=%d freed_bytes=%d",
+                    record.id, record.instance, record.pid, record_bytes(record),
+                )
+                continue
+            restore_session(self.ledger, self.table, record, now)
+            kept += 1
+        if restored.found_state:
+            log.info("event=recovered sessions=%d dropped=%d", kept, dropped)
+        if restored.damage is not None:
+            self._distrust(restored.damage, now)
+
+    def _distrust(self, damage: dict[str, Any], now: float) -> None:
+        """Damaged or cut-short state may under-count what the restored sessions hold: until
+        their workers have re-asserted it (or twice the lease has passed), nobody else grows."""
+        hold_s = 2 * self.quotas.lease_s
+        self.state_damage = damage
+        log.warning(
+            "event=state_damaged damaged_records=%d damaged_bytes=%d torn_bytes=%d snapshot=%r "
+            "detail=growth_held_until_restored_sessions_reassert_or_%.0fs",
+            damage["damaged_records"], damage["damaged_bytes"], damage["torn_bytes"], damage["snapshot"], hold_s,
+        )
+        self.ledger.hold_growth("the broker restarted from damaged state and waits for its workers to re-assert what they hold")
+        self._hold_until_s = now + hold_s
+
+    # --------------------------------------------------------------- status
+    def status(self, now: float) -> dict[str, Any]:
+        broker_meta = {
+            **self.meta,
+            "protocol": proto.PROTOCOL_VERSION,
+            "uptime_s": round(now - self.started_s, 3),
+            "lease_s": self.quotas.lease_s,
+            "recovering_sessions": self.recovering(),
+            "state_damage": self.state_damage,
+            "growth_held": self.ledger.growth_hold,
+            "counters": self.counters.to_dict(),
+        }
+        shares = fair_shares(self.ledger)
+
+        def policy_view(instance: str) -> dict[str, Any]:
+            return {"fair_share_bytes": shares.get(instance, 0), "pressure": self.pressure.instance_view(instance)}
+
+        return build_status(self.ledger, self.table, broker_meta, now, policy_view)
+
+
+
+def build_core(
+    probe: DeviceProbe,
+    processes: ProcessOps,
+    *,
+    headroom: str = "5%",
+    is_admin: Callable[[Peer], bool] = lambda peer: False,
+    quotas: SessionQuotas = SessionQuotas(),
+    state_dir: Path | None = None,
+    device_index: int = 0,
+    meta: dict[str, Any] | None = None,
+    started_s: float = 0.0,
+) -> RequestCore:
+    """A request core for one device and its collaborators (the journal only with ``state_dir``).
+
+    Nothing here opens a file: with a ``state_dir``, :meth:`Journal.restore` does, when the
+    caller restores.
+    """
+    device = DeviceMonitor(probe, headroom)
+    ledger = device.new_ledger()
+    table = SessionTable()
+    journal: Journal | NullJournal = (
+        Journal(StateStore(state_dir, device_index), ledger, table) if state_dir is not None else NullJournal(ledger, table)
+    )
+    return RequestCore(ledger, journal, device, processes, is_admin, quotas, table, meta, started_s)

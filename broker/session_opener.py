@@ -1,0 +1,208 @@
+"""``hello``: who may open a session, resume one, or get the same one again (no I/O of its own).
+
+* A hello is refused for an unknown protocol version, a pid that is not the connection's (the
+  kernel's peer credentials), or a GPU that is not this broker's.
+* The same nonce from the same process gets the same session (a retried hello).
+* ``resume=token`` from the session's own process re-binds it to the new connection.  A
+  session restored from the journal adopts the holdings the worker re-asserts, through
+  admission, and answers the ids the worker names as ``settled`` from its reply cache.
+* Otherwise a new session opens, empty whatever the hello claims, within the per-peer hello
+  rate and the session quotas (in total, per pid, per uid).
+* Limits a hello asks for apply only where no admin or config has set any, and leave with
+  the instance.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..client import protocol as proto
+from ..client.errors import BadRequest, BrokerError, NotOwner, RateLimited, SessionEvicted, UnsupportedVersion, WrongDevice
+from .journal import NullJournal, Journal
+from .ledger import KEEP, Claim, Ledger, Limits
+from .lifecycle import SessionLifecycle
+from .security import Peer
+from .sessions import Binding, HelloRateLimiter, SessionTable
+
+log = logging.getLogger("kvcached_broker")
+
+
+@dataclass(frozen=True)
+class SessionQuotas:
+    lease_s: float = 10.0
+    max_sessions: int = 4096
+    max_sessions_per_pid: int = 64
+    #: So that one member of the socket group cannot fill the table and lock others out.
+    max_sessions_per_uid: int = 1024
+    hello_rate_per_s: float = 50.0
+    hello_burst: int = 200
+
+
+class SessionOpener:
+    def __init__(self, ledger: Ledger, table: SessionTable, lifecycle: SessionLifecycle,
+                 journal: Journal | NullJournal, quotas: SessionQuotas):
+        self.ledger = ledger
+        self.table = table
+        self.lifecycle = lifecycle
+        self.journal = journal
+        self.quotas = quotas
+        self._hellos = HelloRateLimiter(quotas.hello_rate_per_s, quotas.hello_burst)
+
+    def hello(self, req: proto.Hello, rid: bytes, peer: Peer, now: float) -> bytes:
+        version = max((v for v in req.versions if v in proto.SUPPORTED_VERSIONS), default=None)
+        if version is None:
+            raise UnsupportedVersion(
+                f"client speaks protocol {sorted(req.versions)}, broker speaks {list(proto.SUPPORTED_VERSIONS)}",
+                details={"supported": list(proto.SUPPORTED_VERSIONS)},
+            )
+        if peer.pid_known and req.pid != peer.pid:
+            raise NotOwner(f"hello claims pid {req.pid} but the connection belongs to pid {peer.pid}")
+        device = self.ledger.device
+        if req.device_uuid and req.device_uuid != device.uuid:
+            raise WrongDevice(
+                f"worker is on GPU {req.device_uuid} but this broker serves GPU {device.index} ({device.uuid})",
+                details={"worker_uuid": req.device_uuid, "broker_uuid": device.uuid},
+            )
+        retried = self.table.by_nonce(req.nonce)
+        if retried is not None and _same_process(retried, peer):
+            retried.routing_id = rid
+            return proto.ok_reply(req.id, self._result(retried, version, resumed=False))
+        if req.resume is not None:
+            binding = self.table.by_token(req.resume)
+            if binding is None and req.resume in self.table.fenced:
+                raise SessionEvicted(f"session {self.table.fenced[req.resume]} was evicted by an operator")
+            if binding is not None:
+                return self._resume(req, binding, rid, peer, now, version)
+        return self._open(req, rid, peer, now, version)
+
+    def _resume(self, req: proto.Hello, binding: Binding, rid: bytes, peer: Peer, now: float, version: int) -> bytes:
+        if not _same_process(binding, peer):
+            raise NotOwner(f"session {binding.session_id} belongs to another process; a token alone is not enough")
+        binding.routing_id = rid
+        binding.version = version
+        self.table.rekey_nonce(binding, req.nonce)
+        self.journal.rewrite(binding.session_id)  # its nonce changed: journal the whole record
+        claim = None
+        if req.holdings is not None:
+            h = req.holdings
+            claim = Claim(dict(h.pools), h.granted_pages, h.reserve_pages, dict(h.holds))
+        restored = self.ledger.sessions[binding.session_id].restored
+        session, adopted = self.ledger.resume(binding.session_id, now, holdings=claim)
+        if adopted:
+            # The worker's books already show these requests (releases it booked before
+            # sending); answer their retries from the cache instead of applying them again.
+            result = {"granted_pages": session.granted_pages, "settled": True}
+            for request_id in req.settled:
+                binding.remember_reply(request_id, None, proto.ok_reply(request_id, result), self.table.reply_cache)
+        elif restored and claim is not None:
+            log.warning(
+                "event=resume_claims_refused session=%s instance=%s detail=growth_does_not_fit_kept_checkpoint",
+                session.id, session.instance,
+            )
+        log.info(
+            "event=session_resumed session=%s instance=%s pid=%d restored=%s adopted=%s reserved=%d granted_pages=%d",
+            session.id, session.instance, session.pid, restored, adopted, session.reserved_bytes, session.granted_pages,
+        )
+        return proto.ok_reply(req.id, self._result(binding, version, resumed=True))
+
+    def _check_quotas(self, peer: Peer, now: float) -> None:
+        quotas = self.quotas
+        rate_key = peer.pid if peer.pid_known else (peer.uid, peer.address)
+        if not self._hellos.allow(rate_key, now):
+            raise RateLimited("too many hellos from this peer; retry shortly")
+        if len(self.table) >= quotas.max_sessions:
+            raise RateLimited(f"the broker already serves {quotas.max_sessions} sessions")
+        if peer.pid_known and self.table.count_for_pid(peer.pid) >= quotas.max_sessions_per_pid:
+            raise RateLimited(f"pid {peer.pid} already has {quotas.max_sessions_per_pid} sessions")
+        if peer.uid is not None and self.table.count_for_uid(peer.uid) >= quotas.max_sessions_per_uid:
+            raise RateLimited(f"uid {peer.uid} already has {quotas.max_sessions_per_uid} sessions")
+
+    def _open(self, req: proto.Hello, rid: bytes, peer: Peer, now: float, version: int) -> bytes:
+        self._check_quotas(peer, now)
+        if req.page_bytes > self.ledger.total_bytes:
+            raise BadRequest(f"page_bytes {req.page_bytes} is larger than the device ({self.ledger.total_bytes} bytes)")
+        if req.holdings is not None and (req.holdings.pools or req.holdings.granted_pages or req.holdings.holds):
+            # Claims are a resume's business: a session this broker never knew starts empty,
+            # and its worker asks again for what it holds, through admission like anyone.
+            log.info("event=hello_claims_ignored instance=%s pid=%d resume=%s", req.instance, req.pid, req.resume is not None)
+        session_id, token = self.table.new_ids()
+        verified = peer.pid_known
+        session = self.ledger.open_session(
+            session_id, instance=req.instance, pid=req.pid, pid_verified=verified, tp_rank=req.tp_rank,
+            tp_size=req.tp_size, page_bytes=req.page_bytes, now_s=now,
+        )
+        binding = Binding(
+            session_id=session_id, token=token, nonce=req.nonce, pid=req.pid, pid_verified=verified,
+            pid_start_ticks=self.lifecycle.processes.start_ticks(req.pid) if verified else None,
+            uid=peer.uid, version=version, client=req.client,
+            adapter=None if req.adapter is None else msgspec.structs.asdict(req.adapter), routing_id=rid,
+        )
+        self.table.add(binding)
+        if req.resume is not None and self.ledger.growth_hold is not None:
+            session.reasserting = True  # its record was lost: let it ask again for what it held
+        if req.limits is not None:
+            self._limits_from_hello(req.instance, req.limits)
+        log.info(
+            "event=session_open session=%s instance=%s pid=%d uid=%s verified=%s rank=%d tp_size=%d page_bytes=%d",
+            session_id, req.instance, req.pid, peer.uid, verified, req.tp_rank, req.tp_size, req.page_bytes,
+        )
+        result = self._result(binding, version, resumed=False)
+        if verified:
+            self.lifecycle.watch(req.pid)  # a process already gone is reclaimed at once
+        return proto.ok_reply(req.id, result)
+
+    def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest) -> None:
+        """A worker's requested limits, clamped by admin policy: they apply only to an instance no
+        admin or config has set limits for, and a floor is cut to what the other floors leave."""
+        current = self.ledger.limits.get(instance)
+        if current is not None and current.source != "hello":
+            log.info("event=hello_limits instance=%s outcome=ignored reason=set_by_%s", instance, current.source)
+            return
+        others = sum(l.min_bytes for name, l in self.ledger.limits.items() if name != instance)
+        floor = KEEP
+        if asked.min_bytes is not proto.UNSET:
+            floor = max(0, min(asked.min_bytes, self.ledger.budget_bytes - others))
+        try:
+            limits = self.ledger.set_limits(
+                instance,
+                max_bytes=KEEP if asked.max_bytes is proto.UNSET else asked.max_bytes,
+                min_bytes=floor,
+                weight=KEEP if asked.weight is proto.UNSET else asked.weight,
+                source="hello",
+            )
+        except BrokerError as exc:
+            log.info("event=hello_limits instance=%s outcome=refused reason=%r", instance, exc.message)
+            return
+        log.info("event=hello_limits instance=%s outcome=applied %s", instance,
+                 " ".join(f"{key}={value}" for key, value in limits.to_dict().items()))
+
+    def _result(self, binding: Binding, version: int, *, resumed: bool) -> dict[str, Any]:
+        session = self.ledger.sessions[binding.session_id]
+        device = self.ledger.device
+        return {
+            "session": binding.token,
+            "session_id": binding.session_id,
+            "version": version,
+            "lease_s": self.quotas.lease_s,
+            "heartbeat_s": self.quotas.lease_s / 4,
+            "resumed": resumed,
+            "pid_verified": binding.pid_verified,
+            "device": {"index": device.index, "uuid": device.uuid, "name": device.name, "simulated": device.simulated},
+            "limits": self.ledger.limits.get(session.instance, Limits()).to_dict(),
+            "holdings": {
+                "pools": dict(session.pools),
+                "granted_pages": session.granted_pages,
+                "reserve_pages": session.reserve_pages,
+                "holds": dict(session.holds),
+            },
+        }
+
+
+def _same_process(binding: Binding, peer: Peer) -> bool:
+    if binding.pid_verified:
+        return peer.pid == binding.pid
+    return binding.uid is None or binding.uid == peer.uid
