@@ -473,7 +473,8 @@ class Ledger:
         resident_delta = sum(new_pools.values()) - (session.reserved_bytes - session.held_bytes)
         held_delta = sum(new_holds.values()) - session.held_bytes
         new_total = session.reserved_bytes + resident_delta + held_delta
-        views = None if usage is None else _clean_views(usage, new_total)
+        views_bound = new_total + session.granted_bytes
+        views = None if usage is None else _clean_views(usage, views_bound)
         fit = self._fits(session, resident_delta, held_delta)
         if fit is not None:
             code, room_bytes = fit
@@ -492,8 +493,8 @@ class Ledger:
         self._apply(session, pools=new_pools, granted_pages=session.granted_pages, holds=new_holds)
         if views is not None:
             session.usage = views
-        elif any(size > new_total for size in session.usage.values()):
-            session.usage = {}  # views of reservations that are gone
+        elif any(size > views_bound for size in session.usage.values()):
+            session.usage = {}  # views of memory that is gone
         self._changed(session)
         return dict(session.pools)
 
@@ -813,15 +814,15 @@ def _clean_pools(pools: dict[str, int]) -> dict[str, int]:
     return {name: size for name, size in pools.items() if size > 0}
 
 
-def _clean_views(usage: dict[str, int], reserved_bytes: int) -> dict[str, int]:
-    """Usage views describe a session's reserved bytes, so none may be larger than they are."""
+def _clean_views(usage: dict[str, int], held_bytes: int) -> dict[str, int]:
+    """Usage views describe what a session holds (reservations and pages), so none may be larger."""
     views = _clean_pools(usage)
     for name, size in views.items():
-        if size > reserved_bytes:
+        if size > held_bytes:
             raise BadRequest(
-                f"usage view {name!r} ({format_bytes(size)}) is larger than the session's reservations "
-                f"({format_bytes(reserved_bytes)})",
-                details={"view": name, "view_bytes": size, "reserved_bytes": reserved_bytes},
+                f"usage view {name!r} ({format_bytes(size)}) is larger than what the session holds "
+                f"({format_bytes(held_bytes)} in reservations and pages)",
+                details={"view": name, "view_bytes": size, "session_bytes": held_bytes},
             )
     return views
 

@@ -154,7 +154,8 @@ class AsyncBrokerClient:
             lambda rid: proto.Status(id=rid, session=self._core.session_token(), reserve_pages=self._core.credit.reserve_pages)
         )
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """As :meth:`BrokerClient.close`."""
         core = self._core
         if core.closed:
             return
@@ -162,7 +163,7 @@ class AsyncBrokerClient:
             self._heartbeat_task.cancel()
         try:
             if not core.evicted and core.token is not None:
-                await self._call(lambda rid: proto.Close(id=rid, session=core.session_token()), total_s=2.0, resume=False)
+                await self._call(lambda rid: proto.Close(id=rid, session=core.session_token()), total_s=timeout_s, resume=False)
         except BrokerError as exc:
             if exc.code not in ("unknown_session", "evicted", "not_owner"):
                 log.warning("event=close_failed session=%s error=%s", core.session_id, exc)

@@ -211,8 +211,12 @@ class BrokerClient:
         """Register what the runtime can free when the broker asks for pages back."""
         self._pressure_callback = callback
 
-    def close(self) -> None:
-        """Release everything this session holds and end it.  Safe to call twice."""
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Release everything this session holds and end it.  Safe to call twice.
+
+        Waits at most ``timeout_s`` for the broker (a broker that is gone frees the session
+        itself when it sees this process exit, or when it restarts without it).
+        """
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -222,7 +226,7 @@ class BrokerClient:
                 return
             try:
                 if not core.evicted and core.token is not None:
-                    self._call(lambda rid: proto.Close(id=rid, session=core.session_token()), total_s=2.0, resume=False)
+                    self._call(lambda rid: proto.Close(id=rid, session=core.session_token()), total_s=timeout_s, resume=False)
             except BrokerError as exc:
                 if exc.code not in ("unknown_session", "evicted", "not_owner"):
                     log.warning("event=close_failed session=%s error=%s", core.session_id, exc)

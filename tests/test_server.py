@@ -456,13 +456,14 @@ def test_one_uid_cannot_fill_the_session_table(inproc_factory):
         c.close()
 
 
-def test_usage_views_larger_than_the_reservations_are_refused(inproc):
-    with connect(inproc, "views") as c:
-        c.reserve({"kv_cache": GIB}, usage={"group0": GIB})
-        with pytest.raises(BadRequest, match="larger than the session's reservations"):
+def test_usage_views_larger_than_what_the_session_holds_are_refused(inproc):
+    with connect(inproc, "views", page_bytes=256 * MIB) as c:
+        assert c.acquire(2) == 2
+        c.reserve({"kv_cache": GIB}, usage={"group0": GIB + 512 * MIB})  # the pool and the pages
+        with pytest.raises(BadRequest, match="larger than what the session holds"):
             c.reserve({"kv_cache": GIB}, usage={"group0": 1 << 56})
         (inst,) = inproc.status()["instances"]
-        assert inst["usage_breakdown"] == {"group0": GIB}
+        assert inst["usage_breakdown"] == {"group0": GIB + 512 * MIB}
 
 
 def test_reserve_pages_are_exact_in_status_as_soon_as_a_grant_is_answered(inproc):
