@@ -106,15 +106,15 @@ def test_tp_gang_agrees_on_the_minimum_across_brokers(broker_factory):
         assert b.status()["granted_bytes"] == 0  # all closed; no rank kept a surplus
 
 
-def test_tp_reduce_is_called_once_even_when_this_ranks_broker_is_gone(short_tmp):
+def test_tp_reduce_is_called_once_even_when_this_ranks_broker_is_gone(broker_factory):
+    from kvcached_broker.client import BrokerClient
     from kvcached_broker.client.errors import BrokerUnavailable
-    from kvcached_broker.client.tp import tp_acquire
 
+    b = broker_factory()
+    client = BrokerClient.connect("tp", endpoint=b.endpoint, credit_pages=0, timeout_s=0.5, background=False)
+    b.kill()
     calls = []
-
-    def failing_acquire(pages, min_pages):
-        raise BrokerUnavailable("gone")
-
     with pytest.raises(BrokerUnavailable):
-        tp_acquire(failing_acquire, lambda n: None, 4, lambda v: calls.append(v) or 0)
-    assert calls == [0]
+        client.acquire_tp(4, lambda v: calls.append(v) or 0)
+    assert calls == [0]  # this rank still took part in the collective, with nothing
+    client.close(timeout_s=0.2)

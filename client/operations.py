@@ -1,0 +1,288 @@
+"""Every client call as a generator of I/O actions: the one place where protocol decisions live.
+
+A call (``reserve``, ``acquire``, a resume, a pressure answer, ...) is a generator that yields
+what it needs done and receives the outcome:
+
+* :class:`Send`: send ``payload`` as request ``request_id`` and wait for its reply (the
+  driver's transport resends the same bytes until a reply or its timeout); the driver sends
+  back the :class:`~.protocol.Reply`, or throws the transport's exception in;
+* :class:`Resume`: re-open the session (the driver runs :meth:`Operations.open`, and shares
+  one resume among calls in flight: an asyncio client may have many);
+* :class:`Invoke`: call user code (a pressure callback, a tensor-parallel ``reduce_min``),
+  awaiting its result if it is a coroutine.
+
+``BrokerClient`` and ``AsyncBrokerClient`` are drivers: a dozen lines each that turn these
+actions into socket calls, so the two cannot drift.  Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
+
+from . import protocol as proto
+from .core import RESUME_CODES, ClientCore
+from .errors import BadRequest, BrokerError, BrokerUnavailable
+
+log = logging.getLogger("kvcached_broker.client")
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    request_id: int
+    payload: bytes
+    total_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    token: str | None  # the token the failed request used: a resume already done since is enough
+
+
+@dataclass(frozen=True, slots=True)
+class Invoke:
+    fn: Callable[..., Any]
+    args: tuple
+
+
+Action = Send | Resume | Invoke
+Op = Generator[Action, Any, Any]
+
+#: What an exchange returns for a request that a lost session made moot.
+MOOT = object()
+
+
+class Operations:
+    def __init__(self, core: ClientCore):
+        self.core = core
+
+    # ------------------------------------------------------------ the calls
+    def open(self, *, resume: bool) -> Op:
+        """Hello (or resume); a broker that lost the session gets the books asked for again."""
+        hello = self.core.hello(resume=resume)
+        reply = yield Send(hello.id, proto.encode(hello))
+        if not reply.ok:
+            raise self.core.error_of(reply)
+        if self.core.on_hello(reply.result):
+            yield from self._reassert()
+
+    def reserve(self, pools: dict[str, int], usage: dict[str, int] | None, holds: dict[str, int] | None,
+                measured_base: bool) -> Op:
+        core = self.core
+        build = core.reserve_request(pools, usage, holds, measured_base)
+        result = yield from self.call(build, track={"on_answer": core.book_pools})
+        core.book_pools(result)
+        return dict(result["pools"])
+
+    def acquire(self, pages: int, min_pages: int | None) -> Op:
+        core = self.core
+        yield from self.settle_in_doubt(None)  # a late grant may serve this from the reserve
+        credit = core.credit
+        if credit.take(pages):
+            return pages
+        ask, ask_min = credit.ask(pages, min_pages)
+        result = yield from self.call(
+            lambda rid: proto.Acquire(
+                id=rid, session=core.session_token(), pages=ask, min_pages=ask_min,
+                reserve_pages=credit.reserve_pages, caller_pages=pages, caller_min_pages=min_pages,
+            ),
+            track={"on_answer": core.book_late_grant},
+        )
+        return credit.settle(pages, min_pages, int(result["granted"]))
+
+    def release(self, pages: int) -> Op:
+        surplus = self.core.credit.put_back(pages)
+        if surplus:
+            yield from self.return_pages(surplus)
+
+    def return_pages(self, pages: int) -> Op:
+        """Hand ``pages`` (already off the books) back to the broker."""
+        core, credit = self.core, self.core.credit
+        try:
+            yield from self.call(
+                lambda rid: proto.Release(id=rid, session=core.session_token(), pages=pages,
+                                          reserve_pages=credit.reserve_pages),
+                track={"booked": True, "on_refusal": lambda: credit.reattach(pages)},
+            )
+        except BrokerUnavailable:
+            raise  # in doubt: stays off the books and is sent again before the next request
+        except BrokerError:
+            credit.reattach(pages)  # refused: the pages are still this session's
+            raise
+
+    def acquire_tp(self, pages: int, reduce_min: Callable[[int], Any], min_pages: int | None) -> Op:
+        """Acquire here, agree on the group's minimum, release the surplus (see ``client.tp``).
+
+        ``reduce_min`` is called exactly once on every path, so a rank whose broker fails still
+        takes part in the collective (contributing 0) and the group never deadlocks.
+        """
+        failure: BrokerError | None = None
+        try:
+            local = yield from self.acquire(pages, min_pages)
+        except BrokerError as exc:
+            local, failure = 0, exc
+        agreed = int((yield Invoke(reduce_min, (local,))))
+        if not 0 <= agreed <= local:
+            if local:
+                yield from self.release(local)
+            raise BadRequest(f"reduce_min returned {agreed}, which is not between 0 and this rank's grant of {local}")
+        if local > agreed:
+            yield from self.release(local - agreed)
+        if failure is not None:
+            raise failure
+        return agreed
+
+    def status(self) -> Op:
+        core = self.core
+        return (yield from self.call(
+            lambda rid: proto.Status(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages)
+        ))
+
+    def heartbeat(self) -> Op:
+        core = self.core
+        return (yield from self.call(
+            lambda rid: proto.Heartbeat(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages),
+            total_s=max(1.0, core.heartbeat_s),
+        ))
+
+    def refill(self) -> Op:
+        """Top the credit reserve up in the background once it runs low."""
+        core, credit = self.core, self.core.credit
+        wanted = credit.refill_wanted()
+        if wanted:
+            result = yield from self.call(
+                lambda rid: proto.Acquire(id=rid, session=core.session_token(), pages=wanted, min_pages=0,
+                                          reserve_pages=credit.reserve_pages, caller_pages=0),
+                track={"on_answer": core.book_late_grant},
+            )
+            credit.reattach(int(result["granted"]))
+
+    def answer_pressure(self, push: proto.Pressure, callback: Callable[[int], Any] | None) -> Op:
+        """The broker asks for pages back: the credit reserve first, then what the runtime frees."""
+        core = self.core
+        from_reserve = core.credit.detach(push.pages)
+        if from_reserve:
+            yield from self.return_pages(from_reserve)
+        from_runtime = 0
+        rest = push.pages - from_reserve
+        if rest > 0 and callback is not None:
+            try:
+                from_runtime = max(0, int((yield Invoke(callback, (rest,)))))
+            except Exception:
+                log.exception("event=pressure_callback_failed session=%s", core.session_id)
+        log.info(
+            "event=pressure session=%s asked_pages=%d returned_reserve=%d returned_runtime=%d",
+            core.session_id, push.pages, from_reserve, from_runtime,
+        )
+        return {"asked": push.pages, "from_reserve": from_reserve, "from_runtime": from_runtime}
+
+    def close(self, timeout_s: float) -> Op:
+        """Release everything and end the session (nothing to do if evicted or never opened)."""
+        core = self.core
+        if core.closed:
+            return
+        try:
+            if not core.evicted and core.token is not None:
+                yield from self.call(lambda rid: proto.Close(id=rid, session=core.session_token()),
+                                     total_s=timeout_s, resume=False)
+        except BrokerError as exc:
+            if exc.code not in ("unknown_session", "evicted", "not_owner"):
+                log.warning("event=close_failed session=%s error=%s", core.session_id, exc)
+        finally:
+            core.closed = True
+
+    # ------------------------------------------------------ request plumbing
+    def call(self, build: Callable[[int], Any], *, total_s: float | None = None, resume: bool = True,
+             track: dict[str, Any] | None = None) -> Op:
+        """Send one request and return its result.
+
+        ``track`` marks a request that changes holdings (see ``core.Outstanding``): it stays
+        outstanding until answered, and is sent again before the next request if this call
+        gives up on it.  On ``not_owner``/``unknown_session`` (the broker restarted or the
+        connection was replaced) the session is resumed and the request sent again.
+        """
+        core = self.core
+        core.check_usable()
+        yield from self.settle_in_doubt(total_s)
+        request_id = core.next_id()
+        payload = proto.encode(build(request_id))
+        booked = bool(track and track.get("booked"))
+        if track is not None:
+            core.track(request_id, payload, **track)
+        try:
+            result = yield from self._exchange(request_id, payload, build, total_s=total_s, resume=resume, booked=booked)
+        finally:
+            core.gave_up(request_id)  # nothing if it was answered
+        return {"settled": True} if result is MOOT else result
+
+    def _exchange(self, request_id: int, payload: bytes, build: Callable[[int], Any] | None, *,
+                  total_s: float | None, resume: bool, booked: bool) -> Op:
+        core = self.core
+        for _ in range(3):
+            token_used = core.token
+            reply = yield Send(request_id, payload, total_s)
+            if reply.ok:
+                core.answered(request_id)
+                return reply.result
+            assert reply.error is not None
+            if resume and reply.error.code in RESUME_CODES:
+                log.info("event=resume session=%s reason=%s", core.session_id, reply.error.code)
+                entry = core.outstanding.get(request_id)
+                yield Resume(token_used)
+                if core.token != token_used:  # a new session, already given the books' holdings
+                    if booked or build is None:
+                        return MOOT
+                    payload = proto.encode(build(request_id))
+                    core.retrack(request_id, entry, payload)
+                continue
+            core.answered(request_id)
+            raise core.error_of(reply)
+        core.answered(request_id)
+        raise core.error_of(reply)
+
+    def settle_in_doubt(self, total_s: float | None) -> Op:
+        """Send every request a caller gave up on again, before anything else, and book its answer."""
+        core = self.core
+        if not core.outstanding:
+            return
+        for request_id, outstanding in core.in_doubt():
+            if core.outstanding.get(request_id) is not outstanding:
+                continue  # a lost session dropped it meanwhile
+            outstanding.waiting = True
+            try:
+                result = yield from self._exchange(
+                    request_id, outstanding.payload, None, total_s=total_s, resume=True, booked=outstanding.booked
+                )
+            except BrokerUnavailable:
+                outstanding.waiting = False
+                raise
+            except BrokerError:
+                outstanding.on_refusal()
+                continue
+            if result is not MOOT:
+                outstanding.on_answer(result)
+        surplus = core.credit.trim()
+        if surplus:
+            yield from self.return_pages(surplus)
+
+    def _reassert(self) -> Op:
+        """The broker lost this session: ask the new one for what the books say is held."""
+        core = self.core
+        pools, holds, pages = core.reassertion()
+        booked_pools = None
+        if pools or holds:
+            try:
+                booked_pools = yield from self.call(core.reserve_request(pools, None, holds),
+                                                    track={"on_answer": core.book_pools})
+            except BrokerError as exc:
+                log.error("event=reassert_refused session=%s what=pools error=%s", core.session_id, exc)
+                booked_pools = {"pools": {}, "holds": {}}
+        granted = 0
+        if pages:
+            result = yield from self.call(
+                lambda rid: proto.Acquire(id=rid, session=core.session_token(), pages=pages, min_pages=0),
+                track={"on_answer": core.book_late_grant},
+            )
+            granted = int(result["granted"])
+        core.book_reasserted(booked_pools, granted)
