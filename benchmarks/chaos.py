@@ -68,6 +68,7 @@ from typing import Any, Callable, Iterable
 from kvcached_broker.client.admin import AdminClient
 from kvcached_broker.client.errors import BrokerError, BrokerUnavailable
 from kvcached_broker.client.units import format_bytes, parse_size
+from kvcached_broker.tools.launch import BrokerLauncher
 
 WORKER_SCRIPT = Path(__file__).with_name("chaos_worker.py")
 INSTANCES = ("chaos-a", "chaos-b", "chaos-c")
@@ -349,57 +350,29 @@ class BrokerProc:
     """The broker subprocess: SIGKILL and restart keep the endpoint and the state directory."""
 
     def __init__(self, workdir: Path, simulate: str, lease_s: float):
-        self.workdir = workdir
-        self.simulate = simulate
-        self.lease_s = lease_s
-        self.endpoint = f"ipc://{workdir}/gpu0.sock"
         self.log_path = workdir / "broker.log"
-        self.proc: subprocess.Popen | None = None
+        self.launcher = BrokerLauncher(
+            f"ipc://{workdir}/gpu0.sock", simulate=simulate, state_dir=workdir / "state",
+            args=["--lease", str(lease_s), "--log-level", "info"], log=self.log_path,
+            prefix=[sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid())], new_session=True,
+        )
+        self.endpoint = self.launcher.endpoint
 
-    def command(self) -> list[str]:
-        serve = [
-            sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--device", "0",
-            "--simulate", self.simulate, "--endpoint", self.endpoint, "--state-dir", str(self.workdir / "state"),
-            "--lease", str(self.lease_s), "--log-level", "info",
-        ]
-        return [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *serve]
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.launcher.proc
 
     def start(self) -> float:
         """Start it and return the seconds until its status answers."""
         started_s = time.monotonic()
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_ready(READY_TIMEOUT_S)
+        self.launcher.start(timeout_s=READY_TIMEOUT_S)
         return time.monotonic() - started_s
 
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline_s = time.monotonic() + timeout_s
-        while time.monotonic() < deadline_s:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with AdminClient(self.endpoint, timeout_s=0.25) as admin:
-                    admin.status()
-                return
-            except BrokerUnavailable:
-                time.sleep(0.01)
-        raise RuntimeError(f"broker not ready after {timeout_s} s:\n{self.log_tail()}")
-
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        self.launcher.stop(sig)
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
-        except OSError:
-            return ""
+        return "\n".join(self.launcher.log().splitlines()[-lines:])
 
 
 @dataclass

@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import signal
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,29 +34,12 @@ def rss_bytes(pid: int) -> int:
 @contextmanager
 def broker(workdir: Path, *extra: str, simulate: str = "80GiB") -> Iterator[tuple[str, subprocess.Popen]]:
     """A real ``kvcached-broker serve --simulate`` process, with a checkpoint, like production."""
-    from kvcached_broker.client.admin import AdminClient
-    from kvcached_broker.client.errors import BrokerUnavailable
+    from kvcached_broker.tools.launch import BrokerLauncher
 
-    endpoint = f"ipc://{workdir}/gpu0.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", simulate, "--endpoint", endpoint,
-         "--state-dir", str(workdir / "state"), "--log-level", "warning", *extra],
-    )
-    try:
-        for _ in range(300):
-            try:
-                with AdminClient(endpoint, timeout_s=0.5) as admin:
-                    admin.status()
-                break
-            except BrokerUnavailable:
-                time.sleep(0.05)
-        yield endpoint, proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    launcher = BrokerLauncher(f"ipc://{workdir}/gpu0.sock", simulate=simulate, state_dir=workdir / "state",
+                              args=["--log-level", "warning", *extra])
+    with launcher:
+        yield launcher.endpoint, launcher.proc
 
 
 def _raw_router(endpoint: str, ready) -> None:

@@ -363,7 +363,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from ..tools.demo import run_demo  # a tool, not the daemon: imported only when asked for
 
     return run_demo(seconds=args.seconds, keep=args.keep)
 
@@ -382,7 +382,7 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["replay"]:
-        from .replay import main as replay_main
+        from ..tools.replay import main as replay_main  # a tool, not the daemon
 
         return replay_main(argv[1:])
     parser = build_parser()

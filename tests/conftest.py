@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from kvcached_broker.client.admin import AdminClient
-from kvcached_broker.client.errors import BrokerUnavailable
+from kvcached_broker.tools.launch import BrokerLauncher
 
 from helpers import GIB, MIB  # noqa: F401
 
@@ -42,9 +39,9 @@ class BrokerProcess:
     simulate: str = "80GiB"
     lease_s: float = 10.0
     extra_args: list[str] = field(default_factory=list)
-    proc: subprocess.Popen | None = None
     device: int = 0
     socket_subdir: str = ""  # a directory the broker creates itself (0750, socket group)
+    launcher: BrokerLauncher | None = None
 
     @property
     def endpoint(self) -> str:
@@ -59,34 +56,26 @@ class BrokerProcess:
     def log_path(self) -> Path:
         return self.workdir / f"broker{self.device}.log"
 
+    @property
+    def proc(self):
+        return self.launcher.proc if self.launcher is not None else None
+
+    def _launcher(self) -> BrokerLauncher:
+        return BrokerLauncher(
+            self.endpoint, simulate=self.simulate, state_dir=self.state_dir, device=self.device,
+            args=["--lease", str(self.lease_s), "--log-level", "debug", *self.extra_args], log=self.log_path,
+        )
+
     def command(self) -> list[str]:
-        return [
-            sys.executable, "-m", "kvcached_broker.broker.cli", "serve",
-            "--device", str(self.device), "--simulate", self.simulate, "--endpoint", self.endpoint,
-            "--state-dir", str(self.state_dir), "--lease", str(self.lease_s), "--log-level", "debug",
-            *self.extra_args,
-        ]
+        return self._launcher().command()
 
     def start(self, wait: bool = True) -> "BrokerProcess":
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        if wait:
-            self.wait_ready()
+        self.launcher = self._launcher().start(wait=wait)
         return self
 
-    def wait_ready(self, timeout_s: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with AdminClient(self.endpoint, timeout_s=0.5) as admin:
-                    admin.status()
-                return
-            except BrokerUnavailable:
-                time.sleep(0.05)
-        raise RuntimeError(f"broker did not become ready:\n{self.log()}")
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        assert self.launcher is not None
+        self.launcher.wait_ready(timeout_s)
 
     def admin(self, timeout_s: float = 5.0) -> AdminClient:
         return AdminClient(self.endpoint, timeout_s=timeout_s)
@@ -96,9 +85,8 @@ class BrokerProcess:
             return admin.status()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=10)
+        if self.launcher is not None:
+            self.launcher.stop(sig)
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)

@@ -36,26 +36,23 @@ ELASTIC_PAGE_BYTES = 64 * MIB
 
 
 def run_demo(seconds: float = 8.0, keep: bool = False) -> int:
-    from ..client.admin import AdminClient
+    from ..broker.render import CLEAR_HOME, render_bars
     from ..client.errors import BrokerUnavailable
-    from .render import CLEAR_HOME, render_bars
+    from .launch import BrokerLauncher
 
     workdir = Path(tempfile.mkdtemp(prefix="kvcached-broker-demo-"))
     endpoint = f"ipc://{workdir}/gpu0.sock"
     env = {**os.environ, "KVCACHED_BROKER": endpoint}
-    broker = subprocess.Popen(
-        [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "80GiB", "--endpoint", endpoint,
-         "--state-dir", str(workdir / "state"), "--lease", "5", "--log-level", "warning"],
-        env=env,
-        stderr=open(workdir / "broker.log", "w"),
-    )
+    launcher = BrokerLauncher(endpoint, state_dir=workdir / "state", args=["--lease", "5", "--log-level", "warning"],
+                              log=workdir / "broker.log", env=env)
     workers: list[subprocess.Popen] = []
     try:
-        admin = _wait_for_broker(endpoint, broker, AdminClient)
+        launcher.start()
+        admin = launcher.admin()
         for role in ("deepseek-v4", "llama-a", "llama-b"):
             workers.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "kvcached_broker.broker.demo", role, endpoint, str(seconds + 5)], env=env
+                    [sys.executable, "-m", "kvcached_broker.tools.demo", role, endpoint, str(seconds + 5)], env=env
                 )
             )
             _wait_for_instance(admin, role, workers[-1])
@@ -74,7 +71,7 @@ def run_demo(seconds: float = 8.0, keep: bool = False) -> int:
             elif now - last_print >= 2.0:
                 print(f"--- t={seconds - (end - now):4.1f}s\n{frame}\n", flush=True)
                 last_print = now
-            time.sleep(0.5)
+            time.sleep(0.5)  # the redraw interval of a live view
         final = admin.status()
         print("\nfinal:\n" + render_bars(final), flush=True)
         admin.close()
@@ -88,32 +85,11 @@ def run_demo(seconds: float = 8.0, keep: bool = False) -> int:
                 worker.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 worker.kill()
-        broker.send_signal(signal.SIGTERM)
-        try:
-            broker.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            broker.kill()
+        launcher.stop()
         if not keep:
             import shutil
 
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _wait_for_broker(endpoint: str, broker: subprocess.Popen, admin_cls):
-    from ..client.errors import BrokerUnavailable
-
-    deadline = time.monotonic() + 15
-    while True:
-        if broker.poll() is not None:
-            raise RuntimeError(f"the demo broker exited with code {broker.returncode}")
-        try:
-            admin = admin_cls(endpoint, timeout_s=1.0)
-            admin.status()
-            return admin
-        except BrokerUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def _wait_for_instance(admin, name: str, worker: subprocess.Popen) -> None:

@@ -113,7 +113,9 @@ def _demand_at(points: list[tuple[float, int]], t: float) -> int:
     return points[i][1] if i >= 0 else 0
 
 
-def run_worker(trace_path: str, model: str, policy: str, endpoint: str, start_at: float, speed: float) -> dict:
+def run_worker(trace_path: str, model: str, policy: str, endpoint: str, speed: float) -> dict:
+    """One model: connect and reserve, say ``ready``, then replay from the start time the
+    runner sends once every model is ready (so a slow start-up costs no trace time)."""
     from ..client import BrokerClient
 
     trace = load(Path(trace_path))
@@ -135,6 +137,8 @@ def run_worker(trace_path: str, model: str, policy: str, endpoint: str, start_at
 
     if policy == "policy":
         client.on_pressure(give_back)
+    print("ready", flush=True)
+    start_at = float(sys.stdin.readline())
     asked = served = 0.0
     short_since: float | None = None
     episodes, short_s = 0, 0.0
@@ -181,26 +185,13 @@ def run_worker(trace_path: str, model: str, policy: str, endpoint: str, start_at
 
 # --------------------------------------------------------------------------- driver
 def run_policy(trace: dict[str, Any], trace_path: Path, policy: str, speed: float, workdir: Path) -> list[dict]:
-    from ..client.admin import AdminClient
-    from ..client.errors import BrokerUnavailable
+    from .launch import BrokerLauncher
 
-    endpoint = f"ipc://{workdir}/{policy}.sock"
     gpu = trace["gpu"]
-    broker = subprocess.Popen(
-        [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", str(gpu["total_bytes"]),
-         "--headroom", gpu["headroom"], "--endpoint", endpoint, "--no-state", "--log-level", "warning"],
-    )
-    workers = []
-    try:
-        admin = None
-        for _ in range(300):
-            try:
-                admin = AdminClient(endpoint, timeout_s=0.5)
-                admin.status()
-                break
-            except BrokerUnavailable:
-                time.sleep(0.05)
-        assert admin is not None
+    launcher = BrokerLauncher(f"ipc://{workdir}/{policy}.sock", simulate=str(gpu["total_bytes"]),
+                              args=["--headroom", gpu["headroom"], "--log-level", "warning"])
+    workers: list[subprocess.Popen] = []
+    with launcher, launcher.admin() as admin:
         budget = admin.status()["budget_bytes"]
         models = trace["models"]
         if policy == "static":
@@ -211,25 +202,29 @@ def run_policy(trace: dict[str, Any], trace_path: Path, policy: str, speed: floa
         elif policy == "policy":
             for m in models.values():
                 admin.limit(m["name"], min_bytes=m["min_bytes"], weight=m["weight"])
-        start_at = time.time() + 1.5
-        for name in models:
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", "kvcached_broker.broker.replay", "--worker", str(trace_path), name, policy,
-                 endpoint, repr(start_at), repr(speed)], stdout=subprocess.PIPE, text=True))
-        results = []
-        for w in workers:
-            out, _ = w.communicate(timeout=gpu["duration_s"] / speed + 60)
-            if w.returncode != 0:
-                raise RuntimeError(f"replay worker exited with {w.returncode}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        admin.close()
-        return results
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-        broker.terminate()
-        broker.wait(10)
+        try:
+            for name in models:
+                workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvcached_broker.tools.replay", "--worker", str(trace_path), name, policy,
+                     launcher.endpoint, repr(speed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            for w in workers:
+                if w.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"replay worker exited with {w.wait()} before it was ready")
+            start_at = time.time() + 0.1
+            for w in workers:
+                w.stdin.write(f"{start_at!r}\n")
+                w.stdin.flush()
+            results = []
+            for w in workers:
+                out, _ = w.communicate(timeout=gpu["duration_s"] / speed + 60)
+                if w.returncode != 0:
+                    raise RuntimeError(f"replay worker exited with {w.returncode}")
+                results.append(json.loads(out.strip().splitlines()[-1]))
+            return results
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
 
 
 def render(results: list[dict]) -> str:
@@ -244,8 +239,8 @@ def render(results: list[dict]) -> str:
                          f"{pct:>7.1f}%{r['refusals']:>7}{r['refused_s']:>9.1f}")
         asked = sum(r["asked_gib_s"] for r in rows)
         served = sum(r["served_gib_s"] for r in rows)
-        worst = min(100 * r["served_gib_s"] / r["asked_gib_s"] for r in rows if r["asked_gib_s"])
-        lines.append(f"{policy:<8}{'(all)':<14}{asked:>13.0f}{served:>14.0f}{100 * served / asked:>7.1f}%"
+        worst = min((100 * r["served_gib_s"] / r["asked_gib_s"] for r in rows if r["asked_gib_s"]), default=100.0)
+        lines.append(f"{policy:<8}{'(all)':<14}{asked:>13.0f}{served:>14.0f}{100 * served / max(asked, 1e-9):>7.1f}%"
                      f"{sum(r['refusals'] for r in rows):>7}{sum(r['refused_s'] for r in rows):>9.1f}"
                      f"   worst model {worst:.1f}%")
     return "\n".join(lines)
@@ -320,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _, _, trace_path, model, policy, endpoint, start_at, speed = sys.argv
-        print(json.dumps(run_worker(trace_path, model, policy, endpoint, float(start_at), float(speed))), flush=True)
+        _, _, trace_path, model, policy, endpoint, speed = sys.argv
+        print(json.dumps(run_worker(trace_path, model, policy, endpoint, float(speed))), flush=True)
         sys.exit(0)
     sys.exit(main())
