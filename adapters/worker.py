@@ -1,11 +1,24 @@
 """This worker process's session with its GPU's broker, shared by every adapter patch in it.
 
 A serving worker has several things to report (DeepSeek-V4 side pools, a static KV pool,
-elastic pages) but one session per device.  The book merges what each reporter says under
-its own key into the session's one reservation map, so a rebuilt pool replaces its own entry
-and never erases another's.  A reporter can be *suspended* (its memory was handed back:
-SGLang's release of memory occupation, vLLM's sleep): its pools stay in the book but are
-not charged until it is resumed, through admission.
+elastic pages) but one session per device.  The book follows docs/accounting.md:
+
+* **pools** (resident reservations), by reporter: what each reporter says under its own key
+  is merged into the session's one reservation map, so a rebuilt pool replaces its own entry
+  and never erases another's;
+* **holds**, by name: memory promised to the process that it has not allocated yet (a KV
+  sizing hold), charged on top of what the device measures the process using;
+* the pinned **runtime base**: what the process already used (weights, CUDA context) when it
+  first asked for memory, which the broker measures and keeps as the ``runtime_base`` pool
+  (``reserve(..., measured_base=True)``).  It is pinned once per session, before or with the
+  first request that promises memory, so that measured usage can never absorb a hold or a
+  pool reported ahead of its allocation, and a hold can turn into its pools in one request
+  without the charge dipping while the device's measurement catches up.
+
+:func:`report` sets one reporter's pools and changes holds in the same broker request, so a
+hold turns into the pools it was for in one call.  A reporter can be *suspended* (its memory
+was handed back: SGLang's release of memory occupation, vLLM's sleep): its pools stay in the
+book but are not charged until it is resumed, through admission.
 
 Failing safe.  No broker, endpoint, device or protocol failure may crash a server:
 
@@ -60,12 +73,29 @@ class WorkerIdentity:
         return self.instance or instance.instance_name(self.runtime)
 
 
+#: The pool the broker sets to what a process already used when it pinned its base.
+RUNTIME_BASE_POOL = "runtime_base"
+
+
 @dataclass
 class _DeviceSession:
     client: BrokerClient
-    book: dict[str, dict[str, int]] = field(default_factory=dict)
-    usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    book: dict[str, dict[str, int]] = field(default_factory=dict)  # reporter -> resident pools
+    usage: dict[str, dict[str, int]] = field(default_factory=dict)  # reporter -> views (never charged)
+    holds: dict[str, int] = field(default_factory=dict)  # hold name -> bytes promised, not allocated yet
+    base_bytes: int | None = None  # the runtime_base the broker pinned; None until pinned
     suspended: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One request's worth of book: what to charge, and whether the broker pins the base with it."""
+
+    book: dict[str, dict[str, int]]
+    usage: dict[str, dict[str, int]]
+    holds: dict[str, int]
+    suspended: frozenset[str]
+    pin_base: bool = False
 
 
 _lock = threading.RLock()
@@ -243,32 +273,109 @@ def _announce_active(identity: WorkerIdentity, client: BrokerClient | None) -> N
 
 # ------------------------------------------------------------------------------ the book
 def report(
-    identity: WorkerIdentity, reporter: str, pools: dict[str, int], usage: dict[str, int] | None = None
+    identity: WorkerIdentity,
+    reporter: str,
+    pools: dict[str, int],
+    usage: dict[str, int] | None = None,
+    *,
+    holds: dict[str, int] | None = None,
+    allocated: bool = True,
 ) -> dict[str, int] | None:
-    """Set ``reporter``'s pools (replacing what it reported before) and send the merged map.
+    """Set ``reporter``'s pools (replacing what it reported before) and send the whole book.
 
-    ``usage`` is the reporter's informational breakdown (overlapping views, never charged).
+    ``holds`` changes holds in the same broker request (name -> bytes, 0 drops one; names
+    left out are kept), so a hold turns into the pools it was for in one call.  ``usage`` is
+    the reporter's informational breakdown (overlapping views, never charged).
+    ``allocated`` says whether the pools are already allocated (the device measures them):
+    if the base is not pinned yet it is pinned in the same request (it then excludes them),
+    or, for pools reported ahead of their allocation, in a request of its own first.
+
     Raises ``BudgetExceeded`` (naming the pool) if the broker has no room; the book is then
     left as it was.  None when the worker runs unprotected (see :func:`guard`).
     """
     if session(identity) is None:
         return None
-    key = str(identity.device)
     with _lock:
-        entry = _sessions[key]
-        proposed = {**entry.book, reporter: {k: v for k, v in pools.items() if v > 0}}
-        proposed_usage = {**entry.usage, reporter: {k: v for k, v in (usage or {}).items() if v > 0}}
-        result = _send(identity, entry, proposed, proposed_usage, entry.suspended, f"report {reporter}")
+        entry = _sessions[str(identity.device)]
+        if entry.base_bytes is None and not allocated:
+            if _pin(identity, entry) is None:
+                return None
+        proposed = {**entry.book, reporter: _positive(pools)}
+        proposed_usage = {**entry.usage, reporter: _positive(usage or {})}
+        plan = _Plan(proposed, proposed_usage, _with_holds(entry.holds, holds), frozenset(entry.suspended),
+                     pin_base=entry.base_bytes is None)
+        result = _send(identity, entry, plan, f"report {reporter}")
         if result is not None:
-            entry.book, entry.usage = proposed, proposed_usage
+            entry.book, entry.usage, entry.holds = plan.book, plan.usage, plan.holds
         return result
 
 
-def _send(identity: WorkerIdentity, entry: _DeviceSession, book: dict, usage: dict, suspended: set[str],
-          action: str) -> dict[str, int] | None:
-    charged = {name: pools for name, pools in book.items() if name not in suspended}
-    shown = {name: views for name, views in usage.items() if name not in suspended}
-    return guard(identity, action, lambda: entry.client.reserve(_merge(charged), usage=_merge(shown)))
+def hold(identity: WorkerIdentity, name: str, size_bytes: int) -> dict[str, int] | None:
+    """Hold ``size_bytes`` under ``name`` (0 drops it): memory promised, not allocated yet.
+
+    The first request of a session that holds anything pins the runtime base with it.
+    ``BudgetExceeded`` if the broker has no room (nothing changes); None when unprotected.
+    """
+    if session(identity) is None:
+        return None
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        holds = _with_holds(entry.holds, {name: size_bytes})
+        if holds == entry.holds:
+            return entry.client.pools
+        plan = _Plan(entry.book, entry.usage, holds, frozenset(entry.suspended),
+                     pin_base=entry.base_bytes is None and bool(holds))
+        result = _send(identity, entry, plan, f"hold {name}")
+        if result is not None:
+            entry.holds = holds
+        return result
+
+
+def pin_base(identity: WorkerIdentity) -> int | None:
+    """Pin what this process uses now as its runtime base, unless already pinned; the bytes.
+
+    For a worker about to take elastic pages: a grant is reported before its pages are
+    mapped, so without a base the process's weights would cover it.  None when unprotected.
+    """
+    if session(identity) is None:
+        return None
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        if entry.base_bytes is None and _pin(identity, entry) is None:
+            return None
+        return entry.base_bytes
+
+
+def _pin(identity: WorkerIdentity, entry: _DeviceSession) -> dict[str, int] | None:
+    """Pin the base in a request that changes nothing else (never a growth: it is measured)."""
+    plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended), pin_base=True)
+    return _send(identity, entry, plan, "pin runtime_base")
+
+
+def _positive(sizes: dict[str, int]) -> dict[str, int]:
+    return {name: size for name, size in sizes.items() if size > 0}
+
+
+def _with_holds(current: dict[str, int], changes: dict[str, int] | None) -> dict[str, int]:
+    if not changes:
+        return dict(current)
+    return _positive({**current, **changes})
+
+
+def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: str) -> dict[str, int] | None:
+    """One reserve request for the whole book; books the pinned base when it was pinned."""
+    charged = {name: pools for name, pools in plan.book.items() if name not in plan.suspended}
+    shown = {name: views for name, views in plan.usage.items() if name not in plan.suspended}
+    pools = _merge(charged)
+    if entry.base_bytes and not plan.pin_base:
+        pools[RUNTIME_BASE_POOL] = entry.base_bytes
+    result = guard(identity, action, lambda: entry.client.reserve(
+        pools, usage=_merge(shown), holds=dict(plan.holds), measured_base=plan.pin_base))
+    if result is not None and plan.pin_base:
+        entry.base_bytes = int(result.get(RUNTIME_BASE_POOL, 0))
+        log.info("event=runtime_base_pinned runtime=%s device=%s rank=%d runtime_base=%d",
+                 identity.runtime, identity.device, identity.tp_rank, entry.base_bytes)
+    return result
 
 
 def _merge(by_reporter: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -286,6 +393,22 @@ def reporters(identity: WorkerIdentity) -> list[str]:
         return sorted(entry.book) if entry is not None else []
 
 
+def held_bytes(identity: WorkerIdentity, name: str | None = None) -> int:
+    """Bytes this device's book holds under ``name`` (every hold, if None)."""
+    with _lock:
+        entry = _sessions.get(str(identity.device))
+        if entry is None:
+            return 0
+        return sum(entry.holds.values()) if name is None else entry.holds.get(name, 0)
+
+
+def base_bytes(identity: WorkerIdentity) -> int | None:
+    """The runtime base the broker pinned for this device's session (None: not pinned yet)."""
+    with _lock:
+        entry = _sessions.get(str(identity.device))
+        return entry.base_bytes if entry is not None else None
+
+
 def suspend(identity: WorkerIdentity, names: list[str]) -> int:
     """Stop charging ``names`` (their memory was handed back); returns the bytes no longer charged."""
     with _lock:
@@ -294,7 +417,8 @@ def suspend(identity: WorkerIdentity, names: list[str]) -> int:
         if not names:
             return 0
         freed = sum(sum(entry.book[n].values()) for n in names)
-        if _send(identity, entry, entry.book, entry.usage, entry.suspended | set(names), "suspend") is not None:
+        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended | set(names)))
+        if _send(identity, entry, plan, "suspend") is not None:
             entry.suspended |= set(names)
             return freed
         return 0
@@ -314,7 +438,8 @@ def resume(identity: WorkerIdentity, names: list[str] | None = None) -> int:
         if not back:
             return 0
         charged = sum(sum(entry.book[n].values()) for n in back)
-        if _send(identity, entry, entry.book, entry.usage, entry.suspended - back, "resume") is None:
+        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended - back))
+        if _send(identity, entry, plan, "resume") is None:
             return 0
         entry.suspended -= back
         return charged

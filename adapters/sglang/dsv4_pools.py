@@ -60,9 +60,13 @@ def _by_ratio(pool: Any, dict_attr: str, template: str, legacy: tuple) -> Iterat
         yield from _present(name, getattr(pool, attr, None))
 
 
-def measure(pool: Any) -> dict[str, int]:
-    """Runtime-owned bytes of ``pool`` by pool name (names with 0 bytes are left out)."""
-    seen: set = set()
+def measure(pool: Any, seen: set | None = None) -> dict[str, int]:
+    """Runtime-owned bytes of ``pool`` by pool name (names with 0 bytes are left out).
+
+    ``seen`` holds storages counted elsewhere already (left out here); it grows by the
+    storages this measurement counts or claims.
+    """
+    seen = set() if seen is None else seen
     pools: dict[str, int] = {}
     for name, sub in named_subpools(pool):
         if pool_bytes.is_managed(sub):

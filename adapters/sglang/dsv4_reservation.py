@@ -42,10 +42,12 @@ def is_dsv4_pool(pool: Any) -> bool:
     return any(cls.__name__ == "DeepSeekV4TokenToKVPool" for cls in type(pool).__mro__)
 
 
-def register(pool: Any) -> dict[str, int] | None:
+def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
     """Measure ``pool`` and report its runtime-owned pools; returns what was reported.
 
-    None when the flag is off, the pool is managed, or the worker runs unprotected.
+    The report shrinks the KV sizing hold by what it adds (or, with ``last``, drops it) in
+    the same broker request.  None when the flag is off, the pool is managed, or the worker
+    runs unprotected.
     """
     global _said_off
     if not flags.dsv4_runtime_reservation():
@@ -55,10 +57,13 @@ def register(pool: Any) -> dict[str, int] | None:
         return None
     if pool_bytes.is_managed(pool):
         return None
-    pools = dsv4_pools.measure(pool)
     identity = tp.identity(getattr(pool, "device", None))
+    seen = reporting.charged_storages(identity, pool)
+    already = set(seen)
+    pools = dsv4_pools.measure(pool, seen)
     _track_window(pool)
-    if not reporting.report_pool(identity, pool, "dsv4", pools, "DeepSeek-V4 runtime-owned pools"):
+    if not reporting.report_pool(identity, pool, "dsv4", pools, "DeepSeek-V4 runtime-owned pools",
+                                 last=last, storages=seen - already):
         return None
     return pools
 

@@ -6,15 +6,22 @@ co-located models both see the same free memory.  This module patches, on
 ``KVCacheConfigurator`` (0.5.16+) or ``ModelRunnerKVCacheMixin`` (0.5.12-0.5.15):
 
 * ``_profile_available_bytes``: the figure is capped at what the broker can grant this
-  worker now (``budget.BrokerRoom.grantable_bytes``), held at once as ``kv_sizing_hold`` so
-  no other instance can take it before the pools exist, and min-reduced over SGLang's world
-  group so every rank sizes alike.  Nothing grantable is a startup error naming the broker,
-  the budget and what the other instances hold.
+  worker now (``budget.BrokerRoom.grantable_bytes``), held at once as the broker *hold*
+  ``kv_sizing_hold`` (with the process's runtime base pinned in the same request, so what it
+  already uses cannot absorb the hold; docs/accounting.md) so no other instance can take it
+  before the pools exist, and min-reduced over SGLang's world group so every rank sizes
+  alike.  Nothing grantable is a startup error naming the broker, the budget and what the
+  other instances hold.
 * ``_resolve_memory_pool_config``: if the capped budget is too small for the runtime to
   build a pool, its failure is re-raised with that same broker context.
 * ``_init_pools``: once the pools exist, a DeepSeek-V4 pool is measured again per pool
   (``dsv4_reservation``); any other pool is charged as one ``kv_static`` reservation
-  (unless it is broker-managed, i.e. elastic); then the hold is dropped.
+  (unless it is broker-managed, i.e. elastic), less any storage another reporter already
+  charged (a fused draft pool is a view of the target's unified buffer).  Each such report
+  shrinks the hold in the same broker request.  The hold is dropped with the last pools of
+  the start-up: at the end of the scheduler's model-worker start-up (``startup``), or, outside
+  it, with the target's pools when no draft follows and with the draft's otherwise
+  (``speculative``).
 
 With an on-demand backing registered (elastic KV, ``adapters/backing.py``) the same applies
 while the worker starts; once the pools exist the hold is dropped and an elastic pool's pages
@@ -35,7 +42,7 @@ from ...client.units import format_bytes
 from .. import worker
 from ..backing import on_demand_backing
 from ..patching import PatchError
-from . import budget, dsv4_reservation, pool_bytes, reporting, session, tp
+from . import budget, dsv4_reservation, pool_bytes, reporting, session, speculative, startup, tp
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -121,22 +128,43 @@ def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tupl
     return None if room is None else (room, 0)
 
 
-def charge_pools(device: Any, gpu_id: int | None, token_to_kv_pool: Any, *extra: Any) -> None:
-    """Charge the pools just built: per pool for DeepSeek-V4, else one ``kv_static``; drop the hold."""
+def charge_pools(device: Any, gpu_id: int | None, token_to_kv_pool: Any, *extra: Any, owner: Any = None) -> None:
+    """Charge the pools just built (per pool for DeepSeek-V4, else one ``kv_static``).
+
+    The charge and the sizing hold change in one broker request: the hold shrinks by what the
+    pools add, and with the last pools of the start-up (no draft follows ``owner``, outside a
+    scheduler start-up scope) what is left of it is dropped.  Storages another reporter already
+    charged (a draft pool that views the target's buffer) are not charged again.
+    """
     identity = tp.identity(device, gpu_id)
+    last = not startup.active() and not speculative.drafts_follow(owner)
     try:
-        if token_to_kv_pool is None:
-            return
-        if dsv4_reservation.is_dsv4_pool(token_to_kv_pool):
-            dsv4_reservation.register(token_to_kv_pool)
-        elif not pool_bytes.is_managed(token_to_kv_pool):
-            seen: set = set()
-            size = sum(pool_bytes.object_bytes(obj, seen) for obj in (token_to_kv_pool, *extra) if obj is not None)
-            if size:
-                reporting.report_pool(identity, token_to_kv_pool, "kv_static", {"kv_static": size}, "its static KV pool")
-    finally:
-        if session.client_for(identity) is not None:
-            reporting.release_hold(identity)
+        if token_to_kv_pool is not None:
+            _charge(identity, token_to_kv_pool, extra, last)
+    except BaseException:
+        _drop_hold(identity)
+        raise
+    if last:
+        _drop_hold(identity)
+
+
+def _charge(identity: worker.WorkerIdentity, pool: Any, extra: tuple, last: bool) -> None:
+    if dsv4_reservation.is_dsv4_pool(pool):
+        dsv4_reservation.register(pool, last=last)
+        return
+    if pool_bytes.is_managed(pool):
+        return
+    seen = reporting.charged_storages(identity, pool)
+    already = set(seen)
+    size = sum(pool_bytes.object_bytes(obj, seen) for obj in (pool, *extra) if obj is not None)
+    if size:
+        reporting.report_pool(identity, pool, "kv_static", {"kv_static": size}, "its static KV pool",
+                              last=last, storages=seen - already)
+
+
+def _drop_hold(identity: worker.WorkerIdentity) -> None:
+    if session.client_for(identity) is not None:
+        reporting.release_hold(identity)
 
 
 # ---------------------------------------------------------------------------- the wrappers
@@ -192,7 +220,7 @@ def wrap_init_pools(original: Callable[..., Any]) -> Callable[..., Any]:
         built = result if result is not None and hasattr(result, "token_to_kv_pool") else self
         charge_pools(
             getattr(self, "device", None), getattr(self, "gpu_id", None),
-            getattr(built, "token_to_kv_pool", None), getattr(built, "unified_memory_pool", None),
+            getattr(built, "token_to_kv_pool", None), getattr(built, "unified_memory_pool", None), owner=self,
         )
         return result
 

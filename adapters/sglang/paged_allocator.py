@@ -106,6 +106,7 @@ def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
     if page_bytes <= 0:
         return None
     identity = tp.identity(alloc.device)
+    worker.pin_base(identity)  # before any page: a grant is reported before its pages are mapped
     client = session.client_for(identity)
     pool_bytes.mark_managed(kvcache)
     log.info("event=sglang_elastic_allocator pages=%d page_bytes=%d protected=%s", alloc.num_pages, page_bytes,

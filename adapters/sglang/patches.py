@@ -16,6 +16,7 @@ range logs one warning and one skip per patch, and runs without the broker (with
 | paged allocator | ``mem_cache.swa_memory_pool`` | the same, legacy layout | 0.5.12 |
 | paged allocator | ``mem_cache.kv_cache_configurator`` | the name pools are built from | 0.5.16+ |
 | paged allocator | ``model_executor.model_runner_kv_cache_mixin`` | the same, before the configurator | 0.5.12-0.5.15 |
+| KV sizing hold | ``managers.scheduler`` | ``Scheduler.init_model_worker`` (target and draft pools) | all |
 | memory occupation | ``managers.scheduler_components.weight_updater`` | ``SchedulerWeightUpdaterManager.release/resume_memory_occupation`` | 0.5.13+ |
 | memory occupation | ``managers.scheduler_update_weights_mixin`` | ``SchedulerUpdateWeightsMixin.release/resume_memory_occupation`` | 0.5.12 |
 
@@ -31,7 +32,7 @@ import logging
 from .. import flags
 from ..patching import Patch, PatchError
 from ..versions import in_range, installed
-from . import dsv4_reservation, kv_sizing, memory_occupation, paged_allocator
+from . import dsv4_reservation, kv_sizing, memory_occupation, paged_allocator, startup
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -64,6 +65,7 @@ ALL_PATCHES: list[Patch] = [
     _patch("sglang_paged_allocator_configurator", f"{_MEM}.kv_cache_configurator", paged_allocator.apply_binding,
            minimum=CONFIGURATOR),
     _patch("sglang_paged_allocator_mixin", _MIXIN, paged_allocator.apply_binding, below=CONFIGURATOR),
+    _patch("sglang_kv_startup", "sglang.srt.managers.scheduler", startup.apply_scheduler),
     _patch("sglang_memory_occupation", "sglang.srt.managers.scheduler_components.weight_updater",
            memory_occupation.apply_weight_updater, minimum=PACKAGE_LAYOUT),
     _patch("sglang_memory_occupation_legacy", "sglang.srt.managers.scheduler_update_weights_mixin",

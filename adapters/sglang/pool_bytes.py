@@ -26,6 +26,7 @@ SKIPPED_ATTRS = frozenset({
     "layer_transfer_counter",  # HiCache bookkeeping
     "full_to_swa_index_mapping",  # the SWA allocator's table, registered on the pool later
     "_kvcache",  # an allocator's back-reference to its pool
+    "host_allocator",  # a fused draft pool's reference to the target's allocator (0.5.23)
 })
 _MAX_DEPTH = 5
 

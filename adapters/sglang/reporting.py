@@ -5,10 +5,15 @@
   reservation map).  Measuring the same object again replaces its entry; a rebuilt pool is a
   new object with a new entry, and a pool that is garbage collected is forgotten.  A target
   and a draft worker in one process therefore each count their own pools.
-* The *sizing hold* is what KV sizing reserved (``kv_sizing_hold``) between deciding the KV
-  budget and building the pools, so that no co-located instance can size itself from the
-  same free memory meanwhile.  Every pool report first shrinks the hold by its growth (a
-  decrease always fits), then adds its own pools, so the switch never needs extra room.
+* Each reporter records the tensor storages it charged, so that a pool which is a *view* of
+  a buffer another live reporter already charged (0.5.23's fused draft pool over the
+  target's unified buffer) is not charged for it again (:func:`charged_storages`).
+* The *sizing hold* (``kv_sizing_hold``) is a broker **hold**, not a pool: memory promised
+  between deciding the KV budget and building the pools, charged on top of what the device
+  measures the process using, taken with the runtime base pinned (docs/accounting.md).
+  Every pool report shrinks the hold by the pool's growth *in the same broker request*, so
+  the switch from hold to pools never needs fresh room and the charge never dips; the last
+  report of a start-up drops what is left of it in that request too.
 
 All sizes are bytes.
 """
@@ -28,15 +33,16 @@ from . import budget, session
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
-HOLD_REPORTER = "sglang:kv_sizing_hold"
-HOLD_POOL = "kv_sizing_hold"
+#: The broker hold KV sizing takes (a hold, charged on top of measured usage; never a pool).
+HOLD = "kv_sizing_hold"
 
 _lock = threading.RLock()
 _counter = itertools.count(1)
 _keys: dict[int, str] = {}
 _totals: dict[str, int] = {}
-_holds: dict[str, int] = {}
+_storages: dict[str, set] = {}  # reporter key -> storage keys it charged
 _identity: dict[str, worker.WorkerIdentity] = {}
+_holders: dict[str, worker.WorkerIdentity] = {}  # device -> the identity that took the sizing hold
 
 
 def reporter_key(pool: Any, kind: str) -> str:
@@ -67,17 +73,21 @@ def _collected(pool_id: int, key: str) -> None:
     with _lock:
         _keys.pop(pool_id, None)
         _totals.pop(key, None)
+        _storages.pop(key, None)
         identity = _identity.pop(key, None)
     if identity is not None:
         background.submit(f"forget {key}", lambda: worker.forget(identity, key))
 
 
-def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: dict[str, int], what: str) -> bool:
+def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: dict[str, int], what: str,
+                *, last: bool = False, storages: set | None = None) -> bool:
     """Reserve ``pools`` (name -> bytes) for ``pool``; False if the worker runs unprotected.
 
-    Raises :class:`~.budget.BrokerBudgetError` (naming the broker, the budget and the other
-    instances) if the broker has no room, which stops the worker at startup.  Any other
-    broker failure leaves the worker unprotected (``worker.guard``).
+    One broker request: the pool's pools, and the sizing hold shrunk by their growth (or,
+    with ``last``, dropped).  ``storages`` are the storage keys measured for them (recorded,
+    so no other reporter charges them again).  Raises :class:`~.budget.BrokerBudgetError`
+    (naming the broker, the budget and the other instances) if the broker has no room, which
+    stops the worker at startup.  Any other broker failure leaves the worker unprotected.
     """
     client = session.client_for(identity)
     if client is None:
@@ -87,52 +97,69 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
     with _lock:
         growth = total - _totals.get(key, 0)
         _identity[key] = identity
-    consume_hold(identity, growth)
     try:
-        if worker.report(identity, key, pools) is None:
+        if worker.report(identity, key, pools, holds=_hold_after(identity, growth, last)) is None:
             return False
     except BudgetExceeded as exc:
         raise budget.explain_refusal(identity, client, growth, what, exc) from exc
     with _lock:
         _totals[key] = total
+        if storages is not None:
+            _storages[key] = set(storages)
     log.info(
-        "event=sglang_pool_reported reporter=%s device=%s rank=%d total=%s pools=%s",
+        "event=sglang_pool_reported reporter=%s device=%s rank=%d total=%s pools=%s hold_left=%s",
         key, identity.device, identity.tp_rank, format_bytes(total),
-        {name: size for name, size in sorted(pools.items())},
+        {name: size for name, size in sorted(pools.items())}, format_bytes(held_bytes(identity)),
     )
     return True
 
 
-def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
-    """Reserve ``size_bytes`` as the sizing hold (replacing any earlier hold on this device).
+def _hold_after(identity: worker.WorkerIdentity, growth_bytes: int, last: bool) -> dict[str, int] | None:
+    """The sizing hold once a pool grew by ``growth_bytes`` (None: no hold to change)."""
+    held = held_bytes(identity)
+    if not held:
+        return None
+    return {HOLD: 0 if last else max(0, held - max(0, growth_bytes))}
 
-    False if the worker runs unprotected; ``BudgetExceeded`` if the broker has no room.
+
+def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
+    """Hold ``size_bytes`` for the KV cache (replacing any earlier hold on this device).
+
+    The base is pinned with the first hold.  False if the worker runs unprotected;
+    ``BudgetExceeded`` if the broker has no room.
     """
-    if worker.report(identity, HOLD_REPORTER, {HOLD_POOL: size_bytes}) is None:
+    if worker.hold(identity, HOLD, size_bytes) is None:
         return False
     with _lock:
-        _holds[str(identity.device)] = size_bytes
+        _holders[str(identity.device)] = identity
     return True
 
 
-def consume_hold(identity: worker.WorkerIdentity, growth_bytes: int) -> None:
-    """Shrink the sizing hold by ``growth_bytes`` (never below 0) before a pool grows."""
-    device = str(identity.device)
-    with _lock:
-        held = _holds.get(device, 0)
-        if growth_bytes <= 0 or held <= 0:
-            return
-        left = max(0, held - growth_bytes)
-        _holds[device] = left
-    worker.report(identity, HOLD_REPORTER, {HOLD_POOL: left})
-
-
 def release_hold(identity: worker.WorkerIdentity) -> None:
-    """Drop whatever is left of the sizing hold (the pools are built)."""
+    """Drop whatever is left of the sizing hold (every pool of the start-up is built)."""
+    if held_bytes(identity):
+        worker.hold(identity, HOLD, 0)
+
+
+def release_all_holds() -> None:
+    """Drop the sizing hold on every device of this process (a start-up ended)."""
     with _lock:
-        held = _holds.pop(str(identity.device), 0)
-    if held:
-        worker.report(identity, HOLD_REPORTER, {})
+        holders = list(_holders.values())
+        _holders.clear()
+    for identity in holders:
+        release_hold(identity)
+
+
+def charged_storages(identity: worker.WorkerIdentity, pool: Any) -> set:
+    """Storage keys charged on ``identity``'s device by reporters other than ``pool``'s own."""
+    with _lock:
+        own = _keys.get(id(pool))
+        return set().union(*(keys for key, keys in _storages.items()
+                             if key != own and _same_device(_identity.get(key), identity)))
+
+
+def _same_device(other: worker.WorkerIdentity | None, identity: worker.WorkerIdentity) -> bool:
+    return other is not None and str(other.device) == str(identity.device)
 
 
 def kv_reporters_by_device() -> list[tuple[worker.WorkerIdentity, list[str]]]:
@@ -151,14 +178,14 @@ def totals_of(keys: list[str]) -> int:
 
 
 def held_bytes(identity: worker.WorkerIdentity) -> int:
-    with _lock:
-        return _holds.get(str(identity.device), 0)
+    return worker.held_bytes(identity, HOLD)
 
 
 def reset() -> None:
-    """Forget every reporter and hold (tests; a worker shutting down).  The session is not closed."""
+    """Forget every reporter (tests; a worker shutting down).  The session is not closed."""
     with _lock:
         _keys.clear()
         _totals.clear()
-        _holds.clear()
+        _storages.clear()
         _identity.clear()
+        _holders.clear()

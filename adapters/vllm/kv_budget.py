@@ -1,9 +1,11 @@
 """This worker's room for KV cache on its GPU's broker, and the one clear startup error.
 
-The KV buffer is charged to the worker's session as the ``kv_static`` pool, reported by the
-``vllm_kv_cache`` reporter of :mod:`kvcached_broker.adapters.worker` (so other reporters in the
-process keep their own pools).  Sizing holds the bytes before vLLM allocates them; the
-allocation hook then replaces the hold with what was really allocated.
+Sizing *holds* the KV bytes before vLLM allocates them: a broker hold named
+``kv_sizing_hold``, charged on top of what the device measures the process using, taken
+with the process's runtime base pinned in the same request (docs/accounting.md), so the
+weights already loaded cannot absorb it.  The allocation hook then turns the hold into the
+``kv_static`` pool of the ``vllm_kv_cache`` reporter of :mod:`kvcached_broker.adapters.worker`
+in one broker request (other reporters in the process keep their own pools).
 
 All sizes are bytes.
 """
@@ -22,6 +24,7 @@ log = logging.getLogger("kvcached_broker.adapters.vllm")
 
 REPORTER = "vllm_kv_cache"
 STATIC_POOL = "kv_static"
+HOLD = "kv_sizing_hold"
 
 
 class KVCacheBudgetError(RuntimeError):
@@ -44,17 +47,35 @@ class Room:
 
 
 def measure_room(client: BrokerClient) -> Room:
+    """The room from one status document.  This worker's own KV hold and ``kv_static`` would be
+    replaced by what it sizes now, so they count as room; what else it uses (its pinned base,
+    other pools, or, before it pinned one, what the device measures it using) does not."""
     status = client.status()
     mine, me = _find_session(status, client.session_id)
-    own_kv = int(me.get("pools", {}).get(STATIC_POOL, 0)) if me else 0
-    own_other = (int(me.get("reserved_bytes", 0)) - own_kv) if me else 0
+    own_kv = _own_kv_bytes(me)
     grantable = int(status["free_bytes"]) + own_kv
-    ceiling = int(status["budget_bytes"]) - own_other
+    ceiling = int(status["budget_bytes"]) - _own_other_bytes(me, own_kv)
     if mine is not None and mine.get("max_bytes") is not None:
         under_cap = int(mine["max_bytes"]) - int(mine["charged_bytes"]) + own_kv
-        grantable, ceiling = min(grantable, under_cap), min(ceiling, int(mine["max_bytes"]) - own_other)
+        grantable = min(grantable, under_cap)
+        ceiling = min(ceiling, int(mine["max_bytes"]) - _own_other_bytes(me, own_kv))
     others = {i["name"]: int(i["charged_bytes"]) for i in status["instances"] if i is not mine and i["charged_bytes"]}
     return Room(client.endpoint, int(status["budget_bytes"]), max(0, grantable), max(0, ceiling), others)
+
+
+def _own_kv_bytes(session: dict | None) -> int:
+    """This worker's KV charge that sizing replaces: its sizing hold and its ``kv_static``."""
+    if session is None:
+        return 0
+    return int(session.get("holds", {}).get(HOLD, 0)) + int(session.get("pools", {}).get(STATIC_POOL, 0))
+
+
+def _own_other_bytes(session: dict | None, own_kv: int) -> int:
+    """What this worker is charged for besides its KV: its reports, or what it is measured using."""
+    if session is None:
+        return 0
+    reported = int(session.get("reserved_bytes", 0)) + int(session.get("granted_bytes", 0)) - own_kv
+    return max(reported, int(session.get("measured_bytes", 0)))
 
 
 def _find_session(status: dict, session_id: str | None) -> tuple[dict | None, dict | None]:
@@ -75,18 +96,19 @@ def refusal(identity: WorkerIdentity, room: Room, asked_bytes: int, what: str) -
 
 
 def hold(identity: WorkerIdentity, client: BrokerClient, wanted_bytes: int, needed_bytes: int) -> int | None:
-    """Reserve ``wanted_bytes`` of KV (at least ``needed_bytes``); returns what is held.
+    """Hold ``wanted_bytes`` of KV (at least ``needed_bytes``); returns what is held.
 
-    When the broker refuses the whole ask but has room for at least ``needed_bytes``, that
-    room is held instead.  Raises :class:`KVCacheBudgetError` when even that does not fit.
-    None when the worker runs (or just turned) unprotected.
+    The hold replaces any earlier one and pins the runtime base with the first.  When the
+    broker refuses the whole ask but has room for at least ``needed_bytes``, that room is
+    held instead.  Raises :class:`KVCacheBudgetError` when even that does not fit.  None when
+    the worker runs (or just turned) unprotected.
     """
     try:
-        if worker.report(identity, REPORTER, {STATIC_POOL: wanted_bytes}) is None:
+        if worker.hold(identity, HOLD, wanted_bytes) is None:
             return None
         return wanted_bytes
     except BudgetExceeded as exc:
-        room = int(exc.details.get("free_bytes", 0)) + _held(client)
+        room = int(exc.details.get("free_bytes", 0)) + worker.held_bytes(identity, HOLD)
         if needed_bytes <= room < wanted_bytes:
             return hold(identity, client, room, needed_bytes)
         raise explain(identity, client, wanted_bytes, "the KV cache", exc) from exc
@@ -102,7 +124,3 @@ def explain(identity: WorkerIdentity, client: BrokerClient, asked_bytes: int, wh
         f"kvcached-broker at {client.endpoint} cannot grant {what} for vLLM instance {identity.instance_name()!r} "
         f"(GPU {identity.device}, TP rank {identity.tp_rank}/{identity.tp_size}): asked {format_bytes(asked_bytes)}: {exc}"
     )
-
-
-def _held(client: BrokerClient) -> int:
-    return int(client.pools.get(STATIC_POOL, 0))

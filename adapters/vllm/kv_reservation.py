@@ -10,9 +10,12 @@ vLLM allocates the KV cache in one function, bound by name where it is used:
   KV connector that prefers cross-layer blocks, the static
   ``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (one tensor for every layer).
 
-Around the allocation, on a preallocated (normal) buffer: the bytes are held as ``kv_static``
-*before* vLLM allocates (a refusal fails startup with a clear error and nothing allocated),
-then set to the bytes really allocated (each storage once).  The per-group view from the
+Around the allocation, on a preallocated (normal) buffer: *before* vLLM allocates, the
+planned bytes become the ``kv_static`` pool and the sizing hold is dropped, in one broker
+request (growth beyond the hold is admitted, and a refusal fails startup with a clear error
+and nothing allocated); after, ``kv_static`` is set to the bytes really allocated (each
+storage once).  The runtime base is pinned before ``kv_static`` is first reported, so the
+weights cannot absorb a buffer reported ahead of its allocation.  The per-group view from the
 real ``KVCacheConfig`` goes along as ``usage``: shown in status as ``usage_breakdown``,
 never charged.  With an on-demand backing, nothing is held statically: the worker's
 :class:`~.worker_pages.WorkerKVPages` takes pages as the scheduler makes blocks usable.
@@ -42,7 +45,8 @@ def before_allocation(kv_cache_config: Any, device: Any) -> WorkerIdentity:
     """Hold the planned buffer (static backing) before vLLM allocates it."""
     identity = parallel.identity(device)
     if on_demand_backing() is None:
-        _report(identity, kv_config.buffer_bytes(kv_cache_config), kv_cache_config, "the KV cache buffer")
+        _report(identity, kv_config.buffer_bytes(kv_cache_config), kv_cache_config, "the KV cache buffer",
+                allocated=False)
     return identity
 
 
@@ -55,7 +59,8 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
             worker_pages.open_pages(identity, None, backing, kv_cache_config)
         return
     if backing is not None:  # no static charge; the broker takes no usage views beyond reservations
-        worker.report(identity, kv_budget.REPORTER, {})
+        # base pinned with it: pages are granted before they are mapped, which the weights would cover
+        worker.report(identity, kv_budget.REPORTER, {}, holds={kv_budget.HOLD: 0})
         worker_pages.open_pages(identity, worker.session(identity), backing, kv_cache_config)
         return
     allocated = storage_bytes(tensors) or kv_config.buffer_bytes(kv_cache_config)
@@ -66,10 +71,13 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
     )
 
 
-def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, what: str) -> None:
+def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, what: str, *,
+            allocated: bool = True) -> None:
+    """``kv_static`` at ``buffer_bytes``, with the sizing hold dropped, in one broker request."""
     usage = kv_config.within(kv_config.usage_breakdown(kv_cache_config), buffer_bytes)
     try:
-        worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage)
+        worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage,
+                      holds={kv_budget.HOLD: 0}, allocated=allocated)
     except BudgetExceeded as exc:
         client = worker.session(identity)
         if client is None:

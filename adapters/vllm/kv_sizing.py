@@ -2,8 +2,10 @@
 
 ``Worker.determine_available_memory`` returns the bytes vLLM may spend on KV cache, from a
 profile or from ``cache_config.kv_cache_memory_bytes``.  The patch caps that figure at what
-the broker can grant this worker after its other reservations, and holds it (as
-``kv_static``) right away, so no co-located instance can take it before vLLM allocates.
+the broker can grant this worker after its other reservations, and holds it right away
+(a broker hold, ``kv_sizing_hold``, charged on top of what the device measures the process
+using, with its runtime base pinned in the same request), so no co-located instance can
+take it before vLLM allocates, and the weights it already loaded cannot absorb it.
 
 * A profiled figure above the broker's room is lowered to the room (logged).
 * An explicit ``kv_cache_memory_bytes`` is honoured exactly or not at all: above the room,

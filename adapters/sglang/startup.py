@@ -1,0 +1,72 @@
+"""The scheduler's model-worker start-up: the KV sizing hold lives until every pool is built.
+
+``Scheduler.init_model_worker`` (``sglang.srt.managers.scheduler``, every supported release)
+builds everything that holds KV memory in a scheduler process: the target worker's pools and
+then the draft worker's (0.5.23: ``init_memory_pools``, target then draft, each worker's
+model runners in turn; 0.5.12-0.5.13: the target worker, then the draft worker).  Inside it,
+pool reports only shrink the KV sizing hold (``reporting``); when it returns (or fails),
+what is left of the hold is dropped.  Draft pools, however many runners build them,
+therefore come out of the hold and never race other instances for fresh room.
+
+Outside this scope (a release where the patch could not apply, or pools built elsewhere),
+``kv_sizing.charge_pools`` drops the hold with the last pool it expects
+(``speculative.drafts_follow``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..patching import PatchError
+from . import reporting
+
+_WRAPPED = "__kvcached_broker_wrapped__"
+_lock = threading.Lock()
+_depth = 0
+
+
+def active() -> bool:
+    """True while a model-worker start-up is building pools in this process."""
+    with _lock:
+        return _depth > 0
+
+
+@contextlib.contextmanager
+def kv_startup() -> Iterator[None]:
+    """The scope of one start-up: the sizing hold is dropped when the outermost one ends."""
+    global _depth
+    with _lock:
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            outermost = _depth == 0
+        if outermost:
+            reporting.release_all_holds()
+
+
+def wrap_init_model_worker(original: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(original, _WRAPPED, False):
+        return original
+
+    @functools.wraps(original)
+    def init_model_worker(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with kv_startup():
+            return original(self, *args, **kwargs)
+
+    setattr(init_model_worker, _WRAPPED, True)
+    return init_model_worker
+
+
+def apply_scheduler(module: Any) -> None:
+    """Patch ``Scheduler.init_model_worker`` in ``sglang.srt.managers.scheduler``."""
+    cls = getattr(module, "Scheduler", None)
+    if cls is None or "init_model_worker" not in vars(cls):
+        raise PatchError(f"{module.__name__} has no Scheduler.init_model_worker")
+    cls.init_model_worker = wrap_init_model_worker(vars(cls)["init_model_worker"])
