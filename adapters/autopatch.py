@@ -17,7 +17,7 @@ from typing import Iterable
 
 from . import announce, flags, instance
 from .import_hook import when_imported
-from .patching import RESULTS, Patch, PatchError, PatchResult, apply_patch
+from .patching import RESULTS, PatchError, PatchResult, apply_patch
 
 log = logging.getLogger("kvcached_broker.adapters")
 
@@ -29,11 +29,6 @@ RUNTIMES = {
 
 _registered: set[str] = set()
 _hook_ran = False
-
-
-def patches_for(runtime: str) -> list[Patch]:
-    module = importlib.import_module(RUNTIMES[runtime])
-    return list(module.PATCHES)
 
 
 def apply(runtimes: Iterable[str] | None = None) -> list[PatchResult]:

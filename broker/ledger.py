@@ -212,8 +212,6 @@ class Ledger:
         #: Why nobody may grow right now (state restored from damage), or None.  Sessions
         #: that re-assert what they held (``reasserting``) are exempt.
         self.growth_hold: str | None = None
-        #: Grows on every change; lets the shell cache what it derives (status, metrics).
-        self.version = 0
 
     # ----------------------------------------------------------------- totals
     @property
@@ -303,7 +301,6 @@ class Ledger:
                 measured = self._measured_by_pid.get(key, 0) if isinstance(key, int) else 0
                 if measured != account.measured_bytes:
                     self._recharge(account, measured_delta=measured - account.measured_bytes)
-        self.version += 1
 
     # --------------------------------------------------------------- sessions
     def open_session(
@@ -379,7 +376,6 @@ class Ledger:
         del self.sessions[session_id]
         self._changes.sessions.discard(session_id)
         self._changes.closed.add(session_id)
-        self.version += 1
         return session
 
     def touch(self, session_id: str, now_s: float) -> bool:
@@ -612,14 +608,12 @@ class Ledger:
             del self.limits[instance]
             self._unfilled_floor_total -= old_unfilled
             self._changes.limits.add(instance)
-            self.version += 1
 
     def _set_limits_unchecked(self, instance: str, limits: Limits) -> None:
         old_unfilled = self.unfilled_floor_bytes(instance)
         self.limits[instance] = limits
         self._unfilled_floor_total += self.unfilled_floor_bytes(instance) - old_unfilled
         self._changes.limits.add(instance)
-        self.version += 1
 
     # ---------------------------------------------------------------- changes
     def drain_changes(self) -> LedgerChanges | None:
@@ -648,7 +642,6 @@ class Ledger:
 
     def _changed(self, session: Session) -> None:
         self._changes.sessions.add(session.id)
-        self.version += 1
 
     @staticmethod
     def _account_key(session: Session) -> object:

@@ -66,9 +66,6 @@ class PidWatcher:
     def pid_of(self, fd: int) -> int | None:
         return self._pid_by_fd.get(fd)
 
-    def watched(self, pid: int) -> bool:
-        return pid in self._fd_by_pid
-
     def close(self) -> None:
         for pid in list(self._fd_by_pid):
             self.unwatch(pid)

@@ -80,7 +80,6 @@ class PendingAsk:
     asked_pages: int
     asked_at_s: float
     returned_pages: int = 0
-    for_instance: str = ""
 
     @property
     def outstanding_pages(self) -> int:
@@ -141,11 +140,11 @@ class PressureBook:
             if left <= 0:
                 break
         for ask in asks:
-            self._record(ask, starved, now_s)
+            self._record(ask, now_s)
         return asks
 
-    def _record(self, ask: Ask, starved: str, now_s: float) -> None:
-        self.pending[ask.session_id] = PendingAsk(ask.instance, ask.page_bytes, ask.pages, now_s, for_instance=starved)
+    def _record(self, ask: Ask, now_s: float) -> None:
+        self.pending[ask.session_id] = PendingAsk(ask.instance, ask.page_bytes, ask.pages, now_s)
         totals = self.totals.setdefault(ask.instance, InstancePressure())
         totals.asks += 1
         totals.asked_bytes += ask.pages * ask.page_bytes

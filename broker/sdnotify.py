@@ -32,10 +32,6 @@ class Notifier:
         except ValueError:
             return None
 
-    @property
-    def active(self) -> bool:
-        return self._sock is not None
-
     def notify(self, *lines: str) -> None:
         if self._sock is None:
             return

@@ -42,10 +42,6 @@ class Peer:
     address: str
 
     @property
-    def local(self) -> bool:
-        return self.uid is not None
-
-    @property
     def pid_known(self) -> bool:
         return bool(self.pid)
 

@@ -178,8 +178,6 @@ class Simulate(Request, tag="simulate", kw_only=True):
 
 
 AnyRequest = Union[Hello, Reserve, Acquire, Release, Heartbeat, Close, Status, SetLimit, Evict, Simulate]
-SESSION_OPS = frozenset({"reserve", "acquire", "release", "heartbeat", "close"})
-ADMIN_OPS = frozenset({"limit", "evict", "simulate"})
 
 
 class ErrorBody(Struct, kw_only=True, gc=False):

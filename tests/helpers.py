@@ -104,3 +104,11 @@ def make_core(total_bytes: int = 8 * GIB, **kwargs):
     processes = kwargs.pop("processes", None) or FakeProcesses()
     kwargs.setdefault("headroom", "0")
     return build_core(SimulatedDevice(0, total_bytes), processes, **kwargs)
+
+
+def ledger_fingerprint(ledger) -> tuple:
+    """Everything a refused request must leave as it was: totals, sessions' holdings, limits."""
+    return (
+        ledger.reserved_bytes, ledger.granted_bytes, ledger.unreported_bytes, dict(ledger.limits),
+        {sid: (dict(s.pools), dict(s.holds), s.granted_pages, s.reserve_pages, s.state) for sid, s in ledger.sessions.items()},
+    )
