@@ -1,4 +1,4 @@
-"""The adapter flags (DESIGN §8), read when asked, never frozen at import.
+"""The adapter flags (the environment contract: docs/design.md), read when asked, never frozen at import.
 
 * ``ENABLE_KVCACHED=1`` turns the integration on and implies ``KVCACHED_AUTOPATCH=1``.
 * ``KVCACHED_AUTOPATCH=1`` applies the patches when the runtime is imported.

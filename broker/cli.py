@@ -1,4 +1,4 @@
-"""``kvcached-broker``: serve, status, limit, evict, demo (DESIGN §7, a contract).
+"""``kvcached-broker``: serve, status, limit, evict, demo (a contract: docs/design.md, "CLI").
 
 Exit codes: 0 ok, 1 refused, 2 usage, 3 broker unreachable.
 """

@@ -3,7 +3,7 @@
 The ledger takes requests and clock readings and returns decisions.  It opens no socket or
 file and starts no thread, so every rule below can be checked by a property test.
 
-Vocabulary (DESIGN §3):
+Vocabulary (docs/accounting.md has the model with a worked example):
 
 * **session**: one worker process of an instance (a TP rank), with a page size.
 * **reservation**: static bytes a session holds, by pool name; replaced wholesale.  A

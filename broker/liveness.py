@@ -36,7 +36,7 @@ def process_alive(pid: int, start_ticks: int | None) -> bool:
 
 
 class PidWatcher:
-    """Holds one pidfd per watched pid.  The caller polls :meth:`fds` for readability."""
+    """Holds one pidfd per watched pid; the caller polls the fds :meth:`watch` returns for readability."""
 
     def __init__(self) -> None:
         self._fd_by_pid: dict[int, int] = {}

@@ -1,6 +1,6 @@
-"""The ``status --json`` document (DESIGN §7, a contract).
+"""The ``status --json`` document (a contract: docs/design.md, "status --json").
 
-Fields named in DESIGN are always present with exactly those names and meanings; fields
+Fields named in the contract are always present with exactly those names and meanings; fields
 added since are listed in the README under "status fields" and never change meaning.
 """
 

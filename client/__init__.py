@@ -1,4 +1,4 @@
-"""What workers import to talk to their GPU's kvcached-broker (DESIGN §9).
+"""What workers import to talk to their GPU's kvcached-broker (the client API contract: docs/design.md).
 
 This package never imports torch or the broker: a worker pulls in only pyzmq and msgspec.
 """

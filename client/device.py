@@ -1,4 +1,4 @@
-"""Which physical GPU a worker means (DESIGN §3).
+"""Which physical GPU a worker means (see docs/accounting.md).
 
 A worker names its device by CUDA ordinal (``cuda:1``), but brokers are per physical GPU and
 ``{device}`` in ``KVCACHED_BROKER`` is the NVML index.  The two differ: CUDA numbers devices

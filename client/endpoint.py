@@ -1,4 +1,4 @@
-"""Where a GPU's broker listens (DESIGN §8).
+"""Where a GPU's broker listens (the environment contract: docs/design.md).
 
 ``KVCACHED_BROKER`` holds an endpoint, or a template with ``{device}`` (the NVML index) or
 ``{uuid}``.  Unset, the endpoint is ``ipc://RUNDIR/gpu{device}.sock`` where RUNDIR is

@@ -41,7 +41,7 @@ Pid = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 Token = Annotated[str, Meta(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 #: A session token on a session request: only ever a key into the broker's session table, where
 #: anything it did not issue is ``unknown_session``, so its length is bounded but no pattern is
-#: matched (the regex was most of the cost of decoding an ``acquire``).
+#: matched (the request path does not pay for one; see docs/performance.md).
 SessionToken = Annotated[str, Meta(min_length=8, max_length=64)]
 PublicId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 #: Instance and pool names: what shows in status and in Prometheus labels.

@@ -26,8 +26,8 @@ from .endpoint import ipc_path
 from .errors import BrokerUnavailable
 
 
-#: The compiled send underneath pyzmq's Python wrapper (which only adds routing_id/group
-#: handling that DEALER sockets never use): a third of the cost.
+#: The compiled send underneath pyzmq's Python wrapper, which only adds routing_id/group
+#: handling that DEALER sockets never use (docs/performance.md has what it saves).
 _raw_send = zmq.backend.Socket.send
 _NOBLOCK = int(zmq.NOBLOCK)
 

@@ -1,4 +1,4 @@
-"""The CLI contract (DESIGN §7): commands, JSON shape and exit codes, run as real processes."""
+"""The CLI contract (docs/design.md): commands, JSON shape and exit codes, run as real processes."""
 
 from __future__ import annotations
 

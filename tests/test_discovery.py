@@ -1,4 +1,4 @@
-"""Endpoint discovery (DESIGN §8), device resolution, sizes, and what the packages import."""
+"""Endpoint discovery (docs/design.md, "Environment"), device resolution, sizes, and what the packages import."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The broker over real sockets: the client API of DESIGN §9 and the status contract of §7."""
+"""The broker over real sockets: the client API and the status contract of docs/design.md."""
 
 from __future__ import annotations
 

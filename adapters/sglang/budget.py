@@ -1,6 +1,6 @@
 """What the broker can still grant this worker, and the startup error when it is not enough.
 
-The room is read from the broker's status document (DESIGN §7):
+The room is read from the broker's status document (docs/design.md, "status --json"):
 
 ``grantable_bytes = free_bytes - unfilled floors of the other instances``, further capped by
 this instance's own ``max_bytes`` (what it already holds counts against the cap), and 0 when
