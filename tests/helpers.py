@@ -9,8 +9,11 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.01, what: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``."""
+def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.01, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``.
+
+    The timeout only bounds a failure (generous, so a loaded machine does not fail the suite);
+    the test goes on as soon as the condition holds."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:

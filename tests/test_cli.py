@@ -123,13 +123,14 @@ def test_watch_redraws_until_interrupted(broker):
         [sys.executable, "-m", "kvcached_broker.broker.cli", "status", "--endpoint", broker.endpoint, "--watch", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    try:
-        out, _ = proc.communicate(timeout=1.5)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(2)
-        out, _ = proc.communicate(timeout=5)
-    assert proc.returncode == 0
-    assert out.count("budget 76.00 GiB") >= 3  # several frames, each with the bars
+    frames = 0
+    for line in proc.stdout:  # wait for the frames themselves, however slow the machine
+        frames += "budget 76.00 GiB" in line
+        if frames >= 3:
+            break
+    proc.send_signal(2)
+    proc.communicate(timeout=60)
+    assert frames >= 3 and proc.returncode == 0  # several frames, each with the bars; ^C ends it cleanly
 
 
 def test_demo_runs_and_exits_0():
