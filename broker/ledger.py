@@ -251,6 +251,20 @@ class Ledger:
         inst = self._instances.get(instance)
         return inst.charge_bytes if inst else 0
 
+    def grantable_bytes(self, instance: str) -> int:
+        """How much more this instance could be granted or reserve right now (before any
+        measured usage its processes have beyond their reports): within the budget less the
+        other instances' unfilled floors, and within its own cap; 0 when overcommitted or
+        while growth is held."""
+        if self.overcommitted or self.growth_hold is not None:
+            return 0
+        others_unfilled = self._unfilled_floor_total - self.unfilled_floor_bytes(instance)
+        room = self.budget_bytes - self.charged_bytes - others_unfilled
+        limits = self.limits.get(instance)
+        if limits is not None and limits.max_bytes is not None:
+            room = min(room, limits.max_bytes - self.instance_charge_bytes(instance))
+        return max(0, room)
+
     def unfilled_floor_bytes(self, instance: str) -> int:
         limits = self.limits.get(instance)
         if limits is None or not limits.min_bytes:

@@ -69,6 +69,7 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
         "granted_bytes": granted,
         "unreported_bytes": unreported,
         "charged_bytes": reserved + granted + unreported,
+        "grantable_bytes": ledger.grantable_bytes(name),
         "held_bytes": sum(holds.values()),
         "pools": dict(sorted(pools.items())),
         "holds": dict(sorted(holds.items())),

@@ -401,3 +401,21 @@ def test_a_pool_cannot_be_both_reserved_and_held():
     ledger = _colocated()
     with pytest.raises(BadRequest, match="both"):
         ledger.reserve("a", {"kv": GIB}, holds={"kv": GIB})
+
+
+def test_grantable_bytes_is_the_room_after_other_floors_and_within_the_cap():
+    ledger = new_ledger(total=80 * GIB, headroom=0)
+    open_session(ledger, "a", instance="a", pid=101)
+    open_session(ledger, "b", instance="b", pid=102)
+    ledger.set_limits("b", min_bytes=20 * GIB)
+    ledger.reserve("a", {"weights": 30 * GIB})
+    assert ledger.grantable_bytes("a") == 30 * GIB  # 50 free, 20 of them b's floor
+    assert ledger.grantable_bytes("b") == 50 * GIB
+    ledger.set_limits("a", max_bytes=40 * GIB)
+    assert ledger.grantable_bytes("a") == 10 * GIB
+    with pytest.raises(LimitExceeded):
+        ledger.reserve("a", {"weights": 30 * GIB + 10 * GIB + 1})
+    ledger.reserve("a", {"weights": 40 * GIB})  # exactly what it said
+    assert ledger.grantable_bytes("a") == 0
+    ledger.observe_device(external_bytes=50 * GIB)
+    assert ledger.overcommitted and ledger.grantable_bytes("b") == 0
