@@ -46,16 +46,33 @@ def fair_shares(ledger: Ledger) -> dict[str, int]:
 
     if total(0.0) >= budget:  # floors alone use the budget
         return {name: int(share(name, 0.0)) for name in names}
-    low, high = 0.0, float(budget) / min(limits[n].weight for n in names)
-    if total(high) <= budget:  # every instance is capped below the budget
-        return {name: int(share(name, high)) for name in names}
-    for _ in range(80):
-        mid = (low + high) / 2
-        if total(mid) > budget:
-            high = mid
-        else:
-            low = mid
-    return {name: int(share(name, low)) for name in names}
+    return {name: int(share(name, _fill_level(limits, budget))) for name in names}
+
+
+def _fill_level(limits: dict[str, Limits], budget: int) -> float:
+    """The λ at which the shares clamp(λ·weight, min, max) sum to the budget (water-filling).
+
+    The sum is piecewise linear in λ: an instance grows with slope ``weight`` from
+    ``min/weight`` until ``max/weight``.  Walk those breakpoints in order; if every instance is
+    capped before the budget is reached, the last breakpoint (every share at its cap) is it.
+    """
+    events: list[tuple[float, float]] = []  # (λ, change of slope)
+    filled = 0.0
+    for lim in limits.values():
+        filled += lim.min_bytes
+        events.append((lim.min_bytes / lim.weight, lim.weight))
+        if lim.max_bytes is not None:
+            events.append((lim.max_bytes / lim.weight, -lim.weight))
+    events.sort()
+    level, slope = 0.0, 0.0
+    for at, change in events:
+        if slope > 0 and filled + slope * (at - level) >= budget:
+            break
+        filled += slope * (at - level)
+        level, slope = at, slope + change
+    if slope <= 0:
+        return level  # everyone is capped: the shares are the caps
+    return level + (budget - filled) / slope
 
 
 def starving(ledger: Ledger, instance: str, shares: dict[str, int]) -> bool:

@@ -71,11 +71,16 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
         "charged_bytes": reserved + granted + unreported,
         "grantable_bytes": ledger.grantable_bytes(name),
         "held_bytes": sum(holds.values()),
-        "pools": dict(sorted(pools.items())),
-        "holds": dict(sorted(holds.items())),
-        "usage_breakdown": dict(sorted(usage.items())),
+        "pools": _sorted(pools),
+        "holds": _sorted(holds),
+        "usage_breakdown": _sorted(usage),
         "sessions": [_session(table, s, now_s) for s in sessions],
     }
+
+
+def _sorted(sizes: dict[str, int]) -> dict[str, int]:
+    """A copy in name order (most maps here hold a pool or two)."""
+    return dict(sorted(sizes.items())) if len(sizes) > 1 else dict(sizes)
 
 
 def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, Any]:
@@ -87,7 +92,7 @@ def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, A
         "tp_size": session.tp_size,
         "pid": session.pid,
         "pid_verified": session.pid_verified,
-        "state": session.state.value,
+        "state": session.state._value_,
         "page_bytes": session.page_bytes,
         "granted_pages": session.granted_pages,
         "reserve_pages": session.reserve_pages,
@@ -95,9 +100,9 @@ def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, A
         "granted_bytes": session.granted_bytes,
         "held_bytes": session.held_bytes,
         "measured_bytes": account.measured_bytes if account is not None else 0,
-        "pools": dict(sorted({**session.pools, **session.holds}.items())),
-        "holds": dict(sorted(session.holds.items())),
-        "usage_breakdown": dict(sorted(session.usage.items())),
+        "pools": _sorted({**session.pools, **session.holds} if session.holds else session.pools),
+        "holds": _sorted(session.holds),
+        "usage_breakdown": _sorted(session.usage),
         "idle_s": round(max(0.0, now_s - session.last_seen_s), 3),
         "client": binding.client if binding else "",
         "adapter": binding.adapter if binding else None,

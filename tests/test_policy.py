@@ -7,8 +7,10 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvcached_broker.broker.ledger import DeviceInfo, Ledger
+from kvcached_broker.broker.ledger import DeviceInfo, Ledger, Limits
 from kvcached_broker.broker.policy import PressureBook, fair_shares
 from kvcached_broker.client import BrokerClient
 
@@ -193,3 +195,33 @@ def test_replay_refuses_a_bad_trace(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvcached_broker.broker.cli", "replay", str(trace)],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "bad.jsonl:1" in out.stderr
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.one_of(st.none(), st.integers(0, 40)), st.floats(0.1, 8.0)),
+                min_size=1, max_size=6),
+       st.integers(1, 100))
+def test_fair_shares_fill_the_budget_by_weight_within_floors_and_caps(specs, budget_gib):
+    ledger = Ledger(DeviceInfo(0, "SIM", "sim", True), total_bytes=budget_gib * GIB, headroom_bytes=0)
+    for i, (floor, cap, weight) in enumerate(specs):
+        floor_bytes = floor * GIB + 1  # a floor makes an instance take part before it registers
+        cap_bytes = None if cap is None else max(cap * GIB, floor_bytes)
+        ledger.restore_limits(f"i{i}", Limits(max_bytes=cap_bytes, min_bytes=floor_bytes, weight=weight))
+    shares = fair_shares(ledger)
+    limits = {f"i{i}": ledger.limits[f"i{i}"] for i in range(len(specs))}
+    for name, share in shares.items():
+        lim = limits[name]
+        assert share >= lim.min_bytes - 1 and (lim.max_bytes is None or share <= lim.max_bytes)
+    total = sum(shares.values())
+    floors = sum(lim.min_bytes for lim in limits.values())
+    capped = all(lim.max_bytes is not None for lim in limits.values())
+    if floors >= ledger.budget_bytes:
+        assert total == floors
+    elif capped and sum(lim.max_bytes for lim in limits.values()) <= ledger.budget_bytes:
+        assert total == sum(lim.max_bytes for lim in limits.values())
+    else:  # the budget is filled, and instances between their floor and cap share it by weight
+        assert abs(total - ledger.budget_bytes) <= len(shares) + 1
+        free = [n for n, lim in limits.items()
+                if lim.min_bytes + 1 < shares[n] and (lim.max_bytes is None or shares[n] < lim.max_bytes - 1)]
+        ratios = [shares[n] / limits[n].weight for n in free]
+        assert not ratios or max(ratios) - min(ratios) <= 2 * max(1.0, max(ratios) * 1e-9)
