@@ -12,7 +12,10 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import logging  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: device_usage
 
 import pytest  # noqa: E402
 from helpers import connect_to, require_runtime  # noqa: E402,F401  (tests import connect_to from here)
@@ -20,7 +23,6 @@ from helpers import connect_to, require_runtime  # noqa: E402,F401  (tests impor
 from kvcached_broker.adapters import backing, worker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -77,3 +79,13 @@ def sg_broker(inproc_factory, adapter_state, patched_sglang):
     b = inproc_factory(total_bytes=GIB)
     worker.client_factory = connect_to(b.endpoint)
     return b
+
+
+@pytest.fixture
+def measured(sg_broker):
+    """The simulated GPU measures this process's usage, as NVML would (cleared afterwards)."""
+    from device_usage import MeasuredUsage
+
+    usage = MeasuredUsage(sg_broker.endpoint)
+    yield usage
+    usage.clear()

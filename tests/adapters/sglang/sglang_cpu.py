@@ -192,11 +192,16 @@ def profiler(free_bytes: int, real_world_group: bool = False) -> Any:
     return obj
 
 
-def profile(free_bytes: int, real_world_group: bool = False) -> int:
-    """SGLang's KV budget for ``free_bytes`` free (no weights: ``pre_model_load_memory=0``)."""
-    obj = profiler(free_bytes, real_world_group)
+def profile(free_bytes: int, real_world_group: bool = False, pre_model_load_bytes: int = 0) -> int:
+    """SGLang's KV budget for ``free_bytes`` free, ``pre_model_load_bytes`` free before the weights
+    loaded (SGLang keeps ``(1 - mem_fraction_static)`` of that as slack; 0: no slack)."""
+    return run_profile(profiler(free_bytes, real_world_group), pre_model_load_bytes)
+
+
+def run_profile(obj: Any, pre_model_load_bytes: int = 0) -> int:
+    """Run the real ``_profile_available_bytes`` of a :func:`profiler` object (SGLang takes GB)."""
     with runtime_config(mem_fraction_static=0.9):
-        return obj._profile_available_bytes(0)
+        return obj._profile_available_bytes(pre_model_load_bytes / (1 << 30))
 
 
 def configure_logging(level: str) -> None:

@@ -5,9 +5,11 @@ It speaks JSON lines: one on stdout per step it reaches, and it waits on stdin b
 
     sglang_worker.py dsv4 FULL_PAGES SWA_PAGES [--explicit-apply]
         build a DeepSeekV4TokenToKVPool; print its per-pool tensor bytes
-    sglang_worker.py sized FREE_BYTES
-        run SGLang's real KV profile seeing FREE_BYTES free; print the budget it got (held);
-        on "build", size a DeepSeek-V4 pool to that budget, build it, charge it, print it
+    sglang_worker.py together FREE_BYTES PRE_LOAD_BYTES
+        open the broker session and print {"event": "ready", "pid": ...}; on a line from the
+        test (the moment every instance sizes at once), run SGLang's real KV profile seeing
+        FREE_BYTES free (PRE_LOAD_BYTES before the weights loaded); print the budget it got
+        (held) or the start-up error it raised
     sglang_worker.py tp RANK WORLD PORT FULL_PAGES [FREE_BYTES]
         join a gloo TP group through SGLang's own parallel state; with FREE_BYTES, run SGLang's
         real KV profile over the real world group first (then drop its hold); build a
@@ -48,23 +50,24 @@ def dsv4(full_pages: int, swa_pages: int, explicit: bool) -> None:
     wait()
 
 
-def sized(free_bytes: int) -> int:
+def together(free_bytes: int, pre_load_bytes: int) -> int:
     import sglang_cpu
 
-    from kvcached_broker.adapters.sglang import budget, kv_sizing
+    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters.sglang import budget, tp
 
-    try:
-        kv_bytes = sglang_cpu.profile(free_bytes)
-    except budget.BrokerBudgetError as exc:
-        print(str(exc), file=sys.stderr, flush=True)
-        return 3
-    say(event="held", kv_bytes=kv_bytes)
+    profiler = sglang_cpu.profiler(free_bytes)  # SGLang imported before the moment, not during it
+    worker.session(tp.identity("cpu"))  # registered: the device now counts its weights as its own
+    say(event="ready", pid=os.getpid())
     if not wait():
         return 0
-    units = sglang_cpu.dsv4_units_for(kv_bytes)
-    pool = sglang_cpu.build_dsv4_pool(4 * units, units)
-    kv_sizing.charge_pools("cpu", 0, pool)
-    say(event="built", units=units, pools=sglang_cpu.tensor_bytes_by_pool(pool))
+    try:
+        kv_bytes = sglang_cpu.run_profile(profiler, pre_load_bytes)
+    except budget.BrokerBudgetError as exc:
+        say(event="refused", error=str(exc))
+        wait()
+        return 3
+    say(event="sized", kv_bytes=kv_bytes)
     wait()
     return 0
 
@@ -120,8 +123,8 @@ def main(argv: list[str]) -> int:
     mode = argv[0]
     if mode == "dsv4":
         dsv4(int(argv[1]), int(argv[2]), "--explicit-apply" in argv)
-    elif mode == "sized":
-        return sized(int(argv[1]))
+    elif mode == "together":
+        return together(int(argv[1]), int(argv[2]))
     elif mode == "tp":
         tensor_parallel(int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]), int(argv[5]) if len(argv) > 5 else None)
     else:

@@ -128,10 +128,10 @@ def kv_sizing_identity():
 
 
 # ------------------------------------------------------------------ co-located model processes
-def _sized(endpoint: str, instance: str, free_bytes: int) -> subprocess.Popen:
+def _together(endpoint: str, instance: str, free_bytes: int, pre_load_bytes: int) -> subprocess.Popen:
     env = {**os.environ, "ENABLE_KVCACHED": "1", "KVCACHED_BROKER": endpoint, "KVCACHED_BROKER_INSTANCE": instance}
-    return subprocess.Popen([sys.executable, WORKER, "sized", str(free_bytes)], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, WORKER, "together", str(free_bytes), str(pre_load_bytes)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _read(proc: subprocess.Popen) -> dict:
@@ -140,36 +140,41 @@ def _read(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
-def test_a_second_model_gets_a_smaller_pool_and_a_third_a_clear_startup_error(broker_factory):
-    """Every model sees 96 MiB free on a 128 MiB GPU; the broker makes them share it."""
-    broker = broker_factory(simulate="128MiB", extra_args=["--headroom", "0"])
-    first = _sized(broker.endpoint, "model-a", 96 * MIB)
-    procs = [first]
+def test_two_models_with_30_gib_of_weights_each_sizing_at_once_stay_within_80_gib(broker_factory):
+    """The issue's check: on an 80 GiB device that measures each process (30 GiB of weights
+    each, as NVML would report them), two processes size their KV cache through SGLang's real
+    ``_profile_available_bytes`` at the same moment.  Each profile sees the device as if it were
+    alone (50 GiB free, 80 GiB before its weights): 42 GiB.  The broker has 20 GiB."""
+    from device_usage import MeasuredUsage, instance_of, session_of
+
+    broker = broker_factory(simulate="80GiB", extra_args=["--headroom", "0"])
+    device = MeasuredUsage(broker.endpoint)
+    procs = [_together(broker.endpoint, name, 50 * GIB, 80 * GIB) for name in ("model-a", "model-b")]
     try:
-        a = _read(first)
-        second = _sized(broker.endpoint, "model-b", 96 * MIB)
-        procs.append(second)
-        b = _read(second)
-        assert (a["kv_bytes"], b["kv_bytes"]) == (96 * MIB, 32 * MIB)  # sized one after another, not both 96
-        third = _sized(broker.endpoint, "model-c", 96 * MIB)
-        procs.append(third)
-        assert third.wait(timeout=60) == 3
-        error = third.stderr.read()
-        assert broker.endpoint in error and "model-c" in error and "budget 128.00 MiB" in error
-        assert "model-a 96.00 MiB" in error and "model-b 32.00 MiB" in error
-        for proc in (first, second):
-            proc.stdin.write("build\n")
+        pids = [_read(proc)["pid"] for proc in procs]  # both sessions open, nothing sized yet
+        for pid in pids:
+            device.set(pid, 30 * GIB)  # the weights each process loaded
+        assert broker.status()["free_bytes"] == 20 * GIB
+        for proc in procs:  # the moment: both size at once
+            proc.stdin.write("go\n")
             proc.stdin.flush()
-        built = {"model-a": _read(first), "model-b": _read(second)}
+        outcomes = [_read(proc) for proc in procs]
         status = broker.status()
-        for name, report in built.items():
-            assert _pools(status, name) == report["pools"]  # no hold left: the real pools replaced it
-        a_bytes, b_bytes = (sum(built[n]["pools"].values()) for n in ("model-a", "model-b"))
-        assert b_bytes < a_bytes <= 96 * MIB and b_bytes <= 32 * MIB
-        assert status["reserved_bytes"] == a_bytes + b_bytes <= status["budget_bytes"]
     finally:
         for proc in procs:
-            if proc.stdin and not proc.stdin.closed:
-                proc.stdin.close()
-        for proc in procs:
-            proc.wait(timeout=60)
+            proc.stdin.close()
+        codes = [proc.wait(timeout=60) for proc in procs]
+    sized = [o.get("kv_bytes", 0) for o in outcomes]
+    assert sorted(sized) == [0, 20 * GIB]  # one gets the 20 GiB the broker had, the other nothing
+    assert sum(sized) + 60 * GIB <= status["budget_bytes"] == 80 * GIB and not status["overcommitted"]
+    winner, loser = (0, 1) if sized[0] else (1, 0)
+    assert sorted(codes) == [0, 3] and codes[loser] == 3  # the refused start stops
+    held = session_of(status, pids[winner])
+    assert held["holds"] == {"kv_sizing_hold": 20 * GIB}  # a hold on top of the measured weights
+    assert held["pools"] == {"runtime_base": 30 * GIB, "kv_sizing_hold": 20 * GIB} and held["measured_bytes"] == 30 * GIB
+    assert instance_of(status, pids[winner])["charged_bytes"] == 50 * GIB
+    assert session_of(status, pids[loser])["holds"] == {} and status["free_bytes"] == 0
+    error = outcomes[loser]["error"]
+    names = ("model-a", "model-b")
+    assert broker.endpoint in error and names[loser] in error and "can grant 0 B" in error
+    assert "budget 80.00 GiB, free 0 B" in error and f"{names[winner]} 50.00 GiB" in error and "\n" not in error

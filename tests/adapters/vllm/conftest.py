@@ -8,12 +8,15 @@ pages survive it.
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import connect_to, require_runtime  # noqa: F401  (tests import connect_to from here)
 
 from kvcached_broker.adapters import backing, worker
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: device_usage
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,3 +63,13 @@ def gpu_broker(inproc_factory, adapter_state):
     b = inproc_factory(total_bytes=GIB)
     worker.client_factory = connect_to(b.endpoint)
     return b
+
+
+@pytest.fixture
+def measured(gpu_broker):
+    """The simulated GPU measures this process's usage, as NVML would (cleared afterwards)."""
+    from device_usage import MeasuredUsage
+
+    usage = MeasuredUsage(gpu_broker.endpoint)
+    yield usage
+    usage.clear()
