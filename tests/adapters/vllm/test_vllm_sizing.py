@@ -6,54 +6,33 @@ replaced by a fixed figure, through the same wrapper the patch installs.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import os
 
 import pytest
-import torch
 
 from kvcached_broker.adapters import backing, worker
-from kvcached_broker.adapters.vllm import kv_sizing, parallel
+from kvcached_broker.adapters.tensors import storage_bytes
+from kvcached_broker.adapters.vllm import kv_config, kv_sizing, parallel
 from kvcached_broker.adapters.vllm.kv_budget import KVCacheBudgetError
 from kvcached_broker.client import BrokerClient, BudgetExceeded
 
 import vllm_shapes as shapes
 from helpers import GIB, MIB
 
-
-class WithMaxModelLen:
-    """A VllmConfig with a model length (a CPU VllmConfig has no model config)."""
-
-    def __init__(self, vc, max_model_len: int):
-        self._vc = vc
-        self.model_config = SimpleNamespace(max_model_len=max_model_len)
-
-    def __getattr__(self, name):
-        return getattr(self._vc, name)
+WEIGHTS = 256 * MIB
+vllm_worker = shapes.gpu_worker
+determine = shapes.determine
 
 
-def vllm_worker(kv_cache_memory_bytes=None, max_model_len=4096):
-    from vllm.v1.worker.gpu_worker import Worker
-
-    vc = shapes.vllm_config()
-    vc.cache_config.kv_cache_memory_bytes = kv_cache_memory_bytes
-    w = object.__new__(Worker)
-    w.device = torch.device("cpu")
-    w.cache_config = vc.cache_config
-    w.vllm_config = WithMaxModelLen(vc, max_model_len)
-    specs = shapes.hybrid_specs()
-    w.model_runner = SimpleNamespace(get_kv_cache_spec=lambda: specs)
-    return w
-
-
-def determine(profiled_bytes):
-    """The patch's wrapper around a stand-in for vLLM's GPU profile."""
-    return kv_sizing.wrap_determine_available_memory(lambda self: profiled_bytes)
+def mine(broker) -> dict:
+    """This worker's session in status (the neighbour's session lives in this process too)."""
+    session_id = worker.session(parallel.identity(0)).session_id
+    (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
+    return found
 
 
 def held(broker):
-    session_id = worker.session(parallel.identity(0)).session_id
-    sessions = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
-    return sessions[0]["pools"].get("kv_static", 0)
+    return mine(broker)["holds"].get("kv_sizing_hold", 0)
 
 
 @pytest.fixture
@@ -112,3 +91,58 @@ def test_elastic_workers_are_capped_at_the_budget_and_hold_nothing(patched_vllm,
     backing.register_on_demand_backing(backing.RecordingBacking())
     assert determine(4 * GIB)(vllm_worker()) == GIB
     assert held(gpu_broker) == 0
+
+
+# ------------------------------------------------------------ a device that measures the worker
+@pytest.fixture
+def weights_loaded(gpu_broker, measured):
+    """The device measures this process using its weights (nothing reported yet), as NVML would."""
+    measured.set(os.getpid(), WEIGHTS)
+    return measured
+
+
+def _count_reserves(monkeypatch, broker) -> list[int]:
+    """Free bytes after each reserve request this worker's session sends (one entry per request)."""
+    client = worker.session(parallel.identity(0))
+    original, after = client.reserve, []
+
+    def reserve(*args, **kwargs):
+        result = original(*args, **kwargs)
+        after.append(broker.status()["free_bytes"])
+        return result
+
+    monkeypatch.setattr(client, "reserve", reserve)
+    return after
+
+
+def test_the_sizing_hold_is_charged_on_top_of_the_weights(patched_vllm, gpu_broker, weights_loaded, neighbour):
+    assert determine(4 * GIB)(vllm_worker()) == GIB - WEIGHTS  # the weights are charged, not free
+    me = mine(gpu_broker)
+    assert me["holds"] == {"kv_sizing_hold": GIB - WEIGHTS} and me["measured_bytes"] == WEIGHTS
+    assert me["pools"] == {"runtime_base": WEIGHTS, "kv_sizing_hold": GIB - WEIGHTS}  # pinned with the hold
+    with pytest.raises(BudgetExceeded):
+        neighbour.reserve({"weights": MIB})
+
+
+def test_the_hold_becomes_kv_static_in_one_request_with_no_dip_while_the_device_lags(
+    patched_vllm, gpu_broker, weights_loaded, monkeypatch
+):
+    kv_bytes = determine(64 * MIB)(vllm_worker())
+    vc, kv_cfg = shapes.hybrid_config(kv_bytes)
+    free_after = _count_reserves(monkeypatch, gpu_broker)
+    caches = shapes.allocate(vc, kv_cfg)  # the device still measures only the weights
+    buffer = storage_bytes(caches)
+    assert buffer <= kv_bytes
+    assert free_after[0] == GIB - WEIGHTS - kv_config.buffer_bytes(kv_cfg)  # hold -> kv_static, one request
+    assert free_after[-1] == GIB - WEIGHTS - buffer and len(free_after) == 2  # then what was allocated
+    me = mine(gpu_broker)
+    assert me["holds"] == {} and me["pools"] == {"runtime_base": WEIGHTS, "kv_static": buffer}
+    weights_loaded.set(os.getpid(), WEIGHTS + buffer)  # the device catches up
+    assert gpu_broker.status()["free_bytes"] == GIB - WEIGHTS - buffer
+
+
+def test_a_buffer_reported_before_its_allocation_is_not_covered_by_the_weights(patched_vllm, gpu_broker, weights_loaded):
+    vc, kv_cfg = shapes.hybrid_config(64 * MIB)  # no sizing first (a worker that never profiled)
+    buffer = storage_bytes(shapes.allocate(vc, kv_cfg))
+    assert mine(gpu_broker)["pools"] == {"runtime_base": WEIGHTS, "kv_static": buffer}  # base pinned first
+    assert gpu_broker.status()["free_bytes"] == GIB - WEIGHTS - buffer

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -190,3 +191,37 @@ def request(request_id: str, num_tokens: int) -> Any:
     return Request(**kwargs_for(
         Request.__init__, request_id=request_id, prompt_token_ids=list(range(num_tokens)),
         sampling_params=SamplingParams(max_tokens=16), pooling_params=None))
+
+
+# ----------------------------------------------------------------------------- the GPU worker
+class WithMaxModelLen:
+    """A VllmConfig with a model length (a CPU VllmConfig has no model config)."""
+
+    def __init__(self, vc, max_model_len: int):
+        self._vc = vc
+        self.model_config = SimpleNamespace(max_model_len=max_model_len)
+
+    def __getattr__(self, name):
+        return getattr(self._vc, name)
+
+
+def gpu_worker(kv_cache_memory_bytes=None, max_model_len=4096):
+    """vLLM's own ``Worker`` on CPU, as far as its KV sizing reads it (the hybrid model's specs)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    vc = vllm_config()
+    vc.cache_config.kv_cache_memory_bytes = kv_cache_memory_bytes
+    w = object.__new__(Worker)
+    w.device = torch.device("cpu")
+    w.cache_config = vc.cache_config
+    w.vllm_config = WithMaxModelLen(vc, max_model_len)
+    specs = hybrid_specs()
+    w.model_runner = SimpleNamespace(get_kv_cache_spec=lambda: specs)
+    return w
+
+
+def determine(profiled_bytes: int):
+    """The adapter's ``determine_available_memory`` wrapper around a stand-in for vLLM's GPU profile."""
+    from kvcached_broker.adapters.vllm import kv_sizing
+
+    return kv_sizing.wrap_determine_available_memory(lambda self: profiled_bytes)
