@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", type=_non_negative_int, default=None, help="NVML index of the GPU (default 0)")
     serve.add_argument("--simulate", type=_size, metavar="SIZE", help="simulate a GPU of SIZE (e.g. 80GiB) instead of NVML")
+    serve.add_argument("--simulate-usage-dir", type=Path, metavar="DIR",
+                       help="with --simulate: a device shared by processes, each writing its usage to DIR/PID (testing aid)")
     serve.add_argument("--endpoint", type=_endpoint, metavar="URI", help="ipc:///path.sock or tcp://host:port")
     serve.add_argument("--headroom", type=_headroom, default=None, metavar="SIZE|PCT", help="kept free (default 5%%)")
     serve.add_argument("--state-dir", type=Path, metavar="DIR", help="checkpoint directory (default: per-user state dir)")
@@ -300,7 +302,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if opts.config_path is not None:
         log.info("event=config path=%s", opts.config_path)
     try:
-        probe = SimulatedDevice(opts.device, opts.simulate) if opts.simulate else NvmlDevice(opts.device)
+        if opts.simulate_usage_dir is not None and not opts.simulate:
+            raise UsageError("--simulate-usage-dir needs --simulate SIZE")
+        probe = (SimulatedDevice(opts.device, opts.simulate, opts.simulate_usage_dir) if opts.simulate
+                 else NvmlDevice(opts.device))
     except DeviceError as exc:
         print(f"kvcached-broker serve: {exc}", file=sys.stderr)
         return EXIT_REFUSED

@@ -112,6 +112,7 @@ def _level(value: Any) -> str:
 OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     "device": (_non_negative_int, "KVCACHED_BROKER_DEVICE", 0),
     "simulate": (_size, "KVCACHED_BROKER_SIMULATE", None),
+    "simulate_usage_dir": (_path, "KVCACHED_BROKER_SIMULATE_USAGE_DIR", None),
     "endpoint": (_endpoint, None, None),  # the environment's KVCACHED_BROKER is a template, read later
     "headroom": (_headroom, "KVCACHED_BROKER_HEADROOM", "5%"),
     "state_dir": (_path, "KVCACHED_BROKER_STATE_DIR", None),

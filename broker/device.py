@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Protocol
 
 from .ledger import DeviceInfo
@@ -57,15 +59,22 @@ class SimulatedDevice:
 
     Tests and demos inject usage by others with :meth:`set_external` and per-process usage
     with :meth:`set_process_bytes` (reachable over the wire via the admin ``simulate`` op).
+
+    With ``usage_dir`` the device is shared by processes, as a real GPU is: each process that
+    "allocates" on it keeps a file ``usage_dir/PID`` holding the bytes it uses (a decimal
+    number, replaced atomically), and the device reports those files as each live process's
+    usage, the way NVML reports what each process has mapped.  The processes read the same
+    files to know what is free (their ``cudaMemGetInfo``).  See ``shared_usage``.
     """
 
-    def __init__(self, index: int, total_bytes: int):
+    def __init__(self, index: int, total_bytes: int, usage_dir: Path | None = None):
         if total_bytes <= 0:
             raise DeviceError(f"simulated device size must be positive, got {total_bytes}")
         self.info = DeviceInfo(index=index, uuid=f"SIM-GPU-{index}", name=f"simulated GPU {index}", simulated=True)
         self.total_bytes = total_bytes
         self._external_bytes = 0
         self._process_bytes: dict[int, int] = {}
+        self.usage_dir = usage_dir
         self._lock = threading.Lock()
 
     def set_external(self, external_bytes: int) -> None:
@@ -82,11 +91,15 @@ class SimulatedDevice:
                     self._process_bytes.pop(pid, None)
 
     def read(self) -> DeviceReading:
+        shared = read_shared_usage(self.usage_dir) if self.usage_dir is not None else {}
         with self._lock:
+            processes = {**shared, **self._process_bytes}
+            # As NVML: what every process uses, plus what the injected outsiders use; the
+            # broker takes external usage as what its own processes do not account for.
             return DeviceReading(
                 total_bytes=self.total_bytes,
-                process_bytes=dict(self._process_bytes),
-                external_bytes=self._external_bytes,
+                used_bytes=sum(processes.values()) + self._external_bytes,
+                process_bytes=processes,
             )
 
 
@@ -141,3 +154,24 @@ class NvmlDevice:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def read_shared_usage(usage_dir: Path) -> dict[int, int]:
+    """``{pid: bytes}`` from a shared simulated device's usage files, for live processes only
+    (a dead process's memory is freed with it, as the driver frees a real one's)."""
+    usage: dict[int, int] = {}
+    try:
+        names = os.listdir(usage_dir)
+    except OSError:
+        return usage
+    for name in names:
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            size = int((usage_dir / name).read_text() or 0)
+        except (OSError, ValueError):
+            continue
+        if size > 0 and os.path.exists(f"/proc/{pid}"):
+            usage[pid] = size
+    return usage

@@ -1,0 +1,80 @@
+"""The process side of a simulated GPU shared by processes (``serve --simulate-usage-dir DIR``).
+
+A process that "allocates" device memory records the bytes it now uses in ``DIR/PID``; the
+broker reports those files as each live process's usage, as NVML does, and every process
+reads them to know what is free, as ``cudaMemGetInfo`` tells it.  So a neighbour's allocation
+shrinks everyone's free memory, and an allocation that does not fit fails, as on a GPU.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from ..broker.device import read_shared_usage
+
+
+class DeviceFull(RuntimeError):
+    """The shared device has no room for the allocation (``cuMemCreate`` out of memory)."""
+
+
+class SharedGpu:
+    def __init__(self, usage_dir: Path, total_bytes: int, *, pid: int | None = None):
+        self.usage_dir = Path(usage_dir)
+        self.total_bytes = total_bytes
+        self.pid = os.getpid() if pid is None else pid
+        self.usage_dir.mkdir(parents=True, exist_ok=True)
+
+    def used_bytes(self) -> int:
+        return sum(read_shared_usage(self.usage_dir).values())
+
+    def free_bytes(self) -> int:
+        """What ``cudaMemGetInfo`` would say is free."""
+        return max(0, self.total_bytes - self.used_bytes())
+
+    def mine_bytes(self) -> int:
+        try:
+            return int((self.usage_dir / str(self.pid)).read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def allocate(self, size_bytes: int) -> None:
+        """Take ``size_bytes`` more; raises :class:`DeviceFull` if the device has no room."""
+        with self._locked():
+            if size_bytes > self.free_bytes():
+                raise DeviceFull(f"out of memory: {size_bytes} bytes asked, {self.free_bytes()} free")
+            self._write(self.mine_bytes() + size_bytes)
+
+    def free(self, size_bytes: int) -> None:
+        with self._locked():
+            self._write(max(0, self.mine_bytes() - size_bytes))
+
+    def set_usage(self, size_bytes: int) -> None:
+        """Say this process uses exactly ``size_bytes`` (weights loaded, say)."""
+        with self._locked():
+            self._write(size_bytes)
+
+    def _write(self, size_bytes: int) -> None:
+        path = self.usage_dir / str(self.pid)
+        tmp = self.usage_dir / f".{self.pid}.tmp"
+        tmp.write_text(str(size_bytes))
+        os.replace(tmp, path)
+
+    def _locked(self):
+        return _Flock(self.usage_dir / ".lock")
+
+
+class _Flock:
+    """One allocation at a time across processes, so two cannot both take the last bytes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
