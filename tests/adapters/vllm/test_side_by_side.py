@@ -7,55 +7,20 @@ one real broker.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-import pytest
 
 from helpers import MIB
+from overlays import HERE, SGLANG_ENV, base_env, overlay_env, overlay_version, require_sglang_overlay, spawn
 
 from kvcached_broker.adapters.versions import installed
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
-SGLANG_ENV = ROOT / ".adapter-envs" / "sglang-0.5.23.env"
-
-
-def overlay_env(env_file: Path) -> dict[str, str]:
-    """The variables an overlay's .env file exports."""
-    values = {}
-    for line in env_file.read_text().splitlines():
-        if line.startswith("export "):
-            key, _, value = line[len("export "):].partition("=")
-            values[key] = value.strip('"')
-    return values
-
-
-def overlay_version(env_file: Path) -> str:
-    """The upstream version an overlay holds (``sglang-0.5.23.env`` -> ``0.5.23``)."""
-    return env_file.name.removesuffix(".env").split("-", 1)[1]
-
-
-def spawn(argv, env) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen([sys.executable, *argv], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # upstream may print its own lines first
-        if line.startswith("{"):
-            return proc, json.loads(line)
-    proc.kill()
-    raise AssertionError(f"{argv[0]} exited: {proc.communicate()[1][-3000:]}")
-
 
 def test_vllm_and_sglang_instances_share_one_gpu_side_by_side(broker_factory):
-    if not SGLANG_ENV.exists():
-        if os.environ.get("KVCACHED_BROKER_TEST_RUNTIME"):
-            pytest.fail(f"{SGLANG_ENV} is missing: run `make adapter-envs`")
-        pytest.skip("the SGLang overlay is not built")
+    require_sglang_overlay()
     b = broker_factory(simulate="8GiB", extra_args=["--headroom", "0"])
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_TARGET_DEVICE")}
+    base = base_env()
     common = {"ENABLE_KVCACHED": "1", "KVCACHED_REQUIRE": "1", "KVCACHED_BROKER": b.endpoint}
     vllm_env = {**os.environ, **common, "KVCACHED_BROKER_INSTANCE": "vllm-dsv4"}
     sglang_env = {**base, **overlay_env(SGLANG_ENV), **common, "KVCACHED_BROKER_INSTANCE": "sglang-dsv4"}
