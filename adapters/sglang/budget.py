@@ -45,15 +45,14 @@ def _charged(instance: dict[str, Any]) -> int:
 
 
 def room_from_status(status: dict[str, Any], instance: str, endpoint: str) -> BrokerRoom:
-    """The room for ``instance`` described by one status document."""
+    """The room for ``instance`` described by one status document (the broker's own
+    ``grantable_bytes`` for it where the broker gives one)."""
     own = next((i for i in status["instances"] if i["name"] == instance), None)
     others = [i for i in status["instances"] if i["name"] != instance]
-    floors_bytes = sum(max(0, int(i.get("min_bytes") or 0) - _charged(i)) for i in others)
-    grantable = int(status["free_bytes"]) - floors_bytes
-    if own is not None and own.get("max_bytes") is not None:
-        grantable = min(grantable, int(own["max_bytes"]) - _charged(own))
-    if status.get("overcommitted"):
-        grantable = 0
+    if own is not None and "grantable_bytes" in own:
+        grantable = int(own["grantable_bytes"])
+    else:
+        grantable = _derived_grantable(status, own, others)
     return BrokerRoom(
         endpoint=endpoint,
         instance=instance,
@@ -62,6 +61,17 @@ def room_from_status(status: dict[str, Any], instance: str, endpoint: str) -> Br
         grantable_bytes=max(0, grantable),
         others_bytes={i["name"]: _charged(i) for i in others if _charged(i) > 0},
     )
+
+
+def _derived_grantable(status: dict[str, Any], own: dict[str, Any] | None, others: list[dict[str, Any]]) -> int:
+    """The same room, from the totals (a broker that does not give ``grantable_bytes``)."""
+    if status.get("overcommitted"):
+        return 0
+    floors_bytes = sum(max(0, int(i.get("min_bytes") or 0) - _charged(i)) for i in others)
+    grantable = int(status["free_bytes"]) - floors_bytes
+    if own is not None and own.get("max_bytes") is not None:
+        grantable = min(grantable, int(own["max_bytes"]) - _charged(own))
+    return grantable
 
 
 def measure_room(client: BrokerClient, instance: str) -> BrokerRoom:

@@ -53,7 +53,10 @@ def measure_room(client: BrokerClient) -> Room:
     status = client.status()
     mine, me = _find_session(status, client.session_id)
     own_kv = _own_kv_bytes(me)
-    grantable = int(status["free_bytes"]) + own_kv
+    if mine is not None and "grantable_bytes" in mine:  # the broker's room for this instance
+        grantable = int(mine["grantable_bytes"]) + own_kv
+    else:
+        grantable = int(status["free_bytes"]) + own_kv
     ceiling = int(status["budget_bytes"]) - _own_other_bytes(me, own_kv)
     if mine is not None and mine.get("max_bytes") is not None:
         under_cap = int(mine["max_bytes"]) - int(mine["charged_bytes"]) + own_kv
