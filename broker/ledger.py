@@ -438,10 +438,14 @@ class Ledger:
             session.reasserting = False
 
     def expire_leases(self, now_s: float, lease_s: float) -> list[Session]:
-        """Mark sessions silent for longer than ``lease_s`` stale (still charged)."""
+        """Mark live sessions silent for longer than ``lease_s`` stale (still charged).
+
+        A ``recovering`` session stays recovering until its worker reconnects: it has not been
+        heard from since the restart, and that is what the state says already.
+        """
         stale = []
         for session in self.sessions.values():
-            if session.state is not SessionState.STALE and now_s - session.last_seen_s > lease_s:
+            if session.state is SessionState.LIVE and now_s - session.last_seen_s > lease_s:
                 session.state = SessionState.STALE
                 self._changed(session)
                 stale.append(session)

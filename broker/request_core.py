@@ -153,12 +153,12 @@ class RequestCore:
         binding = self.table.by_token(request.session)
         if binding is None or binding.routing_id != rid:
             raise self._refusal_for_token(request.session, binding)
+        session = self.ledger.sessions[binding.session_id]
+        session.last_seen_s = now
         if request.id in binding.replies or request.id <= binding.forgotten_id:
             cached = binding.replay(request.id, hash(self._body))
             if cached is not None:
                 raise _Retried(cached)
-        session = self.ledger.sessions[binding.session_id]
-        session.last_seen_s = now
         if session.state is not _LIVE and self.ledger.touch(session.id, now):
             log.info("event=session_live session=%s detail=lease_renewed", session.id)
         reserve = getattr(request, "reserve_pages", None)

@@ -68,9 +68,9 @@ class SessionOpener:
                 details={"worker_uuid": req.device_uuid, "broker_uuid": device.uuid},
             )
         retried = self.table.by_nonce(req.nonce)
-        if retried is not None and _same_process(retried, peer):
+        if retried is not None and _same_process(retried, peer):  # a repeat: the same answer again
             retried.routing_id = rid
-            return proto.ok_reply(req.id, self._result(retried, version, resumed=False))
+            return proto.ok_reply(req.id, self._result(retried, version, resumed=retried.resumed))
         if req.resume is not None:
             binding = self.table.by_token(req.resume)
             if binding is None and req.resume in self.table.fenced:
@@ -84,6 +84,7 @@ class SessionOpener:
             raise NotOwner(f"session {binding.session_id} belongs to another process; a token alone is not enough")
         binding.routing_id = rid
         binding.version = version
+        binding.resumed = True
         self.table.rekey_nonce(binding, req.nonce)
         self.journal.rewrite(binding.session_id)  # its nonce changed: journal the whole record
         claim = None
@@ -122,6 +123,8 @@ class SessionOpener:
             raise RateLimited(f"uid {peer.uid} already has {quotas.max_sessions_per_uid} sessions")
 
     def _open(self, req: proto.Hello, rid: bytes, peer: Peer, now: float, version: int) -> bytes:
+        if req.tp_rank >= req.tp_size:
+            raise BadRequest(f"tp_rank {req.tp_rank} must be below tp_size {req.tp_size}")
         self._check_quotas(peer, now)
         if req.page_bytes > self.ledger.total_bytes:
             raise BadRequest(f"page_bytes {req.page_bytes} is larger than the device ({self.ledger.total_bytes} bytes)")

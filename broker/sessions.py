@@ -33,6 +33,7 @@ class Binding:
     version: int
     client: str = ""
     adapter: dict[str, Any] | None = None  # the runtime adapter that opened it (status)
+    resumed: bool = False  # its current nonce came with a resume (a repeat of it is answered so)
     routing_id: bytes | None = None
     #: request id -> (hash of the request's bytes, or None for "any body", reply)
     replies: dict[int, tuple[int | None, bytes]] = field(default_factory=dict)

@@ -66,9 +66,12 @@ class BudgetExceeded(BrokerError):
 
 
 class LimitExceeded(BudgetExceeded):
-    """An instance limit forbids this: its cap, or a limit change that cannot hold."""
+    """An instance limit forbids this: its cap, or a limit change that cannot hold.  Not
+    retryable: the same request fails again until the instance frees its own memory or an
+    operator changes the limit."""
 
     code = "limit_exceeded"
+    retryable = False
 
 
 class Overcommitted(BudgetExceeded):
