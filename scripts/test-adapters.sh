@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
 # Run the adapter tests once per upstream version, each against the real upstream classes
 # installed in its overlay (see scripts/adapter-envs.sh); then upstream's own allocator and
-# block-pool tests with the patches off and on (scripts/upstream-tests.py; fetched files only).
+# block-pool tests with the patches off and on (scripts/upstream-tests.py; fetched files only);
+# kvcached-0.1.6 runs tests/kvcached against kvcached's real Python code.
 #   usage: test-adapters.sh PYTHON ENVS_DIR [OVERLAY...]
 set -euo pipefail
 PY=$1 ENVS=$2; shift 2
-OVERLAYS=${*:-"sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0"}
+OVERLAYS=${*:-"sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0 kvcached-0.1.6"}
 cd "$(dirname "$0")/.."
 status=0
 for overlay in $OVERLAYS; do
   runtime=${overlay%%-*}
+  if [ "$runtime" = kvcached ]; then
+    # kvcached mode: kvcached's real Python code (scripts/fetch-kvcached.py), its native extension
+    # replaced by a test double, real brokers and processes (tests/kvcached)
+    echo "=== kvcached tests: $overlay ==="
+    (
+      set -a; . "$ENVS/$overlay.env"; set +a
+      export KVCACHED_BROKER_TEST_RUNTIME="$overlay"
+      "$PY" -m pytest -q -p no:cacheprovider tests/kvcached
+    ) || status=1
+    continue
+  fi
   echo "=== adapter tests: $overlay ==="
   (
     set -a; . "$ENVS/$overlay.env"; set +a
