@@ -25,6 +25,7 @@ log = logging.getLogger("kvcached_broker.adapters")
 RUNTIMES = {
     "sglang": "kvcached_broker.adapters.sglang.patches",
     "vllm": "kvcached_broker.adapters.vllm.patches",
+    "kvcached": "kvcached_broker.adapters.kvcached.patches",
 }
 
 _registered: set[str] = set()

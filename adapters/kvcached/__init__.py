@@ -1,0 +1,34 @@
+"""kvcached mode: kvcached 0.1.6's elastic KV pools whose memory is the broker's grant.
+
+With ``ENABLE_KVCACHED=1`` and kvcached installed, every ``KVCacheManager`` kvcached builds is
+governed (:mod:`.patches`): its memory limit follows what its process's broker session
+granted, it grows ahead of need, gives back idle memory, answers broker pressure, and treats a
+``kvctl limit`` as an operator cap.  See adapters/kvcached/README.md.
+
+The wiring for SGLang and vLLM uses:
+
+* :func:`identity.set_resolver` to say which session (rank, instance) a pool belongs to;
+* :func:`register_eviction_hook` to let pressure evict the prefix cache's unused blocks;
+* :func:`status` for what each pool holds, maps and why it could not give back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import identity, runner
+from .eviction import EvictionHook, register_eviction_hook
+
+__all__ = ["EvictionHook", "identity", "register_eviction_hook", "status", "install"]
+
+
+def install() -> None:
+    """Register the kvcached patch (applied at once if kvcached is already imported)."""
+    from .. import autopatch
+
+    autopatch.apply(["kvcached"])
+
+
+def status() -> list[dict[str, Any]]:
+    """Every governed pool of this process (``PoolGovernor.status()``)."""
+    return [governor.status() for governor in runner.governors()]

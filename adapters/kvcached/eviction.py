@@ -1,0 +1,45 @@
+"""What the runtime's prefix cache can give back under pressure: the hook the wiring implements.
+
+A prefix cache (SGLang's radix cache, vLLM's cached free blocks) keeps blocks no running
+request uses; kvcached can only unmap a page once every block on it is freed.  Under broker
+pressure the governor asks the pool's hook to evict about ``pages`` pool pages' worth of such
+blocks.  The SGLang and vLLM wiring registers one per pool with
+:func:`register_eviction_hook`.
+
+Contract for an :class:`EvictionHook`:
+
+* ``evict(pages)`` may be called on the governor's thread, not the runtime's: a cache that is
+  not thread-safe must queue the eviction for its own thread (the scheduler's next step) and
+  return 0;
+* it frees only blocks no running request uses, through the runtime's normal free path (so
+  kvcached's ``free`` returns the pages);
+* it returns how many blocks it freed now (0 if none, or if it only queued work) and never
+  raises into the governor (a failure is logged and counts as 0).
+
+The governor does not trust the return value for accounting: it re-reads what kvcached has
+in use and releases only what kvcached reports unmapped.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+
+class EvictionHook(Protocol):
+    def evict(self, pages: int) -> int: ...
+
+
+_hooks: "weakref.WeakKeyDictionary[Any, EvictionHook]" = weakref.WeakKeyDictionary()
+
+
+def register_eviction_hook(manager: Any, hook: EvictionHook | None) -> None:
+    """Give ``manager`` (a kvcached ``KVCacheManager``) a prefix-cache hook (None removes it)."""
+    if hook is None:
+        _hooks.pop(manager, None)
+    else:
+        _hooks[manager] = hook
+
+
+def hook_for(manager: Any) -> EvictionHook | None:
+    return _hooks.get(manager)

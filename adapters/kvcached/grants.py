@@ -1,0 +1,72 @@
+"""A pool's grant, in pool pages, through its process's per-device broker session.
+
+The session (``adapters/worker.py``) counts pages of ``client.page_bytes``; a pool page (a
+kvcached compound page) is ``ratio`` of them.  Every call goes through ``worker.guard``: a
+refusal is 0 pages (a scheduling miss), a broker failure turns the process unprotected and
+returns None, an eviction is raised (fatal).
+
+Invariant: :attr:`pages` is what this pool holds from the broker; the session holds at least
+``pages * ratio`` session pages (other reporters may hold more on the same session).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import worker
+from ..worker import WorkerIdentity
+from .geometry import PoolGeometry, session_pages_per_page
+
+log = logging.getLogger("kvcached_broker.adapters")
+
+
+class SessionGrants:
+    def __init__(self, identity: WorkerIdentity, client, ratio: int):
+        self.identity = identity
+        self.client = client
+        self.ratio = ratio  # session pages per pool page
+        self.pages = 0
+
+    @classmethod
+    def open(cls, identity: WorkerIdentity, geometry: PoolGeometry) -> "tuple[SessionGrants | None, str]":
+        """The pool's grants, or (None, why not) when the pool cannot be governed."""
+        client = worker.session(identity)
+        if client is None:
+            return None, f"unprotected ({worker.unprotected_reason(identity) or 'no broker'})"
+        ratio = session_pages_per_page(geometry.page_bytes, client.page_bytes)
+        if ratio is None:
+            return None, (f"page size mismatch: a pool page is {geometry.page_bytes} bytes, "
+                          f"the session's page {client.page_bytes}")
+        if worker.pin_base(identity) is None:
+            return None, f"unprotected ({worker.unprotected_reason(identity) or 'no broker'})"
+        return cls(identity, client, ratio), ""
+
+    def acquire(self, pages: int, min_pages: int) -> int | None:
+        """Pool pages granted (between ``min_pages`` and ``pages``, or 0); None if unprotected."""
+        ratio = self.ratio
+        got = worker.guard(self.identity, "kvcached acquire",
+                           lambda: self.client.acquire(pages * ratio, min_pages=min_pages * ratio))
+        if got is None:
+            return None
+        whole, odd = divmod(got, ratio)
+        if odd and worker.guard(self.identity, "kvcached release", lambda: _released(self.client, odd)) is None:
+            return None
+        self.pages += whole
+        return whole
+
+    def release(self, pages: int) -> bool:
+        """Give ``pages`` pool pages back; False if the process turned unprotected."""
+        pages = min(pages, self.pages)
+        if pages <= 0:
+            return True
+        if worker.guard(self.identity, "kvcached release",
+                        lambda: _released(self.client, pages * self.ratio)) is None:
+            return False
+        self.pages -= pages
+        return True
+
+
+def _released(client, session_pages: int) -> bool:
+    """``client.release`` returns None; ``worker.guard`` says None for unprotected."""
+    client.release(session_pages)
+    return True

@@ -1,0 +1,68 @@
+"""The governors' thread: one per process, where every broker round trip and limit change runs.
+
+It wakes when an engine call or a pressure ask says a pool needs attention (:func:`wake`),
+and every ``TICK_S`` otherwise (idle give-back, kvctl writes, deferred limits that finished).
+A failure in one pool's step is logged and never stops the others, nor reaches the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+
+log = logging.getLogger("kvcached_broker.adapters")
+
+TICK_S = 0.1
+
+_lock = threading.Lock()
+_wake = threading.Event()
+_governors: "weakref.WeakSet" = weakref.WeakSet()
+_thread: threading.Thread | None = None
+_rounds = 0
+_rounds_cond = threading.Condition()
+
+
+def enlist(governor) -> None:
+    """Step ``governor`` on the thread (started on first use)."""
+    global _thread
+    with _lock:
+        _governors.add(governor)
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_loop, name="kvcached-broker-governor", daemon=True)
+            _thread.start()
+    wake()
+
+
+def governors() -> list:
+    with _lock:
+        return list(_governors)
+
+
+def wake() -> None:
+    _wake.set()
+
+
+def _loop() -> None:
+    global _rounds
+    while True:
+        _wake.wait(TICK_S)
+        _wake.clear()
+        now = time.monotonic()
+        for governor in governors():
+            try:
+                governor.step(now)
+            except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
+                log.warning("event=kvcached_governor_failed pool=%s error=%r", getattr(governor, "key", "?"), str(exc))
+        with _rounds_cond:
+            _rounds += 1
+            _rounds_cond.notify_all()
+
+
+def settle(rounds: int = 2, timeout_s: float = 30.0) -> bool:
+    """Wait until the thread has run ``rounds`` more rounds (tests, shutdown); False on timeout."""
+    wake()
+    with _rounds_cond:
+        target = _rounds + rounds
+        return _rounds_cond.wait_for(lambda: _rounds >= target, timeout=timeout_s)
