@@ -139,7 +139,7 @@ def _status_json(endpoint: str) -> dict:
 
 def test_several_processes_report_their_pools_to_a_simulated_gpu_broker(broker_factory):
     broker = broker_factory(simulate="2GiB")
-    shapes = {"dsv4-a": (64, 16, False), "dsv4-b": (128, 32, False), "dsv4-c": (32, 8, True)}
+    shapes = {"dsv4-a": (64, 16, False), "dsv4-c": (32, 8, True)}  # two processes: the .pth hook and explicit
     procs = {name: _start(broker.endpoint, name, full, swa, explicit) for name, (full, swa, explicit) in shapes.items()}
     try:
         reports = {}
@@ -154,7 +154,7 @@ def test_several_processes_report_their_pools_to_a_simulated_gpu_broker(broker_f
             assert by_name[name]["pools"] == report["pools"], name
             assert by_name[name]["sessions"][0]["pid"] == report["pid"]
         assert status["reserved_bytes"] == sum(sum(r["pools"].values()) for r in reports.values())
-        assert reports["dsv4-b"]["pools"]["swa_kv_pool"] > reports["dsv4-a"]["pools"]["swa_kv_pool"] > reports["dsv4-c"]["pools"]["swa_kv_pool"]
+        assert reports["dsv4-a"]["pools"]["swa_kv_pool"] > reports["dsv4-c"]["pools"]["swa_kv_pool"]
         for name, report in reports.items():  # the adapter that opened each session, per session
             adapter = by_name[name]["sessions"][0]["adapter"]
             assert adapter["runtime"] == "sglang" and adapter["runtime_version"] == sglang_cpu.SGLANG
