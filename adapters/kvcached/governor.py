@@ -49,7 +49,10 @@ from .policy import Grow, PoolPages, Shrink, Watermarks, decide, give_back_plan,
 log = logging.getLogger("kvcached_broker.adapters")
 
 ZERO_PAGE_POOL = "kvcached_zero_page"
-GROW_RETRY_S = (0.1, 2.0)  # first and longest wait after a refused growth
+GROW_RETRY_S = (0.05, 0.5)  # first and longest wait after a refused growth
+#: After a pressure ask, a pool grows only on a refused allocation (not ahead of need) for this
+#: long, so what it gave back goes to the pool that asked rather than straight back to it.
+PRESSURE_QUIET_S = 2.0
 
 _sequence = itertools.count(1)
 
@@ -78,9 +81,13 @@ class PoolGovernor:
         self._pressure_pages = 0
         self._next_grow_s = 0.0
         self._grow_wait_s = GROW_RETRY_S[0]
+        self._refusal_streak = 0
+        self._quiet_until_s = 0.0
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
                          "pressure_asks": 0, "misses": 0, "deferred": 0}
         self._published: tuple | None = None
+        self._zero_reported = False
+        self._zero_refusals = 0
         self.closed = False
 
     # ------------------------------------------------------------ birth (constructing thread)
@@ -161,6 +168,7 @@ class PoolGovernor:
                 pressure, self._pressure_pages = self._pressure_pages, 0
                 short, self._short_pages = self._short_pages, 0
             if pressure:
+                self._quiet_until_s = now_s + PRESSURE_QUIET_S
                 self._give_back(manager, pressure, evict=True)
             if self.pending_limit is None:
                 self._follow_policy(manager, short, now_s)
@@ -175,7 +183,7 @@ class PoolGovernor:
         pages = self.pages()
         decision = decide(pages, self.marks, short_pages=short_pages)
         if isinstance(decision, Grow):
-            if now_s < self._next_grow_s and not short_pages:
+            if not short_pages and (now_s < self._next_grow_s or now_s < self._quiet_until_s):
                 return
             if now_s < self._next_grow_s:
                 with self._asks:
@@ -190,16 +198,21 @@ class PoolGovernor:
 
     def _grow(self, manager: Any, decision: Grow, now_s: float) -> None:
         assert self.grants is not None
-        got = self.grants.acquire(decision.pages, decision.min_pages)
+        # After a refusal, every other ask is for the whole batch: the broker sizes the pressure
+        # it puts on pools above their share from what a refused ask needed at least.
+        whole = self._refusal_streak % 2 == 1
+        got = self.grants.acquire(decision.pages, decision.pages if whole else decision.min_pages)
         if got is None:
             self._ungovern("broker unusable while growing")
             return
         if got == 0:
+            self._refusal_streak += 1
             self._refused()
             self._next_grow_s = now_s + self._grow_wait_s
             self._grow_wait_s = min(GROW_RETRY_S[1], 2 * self._grow_wait_s)
             return
         self._count_grant(got)
+        self._refusal_streak = 0
         self._grow_wait_s = GROW_RETRY_S[0]
         self._next_grow_s = 0.0
         self._set_limit(manager, min(self.grants.pages, self.pages().ceiling))
@@ -345,18 +358,26 @@ class PoolGovernor:
         """kvcached's zero page (one compound page per pool) is physical memory outside the pages."""
         assert self.grants is not None
         try:
-            worker.report(self.grants.identity, self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes},
-                          allocated=False)
+            if worker.report(self.grants.identity, self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes},
+                             allocated=False) is not None:
+                self._zero_reported = True
         except BudgetExceeded as exc:
-            log.warning("event=kvcached_zero_page_unreported pool=%s detail=%s", self.key, exc)
+            if not self._zero_refusals:
+                log.warning("event=kvcached_zero_page_unreported pool=%s detail=%s (charged as measured "
+                            "usage meanwhile; reported once there is room)", self.key, exc)
+            self._zero_refusals += 1
 
     def _publish(self) -> None:
-        """Show the pool's limit, operator cap and pending give-back in status (usage views)."""
+        """Show the pool's limit and pending give-back in status (usage views, never charged)."""
         assert self.grants is not None
+        if not self._zero_reported:
+            self._report_zero_page()
+            if not self._zero_reported:
+                return
         name = self.pool_name or f"g{self.geometry.group_id}"
+        # Views may not exceed what the session holds (the broker refuses them), so an operator
+        # cap above the grant is not shown here: the limit is what binds.
         views = {f"kvcached.{name}.limit": self.geometry.limit_bytes(self._limit_pages())}
-        if self.operator_cap_pages is not None:
-            views[f"kvcached.{name}.operator_cap"] = self.geometry.limit_bytes(self.operator_cap_pages)
         if self.pending_limit is not None:
             views[f"kvcached.{name}.pending_release"] = self.geometry.limit_bytes(
                 max(0, self._limit_pages() - self.pending_limit))

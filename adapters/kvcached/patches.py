@@ -148,7 +148,7 @@ def patch_kv_cache_manager(module: ModuleType) -> None:
             allocator.governor.attach(self)
             if allocator.governor.governed:
                 _wrap_engine_calls(self, allocator.governor)
-                runner.enlist(allocator.governor)
+            runner.enlist(allocator.governor)  # an ungoverned pool only shows in status(), saying why
 
     def governed_shutdown(self) -> bool:
         done = shutdown(self)

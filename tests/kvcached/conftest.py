@@ -1,0 +1,54 @@
+"""kvcached-mode tests: real kvcached 0.1.6 Python code in real processes, a real broker.
+
+They run inside the ``kvcached-0.1.6`` overlay (scripts/test-adapters.sh; the overlay is
+fetched by scripts/fetch-kvcached.py) and are skipped elsewhere.  Every pool lives in its own
+process (pool_worker.py) on one shared simulated GPU (``serve --simulate-usage-dir``); see
+kv_harness.py for the sampler that checks mapped against granted.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import require_runtime
+
+from kv_harness import PoolProcess, Sampler
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kvcached_version() -> str:
+    return require_runtime("kvcached")
+
+
+@pytest.fixture
+def shared_gpu(broker_factory):
+    """A broker on a simulated GPU that processes share (headroom 0), and its usage directory."""
+
+    def make(total: str = "2GiB", **kwargs):
+        usage = broker_factory.workdir / "gpu-usage"
+        broker = broker_factory(simulate=total, extra_args=["--headroom", "0", "--simulate-usage-dir", str(usage)],
+                                **kwargs)
+        return broker, usage
+
+    return make
+
+
+@pytest.fixture
+def pools():
+    started: list[PoolProcess] = []
+
+    def start(*args, **kwargs) -> PoolProcess:
+        pool = PoolProcess.start(*args, **kwargs)
+        started.append(pool)
+        return pool
+
+    yield start
+    for pool in started:
+        pool.stop()
+
+
+@pytest.fixture
+def sampler_for():
+    def make(broker, usage: Path) -> Sampler:
+        return Sampler(broker, usage)
+
+    return make

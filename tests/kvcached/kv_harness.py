@@ -1,0 +1,163 @@
+"""What the kvcached-mode tests drive and check: pool processes, a sampler, kvctl.
+
+:class:`PoolProcess` is a pool_worker.py process (one real kvcached pool); :class:`Sampler`
+checks, at every sample, what each process has mapped against what the broker granted it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers import GIB, MIB, python_env  # noqa: F401
+
+from kvcached_broker.broker.device import read_shared_usage
+from kvcached_broker.client import BrokerUnavailable
+
+HERE = Path(__file__).resolve().parent
+#: One pool page of the workers' model: 2 MiB x 4 layers x K and V.
+POOL_PAGE_BYTES = (2 << 20) * 4 * 2
+
+
+@dataclass
+class PoolProcess:
+    """A pool_worker.py process: one kvcached pool, driven line by line."""
+
+    proc: subprocess.Popen
+    ipc_name: str
+    instance: str
+    ready: dict = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, broker, usage: Path, total_bytes: int, instance: str, extra_env: dict | None = None) -> "PoolProcess":
+        ipc_name = f"kvb-test-{uuid.uuid4().hex[:10]}"
+        env = python_env()
+        env.update({"KVCACHED_BROKER_INSTANCE": instance, "KVCACHED_LOG_LEVEL": "WARNING", **(extra_env or {})})
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "pool_worker.py"), str(usage), str(total_bytes), ipc_name, broker.endpoint],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(usage.parent / f"{instance}.err", "w"),
+            text=True, env=env)
+        pool = cls(proc, ipc_name, instance)
+        pool.ready = pool._read()
+        return pool
+
+    def request(self, op: str, **args) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"pool process {self.instance} exited with {self.proc.wait(timeout=10)}")
+        return json.loads(line)
+
+    def pool(self) -> dict:
+        return self.request("status")["pools"][0]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.request("exit")
+            except (AssertionError, BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        for path in (Path("/dev/shm") / self.ipc_name,):
+            path.unlink(missing_ok=True)
+
+
+class Sampler:
+    """Samples, with the shared GPU's allocation lock held (so no process maps or unmaps
+    meanwhile), every process's bytes on the device and the broker's status, and checks at
+    every sample: each process's KV pages mapped (its bytes minus its pool's zero page, which
+    kvcached allocates with the KV tensors) <= the pages the broker granted its sessions, and
+    the sum of every process's bytes <= the budget."""
+
+    def __init__(self, broker, usage: Path):
+        self.broker = broker
+        self.usage = usage
+        self.samples = 0
+        self.skipped = 0  # the broker was down
+        self.violations: list[str] = []
+        self.peak_mapped: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        usage.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        admin = None
+        while not self._stop.is_set():
+            try:
+                if admin is None:
+                    admin = self.broker.admin(timeout_s=1.0)
+                self.sample(admin)
+            except BrokerUnavailable:
+                self.skipped += 1
+                if admin is not None:
+                    admin.close()
+                admin = None
+            self._stop.wait(0.005)
+        if admin is not None:
+            admin.close()
+
+    def sample(self, admin) -> None:
+        fd = os.open(self.usage / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # SharedGpu's allocation lock: nobody maps or unmaps now
+            usage = read_shared_usage(self.usage)
+            status = admin.status()
+        finally:
+            os.close(fd)
+        self.samples += 1
+        sessions: dict[int, list[dict]] = {}
+        for inst in status["instances"]:
+            for s in inst["sessions"]:
+                sessions.setdefault(s["pid"], []).append(s)
+        for pid, used in usage.items():
+            mine = sessions.get(pid, [])
+            granted = sum(s["granted_pages"] * s["page_bytes"] for s in mine)
+            mapped = used - POOL_PAGE_BYTES  # every worker has one pool, with one zero page
+            self.peak_mapped[pid] = max(self.peak_mapped.get(pid, 0), mapped)
+            if mine and mapped > granted:
+                self.violations.append(f"pid {pid}: {mapped} bytes of KV pages mapped, {granted} granted")
+        if sum(usage.values()) > status["budget_bytes"]:
+            self.violations.append(f"{sum(usage.values())} bytes on the device, budget {status['budget_bytes']}")
+
+    def check(self, min_samples: int = 20) -> None:
+        assert not self.violations, self.violations[:5]
+        assert self.samples >= min_samples, f"only {self.samples} samples"
+
+
+def kvctl(*args: str) -> subprocess.CompletedProcess:
+    """kvcached's own kvctl, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", *args], capture_output=True, text=True,
+                          timeout=60, env=python_env())
+
+
+def session_of(status: dict, instance: str) -> dict:
+    (inst,) = [i for i in status["instances"] if i["name"] == instance]
+    (session,) = inst["sessions"]
+    return session

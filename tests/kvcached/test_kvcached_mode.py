@@ -1,0 +1,137 @@
+"""kvcached mode: real kvcached 0.1.6 pools in separate processes whose memory is the broker's grant.
+
+Each pool is a real ``KVCacheManager`` built through kvcached's SGLang integration with the
+broker's kvcached patch applied (tests/kvcached/pool_worker.py).  A :class:`Sampler` checks at
+every sample, from start-up on, that what each process has mapped is at most what the broker
+granted it and that the device's sum is within the budget.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from kv_harness import GIB, MIB, POOL_PAGE_BYTES, kvctl, session_of
+from helpers import wait_for
+
+BLOCKS_PER_PAGE = 64  # 16 tokens x 8 heads x 128 x fp16 = 32 KiB per block per layer K; 2 MiB pages
+
+
+def pages_of(blocks: int) -> int:
+    return -(-blocks // BLOCKS_PER_PAGE)
+
+
+def test_pressure_moves_memory_from_an_idle_pool_to_a_bursting_one(shared_gpu, pools, sampler_for):
+    broker, usage = shared_gpu("2GiB")
+    with sampler_for(broker, usage) as sampler:
+        a = pools(broker, usage, 2 * GIB, "model-a")
+        first = a.request("fill", blocks=5500)
+        assert first["held_blocks"] == 5500
+        a.request("cache", blocks=5500)  # its requests finish; the prefix cache keeps every block
+        granted_a = a.pool()["granted_bytes"]
+        assert granted_a >= pages_of(5500) * POOL_PAGE_BYTES > GIB  # above its fair share (1 GiB)
+
+        b = pools(broker, usage, 2 * GIB, "model-b")
+        burst = b.request("fill", blocks=3500)
+        assert burst["held_blocks"] == 3500
+        assert burst["misses"] > 0  # B was refused at first: the room was A's
+
+        after_a = a.pool()
+        assert after_a["pressure_asks"] >= 1 and after_a["pages_released"] > 0
+        assert after_a["granted_bytes"] < granted_a
+        assert a.request("status")["cached_blocks"] == 0  # the eviction hook emptied A's prefix cache
+        status = broker.status()
+        (inst_a,) = [i for i in status["instances"] if i["name"] == "model-a"]
+        assert inst_a["pressure"]["returned_bytes"] > 0
+        assert session_of(status, "model-b")["granted_pages"] * (2 << 20) >= pages_of(3500) * POOL_PAGE_BYTES
+    sampler.check()
+    assert max(sampler.peak_mapped.values()) > GIB  # the samples saw the pools at their peaks
+
+
+def test_a_kvctl_write_above_the_grant_is_an_operator_cap_not_a_licence(shared_gpu, pools, sampler_for):
+    broker, usage = shared_gpu("2GiB")
+    with broker.admin() as admin:
+        admin.limit("model-a", max_bytes=512 * MIB)
+    with sampler_for(broker, usage) as sampler:
+        a = pools(broker, usage, 2 * GIB, "model-a")
+        capped = a.request("fill", blocks=3000, timeout_s=3.0)  # 752 MiB wanted, 512 MiB allowed
+        assert capped["held_blocks"] < 3000 and capped["misses"] > 0  # misses, never an exception
+        granted = a.pool()["granted_bytes"]
+        assert 0 < granted <= 512 * MIB
+
+        assert kvctl("limit", a.ipc_name, "4G").returncode == 0
+        pool = wait_for(lambda: (lambda p: p if p["operator_cap_bytes"] == 4 * GIB else None)(a.pool()),
+                        what="the governor to take the kvctl write as an operator cap")
+        assert pool["limit_bytes"] <= granted
+        again = a.request("fill", blocks=3000, timeout_s=2.0)
+        assert again["held_blocks"] == capped["held_blocks"]  # kvcached's sticky target stays hidden
+        device = a.request("status")
+        assert device["device_bytes"] - POOL_PAGE_BYTES <= 512 * MIB
+        assert device["page_state"]["total_pages"] * POOL_PAGE_BYTES <= granted
+        shown = wait_for(lambda: _segment_limit(a.ipc_name) == a.pool()["limit_bytes"] or None,
+                         what="the segment to show the broker's limit again")
+        assert shown
+
+        # a cap below the grant lowers the limit: deferred while blocks are in use, released as they are freed
+        assert kvctl("limit", a.ipc_name, "128M").returncode == 0
+        wait_for(lambda: a.pool()["operator_cap_bytes"] == 128 * MIB, what="the lower cap")
+        a.request("free", blocks=capped["held_blocks"])
+        pool = wait_for(lambda: (lambda p: p if p["granted_bytes"] <= 128 * MIB else None)(a.pool()),
+                        what="the pool to give back down to the cap")
+        assert pool["limit_bytes"] <= 128 * MIB and pool["pages_released"] > 0
+    sampler.check()
+
+
+def test_the_pools_keep_within_their_grants_across_a_broker_restart(shared_gpu, pools, sampler_for):
+    broker, usage = shared_gpu("2GiB")
+    with sampler_for(broker, usage) as sampler:
+        a = pools(broker, usage, 2 * GIB, "model-a")
+        b = pools(broker, usage, 2 * GIB, "model-b")
+        assert a.request("fill", blocks=2000)["held_blocks"] == 2000
+        assert b.request("fill", blocks=2000)["held_blocks"] == 2000
+        before = sampler.samples
+        broker.kill()
+        grown: dict = {}
+        filler = threading.Thread(target=lambda: grown.update(a.request("fill", blocks=4000)))
+        filler.start()  # A needs more while the broker is gone: its governor waits for it
+        broker.start()
+        filler.join(timeout=60)
+        assert grown.get("held_blocks") == 4000
+        b.request("free", blocks=2000)
+        for pool in (a, b):
+            pool.request("settle")
+        status = wait_for(lambda: _books_agree(broker, {"model-a": a, "model-b": b}), what="the books to agree")
+        assert status
+        assert sampler.samples > before
+    sampler.check()
+    assert sampler.skipped > 0  # the sampler did see the broker gone
+
+
+def test_without_a_broker_the_pool_runs_as_kvcached_alone(short_tmp, pools):
+    nowhere = SimpleNamespace(endpoint=f"ipc://{short_tmp}/none.sock")
+    usage = short_tmp / "gpu-usage"
+    a = pools(nowhere, usage, 2 * GIB, "model-a", extra_env={"KVCACHED_BROKER_TIMEOUT_S": "1"})
+    assert a.request("fill", blocks=3000)["held_blocks"] == 3000
+    pool = a.pool()
+    assert pool["governed"] is False and "unprotected" in pool["why_ungoverned"]
+    a.stop()
+    err = (usage.parent / "model-a.err").read_text()
+    assert err.count("event=unprotected") == 1
+    assert "Traceback" not in err
+
+
+def _segment_limit(ipc_name: str) -> int | None:
+    import json
+
+    listed = kvctl("list", ipc_name, "--json")
+    rows = json.loads(listed.stdout or "[]")
+    return rows[0]["limit_bytes"] if rows else None
+
+
+def _books_agree(broker, pools: dict) -> dict | None:
+    """The broker's granted pages are what each governor holds (session pages of 2 MiB)."""
+    status = broker.status()
+    for name, pool in pools.items():
+        if session_of(status, name)["granted_pages"] * (2 << 20) != pool.pool()["granted_bytes"]:
+            return None
+    return status
