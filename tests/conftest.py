@@ -3,12 +3,15 @@
 * ``broker``: a ``kvcached-broker serve`` subprocess (what operators run);
 * ``inproc_broker``: a :class:`BrokerServer` in a thread of the test process, for tests that
   need to look inside the ledger.  Its sockets are just as real.
+* ``workers``: worker processes a test started (``helpers.Worker``), killed at the end;
+* ``adapter_broker``: an in-process broker the adapters' worker session connects to.
 
 Socket paths live in short directories under /tmp because an ipc path may not exceed 107 bytes.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import tempfile
@@ -173,4 +176,33 @@ def inproc_factory(short_tmp):
 def inproc(inproc_factory) -> InprocBroker:
     return inproc_factory()
 
+
+@pytest.fixture
+def workers():
+    """Worker processes (``helpers.Worker``) a test started: woken and killed at the end."""
+    started = []
+    yield started
+    for w in started:
+        try:
+            os.kill(w.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        w.kill()
+
+
+@pytest.fixture
+def adapter_broker(inproc_factory):
+    """A 10 GiB in-process broker that the adapters' worker session opens its sessions on."""
+    from kvcached_broker.adapters import worker
+    from kvcached_broker.client import BrokerClient
+
+    b = inproc_factory(total_bytes=10 * GIB)
+    worker.reset()
+    worker.client_factory = lambda ident: BrokerClient.connect(
+        ident.instance_name(), endpoint=b.endpoint, tp_rank=ident.tp_rank, tp_size=ident.tp_size,
+        page_bytes=ident.page_bytes, credit_pages=0,
+    )
+    yield b
+    worker.reset()
+    worker.client_factory = None
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -115,3 +120,133 @@ def ledger_fingerprint(ledger) -> tuple:
         ledger.reserved_bytes, ledger.granted_bytes, ledger.unreported_bytes, dict(ledger.limits),
         {sid: (dict(s.pools), dict(s.holds), s.granted_pages, s.reserve_pages, s.state) for sid, s in ledger.sessions.items()},
     )
+
+
+# ----------------------------------------------------------------------------- brokers over sockets
+def connect(b, instance="m", **kw):
+    """A client of broker ``b`` (any fixture with an ``endpoint``), with no credit reserve by default."""
+    from kvcached_broker.client import BrokerClient
+
+    kw.setdefault("credit_pages", 0)
+    return BrokerClient.connect(instance, endpoint=b.endpoint, **kw)
+
+
+def raw_dealer(endpoint):
+    """A bare ZeroMQ DEALER on ``endpoint``: frames as a client of any language would send them."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(endpoint)
+    return sock
+
+
+def raw_ask(sock, message: dict) -> dict:
+    """Send ``message`` as plain MessagePack and return the decoded reply."""
+    import msgpack
+
+    sock.send(msgpack.packb(message))
+    return msgpack.unpackb(sock.recv())
+
+
+def raw_hello(sock, nonce: str, **extra) -> dict:
+    return raw_ask(sock, {"op": "hello", "id": 1, "versions": [1], "instance": extra.pop("instance", "claimer"),
+                          "pid": os.getpid(), "page_bytes": extra.pop("page_bytes", 4096), "nonce": nonce, **extra})
+
+
+# ----------------------------------------------------------------------------- broker processes
+CLI = [sys.executable, "-m", "kvcached_broker.broker.cli"]
+
+
+def serve(args, env=None, **kw):
+    """``kvcached-broker serve ARGS`` as a subprocess, its output piped."""
+    return subprocess.Popen(CLI + ["serve", *args], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def stop(proc):
+    """SIGTERM (SIGKILL if it hangs) and the ``(stdout, stderr)`` it wrote."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
+def try_status(endpoint):
+    """The broker's status, or None while it does not answer."""
+    from kvcached_broker.client.admin import AdminClient
+
+    try:
+        with AdminClient(endpoint, timeout_s=0.5) as admin:
+            return admin.status()
+    except Exception:
+        return None
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- worker processes
+WORKER = str(Path(__file__).with_name("worker_proc.py"))
+
+
+class Worker:
+    """A worker process (``worker_proc.py``) holding ``pools`` and ``pages``; ``query()`` asks for its books."""
+
+    def __init__(self, endpoint: str, instance: str, pools: dict, pages: int, page_bytes: int = 2 * MIB):
+        self.proc = subprocess.Popen(
+            [sys.executable, WORKER, endpoint, instance, json.dumps(pools), str(pages), str(page_bytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        line = self.proc.stdout.readline()
+        assert line, f"worker {instance} exited early ({self.proc.poll()})"
+        self.ready = json.loads(line)
+        self.session_id = self.ready["session_id"]
+        self.charged = sum(pools.values()) + pages * page_bytes
+
+    def query(self) -> dict:
+        self.proc.stdin.write("?\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def signal(self, sig) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def session_of(status: dict, session_id: str) -> dict | None:
+    for inst in status["instances"]:
+        for s in inst["sessions"]:
+            if s["id"] == session_id:
+                return s
+    return None
+
+
+def journal_records(path: Path) -> list[dict]:
+    """The journal as documented: ``[u32 length][u32 CRC-32][MessagePack map]`` records."""
+    import zlib
+
+    import msgspec
+
+    data, offset, records = path.read_bytes(), 0, []
+    while offset < len(data):
+        length = int.from_bytes(data[offset : offset + 4], "little")
+        crc = int.from_bytes(data[offset + 4 : offset + 8], "little")
+        payload = data[offset + 8 : offset + 8 + length]
+        assert zlib.crc32(payload) == crc, f"record at {offset} fails its checksum"
+        records.append(msgspec.msgpack.decode(payload))
+        offset += 8 + length
+    return records

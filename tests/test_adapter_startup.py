@@ -4,6 +4,8 @@ CPython's ``site`` prints and swallows any exception a ``.pth`` line raises, so 
 only raised could never stop a start.  Each case here starts a real interpreter of the
 test venv (whose site-packages holds the installed hook) and looks at its exit status and
 its stderr; the ``-c`` code only runs if the interpreter got past the hook.
+
+The hook itself must be installed by regular and by editable installs alike (last test).
 """
 
 from __future__ import annotations
@@ -93,3 +95,32 @@ def test_a_malformed_require_flag_counts_as_required(tmp_path):
 def test_a_clean_start_says_nothing(tmp_path):
     out = _start(tmp_path, ENABLE_KVCACHED="1", KVCACHED_REQUIRE="1")
     assert (out.returncode, out.stdout.splitlines(), out.stderr) == (0, ["interpreter ran", "False"], "")
+
+
+@pytest.mark.parametrize("editable", [False, True])
+def test_the_pth_startup_hook_is_installed_by_regular_and_editable_installs(tmp_path, editable):
+    """kvcached's .pth silently vanished from editable installs (#470); ours must not."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(py)] if _pip_has_python_option() else None
+    if pip is None:
+        pytest.skip("this pip cannot install into another interpreter")
+    args = ["install", "--quiet", "--no-deps"] + (["-e"] if editable else []) + [str(ROOT)]
+    out = subprocess.run(pip + args, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    code = "import kvcached_broker.adapters.autopatch as a; print(a.hook_installed())"
+    env = {**os.environ, "ENABLE_KVCACHED": "1"}
+    env.pop("PYTHONPATH", None)
+    shown = subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert shown.stdout.strip() == "True", shown.stderr
+    env["ENABLE_KVCACHED"] = "0"
+    shown = subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert shown.stdout.strip() == "False"  # flags off: the hook does nothing, not even import us
+
+
+def _pip_has_python_option() -> bool:
+    out = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, text=True)
+    major, minor = (int(x) for x in out.stdout.split()[1].split(".")[:2])
+    return (major, minor) >= (22, 3)
+

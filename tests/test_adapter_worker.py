@@ -1,0 +1,38 @@
+"""The worker's broker session (adapters/worker.py): reporters merge into one reservation map,
+and an unreachable broker is a warning, or under KVCACHED_REQUIRE=1 an error."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcached_broker.adapters import worker
+from kvcached_broker.client import BudgetExceeded
+
+from helpers import GIB, MIB
+
+
+def test_reporters_merge_into_one_reservation_map(adapter_broker):
+    ident = worker.WorkerIdentity("sglang", 0, instance="merge")
+    worker.report(ident, "dsv4", {"swa_kv_pool": GIB, "c4_kv_pool": 512 * MIB})
+    worker.report(ident, "kv_static", {"kv_static": 2 * GIB})
+    worker.report(ident, "dsv4", {"swa_kv_pool": 2 * GIB, "c4_kv_pool": 0})  # rebuilt: replaces its own entry
+    (inst,) = adapter_broker.status()["instances"]
+    assert inst["pools"] == {"swa_kv_pool": 2 * GIB, "kv_static": 2 * GIB}
+    with pytest.raises(BudgetExceeded):
+        worker.report(ident, "kv_static", {"kv_static": 9 * GIB})
+    worker.forget(ident, "dsv4")
+    assert adapter_broker.status()["instances"][0]["pools"] == {"kv_static": 2 * GIB}
+
+
+def test_unreachable_broker_is_a_warning_or_under_require_an_error(monkeypatch, short_tmp):
+    worker.reset()
+    monkeypatch.setenv("KVCACHED_BROKER", f"ipc://{short_tmp}/none{{device}}.sock")
+    monkeypatch.setenv("KVCACHED_BROKER_TIMEOUT_S", "0.3")
+    ident = worker.WorkerIdentity("sglang", 0, instance="lonely")
+    assert worker.session(ident) is None
+    worker.reset()
+    monkeypatch.setenv("KVCACHED_REQUIRE", "1")
+    with pytest.raises(worker.BrokerRequired, match="KVCACHED_REQUIRE=1"):
+        worker.session(ident)
+    worker.reset()
+

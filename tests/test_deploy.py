@@ -1,0 +1,58 @@
+"""The deploy files: the systemd unit, the Kubernetes manifests and the Dockerfile."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_unit_verifies(tmp_path):
+    unit = (ROOT / "deploy/systemd/kvcached-broker@.service").read_text()
+    exe = shutil.which("kvcached-broker") or str(Path(sys.executable).with_name("kvcached-broker"))
+    target = tmp_path / "kvcached-broker@0.service"
+    target.write_text(unit.replace("/usr/local/bin/kvcached-broker", exe))
+    out = subprocess.run(["systemd-analyze", "verify", str(target)], capture_output=True, text=True)
+    problems = [line for line in (out.stdout + out.stderr).splitlines() if "kvcached-broker@0.service" in line]
+    assert out.returncode == 0 and not problems, out.stdout + out.stderr
+    for needed in ("Type=notify", "RuntimeDirectory=kvcached", "StateDirectory=kvcached-broker",
+                   "Restart=on-failure", "WatchdogSec=", "NoNewPrivileges=yes", "ExecStart=/usr/local/bin/kvcached-broker serve --device %i"):
+        assert needed in unit
+
+
+def test_kubernetes_manifests_wire_the_socket_and_pids():
+    yaml = pytest.importorskip("yaml")
+    pod = yaml.safe_load((ROOT / "deploy/k8s/sidecar-pod.yaml").read_text())
+    spec = pod["spec"]
+    assert pod["kind"] == "Pod" and spec["shareProcessNamespace"] is True
+    run_volume = next(v for v in spec["volumes"] if v["name"] == "kvcached-run")
+    assert "emptyDir" in run_volume
+    broker, sglang = spec["containers"]
+    for container in (broker, sglang):
+        assert {"name": "kvcached-run", "mountPath": "/run/kvcached"} in container["volumeMounts"]
+    env = {e["name"]: e["value"] for e in sglang["env"]}
+    assert env["KVCACHED_BROKER"] == "ipc:///run/kvcached/gpu{device}.sock" and env["ENABLE_KVCACHED"] == "1"
+    assert broker["readinessProbe"]["exec"]["command"][:2] == ["kvcached-broker", "status"]
+    ds = yaml.safe_load((ROOT / "deploy/k8s/daemonset.yaml").read_text())
+    assert ds["kind"] == "DaemonSet" and ds["spec"]["template"]["spec"]["hostPID"] is True
+    paths = [v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"]]
+    assert "/run/kvcached" in paths
+
+
+def test_dockerfile_runs_the_broker_as_non_root_with_a_healthcheck():
+    lines = [l.strip() for l in (ROOT / "Dockerfile").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    instructions = [l.split()[0] for l in lines if l.split()[0].isupper()]
+    assert instructions[0] == "FROM" and "slim" in lines[0]
+    user = next(l for l in lines if l.startswith("USER"))
+    assert user.split()[1] not in ("root", "0")
+    assert any(l.startswith("HEALTHCHECK") for l in lines) and any("kvcached-broker status" in l for l in lines)
+    assert any(l.startswith('ENTRYPOINT ["kvcached-broker", "serve"]') for l in lines)
+    assert any(l.startswith("VOLUME") and "/run/kvcached" in l for l in lines)
+
