@@ -24,10 +24,12 @@ What a load makes of damage (every case is one log line from the server, never a
 
 * a record cut short at the journal's end (the broker died inside ``write()``) is dropped:
   it was never answered (``torn_bytes``);
-* a record whose checksum or schema fails is skipped and counted (``damaged_records``); the
-  records after it are still read when its length frame is intact;
-* a length frame that cannot be right (past the end of a file that goes on, or absurdly
-  large) ends the read: the rest is counted as damaged (``damaged_bytes``);
+* a record whose checksum or schema fails is skipped and counted (``damaged_records``), and
+  the records after it are still read;
+* a length frame that cannot be right (zero, absurdly large, or past the end of a file that
+  goes on) is damage too: the read resumes at the next frame whose record checks out, and
+  what lies between is counted (``damaged_bytes``); zeros or garbage to the end of the file
+  are counted the same way;
 * a snapshot that fails its checksum or schema is ignored (``snapshot_damage``).
 
 Whatever the damage, the server then treats what it restored as untrusted until the workers
@@ -162,11 +164,17 @@ class StateStore:
             length, crc = _FRAME.unpack_from(data, offset)
             payload_at = offset + _FRAME.size
             end = payload_at + length
-            if length > _MAX_RECORD_BYTES or length == 0:
-                loaded.damaged_bytes += len(data) - offset  # no frame to trust past here
-                return
-            if end > len(data):
-                loaded.torn_bytes = len(data) - offset
+            if length > _MAX_RECORD_BYTES or length == 0 or end > len(data):
+                resume_at = _next_good_frame(data, offset + 1)
+                if resume_at is not None:  # a damaged frame, with good records after it
+                    loaded.damaged_records += 1
+                    loaded.damaged_bytes += resume_at - offset
+                    offset = resume_at
+                    continue
+                if end > len(data) and 0 < length <= _MAX_RECORD_BYTES:
+                    loaded.torn_bytes = len(data) - offset  # the last write, cut short
+                else:
+                    loaded.damaged_bytes += len(data) - offset  # zeros or garbage to the end
                 return
             payload = data[payload_at:end]
             offset = end
@@ -176,6 +184,16 @@ class StateStore:
                 loaded.damaged_bytes += _FRAME.size + length
             elif record.seq > snapshot_seq:
                 loaded.records.append(record)
+
+
+def _next_good_frame(data: bytes, start: int) -> int | None:
+    """The offset of the next frame at or after ``start`` whose record checks out, if any."""
+    for offset in range(start, len(data) - _FRAME.size):
+        length, crc = _FRAME.unpack_from(data, offset)
+        end = offset + _FRAME.size + length
+        if 0 < length <= _MAX_RECORD_BYTES and end <= len(data) and _checked_record(data[offset + _FRAME.size:end], crc):
+            return offset
+    return None
 
 
 def _checked_record(payload: bytes, crc: int) -> JournalRecord | None:

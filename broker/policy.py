@@ -46,7 +46,8 @@ def fair_shares(ledger: Ledger) -> dict[str, int]:
 
     if total(0.0) >= budget:  # floors alone use the budget
         return {name: int(share(name, 0.0)) for name in names}
-    return {name: int(share(name, _fill_level(limits, budget))) for name in names}
+    level = _fill_level(limits, budget)
+    return {name: round(share(name, level)) for name in names}  # round: the level is a float
 
 
 def _fill_level(limits: dict[str, Limits], budget: int) -> float:
