@@ -280,7 +280,12 @@ class PoolGovernor:
         self._release_above_limit()
 
     def _finish_deferred(self, manager: Any) -> None:
+        """Release what a deferred limit freed; re-apply it once its blocks are freed (kvcached
+        finishes it on a ``free``, but a prealloc refill racing that resize can leave it pending)."""
         state = manager.memory_limit_state()
+        assert self.pending_limit is not None
+        if state.get("status") == "deferred" and self.real.get_num_inuse_pages() <= self.pending_limit:
+            state = self._set_limit(manager, self.pending_limit)
         self._release_above_limit()
         if state.get("status") != "deferred":
             self.pending_limit = None

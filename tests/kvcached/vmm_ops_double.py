@@ -223,6 +223,7 @@ class PageAllocator:
         self._reserved: collections.deque[int] = collections.deque()
         self._reclaimed: collections.deque[int] = collections.deque()
         self._quarantined: list[int] = []
+        self._in_flight = 0  # popped by the prealloc thread, being mapped
         self._error = ""
         self._failed = False
         self._lock = threading.Lock()
@@ -484,25 +485,30 @@ class PageAllocator:
                 if to_reserve <= 0:
                     continue
                 pages = [self._free.popleft() for _ in range(to_reserve)]
+                self._in_flight += len(pages)
             try:
                 self._map_pages(pages)
             except MapQuarantinedError as exc:
                 with self._lock:
+                    self._in_flight -= len(pages)
                     self._num_free_pages -= len(pages)
                     self._quarantine(pages, str(exc))
                 continue
             except StateConsistencyError as exc:
                 with self._lock:
+                    self._in_flight -= len(pages)
                     self._num_free_pages -= len(pages)
                     self._quarantine(pages, str(exc))
                     self._failed = True
                 return
             except Exception:  # noqa: BLE001 - a failed prealloc puts its pages back, as the C++ does
                 with self._cond:
+                    self._in_flight -= len(pages)
                     self._free.extendleft(reversed(pages))
                     self._cond.notify_all()
                 continue
             with self._cond:
+                self._in_flight -= len(pages)
                 self._reserved.extend(pages)
                 self._update_usage()
                 self._cond.notify_all()
@@ -554,6 +560,16 @@ class PageAllocator:
                 reason = f"KV unmap could not complete: {exc}"
                 self._fail_pool(reason)
                 raise StateConsistencyError(reason) from exc
+
+    def check_invariant(self) -> None:
+        """Every page id is in exactly one place: total = in use + free + reserved + in flight."""
+        with self._lock:
+            ids = list(self._free) + list(self._reserved)
+            assert len(ids) == len(set(ids)), "a page id is listed twice"
+            placed = self._inuse() + len(self._free) + len(self._reserved) + self._in_flight
+            assert placed == self._num_total_pages, (
+                f"total {self._num_total_pages} != in use {self._inuse()} + free {len(self._free)} "
+                f"+ reserved {len(self._reserved)} + in flight {self._in_flight}")
 
     # ---------------------------------------------------------- internals
     def _compound_bytes(self) -> int:
