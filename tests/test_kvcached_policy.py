@@ -1,0 +1,83 @@
+"""kvcached mode's pure pieces: when a pool grows or gives back, page units, the kvctl segment."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcached_broker.adapters.kvcached import segment
+from kvcached_broker.adapters.kvcached.geometry import PoolGeometry, session_pages_per_page
+from kvcached_broker.adapters.kvcached.policy import (
+    Grow, Hold, PoolPages, Shrink, Watermarks, decide, give_back_plan, initial_pages,
+)
+
+MARKS = Watermarks(batch_pages=8, low_pages=4, high_pages=16)
+
+
+def test_a_pool_grows_a_batch_before_it_runs_short_and_holds_in_between():
+    assert decide(PoolPages(inuse=7, limit=10, granted=10, ceiling=100), MARKS) == Grow(8, 1)
+    assert decide(PoolPages(inuse=2, limit=10, granted=10, ceiling=100), MARKS) == Hold()
+    assert decide(PoolPages(inuse=2, limit=18, granted=18, ceiling=100), MARKS) == Hold()  # 16 free: not above
+
+
+def test_a_miss_asks_at_least_what_it_needed_and_growth_stops_at_the_ceiling():
+    assert decide(PoolPages(inuse=2, limit=10, granted=10, ceiling=100), MARKS, short_pages=20) == Grow(20, 20)
+    assert decide(PoolPages(inuse=9, limit=10, granted=10, ceiling=13), MARKS) == Grow(3, 1)
+    assert decide(PoolPages(inuse=10, limit=10, granted=10, ceiling=10), MARKS, short_pages=1) == Hold()
+
+
+def test_idle_memory_above_the_hysteresis_goes_back_down_to_one_batch_free():
+    assert decide(PoolPages(inuse=3, limit=20, granted=20, ceiling=100), MARKS) == Shrink(11)
+
+
+def test_an_operator_cap_below_the_limit_lowers_it_but_never_below_what_is_in_use():
+    assert decide(PoolPages(inuse=3, limit=20, granted=20, ceiling=10), MARKS) == Shrink(10)
+    assert decide(PoolPages(inuse=12, limit=20, granted=20, ceiling=10), MARKS) == Shrink(12)
+
+
+def test_pressure_takes_free_pages_now_and_the_rest_once_blocks_are_freed():
+    pages = PoolPages(inuse=10, limit=16, granted=16, ceiling=100)
+    assert give_back_plan(pages, 4, floor_pages=1) == (12, 12)
+    assert give_back_plan(pages, 10, floor_pages=1) == (10, 6)
+    assert give_back_plan(pages, 100, floor_pages=1) == (10, 1)  # never below the null block's page
+
+
+@given(inuse=st.integers(0, 64), free=st.integers(0, 64), extra=st.integers(0, 64), short=st.integers(0, 64))
+def test_decisions_keep_the_limit_within_the_ceiling_and_above_what_is_in_use(inuse, free, extra, short):
+    pages = PoolPages(inuse=inuse, limit=inuse + free, granted=inuse + free, ceiling=inuse + free + extra)
+    decision = decide(pages, MARKS, short_pages=short)
+    if isinstance(decision, Grow):
+        assert 1 <= decision.min_pages <= decision.pages <= extra
+    elif isinstance(decision, Shrink):
+        assert inuse <= decision.limit < pages.limit
+
+
+def test_the_first_grant_is_the_null_blocks_page_and_a_batch_within_the_virtual_range():
+    assert initial_pages(MARKS, 1000) == 9
+    assert initial_pages(MARKS, 3) == 3
+    marks = Watermarks.for_page_bytes(128 << 20)  # a 32-layer model's compound page
+    assert marks.batch_pages == 4 and marks.low_pages == 2 and marks.high_pages == 8
+
+
+def test_pool_pages_convert_to_session_pages_only_when_they_divide():
+    geometry = PoolGeometry(num_layers=32, page_size=2 << 20, num_kv_buffers=2, virtual_pages=100)
+    assert geometry.page_bytes == 128 << 20
+    assert session_pages_per_page(geometry.page_bytes, 2 << 20) == 64
+    assert session_pages_per_page(geometry.page_bytes, 128 << 20) == 1
+    assert session_pages_per_page(geometry.page_bytes, 3 << 20) is None
+    assert geometry.allocator_size(5) == 5 * (2 << 20)  # PageAllocator.resize takes per-layer K-or-V bytes
+
+
+def test_the_segment_is_kvcacheds_three_int64s_and_only_its_limit_is_written(tmp_path):
+    name = str(Path("/dev/shm") / f"kvb-policy-{uuid.uuid4().hex[:8]}")
+    Path(name).write_bytes(struct.pack("=qqq", 64 << 30, 3 << 20, 5 << 20))
+    try:
+        assert segment.write_limit(name, 1 << 30)
+        assert segment.read(name) == segment.SegmentInfo(1 << 30, 3 << 20, 5 << 20)
+    finally:
+        Path(name).unlink()
+    assert segment.read(name) is None and not segment.write_limit(name, 1)
