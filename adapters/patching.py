@@ -8,10 +8,11 @@ kept in :data:`RESULTS`, so ``kvcached-broker`` users can see exactly what was p
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 from . import flags
 from .versions import in_range, installed
@@ -82,3 +83,37 @@ def _record(patch: Patch, outcome: str, reason: str = "") -> PatchResult:
     level = logging.WARNING if outcome == "failed" else logging.INFO
     log.log(level, "event=patch patch=%s module=%s outcome=%s reason=%r", patch.name, patch.module, outcome, reason)
     return result
+
+
+#: Set on every function the adapters put in place of a runtime's, so wrapping twice is a no-op.
+WRAPPED = "__kvcached_broker_wrapped__"
+
+
+def wrap_once(original: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper`` in place of ``original`` (with its name and docstring), unless ``original`` is
+    already one of ours: then ``original``, so a patch applied twice wraps once."""
+    if getattr(original, WRAPPED, False):
+        return original
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, WRAPPED, True)
+    return wrapper
+
+
+def class_with(module: ModuleType, class_name: str, methods: Any) -> type:
+    """``module.class_name``, which must define every one of ``methods`` itself (not inherit it:
+    a patch of an inherited method would change the base class too); else :class:`PatchError`."""
+    cls = getattr(module, class_name, None)
+    missing = [name for name in methods if cls is None or name not in vars(cls)]
+    if missing:
+        if cls is None:
+            raise PatchError(f"{module.__name__} has no {class_name}")
+        raise PatchError(f"{module.__name__}.{class_name} lacks {', '.join(missing)}")
+    return cls
+
+
+def wrap_methods(module: ModuleType, class_name: str, wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]) -> type:
+    """Wrap each named method of ``module.class_name`` with its ``wrap(original)``, once."""
+    cls = class_with(module, class_name, wrappers)
+    for name, wrap in wrappers.items():
+        setattr(cls, name, wrap(vars(cls)[name]))
+    return cls

@@ -76,3 +76,41 @@ def test_patch_failures_raise_only_under_require(fake_runtime, monkeypatch):
     with pytest.raises(PatchError, match="no such class"):
         apply_patch(_patch(fake_runtime, apply=broken), mod)
 
+
+
+def test_wrap_once_wraps_a_function_once_and_keeps_its_name():
+    from kvcached_broker.adapters.patching import WRAPPED, wrap_once
+
+    def original(x):
+        """doc"""
+        return x
+
+    def wrap(fn):
+        def original(x):
+            return fn(x) + 1
+        return wrap_once(fn, original)
+
+    once = wrap(original)
+    twice = wrap(once)
+    assert twice is once and once(1) == 2 and getattr(once, WRAPPED) and once.__doc__ == "doc"
+
+
+def test_wrap_methods_refuses_a_class_that_only_inherits_the_method():
+    import types
+
+    from kvcached_broker.adapters.patching import PatchError, wrap_methods
+
+    class Base:
+        def run(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    module = types.ModuleType("runtime.fake")
+    module.Child, module.Base = Child, Base
+    with pytest.raises(PatchError, match=r"runtime.fake.Child lacks run"):
+        wrap_methods(module, "Child", {"run": lambda original: original})
+    with pytest.raises(PatchError, match=r"runtime.fake has no Missing"):
+        wrap_methods(module, "Missing", {"run": lambda original: original})
+    assert Base().run() == "base"

@@ -20,19 +20,17 @@ The flag is read each time a pool is built, never frozen at import.
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .. import background, flags
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 from . import budget, dsv4_pools, pool_bytes, reporting, tp
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
-_WRAPPED = "__kvcached_broker_wrapped__"
 _windows: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
 _said_off = False
 
@@ -78,31 +76,19 @@ def _track_window(pool: Any) -> None:
 
 
 def wrap_init(original: Callable[..., None]) -> Callable[..., None]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         register(self)
 
-    setattr(__init__, _WRAPPED, True)
-    return __init__
+    return wrap_once(original, __init__)
 
 
 def apply_memory_pool(module: Any) -> None:
     """Patch ``DeepSeekV4TokenToKVPool.__init__`` in ``deepseek_v4_memory_pool``."""
-    cls = getattr(module, "DeepSeekV4TokenToKVPool", None)
-    if cls is None or "__init__" not in vars(cls):
-        raise PatchError(f"{module.__name__} has no DeepSeekV4TokenToKVPool.__init__")
-    cls.__init__ = wrap_init(cls.__init__)
+    wrap_methods(module, "DeepSeekV4TokenToKVPool", {"__init__": wrap_init})
 
 
 def wrap_ensure_workspace(original: Callable[..., None]) -> Callable[..., None]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def _ensure_workspace(self: Any, *args: Any, **kwargs: Any) -> None:
         before = getattr(self, "workspace", None)
         original(self, *args, **kwargs)
@@ -110,8 +96,7 @@ def wrap_ensure_workspace(original: Callable[..., None]) -> Callable[..., None]:
         if owner_ref is not None and getattr(self, "workspace", None) is not before:
             background.submit(f"dsv4 request window {id(self):x}", lambda: _remeasure(owner_ref))
 
-    setattr(_ensure_workspace, _WRAPPED, True)
-    return _ensure_workspace
+    return wrap_once(original, _ensure_workspace)
 
 
 def _remeasure(owner_ref: weakref.ref) -> None:
@@ -131,7 +116,4 @@ def _remeasure(owner_ref: weakref.ref) -> None:
 
 def apply_request_window(module: Any) -> None:
     """Patch ``RequestWindow._ensure_workspace`` in ``dsv41_request_window`` (0.5.21+)."""
-    cls = getattr(module, "RequestWindow", None)
-    if cls is None or "_ensure_workspace" not in vars(cls):
-        raise PatchError(f"{module.__name__} has no RequestWindow._ensure_workspace")
-    cls._ensure_workspace = wrap_ensure_workspace(cls._ensure_workspace)
+    wrap_methods(module, "RequestWindow", {"_ensure_workspace": wrap_ensure_workspace})

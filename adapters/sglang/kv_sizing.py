@@ -30,7 +30,6 @@ are granted as they are used.  All sizes are bytes.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -41,12 +40,11 @@ from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
 from ..backing import on_demand_backing
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 from . import budget, dsv4_reservation, pool_bytes, reporting, session, speculative, startup, tp
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
-_WRAPPED = "__kvcached_broker_wrapped__"
 _HOLD_ATTEMPTS = 3
 
 
@@ -169,23 +167,14 @@ def _drop_hold(identity: worker.WorkerIdentity) -> None:
 
 # ---------------------------------------------------------------------------- the wrappers
 def wrap_profile(original: Callable[..., int]) -> Callable[..., int]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
         runtime_bytes = original(self, pre_model_load_memory)
         return cap_available_bytes(runtime_bytes, getattr(self, "device", None), getattr(self, "gpu_id", None))
 
-    setattr(_profile_available_bytes, _WRAPPED, True)
-    return _profile_available_bytes
+    return wrap_once(original, _profile_available_bytes)
 
 
 def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def _resolve_memory_pool_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         _last.decision = None
         try:
@@ -197,8 +186,7 @@ def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
             raise _explained(RuntimeError(f"the runtime sized a KV pool of {tokens} tokens"))
         return config
 
-    setattr(_resolve_memory_pool_config, _WRAPPED, True)
-    return _resolve_memory_pool_config
+    return wrap_once(original, _resolve_memory_pool_config)
 
 
 def _explained(exc: BaseException) -> BaseException:
@@ -211,10 +199,6 @@ def _explained(exc: BaseException) -> BaseException:
 
 
 def wrap_init_pools(original: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         built = result if result is not None and hasattr(result, "token_to_kv_pool") else self
@@ -224,8 +208,7 @@ def wrap_init_pools(original: Callable[..., Any]) -> Callable[..., Any]:
         )
         return result
 
-    setattr(_init_pools, _WRAPPED, True)
-    return _init_pools
+    return wrap_once(original, _init_pools)
 
 
 _WRAPPERS = {
@@ -236,12 +219,7 @@ _WRAPPERS = {
 
 
 def _apply(module: Any, class_name: str) -> None:
-    cls = getattr(module, class_name, None)
-    missing = [name for name in _WRAPPERS if cls is None or name not in vars(cls)]
-    if missing:
-        raise PatchError(f"{module.__name__}.{class_name} lacks {', '.join(missing)}")
-    for name, wrap in _WRAPPERS.items():
-        setattr(cls, name, wrap(vars(cls)[name]))
+    wrap_methods(module, class_name, _WRAPPERS)
 
 
 def apply_configurator(module: Any) -> None:

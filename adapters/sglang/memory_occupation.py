@@ -22,7 +22,6 @@ Weights and CUDA graphs are not reported by this adapter, so their tags change n
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -30,13 +29,12 @@ from typing import Any
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 from . import budget, reporting, tp
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
 KV_CACHE_TAG = "kv_cache"
-_WRAPPED = "__kvcached_broker_wrapped__"
 _METHODS = ("release_memory_occupation", "resume_memory_occupation")
 
 
@@ -75,25 +73,16 @@ def _suspended_bytes(identity: worker.WorkerIdentity) -> int:
 
 
 def wrap_release(original: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def release_memory_occupation(self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, recv_req, *args, **kwargs)
         if releases_kv(self, recv_req):
             suspend_kv()
         return result
 
-    setattr(release_memory_occupation, _WRAPPED, True)
-    return release_memory_occupation
+    return wrap_once(original, release_memory_occupation)
 
 
 def wrap_resume(original: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def resume_memory_occupation(self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
         if releases_kv(self, recv_req):
             admitted, why = admit_kv()
@@ -102,17 +91,11 @@ def wrap_resume(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise budget.BrokerBudgetError(why or "another TP rank's broker refused to resume its KV cache")
         return original(self, recv_req, *args, **kwargs)
 
-    setattr(resume_memory_occupation, _WRAPPED, True)
-    return resume_memory_occupation
+    return wrap_once(original, resume_memory_occupation)
 
 
 def _apply(module: Any, class_name: str) -> None:
-    cls = getattr(module, class_name, None)
-    missing = [name for name in _METHODS if cls is None or name not in vars(cls)]
-    if missing:
-        raise PatchError(f"{module.__name__}.{class_name} lacks {', '.join(missing)}")
-    cls.release_memory_occupation = wrap_release(vars(cls)["release_memory_occupation"])
-    cls.resume_memory_occupation = wrap_resume(vars(cls)["resume_memory_occupation"])
+    wrap_methods(module, class_name, {"release_memory_occupation": wrap_release, "resume_memory_occupation": wrap_resume})
 
 
 def apply_weight_updater(module: Any) -> None:

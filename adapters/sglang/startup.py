@@ -16,15 +16,13 @@ Outside this scope (a release where the patch could not apply, or pools built el
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 from . import reporting
 
-_WRAPPED = "__kvcached_broker_wrapped__"
 _lock = threading.Lock()
 _depth = 0
 
@@ -52,21 +50,13 @@ def kv_startup() -> Iterator[None]:
 
 
 def wrap_init_model_worker(original: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def init_model_worker(self: Any, *args: Any, **kwargs: Any) -> Any:
         with kv_startup():
             return original(self, *args, **kwargs)
 
-    setattr(init_model_worker, _WRAPPED, True)
-    return init_model_worker
+    return wrap_once(original, init_model_worker)
 
 
 def apply_scheduler(module: Any) -> None:
     """Patch ``Scheduler.init_model_worker`` in ``sglang.srt.managers.scheduler``."""
-    cls = getattr(module, "Scheduler", None)
-    if cls is None or "init_model_worker" not in vars(cls):
-        raise PatchError(f"{module.__name__} has no Scheduler.init_model_worker")
-    cls.init_model_worker = wrap_init_model_worker(vars(cls)["init_model_worker"])
+    wrap_methods(module, "Scheduler", {"init_model_worker": wrap_init_model_worker})

@@ -19,17 +19,15 @@ broker's budget is never overbooked.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any, Callable, Protocol
 
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
 GATE_ATTR = "_kvcached_broker_gate"
-_WRAPPED = "__kvcached_broker_wrapped__"
 
 
 class WorkerGroup(Protocol):
@@ -175,18 +173,13 @@ def attach(pool: Any, workers: WorkerGroup, *, batch_blocks: int, backed_blocks:
 
 # ---------------------------------------------------------------- class patches
 def _gated(original: Callable[..., Any], gated: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         gate = self.__dict__.get(GATE_ATTR)
         if gate is None:
             return original(self, *args, **kwargs)
         return gated(gate, original, self, *args, **kwargs)
 
-    setattr(method, _WRAPPED, True)
-    return method
+    return wrap_once(original, method)
 
 
 def _get_num_free_blocks(gate: ElasticBlockGate, original: Callable[..., int], pool: Any) -> int:
@@ -225,9 +218,6 @@ _GATED_METHODS = {
 
 def apply_block_pool(module: Any) -> None:
     """Route ``vllm.v1.core.block_pool.BlockPool``'s allocation methods through a gate, if any."""
-    cls = getattr(module, "BlockPool", None)
-    missing = [name for name in _GATED_METHODS if cls is None or name not in vars(cls)]
-    if missing:
-        raise PatchError(f"{module.__name__}.BlockPool lacks {', '.join(missing)}")
-    for name, gated in _GATED_METHODS.items():
-        setattr(cls, name, _gated(getattr(cls, name), gated))
+    wrap_methods(module, "BlockPool", {
+        name: (lambda original, gated=gated: _gated(original, gated)) for name, gated in _GATED_METHODS.items()
+    })

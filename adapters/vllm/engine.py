@@ -24,12 +24,11 @@ stays ungated.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable, Sequence
 
 from .. import worker
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 from . import block_pool, worker_pages
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
@@ -37,7 +36,6 @@ log = logging.getLogger("kvcached_broker.adapters.vllm")
 #: grow at least this many broker pages' worth of blocks at a time
 BATCH_PAGES = 16
 
-_WRAPPED = "__kvcached_broker_wrapped__"
 
 #: ``call(method, args)`` runs ``WorkerKVPages.<method>(*args)`` on every worker; one reply each
 Call = Callable[[str, tuple], Sequence[Any]]
@@ -107,21 +105,13 @@ def attach_engine(engine_core: Any):
 
 
 def wrap_engine_init(original: Callable[..., None]) -> Callable[..., None]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         gate = attach_engine(self)
         worker.announce_process("vllm", "engine_core" if gate is None else "engine_core_elastic")
 
-    setattr(__init__, _WRAPPED, True)
-    return __init__
+    return wrap_once(original, __init__)
 
 
 def apply_engine_core(module: Any) -> None:
-    cls = getattr(module, "EngineCore", None)
-    if cls is None or "__init__" not in vars(cls):
-        raise PatchError(f"{module.__name__} has no EngineCore")
-    cls.__init__ = wrap_engine_init(cls.__init__)
+    wrap_methods(module, "EngineCore", {"__init__": wrap_engine_init})

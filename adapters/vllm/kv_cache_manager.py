@@ -10,20 +10,14 @@ refusing, vLLM only frees blocks outside the attention window, which a repeat le
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 from .block_pool import gate_of
 
-_WRAPPED = "__kvcached_broker_wrapped__"
 
 
 def wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def allocate_slots(self: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         blocks = original(self, request, num_new_tokens, *args, **kwargs)
         gate = gate_of(getattr(self, "block_pool", None))
@@ -33,12 +27,8 @@ def wrap_allocate_slots(original: Callable[..., Any]) -> Callable[..., Any]:
             ask_blocks *= 2
         return blocks
 
-    setattr(allocate_slots, _WRAPPED, True)
-    return allocate_slots
+    return wrap_once(original, allocate_slots)
 
 
 def apply_kv_cache_manager(module: Any) -> None:
-    cls = getattr(module, "KVCacheManager", None)
-    if cls is None or "allocate_slots" not in vars(cls):
-        raise PatchError(f"{module.__name__}.KVCacheManager has no allocate_slots")
-    cls.allocate_slots = wrap_allocate_slots(cls.allocate_slots)
+    wrap_methods(module, "KVCacheManager", {"allocate_slots": wrap_allocate_slots})

@@ -23,7 +23,6 @@ never charged.  With an on-demand backing, nothing is held statically: the worke
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable
 
@@ -31,14 +30,13 @@ from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
 from ..backing import on_demand_backing
-from ..patching import PatchError
+from ..patching import PatchError, wrap_once
 from ..tensors import storage_bytes
 from ..worker import WorkerIdentity
 from . import kv_budget, kv_config, parallel, worker_pages
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
-_WRAPPED = "__kvcached_broker_wrapped__"
 
 
 def before_allocation(kv_cache_config: Any, device: Any) -> WorkerIdentity:
@@ -87,34 +85,24 @@ def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, w
 
 def wrap_allocate_function(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``allocate(kv_cache_config, device, ...)`` (0.33 and 0.19 module functions)."""
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def allocate(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
         identity = before_allocation(kv_cache_config, device)
         tensors = original(kv_cache_config, device, *args, **kwargs)
         after_allocation(identity, kv_cache_config, tensors)
         return tensors
 
-    setattr(allocate, _WRAPPED, True)
-    return allocate
+    return wrap_once(original, allocate)
 
 
 def wrap_allocate_method(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)`` (0.19)."""
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def allocate(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
         identity = before_allocation(kv_cache_config, self.device)
         tensors = original(self, kv_cache_config, *args, **kwargs)
         after_allocation(identity, kv_cache_config, tensors)
         return tensors
 
-    setattr(allocate, _WRAPPED, True)
-    return allocate
+    return wrap_once(original, allocate)
 
 
 def wrap_allocate_uniform(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,10 +112,6 @@ def wrap_allocate_uniform(original: Callable[..., Any]) -> Callable[..., Any]:
     here instead of through ``_allocate_kv_cache_tensors``; it returns
     ``(kv_caches, cross_layers_kv_cache, attn_backend)``.
     """
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def allocate_uniform_kv_caches(kv_cache_config: Any, attn_groups: Any, cache_dtype: Any, device: Any,
                                    *args: Any, **kwargs: Any) -> Any:
         identity = before_allocation(kv_cache_config, device)
@@ -135,8 +119,7 @@ def wrap_allocate_uniform(original: Callable[..., Any]) -> Callable[..., Any]:
         after_allocation(identity, kv_cache_config, result[1])
         return result
 
-    setattr(allocate_uniform_kv_caches, _WRAPPED, True)
-    return allocate_uniform_kv_caches
+    return wrap_once(original, allocate_uniform_kv_caches)
 
 
 def apply_uniform_kv_caches(module: Any) -> None:

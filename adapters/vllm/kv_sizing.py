@@ -23,7 +23,6 @@ All sizes are bytes.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 from typing import Any, Callable
@@ -31,12 +30,11 @@ from typing import Any, Callable
 from ...client.units import format_bytes
 from .. import worker
 from ..backing import on_demand_backing
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 from . import kv_budget, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
-_WRAPPED = "__kvcached_broker_wrapped__"
 
 
 def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
@@ -93,20 +91,12 @@ def _max_memory_usage_function() -> Callable[..., int] | None:
 
 
 def wrap_determine_available_memory(original: Callable[[Any], int]) -> Callable[[Any], int]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def determine_available_memory(self: Any) -> int:
         return cap_available_memory(self, original(self))
 
-    setattr(determine_available_memory, _WRAPPED, True)
-    return determine_available_memory
+    return wrap_once(original, determine_available_memory)
 
 
 def apply_gpu_worker(module: Any) -> None:
     """Patch ``vllm.v1.worker.gpu_worker.Worker.determine_available_memory``."""
-    cls = getattr(module, "Worker", None)
-    if cls is None or "determine_available_memory" not in vars(cls):
-        raise PatchError(f"{module.__name__}.Worker has no determine_available_memory")
-    cls.determine_available_memory = wrap_determine_available_memory(cls.determine_available_memory)
+    wrap_methods(module, "Worker", {"determine_available_memory": wrap_determine_available_memory})

@@ -20,20 +20,18 @@ workers (an on-demand backing) hold pages, not a ``kv_static`` charge, and are l
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
-from ..patching import PatchError
+from ..patching import wrap_methods, wrap_once
 from . import kv_budget, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
 KV_CACHE_TAG = "kv_cache"
-_WRAPPED = "__kvcached_broker_wrapped__"
 _asleep: dict[str, worker.WorkerIdentity] = {}  # device -> the identity whose KV is suspended
 
 
@@ -65,40 +63,25 @@ def admit(identity: worker.WorkerIdentity) -> None:
 
 # ------------------------------------------------------------------------ worker side
 def wrap_sleep(original: Callable[..., None]) -> Callable[..., None]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def sleep(self: Any, level: int = 1, *args: Any, **kwargs: Any) -> None:
         original(self, level, *args, **kwargs)
         fall_asleep(parallel.identity(self.device))
 
-    setattr(sleep, _WRAPPED, True)
-    return sleep
+    return wrap_once(original, sleep)
 
 
 def wrap_wake_up(original: Callable[..., None]) -> Callable[..., None]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def wake_up(self: Any, tags: list[str] | None = None, *args: Any, **kwargs: Any) -> None:
         if wakes_kv(tags):
             admit(parallel.identity(self.device))  # before vLLM maps the memory again
         return original(self, tags, *args, **kwargs)
 
-    setattr(wake_up, _WRAPPED, True)
-    return wake_up
+    return wrap_once(original, wake_up)
 
 
 def apply_gpu_worker(module: Any) -> None:
     """``Worker.sleep`` and ``Worker.wake_up`` in ``vllm.v1.worker.gpu_worker``."""
-    cls = getattr(module, "Worker", None)
-    missing = [name for name in ("sleep", "wake_up") if cls is None or name not in vars(cls)]
-    if missing:
-        raise PatchError(f"{module.__name__}.Worker lacks {', '.join(missing)}")
-    cls.sleep = wrap_sleep(vars(cls)["sleep"])
-    cls.wake_up = wrap_wake_up(vars(cls)["wake_up"])
+    wrap_methods(module, "Worker", {"sleep": wrap_sleep, "wake_up": wrap_wake_up})
 
 
 # ---------------------------------------------------------------------- EngineCore side
@@ -116,10 +99,6 @@ def on_worker(_worker: Any, action: str) -> str | None:
 
 
 def wrap_executor_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(original, _WRAPPED, False):
-        return original
-
-    @functools.wraps(original)
     def wake_up(self: Any, tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, "is_sleeping", False) and wakes_kv(tags):
             refused = [reason for reason in self.collective_rpc(on_worker, args=("admit",)) if reason]
@@ -128,16 +107,12 @@ def wrap_executor_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise kv_budget.KVCacheBudgetError(refused[0])
         return original(self, tags, *args, **kwargs)
 
-    setattr(wake_up, _WRAPPED, True)
-    return wake_up
+    return wrap_once(original, wake_up)
 
 
 def apply_executor(module: Any) -> None:
     """``Executor.wake_up`` in ``vllm.v1.executor.abstract``."""
-    cls = getattr(module, "Executor", None)
-    if cls is None or "wake_up" not in vars(cls):
-        raise PatchError(f"{module.__name__}.Executor has no wake_up")
-    cls.wake_up = wrap_executor_wake_up(vars(cls)["wake_up"])
+    wrap_methods(module, "Executor", {"wake_up": wrap_executor_wake_up})
 
 
 def reset() -> None:
