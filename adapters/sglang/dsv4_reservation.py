@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import background, flags
 from ..patching import wrap_methods, wrap_once
-from . import budget, dsv4_pools, pool_bytes, reporting, tp
+from . import kv_budget, dsv4_pools, pool_bytes, reporting, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -55,7 +55,7 @@ def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
         return None
     if pool_bytes.is_managed(pool):
         return None
-    identity = tp.identity(getattr(pool, "device", None))
+    identity = parallel.identity(getattr(pool, "device", None))
     seen = reporting.charged_storages(identity, pool)
     already = set(seen)
     pools = dsv4_pools.measure(pool, seen)
@@ -110,7 +110,7 @@ def _remeasure(owner_ref: weakref.ref) -> None:
         return
     try:
         register(owner)
-    except budget.BrokerBudgetError as exc:
+    except kv_budget.BrokerBudgetError as exc:
         log.warning("event=dsv4_request_window_uncharged reason=%r", str(exc))
 
 

@@ -6,7 +6,7 @@ co-located models both see the same free memory.  This module patches, on
 ``KVCacheConfigurator`` (0.5.16+) or ``ModelRunnerKVCacheMixin`` (0.5.12-0.5.15):
 
 * ``_profile_available_bytes``: the figure is capped at what the broker can grant this
-  worker now (``budget.BrokerRoom.grantable_bytes``), held at once as the broker *hold*
+  worker now (``kv_budget.BrokerRoom.grantable_bytes``), held at once as the broker *hold*
   ``kv_sizing_hold`` (with the process's runtime base pinned in the same request, so what it
   already uses cannot absorb the hold; docs/accounting.md) so no other instance can take it
   before the pools exist, and min-reduced over SGLang's world group so every rank sizes
@@ -41,7 +41,7 @@ from ...client.units import format_bytes
 from .. import worker
 from ..backing import on_demand_backing
 from ..patching import wrap_methods, wrap_once
-from . import budget, dsv4_reservation, pool_bytes, reporting, session, speculative, startup, tp
+from . import kv_budget, dsv4_reservation, pool_bytes, reporting, session, speculative, startup, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -52,7 +52,7 @@ _HOLD_ATTEMPTS = 3
 class SizingDecision:
     runtime_bytes: int  # what SGLang's own profile said
     capped_bytes: int  # what it was given
-    room: budget.BrokerRoom | None  # the broker's view when deciding (None: unprotected)
+    room: kv_budget.BrokerRoom | None  # the broker's view when deciding (None: unprotected)
 
     @property
     def lowered(self) -> bool:
@@ -74,7 +74,7 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     an unprotected rank offers SGLang's own figure, and a rank that must stop (a refusal
     under ``KVCACHED_REQUIRE=1``, an eviction) raises only after the collective.
     """
-    identity = tp.identity(device, gpu_id)
+    identity = parallel.identity(device, gpu_id)
     room, local_bytes, failure = None, int(runtime_bytes), None
     try:
         if session.client_for(identity) is not None:
@@ -83,14 +83,14 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
                 room, local_bytes = found
     except Exception as exc:  # noqa: BLE001 - still take part in the collective, then fail
         room, local_bytes, failure = None, int(runtime_bytes), exc
-    agreed_bytes = tp.world_group().reduce_min(local_bytes)  # every rank calls it, on every path
+    agreed_bytes = parallel.world_group().reduce_min(local_bytes)  # every rank calls it, on every path
     if failure is not None:
         raise failure
     _last.decision = SizingDecision(int(runtime_bytes), agreed_bytes, room)
     if room is None:
         return agreed_bytes
     if agreed_bytes <= 0:
-        raise budget.refusal(room, max(1, int(runtime_bytes)), "its KV cache")
+        raise kv_budget.refusal(room, max(1, int(runtime_bytes)), "its KV cache")
     if reporting.held_bytes(identity) > agreed_bytes:
         reporting.hold(identity, agreed_bytes)  # another rank got less: keep only the agreed size
     log.info(
@@ -101,7 +101,7 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     return agreed_bytes
 
 
-def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[budget.BrokerRoom, int] | None:
+def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[kv_budget.BrokerRoom, int] | None:
     """Measure the room and hold ``min(runtime, room)``; retried if another instance raced us.
 
     None when the worker is, or turns, unprotected.
@@ -109,7 +109,7 @@ def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tupl
     client = session.client_for(identity)
     instance = identity.instance_name()
     for _ in range(_HOLD_ATTEMPTS):
-        room = worker.guard(identity, "status", lambda: budget.measure_room(client, instance))
+        room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client, instance))
         if room is None:
             return None
         limit = room.grantable_bytes + reporting.held_bytes(identity)  # an earlier hold is replaced
@@ -122,7 +122,7 @@ def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tupl
             return room, capped
         except BudgetExceeded:
             continue
-    room = worker.guard(identity, "status", lambda: budget.measure_room(client, instance))
+    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client, instance))
     return None if room is None else (room, 0)
 
 
@@ -134,7 +134,7 @@ def charge_pools(device: Any, gpu_id: int | None, token_to_kv_pool: Any, *extra:
     scheduler start-up scope) what is left of it is dropped.  Storages another reporter already
     charged (a draft pool that views the target's buffer) are not charged again.
     """
-    identity = tp.identity(device, gpu_id)
+    identity = parallel.identity(device, gpu_id)
     last = not startup.active() and not speculative.drafts_follow(owner)
     try:
         if token_to_kv_pool is not None:
@@ -192,9 +192,9 @@ def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
 def _explained(exc: BaseException) -> BaseException:
     """The runtime's sizing failure, with the broker's context when the broker lowered the budget."""
     decision = last_decision()
-    if isinstance(exc, budget.BrokerBudgetError) or decision is None or decision.room is None or not decision.lowered:
+    if isinstance(exc, kv_budget.BrokerBudgetError) or decision is None or decision.room is None or not decision.lowered:
         return exc
-    error = budget.refusal(decision.room, decision.runtime_bytes, "the KV cache SGLang profiled")
+    error = kv_budget.refusal(decision.room, decision.runtime_bytes, "the KV cache SGLang profiled")
     return type(error)(f"{error} (the runtime then failed: {exc})")
 
 

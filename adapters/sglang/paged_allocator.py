@@ -44,7 +44,7 @@ from typing import Any
 from .. import worker
 from ..backing import on_demand_backing
 from ..patching import PatchError
-from . import dsv4_reservation, elastic_pages, page_tracking, pool_bytes, session, tp
+from . import dsv4_reservation, elastic_pages, page_tracking, pool_bytes, session, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -105,15 +105,15 @@ def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
     page_bytes = kv_page_bytes(kvcache, alloc.page_size)
     if page_bytes <= 0:
         return None
-    identity = tp.identity(alloc.device)
+    identity = parallel.identity(alloc.device)
     worker.pin_base(identity)  # before any page: a grant is reported before its pages are mapped
     client = session.client_for(identity)
     pool_bytes.mark_managed(kvcache)
     log.info("event=sglang_elastic_allocator pages=%d page_bytes=%d protected=%s", alloc.num_pages, page_bytes,
              client is not None)
     gate = elastic_pages.ElasticGate(
-        client, backing, page_bytes=page_bytes, session_page_bytes=tp.SESSION_PAGE_BYTES,
-        physical_pages=alloc.num_pages, reduce_min=tp.tp_group().reducer(),
+        client, backing, page_bytes=page_bytes, session_page_bytes=parallel.SESSION_PAGE_BYTES,
+        physical_pages=alloc.num_pages, reduce_min=parallel.tp_group().reducer(),
         on_failure=lambda action, exc: worker.serving_failure(identity, f"elastic {action}", exc),
     )
     weakref.finalize(alloc, gate.close_later)  # a dropped allocator gives its grant back

@@ -32,7 +32,7 @@ import logging
 from .. import flags
 from ..patching import Patch, PatchError
 from ..versions import in_range, installed
-from . import dsv4_reservation, kv_sizing, memory_occupation, paged_allocator, startup
+from . import dsv4_reservation, kv_sizing, memory_release, paged_allocator, startup
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -67,9 +67,9 @@ ALL_PATCHES: list[Patch] = [
     _patch("sglang_paged_allocator_mixin", _MIXIN, paged_allocator.apply_binding, below=CONFIGURATOR),
     _patch("sglang_kv_startup", "sglang.srt.managers.scheduler", startup.apply_scheduler),
     _patch("sglang_memory_occupation", "sglang.srt.managers.scheduler_components.weight_updater",
-           memory_occupation.apply_weight_updater, minimum=PACKAGE_LAYOUT),
+           memory_release.apply_weight_updater, minimum=PACKAGE_LAYOUT),
     _patch("sglang_memory_occupation_legacy", "sglang.srt.managers.scheduler_update_weights_mixin",
-           memory_occupation.apply_update_weights_mixin, below=PACKAGE_LAYOUT),
+           memory_release.apply_update_weights_mixin, below=PACKAGE_LAYOUT),
 ]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import background, worker
-from . import budget, session
+from . import kv_budget, session
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -101,7 +101,7 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
         if worker.report(identity, key, pools, holds=_hold_after(identity, growth, last)) is None:
             return False
     except BudgetExceeded as exc:
-        raise budget.explain_refusal(identity, client, growth, what, exc) from exc
+        raise kv_budget.explain_refusal(identity, client, growth, what, exc) from exc
     with _lock:
         _totals[key] = total
         if storages is not None:

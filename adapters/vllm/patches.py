@@ -27,7 +27,7 @@ import logging
 
 from ..patching import Patch
 from ..versions import in_range, installed
-from . import block_pool, engine, kv_cache_manager, kv_reservation, kv_sizing, sleep_mode
+from . import block_pool, engine, kv_cache_manager, kv_reservation, kv_sizing, memory_release
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
@@ -52,8 +52,8 @@ PATCHES: list[Patch] = [
     _patch("vllm_kv_alloc_uniform", "vllm.v1.worker.kv_connector_model_runner_mixin",
            kv_reservation.apply_uniform_kv_caches, below=SHARED_BUFFER_MINIMUM, required=False),
     _patch("vllm_kv_sizing", "vllm.v1.worker.gpu_worker", kv_sizing.apply_gpu_worker),
-    _patch("vllm_sleep_mode_worker", "vllm.v1.worker.gpu_worker", sleep_mode.apply_gpu_worker),
-    _patch("vllm_sleep_mode_executor", "vllm.v1.executor.abstract", sleep_mode.apply_executor),
+    _patch("vllm_sleep_mode_worker", "vllm.v1.worker.gpu_worker", memory_release.apply_gpu_worker),
+    _patch("vllm_sleep_mode_executor", "vllm.v1.executor.abstract", memory_release.apply_executor),
     _patch("vllm_elastic_block_pool", "vllm.v1.core.block_pool", block_pool.apply_block_pool),
     _patch("vllm_elastic_allocate_slots", "vllm.v1.core.kv_cache_manager", kv_cache_manager.apply_kv_cache_manager),
     _patch("vllm_elastic_engine_core", "vllm.v1.engine.core", engine.apply_engine_core),

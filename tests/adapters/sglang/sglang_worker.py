@@ -54,16 +54,16 @@ def together(free_bytes: int, pre_load_bytes: int) -> int:
     import sglang_cpu
 
     from kvcached_broker.adapters import worker
-    from kvcached_broker.adapters.sglang import budget, tp
+    from kvcached_broker.adapters.sglang import kv_budget, parallel
 
     profiler = sglang_cpu.profiler(free_bytes)  # SGLang imported before the moment, not during it
-    worker.session(tp.identity("cpu"))  # registered: the device now counts its weights as its own
+    worker.session(parallel.identity("cpu"))  # registered: the device now counts its weights as its own
     say(event="ready", pid=os.getpid())
     if not wait():
         return 0
     try:
         kv_bytes = sglang_cpu.run_profile(profiler, pre_load_bytes)
-    except budget.BrokerBudgetError as exc:
+    except kv_budget.BrokerBudgetError as exc:
         say(event="refused", error=str(exc))
         wait()
         return 3
@@ -92,14 +92,14 @@ def tensor_parallel(rank: int, world: int, port: int, full_pages: int, free_byte
     import sglang_cpu
 
     from kvcached_broker.adapters import backing
-    from kvcached_broker.adapters.sglang import reporting, tp
+    from kvcached_broker.adapters.sglang import reporting, parallel
 
     init_tp(rank, world, port)
-    group = tp.tp_group()
+    group = parallel.tp_group()
     kv_bytes = None
     if free_bytes is not None:
         kv_bytes = sglang_cpu.profile(free_bytes, real_world_group=True)
-        reporting.release_hold(tp.identity("cpu"))
+        reporting.release_hold(parallel.identity("cpu"))
     pool = sglang_cpu.build_dsv4_pool(full_pages, full_pages // 4)
     recorder = backing.RecordingBacking()
     backing.register_on_demand_backing(recorder)

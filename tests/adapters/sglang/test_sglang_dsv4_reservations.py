@@ -18,7 +18,7 @@ import sglang_cpu
 from helpers import MIB, wait_for
 
 from kvcached_broker.adapters import background, worker
-from kvcached_broker.adapters.sglang import dsv4_pools, dsv4_reservation, pool_bytes, tp
+from kvcached_broker.adapters.sglang import dsv4_pools, dsv4_reservation, pool_bytes, parallel
 
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 
@@ -112,8 +112,8 @@ def test_require_with_an_unreachable_broker_fails_the_pool_build(adapter_state, 
 
 
 def test_cpu_pools_map_to_device_zero_and_cuda_ordinals_are_kept():
-    assert tp.device_index("cpu") == 0 and tp.device_index("cuda:3") == 3 and tp.device_index("cuda", 2) == 2
-    assert tp.tp_group().size == 1  # SGLang's parallel state is not initialised in this process
+    assert parallel.device_index("cpu") == 0 and parallel.device_index("cuda:3") == 3 and parallel.device_index("cuda", 2) == 2
+    assert parallel.tp_group().size == 1  # SGLang's parallel state is not initialised in this process
 
 
 # ------------------------------------------------------------------ several real processes

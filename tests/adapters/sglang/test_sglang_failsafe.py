@@ -24,7 +24,7 @@ import sglang_cpu
 from helpers import MIB
 
 from kvcached_broker.adapters import background, worker
-from kvcached_broker.adapters.sglang import kv_sizing, tp
+from kvcached_broker.adapters.sglang import kv_sizing, parallel
 from kvcached_broker.client import SessionEvicted
 
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
@@ -42,7 +42,7 @@ def _start_sglang() -> int:
 def test_a_broker_failure_leaves_sglang_unprotected_with_one_warning(kind, request, monkeypatch, adapter_state,
                                                                      patched_sglang, capsys):
     failing = broker_failures.arrange(kind, request, monkeypatch)
-    failing.break_after_open(tp.identity("cpu"))
+    failing.break_after_open(parallel.identity("cpu"))
     if kind == "evicted":
         with pytest.raises(SessionEvicted):  # its memory was given away: fatal in every mode
             _start_sglang()
@@ -50,14 +50,14 @@ def test_a_broker_failure_leaves_sglang_unprotected_with_one_warning(kind, reque
     assert _start_sglang() == 100 * MIB  # no exception, and SGLang's own figure
     lines = broker_failures.unprotected_lines(capsys.readouterr().err)
     assert len(lines) == 1 and failing.reason in lines[0], lines
-    assert worker.session(tp.identity("cpu")) is None
+    assert worker.session(parallel.identity("cpu")) is None
 
 
 @pytest.mark.parametrize("kind", broker_failures.KINDS)
 def test_under_require_a_broker_failure_stops_the_start_with_the_reason(kind, request, monkeypatch, adapter_state,
                                                                         patched_sglang):
     failing = broker_failures.arrange(kind, request, monkeypatch)
-    failing.break_after_open(tp.identity("cpu"))
+    failing.break_after_open(parallel.identity("cpu"))
     monkeypatch.setenv("KVCACHED_REQUIRE", "1")
     expected = SessionEvicted if kind == "evicted" else worker.BrokerRequired
     with pytest.raises(expected) as caught:
@@ -70,7 +70,7 @@ def test_under_require_a_broker_failure_stops_the_start_with_the_reason(kind, re
 def test_no_broker_round_trip_runs_inside_the_forward_pass(sg_broker, monkeypatch):
     """The request window grows inside a forward pass: its re-measure runs on another thread."""
     pool = sglang_cpu.build_dsv4_pool(full_pages=16, swa_pages=4, request_window=True)
-    client = worker.session(tp.identity("cpu"))
+    client = worker.session(parallel.identity("cpu"))
     callers: list[int] = []
     real = client.reserve
 

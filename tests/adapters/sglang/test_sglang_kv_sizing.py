@@ -17,7 +17,7 @@ import pytest
 import sglang_cpu
 import torch
 from helpers import GIB, MIB
-from kvcached_broker.adapters.sglang import budget, kv_sizing, reporting
+from kvcached_broker.adapters.sglang import kv_budget, kv_sizing, reporting
 from kvcached_broker.client import BrokerClient
 
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
@@ -82,7 +82,7 @@ def test_nothing_grantable_is_a_startup_error_naming_the_broker_budget_and_other
     other = BrokerClient.connect("big-model", endpoint=sg_broker.endpoint, credit_pages=0)
     try:
         other.reserve({"swa_kv_pool": GIB})
-        with pytest.raises(budget.BrokerBudgetError) as caught:
+        with pytest.raises(kv_budget.BrokerBudgetError) as caught:
             sglang_cpu.profile(900 * MIB)
     finally:
         other.close()
@@ -102,7 +102,7 @@ def test_a_runtime_that_cannot_size_its_pool_from_the_capped_budget_fails_with_t
 
     monkeypatch.setattr(pool_configurator, "create_memory_pool_configurator", lambda owner: TooSmall())
     obj = sglang_cpu.profiler(900 * MIB)
-    with sglang_cpu.runtime_config(mem_fraction_static=0.9), pytest.raises(budget.BrokerBudgetError) as caught:
+    with sglang_cpu.runtime_config(mem_fraction_static=0.9), pytest.raises(kv_budget.BrokerBudgetError) as caught:
         obj._resolve_memory_pool_config(0)
     message = str(caught.value)
     assert "Not enough memory for a KV pool" in message and sg_broker.endpoint in message
@@ -122,9 +122,9 @@ def test_a_static_kv_pool_is_charged_as_kv_static(sg_broker):
 
 
 def kv_sizing_identity():
-    from kvcached_broker.adapters.sglang import tp
+    from kvcached_broker.adapters.sglang import parallel
 
-    return tp.identity("cpu")
+    return parallel.identity("cpu")
 
 
 # ------------------------------------------------------------------ co-located model processes

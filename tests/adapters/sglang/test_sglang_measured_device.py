@@ -21,7 +21,7 @@ import sglang_cpu
 from helpers import GIB, MIB
 
 from kvcached_broker.adapters import backing, worker
-from kvcached_broker.adapters.sglang import kv_sizing, reporting, startup, tp
+from kvcached_broker.adapters.sglang import kv_sizing, reporting, startup, parallel
 from kvcached_broker.client import BrokerClient, BudgetExceeded
 
 WEIGHTS = 256 * MIB
@@ -44,7 +44,7 @@ def neighbour(sg_broker):
 
 def _me(broker) -> dict:
     """This process's SGLang session (the neighbour's session lives in this process too)."""
-    session_id = worker.session(tp.identity("cpu")).session_id
+    session_id = worker.session(parallel.identity("cpu")).session_id
     (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
     return found
 
@@ -64,7 +64,7 @@ def _owner(role: str, algorithm: str = "EAGLE"):
 
 def _count_reserves(monkeypatch, broker) -> list[int]:
     """Free bytes after each reserve request this process's session sends (one entry per request)."""
-    client = worker.session(tp.identity("cpu"))
+    client = worker.session(parallel.identity("cpu"))
     original, after = client.reserve, []
 
     def reserve(*args, **kwargs):
@@ -130,7 +130,7 @@ def test_without_a_draft_pool_the_target_drops_the_hold_with_its_pools(sg_broker
 
 def test_the_model_worker_start_up_keeps_the_hold_until_every_draft_runner_is_built(sg_broker, weights_loaded):
     held_after: list[int] = []
-    identity = tp.identity("cpu")
+    identity = parallel.identity("cpu")
 
     def init_model_worker(scheduler):  # what SGLang's does: target pools, then each draft runner's
         sglang_cpu.profile(GIB)

@@ -13,7 +13,7 @@ import pytest
 import sglang_cpu
 from helpers import GIB
 
-from kvcached_broker.adapters.sglang import budget
+from kvcached_broker.adapters.sglang import kv_budget
 from kvcached_broker.client import BrokerClient
 
 
@@ -74,7 +74,7 @@ def test_released_kv_memory_is_no_longer_charged_and_comes_back_through_admissio
     neighbour = BrokerClient.connect("neighbour", endpoint=sg_broker.endpoint, credit_pages=0)
     try:
         neighbour.reserve({"weights": GIB - sum(charged.values()) // 2})  # takes what was handed back
-        with pytest.raises(budget.BrokerBudgetError) as caught:
+        with pytest.raises(kv_budget.BrokerBudgetError) as caught:
             updater.resume_memory_occupation(kv_request("Resume"))
         assert sg_broker.endpoint in str(caught.value) and "neighbour" in str(caught.value)
         assert saver.calls == [("pause", "kv_cache")]  # SGLang never mapped memory the broker refused

@@ -30,7 +30,7 @@ from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
 from ..patching import wrap_methods, wrap_once
-from . import budget, reporting, tp
+from . import kv_budget, reporting, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -62,7 +62,7 @@ def admit_kv() -> tuple[bool, str]:
             worker.resume(identity, keys)
         except BudgetExceeded as exc:
             client = worker.session(identity)
-            error = budget.explain_refusal(identity, client, _suspended_bytes(identity), "its KV cache back", exc) \
+            error = kv_budget.explain_refusal(identity, client, _suspended_bytes(identity), "its KV cache back", exc) \
                 if client is not None else exc
             return False, str(error)
     return True, ""
@@ -86,9 +86,9 @@ def wrap_resume(original: Callable[..., Any]) -> Callable[..., Any]:
     def resume_memory_occupation(self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
         if releases_kv(self, recv_req):
             admitted, why = admit_kv()
-            if tp.tp_group().reduce_min(int(admitted)) == 0:  # every rank, once
+            if parallel.tp_group().reduce_min(int(admitted)) == 0:  # every rank, once
                 suspend_kv()  # the ranks that were admitted give it back
-                raise budget.BrokerBudgetError(why or "another TP rank's broker refused to resume its KV cache")
+                raise kv_budget.BrokerBudgetError(why or "another TP rank's broker refused to resume its KV cache")
         return original(self, recv_req, *args, **kwargs)
 
     return wrap_once(original, resume_memory_occupation)

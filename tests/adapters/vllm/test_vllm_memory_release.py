@@ -15,15 +15,15 @@ import torch
 import vllm_shapes as shapes
 from helpers import GIB, MIB
 
-from kvcached_broker.adapters.vllm import kv_budget, kv_config, sleep_mode
+from kvcached_broker.adapters.vllm import kv_budget, kv_config, memory_release
 from kvcached_broker.client import BrokerClient
 
 
 @pytest.fixture(autouse=True)
 def no_sleepers():
-    sleep_mode.reset()
+    memory_release.reset()
     yield
-    sleep_mode.reset()
+    memory_release.reset()
 
 
 def charged(broker):
@@ -56,20 +56,20 @@ def test_a_sleeping_worker_is_not_charged_and_a_refused_wake_maps_nothing(patche
     vllm_worker = SimpleNamespace(device=torch.device("cpu"))
     sleep, wake = Body(), Body()
 
-    sleep_mode.wrap_sleep(sleep)(vllm_worker, 1)
+    memory_release.wrap_sleep(sleep)(vllm_worker, 1)
     assert sleep.calls == [(1,)] and charged(gpu_broker) == {}  # its memory went back to the device
 
     neighbour = BrokerClient.connect("neighbour", endpoint=gpu_broker.endpoint, credit_pages=0)
     try:
         neighbour.reserve({"weights": GIB - buffer // 2})
         with pytest.raises(kv_budget.KVCacheBudgetError) as caught:
-            sleep_mode.wrap_wake_up(wake)(vllm_worker, ["kv_cache"])
+            memory_release.wrap_wake_up(wake)(vllm_worker, ["kv_cache"])
         assert wake.calls == [] and charged(gpu_broker) == {}  # nothing mapped, nothing overbooked
         assert gpu_broker.endpoint in str(caught.value) and "neighbour" in str(caught.value)
-        sleep_mode.wrap_wake_up(wake)(vllm_worker, ["weights"])  # weights only: the KV stays asleep
+        memory_release.wrap_wake_up(wake)(vllm_worker, ["weights"])  # weights only: the KV stays asleep
         assert wake.calls == [(["weights"],)] and charged(gpu_broker) == {}
         neighbour.reserve({})
-        sleep_mode.wrap_wake_up(wake)(vllm_worker, None)
+        memory_release.wrap_wake_up(wake)(vllm_worker, None)
     finally:
         neighbour.close()
     assert wake.calls[-1] == (None,) and charged(gpu_broker) == {"kv_static": buffer}
@@ -91,16 +91,16 @@ def test_engine_core_admits_every_worker_before_any_wakes(patched_vllm, gpu_brok
     vc, kv_cfg = shapes.hybrid_config(64 * MIB)
     shapes.allocate(vc, kv_cfg)
     buffer = kv_config.buffer_bytes(kv_cfg)
-    sleep_mode.wrap_sleep(Body())(SimpleNamespace(device=torch.device("cpu")), 2)
+    memory_release.wrap_sleep(Body())(SimpleNamespace(device=torch.device("cpu")), 2)
     executor, body = Executor(), Body()
     neighbour = BrokerClient.connect("neighbour", endpoint=gpu_broker.endpoint, credit_pages=0)
     try:
         neighbour.reserve({"weights": GIB - buffer // 2})
         with pytest.raises(kv_budget.KVCacheBudgetError, match="wake up"):
-            sleep_mode.wrap_executor_wake_up(body)(executor, None)
+            memory_release.wrap_executor_wake_up(body)(executor, None)
         assert body.calls == [] and charged(gpu_broker) == {}  # no worker was told to wake
         neighbour.reserve({})
-        sleep_mode.wrap_executor_wake_up(body)(executor, None)
+        memory_release.wrap_executor_wake_up(body)(executor, None)
     finally:
         neighbour.close()
     assert body.calls == [(None,)] and charged(gpu_broker) == {"kv_static": buffer}
