@@ -202,7 +202,8 @@ def _hold_sessions(endpoint: str, count: int, ready, stop) -> None:
 def bench_scaling(workdir: Path, n: int) -> dict:
     import multiprocessing as mp
 
-    from kvcached_broker.broker.ledger import DeviceInfo, Ledger
+    from kvcached_broker.broker.accounts import DeviceInfo
+    from kvcached_broker.broker.ledger import Ledger
     from kvcached_broker.client import BrokerClient
     from kvcached_broker.client.admin import AdminClient
 

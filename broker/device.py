@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Protocol
 
-from .ledger import DeviceInfo
+from .accounts import DeviceInfo
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ import msgspec
 
 from ..client import protocol as proto
 from .checkpoint import LoadedState, StateStore
-from .ledger import Ledger, Limits, Session, SessionState
+from .accounts import Limits, Session, SessionState
+from .ledger import Ledger
 from .sessions import Binding, SessionTable
 from .state_records import (
     CloseRecord,

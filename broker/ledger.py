@@ -34,160 +34,28 @@ Units: ``*_bytes`` are ints of bytes, ``*_pages`` ints of pages, ``*_s`` float s
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..client.errors import BadRequest, BrokerError, BudgetExceeded, LimitExceeded, Overcommitted, StaleRevision
 from ..client.units import format_bytes
+from .accounts import (
+    SMALL_GRANTS,
+    Claim,
+    DeviceInfo,
+    Grant,
+    InstanceAccount,
+    LedgerChanges,
+    Limits,
+    ProcessAccount,
+    Session,
+    SessionState,
+)
 
 #: Sentinel for "leave this limit as it is" in :meth:`Ledger.set_limits`.
 KEEP: Any = object()
 #: The pool that ``reserve(..., measured_base=True)`` sets: what a process had allocated
 #: before it reported anything (weights, CUDA context, runtime buffers).
 RUNTIME_BASE_POOL = "runtime_base"
-
-
-class SessionState(str, enum.Enum):
-    LIVE = "live"
-    STALE = "stale"  # lease lapsed; still charged (a hung process still holds its memory)
-    RECOVERING = "recovering"  # restored from a checkpoint; waiting for its worker to reconnect
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    index: int
-    uuid: str
-    name: str
-    simulated: bool
-
-
-@dataclass
-class Limits:
-    """An instance's limits.  ``revision`` grows by one on every change.
-
-    ``source`` says who set them: ``admin`` (the ``limit`` command), ``config`` (the config
-    file) or ``hello`` (the instance's own worker asked; such limits give way to an admin's or
-    the config's, and leave with the instance).
-    """
-
-    max_bytes: int | None = None
-    min_bytes: int = 0
-    weight: float = 1.0
-    revision: int = 0
-    source: str = "admin"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,
-                "revision": self.revision, "source": self.source}
-
-
-@dataclass(eq=False)
-class Session:
-    """One worker process's holdings.  ``pools`` never holds a zero entry."""
-
-    id: str
-    instance: str
-    pid: int
-    pid_verified: bool
-    tp_rank: int
-    tp_size: int
-    page_bytes: int
-    opened_s: float
-    last_seen_s: float
-    state: SessionState = SessionState.LIVE
-    pools: dict[str, int] = field(default_factory=dict)  # resident: allocated
-    holds: dict[str, int] = field(default_factory=dict)  # promised, not allocated yet
-    reserved_bytes: int = 0  # pools and holds
-    held_bytes: int = 0  # holds
-    granted_pages: int = 0
-    reserve_pages: int = 0
-    restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
-    #: May grow while the ledger holds growth: it is re-asserting memory it held before
-    #: the broker restarted (restored, or re-opened because its record was lost).
-    reasserting: bool = False
-    usage: dict[str, int] = field(default_factory=dict)  # informational breakdown; never charged
-    account: "_ProcessAccount | None" = field(default=None, repr=False)
-
-    @property
-    def granted_bytes(self) -> int:
-        return self.granted_pages * self.page_bytes
-
-    @property
-    def reported_bytes(self) -> int:
-        """Everything it holds: its pools, its holds and its pages."""
-        return self.reserved_bytes + self.granted_pages * self.page_bytes
-
-    @property
-    def resident_bytes(self) -> int:
-        """What measured usage can cover: pools and pages, not holds."""
-        return self.reserved_bytes - self.held_bytes + self.granted_pages * self.page_bytes
-
-
-@dataclass(eq=False)
-class _Instance:
-    name: str
-    session_ids: set[str] = field(default_factory=set)
-    reserved_bytes: int = 0
-    granted_bytes: int = 0
-    excess_bytes: int = 0
-
-    @property
-    def charge_bytes(self) -> int:
-        return self.reserved_bytes + self.granted_bytes + self.excess_bytes
-
-
-@dataclass(eq=False)
-class _ProcessAccount:
-    """Charges of one process; sessions without a verified pid each get their own account."""
-
-    instance: str  # unreported excess is attributed to this instance
-    reported_bytes: int = 0  # resident pools and pages of its sessions (holds are charged apart)
-    measured_bytes: int = 0
-    session_ids: set[str] = field(default_factory=set)
-
-    @property
-    def excess_bytes(self) -> int:
-        return max(0, self.measured_bytes - self.reported_bytes)
-
-    @property
-    def charge_bytes(self) -> int:
-        return max(self.reported_bytes, self.measured_bytes)
-
-
-@dataclass(frozen=True)
-class Claim:
-    """Holdings a worker re-asserts when it resumes a restored session."""
-
-    pools: dict[str, int]
-    granted_pages: int
-    reserve_pages: int
-    holds: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """The answer to :meth:`Ledger.acquire`: ``pages`` granted (0 is a refusal, not an error)."""
-
-    pages: int
-    refusal: BrokerError | None = None
-
-
-#: Shared answers for the common small grants, so the grant path allocates none.
-_SMALL_GRANTS = tuple(Grant(pages) for pages in range(257))
-
-
-@dataclass
-class LedgerChanges:
-    """What changed since the last :meth:`Ledger.drain_changes` (for the checkpoint journal)."""
-
-    sessions: set[str] = field(default_factory=set)
-    closed: set[str] = field(default_factory=set)
-    limits: set[str] = field(default_factory=set)
-    grew: bool = False  # some charge increased: the change must be durable before it is answered
-
-    def __bool__(self) -> bool:
-        return bool(self.sessions or self.closed or self.limits)
 
 
 class Ledger:
@@ -200,8 +68,8 @@ class Ledger:
         self.external_bytes = external_bytes
         self.sessions: dict[str, Session] = {}
         self.limits: dict[str, Limits] = {}
-        self._instances: dict[str, _Instance] = {}
-        self._accounts: dict[object, _ProcessAccount] = {}
+        self._instances: dict[str, InstanceAccount] = {}
+        self._accounts: dict[object, ProcessAccount] = {}
         self._measured_by_pid: dict[int, int] = {}
         self._reserved_total = 0
         self._held_total = 0
@@ -359,7 +227,7 @@ class Ledger:
         self.sessions[session_id] = session
         inst = self._instances.get(instance)
         if inst is None:
-            inst = self._instances[instance] = _Instance(instance)
+            inst = self._instances[instance] = InstanceAccount(instance)
         inst.session_ids.add(session_id)
         session.account = self._account_for(session)
         session.account.session_ids.add(session_id)
@@ -554,7 +422,7 @@ class Ledger:
             return Grant(0, refusal)
         self._add_pages(session, fit_pages)
         self._changed(session)
-        return _SMALL_GRANTS[fit_pages] if fit_pages < len(_SMALL_GRANTS) else Grant(fit_pages)
+        return SMALL_GRANTS[fit_pages] if fit_pages < len(SMALL_GRANTS) else Grant(fit_pages)
 
     def release(self, session_id: str, pages: int) -> int:
         """Return pages; releasing more than the session holds is ``bad_request``."""
@@ -667,17 +535,17 @@ class Ledger:
             return session.pid
         return ("session", session.id)
 
-    def _account_for(self, session: Session) -> _ProcessAccount:
+    def _account_for(self, session: Session) -> ProcessAccount:
         key = self._account_key(session)
         account = self._accounts.get(key)
         if account is None:
-            account = self._accounts[key] = _ProcessAccount(instance=session.instance)
+            account = self._accounts[key] = ProcessAccount(instance=session.instance)
             measured = self._measured_by_pid.get(key, 0) if isinstance(key, int) else 0
             if measured:
                 self._recharge(account, measured_delta=measured)
         return account
 
-    def _recharge(self, account: _ProcessAccount, *, reported_delta: int = 0, measured_delta: int = 0) -> None:
+    def _recharge(self, account: ProcessAccount, *, reported_delta: int = 0, measured_delta: int = 0) -> None:
         """Move an account's reported/measured figures and keep every total in step."""
         old_excess = account.excess_bytes
         account.reported_bytes += reported_delta
@@ -695,7 +563,7 @@ class Ledger:
         inst.excess_bytes += excess_delta
         self._unfilled_floor_total += self.unfilled_floor_bytes(instance) - old_unfilled
 
-    def _reattribute(self, account: _ProcessAccount, instance: str) -> None:
+    def _reattribute(self, account: ProcessAccount, instance: str) -> None:
         """Charge a process's unreported excess to another of its instances."""
         if instance == account.instance:
             return

@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ledger import Ledger, Limits
+from .accounts import Limits
+from .ledger import Ledger
 
 
 def participants(ledger: Ledger) -> list[str]:

@@ -28,7 +28,8 @@ from .counters import Counters
 from .device import DeviceProbe
 from .device_monitor import DeviceMonitor
 from .journal import Journal, NullJournal, Restored, record_bytes, restore_session
-from .ledger import Ledger, Session, SessionState
+from .accounts import Session, SessionState
+from .ledger import Ledger
 from .lifecycle import ProcessOps, SessionLifecycle
 from .policy import PressureBook, fair_shares
 from .security import Peer

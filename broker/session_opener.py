@@ -23,7 +23,8 @@ import msgspec
 from ..client import protocol as proto
 from ..client.errors import BadRequest, BrokerError, NotOwner, RateLimited, SessionEvicted, UnsupportedVersion, WrongDevice
 from .journal import NullJournal, Journal
-from .ledger import KEEP, Claim, Ledger, Limits
+from .accounts import Claim, Limits
+from .ledger import KEEP, Ledger
 from .lifecycle import SessionLifecycle
 from .security import Peer
 from .sessions import Binding, HelloRateLimiter, SessionTable

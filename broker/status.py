@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .ledger import Ledger, Limits, Session
+from .accounts import Limits, Session
+from .ledger import Ledger
 from .sessions import SessionTable
 
 

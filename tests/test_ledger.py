@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvcached_broker.broker.ledger import Claim, DeviceInfo, Ledger, SessionState
+from kvcached_broker.broker.accounts import Claim, DeviceInfo, SessionState
+from kvcached_broker.broker.ledger import Ledger
 from kvcached_broker.client.errors import BadRequest, BudgetExceeded, LimitExceeded, Overcommitted, StaleRevision
 
 GIB = 1 << 30

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvcached_broker.broker.ledger import DeviceInfo, Ledger, Limits
+from kvcached_broker.broker.accounts import DeviceInfo, Limits
+from kvcached_broker.broker.ledger import Ledger
 from kvcached_broker.broker.policy import PressureBook, fair_shares
 from kvcached_broker.client import BrokerClient
 

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from kvcached_broker.broker.journal import Restored
-from kvcached_broker.broker.ledger import SessionState
+from kvcached_broker.broker.accounts import SessionState
 from kvcached_broker.broker.security import Peer
 from kvcached_broker.broker.state_records import SessionRecord
 from kvcached_broker.client import protocol as proto

@@ -8,6 +8,8 @@ kv_harness.py for the sampler that checks mapped against granted.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import require_runtime
 

@@ -6,7 +6,6 @@ These run kvcached's real ``KVCacheManager`` in this process, without the broker
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest

@@ -1,0 +1,155 @@
+"""What the ledger keeps and answers: sessions, accounts, limits, grants (plain data, no rules).
+
+The rules that change these records are in :mod:`.ledger`; docs/accounting.md has the model.
+
+Units: ``*_bytes`` are ints of bytes, ``*_pages`` ints of pages, ``*_s`` float seconds.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..client.errors import BrokerError
+
+class SessionState(str, enum.Enum):
+    LIVE = "live"
+    STALE = "stale"  # lease lapsed; still charged (a hung process still holds its memory)
+    RECOVERING = "recovering"  # restored from a checkpoint; waiting for its worker to reconnect
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    uuid: str
+    name: str
+    simulated: bool
+
+
+@dataclass
+class Limits:
+    """An instance's limits.  ``revision`` grows by one on every change.
+
+    ``source`` says who set them: ``admin`` (the ``limit`` command), ``config`` (the config
+    file) or ``hello`` (the instance's own worker asked; such limits give way to an admin's or
+    the config's, and leave with the instance).
+    """
+
+    max_bytes: int | None = None
+    min_bytes: int = 0
+    weight: float = 1.0
+    revision: int = 0
+    source: str = "admin"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,
+                "revision": self.revision, "source": self.source}
+
+
+@dataclass(eq=False)
+class Session:
+    """One worker process's holdings.  ``pools`` never holds a zero entry."""
+
+    id: str
+    instance: str
+    pid: int
+    pid_verified: bool
+    tp_rank: int
+    tp_size: int
+    page_bytes: int
+    opened_s: float
+    last_seen_s: float
+    state: SessionState = SessionState.LIVE
+    pools: dict[str, int] = field(default_factory=dict)  # resident: allocated
+    holds: dict[str, int] = field(default_factory=dict)  # promised, not allocated yet
+    reserved_bytes: int = 0  # pools and holds
+    held_bytes: int = 0  # holds
+    granted_pages: int = 0
+    reserve_pages: int = 0
+    restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
+    #: May grow while the ledger holds growth: it is re-asserting memory it held before
+    #: the broker restarted (restored, or re-opened because its record was lost).
+    reasserting: bool = False
+    usage: dict[str, int] = field(default_factory=dict)  # informational breakdown; never charged
+    account: "ProcessAccount | None" = field(default=None, repr=False)
+
+    @property
+    def granted_bytes(self) -> int:
+        return self.granted_pages * self.page_bytes
+
+    @property
+    def reported_bytes(self) -> int:
+        """Everything it holds: its pools, its holds and its pages."""
+        return self.reserved_bytes + self.granted_pages * self.page_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """What measured usage can cover: pools and pages, not holds."""
+        return self.reserved_bytes - self.held_bytes + self.granted_pages * self.page_bytes
+
+
+@dataclass(eq=False)
+class InstanceAccount:
+    name: str
+    session_ids: set[str] = field(default_factory=set)
+    reserved_bytes: int = 0
+    granted_bytes: int = 0
+    excess_bytes: int = 0
+
+    @property
+    def charge_bytes(self) -> int:
+        return self.reserved_bytes + self.granted_bytes + self.excess_bytes
+
+
+@dataclass(eq=False)
+class ProcessAccount:
+    """Charges of one process; sessions without a verified pid each get their own account."""
+
+    instance: str  # unreported excess is attributed to this instance
+    reported_bytes: int = 0  # resident pools and pages of its sessions (holds are charged apart)
+    measured_bytes: int = 0
+    session_ids: set[str] = field(default_factory=set)
+
+    @property
+    def excess_bytes(self) -> int:
+        return max(0, self.measured_bytes - self.reported_bytes)
+
+    @property
+    def charge_bytes(self) -> int:
+        return max(self.reported_bytes, self.measured_bytes)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Holdings a worker re-asserts when it resumes a restored session."""
+
+    pools: dict[str, int]
+    granted_pages: int
+    reserve_pages: int
+    holds: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """The answer to :meth:`Ledger.acquire`: ``pages`` granted (0 is a refusal, not an error)."""
+
+    pages: int
+    refusal: BrokerError | None = None
+
+
+#: Shared answers for the common small grants, so the grant path allocates none.
+SMALL_GRANTS = tuple(Grant(pages) for pages in range(257))
+
+
+@dataclass
+class LedgerChanges:
+    """What changed since the last :meth:`Ledger.drain_changes` (for the checkpoint journal)."""
+
+    sessions: set[str] = field(default_factory=set)
+    closed: set[str] = field(default_factory=set)
+    limits: set[str] = field(default_factory=set)
+    grew: bool = False  # some charge increased: the change must be durable before it is answered
+
+    def __bool__(self) -> bool:
+        return bool(self.sessions or self.closed or self.limits)
