@@ -290,7 +290,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .device import DeviceError, NvmlDevice, SimulatedDevice
     from .sdnotify import Notifier
     from .security import resolve_group
-    from .server import BrokerServer, ServeConfig
+    from .server import BrokerServer
     from .state_paths import default_state_dir
 
     cli = {key: getattr(args, key, None) for key in serve_config.OPTIONS}
@@ -317,7 +317,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(str(exc)) from None
         if endpoint is None:
             raise UsageError("KVCACHED_BROKER=off: refusing to serve; unset it or pass --endpoint")
-    config = ServeConfig(
+    config = serve_config.ServeConfig(
         endpoint=endpoint,
         device_index=opts.device,
         headroom=opts.headroom,

@@ -21,10 +21,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..client.endpoint import EndpointError, validate_endpoint
 from ..client.units import SizeError, parse_headroom, parse_size
+
+if TYPE_CHECKING:
+    from .session_opener import SessionQuotas
 
 try:
     import tomllib
@@ -32,6 +35,42 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 DEFAULT_CONFIG = "/etc/kvcached-broker/gpu{device}.toml"
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``serve`` can be told.  Sizes in bytes, times in seconds."""
+
+    endpoint: str
+    device_index: int = 0
+    headroom: str = "5%"
+    state_dir: Path | None = None
+    lease_s: float = 10.0
+    socket_group: int | None = None
+    admin_group: int | None = None
+    insecure_tcp: bool = False
+    curve_dir: Path | None = None  # server.key_secret + authorized/*.key (client public keys)
+    probe_interval_s: float = 0.5
+    max_sessions: int = 4096
+    max_sessions_per_pid: int = 64
+    max_sessions_per_uid: int = 1024
+    hello_rate_per_s: float = 50.0
+    hello_burst: int = 200
+    #: Requests a round answers before it writes the journal and sends its replies.  Small, so
+    #: replies keep flowing while later requests wait (a round that swallowed every request in
+    #: flight would leave all clients idle until it ends); still enough to share one write.
+    max_batch: int = 16
+    limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
+
+    def quotas(self) -> SessionQuotas:
+        from .session_opener import SessionQuotas
+
+        return SessionQuotas(
+            lease_s=self.lease_s, max_sessions=self.max_sessions, max_sessions_per_pid=self.max_sessions_per_pid,
+            max_sessions_per_uid=self.max_sessions_per_uid, hello_rate_per_s=self.hello_rate_per_s,
+            hello_burst=self.hello_burst,
+        )
+
 
 
 class ConfigError(ValueError):

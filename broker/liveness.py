@@ -1,8 +1,8 @@
 """Knowing when a worker process has died.
 
-A pidfd (``pidfd_open(2)``) becomes readable when its process exits, has no pid-reuse race,
-and can sit in the broker's ``zmq.Poller`` next to the ROUTER socket, so a SIGKILLed worker's
-memory is reclaimed within the poll round after its death (about 2 ms here).  Across a broker
+A pidfd (``pidfd_open(2)``) becomes readable when its process exits and has no pid-reuse
+race; the broker's wake-up thread (``wakeups``) waits on them and posts each exit to the
+broker's socket, so a SIGKILLed worker's memory is reclaimed in the round after its death.  Across a broker
 restart, pids are matched with their start time (``/proc/PID/stat`` field 22) so a recycled
 pid is not mistaken for the worker that held the memory.
 """

@@ -1,4 +1,4 @@
-"""The broker daemon's shell: lifecycle, the poll loop, framing, pidfds and timers.
+"""The broker daemon's shell: lifecycle, the receive loop, framing and timers.
 
 Everything the broker decides is decided by its collaborators, wired here once
 (:class:`BrokerServer` is the composition root):
@@ -6,17 +6,19 @@ Everything the broker decides is decided by its collaborators, wired here once
 * ``RequestCore`` (``request_core``): requests in, replies out, no I/O;
 * ``Journal`` / ``NullJournal`` (``journal``): group commit, deferral, snapshots and replay;
 * ``DeviceMonitor`` (``device_monitor``): device readings into the ledger;
-* ``PidfdProcesses`` (here): the ``ProcessOps`` the core uses, on ``/proc`` and pidfds.
+* ``PidfdProcesses`` and ``WakeupThread`` (``wakeups``): the ``ProcessOps`` the core uses, and
+  process exits and wake-ups delivered as messages on the broker's own socket.
 
-One thread runs :meth:`BrokerServer.serve_forever`.  Each poll round it
+One thread runs :meth:`BrokerServer.serve_forever`.  Each round it
 
-1. reads the requests waiting on the ROUTER socket (up to ``max_batch``) and hands each to the
-   core, and hands the core the pids whose pidfds say they exited,
+1. waits in one blocking ``recv`` on the ROUTER socket (up to a timeout), then reads the
+   requests waiting behind the first (up to ``max_batch``) and hands each to the core; a
+   message from the wake-up thread hands the core a pid that exited, or just wakes the loop,
 2. runs the timers that are due,
 3. commits what changed to the journal with one ``write()`` (group commit), and only then
 4. sends the round's replies and pushes,
 
-so that no grant is ever answered before it would survive a broker crash.  The poller is
+so that no grant is ever answered before it would survive a broker crash.  The loop is
 synchronous on purpose (zmq.asyncio measured slower; see docs/performance.md).
 """
 
@@ -24,23 +26,19 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import zmq
 import zmq.backend
-from zmq.backend import zmq_poll
 
 from .. import broker as _package
 from ..client import protocol as proto
 from ..client.endpoint import ipc_path, tcp_host
 from ..client.units import format_bytes
 from .device import DeviceProbe
-from .liveness import PidWatcher, process_alive, process_start_ticks
 from .request_core import build_core
 from .sdnotify import Notifier
 from .security import (
@@ -54,7 +52,8 @@ from .security import (
     secure_socket_file,
     socket_umask,
 )
-from .session_opener import SessionQuotas
+from .config import ServeConfig
+from .wakeups import PidfdProcesses, WakeupThread, parse_wakeup
 
 log = logging.getLogger("kvcached_broker")
 
@@ -62,84 +61,14 @@ log = logging.getLogger("kvcached_broker")
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 #: The compiled send underneath pyzmq's Python wrapper, which only adds routing-id handling
 #: for SERVER/RADIO sockets (docs/performance.md has what it saves).
 _raw_send = zmq.backend.Socket.send
 _POLL_TIMEOUT_MS = 100
 _MAX_PEERS = 16384
-
-
-@dataclass
-class ServeConfig:
-    """Everything ``serve`` can be told.  Sizes in bytes, times in seconds."""
-
-    endpoint: str
-    device_index: int = 0
-    headroom: str = "5%"
-    state_dir: Path | None = None
-    lease_s: float = 10.0
-    socket_group: int | None = None
-    admin_group: int | None = None
-    insecure_tcp: bool = False
-    curve_dir: Path | None = None  # server.key_secret + authorized/*.key (client public keys)
-    probe_interval_s: float = 0.5
-    max_sessions: int = 4096
-    max_sessions_per_pid: int = 64
-    max_sessions_per_uid: int = 1024
-    hello_rate_per_s: float = 50.0
-    hello_burst: int = 200
-    #: Requests a round answers before it writes the journal and sends its replies.  Small, so
-    #: replies keep flowing while later requests wait (a round that swallowed every request in
-    #: flight would leave all clients idle until it ends); still enough to share one write.
-    max_batch: int = 16
-    limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
-
-    def quotas(self) -> SessionQuotas:
-        return SessionQuotas(
-            lease_s=self.lease_s, max_sessions=self.max_sessions, max_sessions_per_pid=self.max_sessions_per_pid,
-            max_sessions_per_uid=self.max_sessions_per_uid, hello_rate_per_s=self.hello_rate_per_s,
-            hello_burst=self.hello_burst,
-        )
-
-
-class PidfdProcesses:
-    """``ProcessOps`` on a real machine: ``/proc`` for start times, pidfds in the shell's poller."""
-
-    def __init__(self, poll_items: list[tuple[Any, int]]):
-        self._watcher = PidWatcher()
-        self._poll_items = poll_items  # shared with the shell, which polls it
-
-    def start_ticks(self, pid: int) -> int | None:
-        return process_start_ticks(pid)
-
-    def alive(self, pid: int, start_ticks: int | None) -> bool:
-        return process_alive(pid, start_ticks)
-
-    def kill(self, pid: int) -> None:
-        os.kill(pid, signal.SIGKILL)
-
-    def watch(self, pid: int) -> bool:
-        try:
-            fd = self._watcher.watch(pid)
-        except ProcessLookupError:
-            return False
-        except OSError as exc:
-            log.warning("event=pidfd_unavailable pid=%d error=%s detail=lease_only", pid, exc.strerror)
-            return True
-        if fd is not None:
-            self._poll_items.append((fd, zmq.POLLIN))
-        return True
-
-    def unwatch(self, pid: int) -> None:
-        fd = self._watcher.unwatch(pid)
-        if fd is not None:
-            self._poll_items[:] = [item for item in self._poll_items if item[0] != fd]
-
-    def pid_of(self, fd: int) -> int | None:
-        return self._watcher.pid_of(fd)
-
-    def close(self) -> None:
-        self._watcher.close()
+_NOT_A_PEER = object()  # the wake-up thread's messages: never a request
 
 
 class _Timer:
@@ -168,8 +97,7 @@ class BrokerServer:
         self.config = config
         self.clock = clock
         self.notifier = notifier or Notifier({})
-        self._poll_items: list[tuple[Any, int]] = []  # the ROUTER socket, the wake pipe, then pidfds
-        self.processes = PidfdProcesses(self._poll_items)
+        self.processes = PidfdProcesses()
         self.core = build_core(
             probe, self.processes, headroom=config.headroom, is_admin=lambda peer: is_admin(peer, config.admin_group),
             quotas=config.quotas(), state_dir=config.state_dir, device_index=config.device_index,
@@ -187,11 +115,12 @@ class BrokerServer:
         self._sock: zmq.Socket | None = None
         self._auth = None
         self._stop = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
+        self._wakeups: WakeupThread | None = None
+        self._wakeup_rid = b""  # the wake-up thread's routing id on the ROUTER socket
+        self._rcvtimeo_ms = -1
         self.ready = threading.Event()
         self._snapshot_requests: list[dict[str, Any]] = []
-        self._saturated = False  # the last read stopped at max_batch, not at an empty socket
-        self._next_fd_glance_s = 0.0
+        self._timers_due_s = 0.0
         self._timers = [
             _Timer(min(1.0, config.lease_s / 10), self.core.expire_leases),
             _Timer(config.probe_interval_s, lambda now: self.device.observe(self.ledger, now)),
@@ -226,7 +155,6 @@ class BrokerServer:
         except BaseException:
             self.close()
             raise
-        self._poll_items[:0] = [(self._sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)]
         for pid in self.table.pids():
             self.core.lifecycle.watch(pid)
         self.device.observe(self.ledger, self.clock())
@@ -284,6 +212,11 @@ class BrokerServer:
             secure_socket_file(sock_path, cfg.socket_group)
         else:
             sock.bind(cfg.endpoint)
+        inproc = f"inproc://kvcached-broker-wakeups-{id(self):x}"
+        sock.bind(inproc)
+        self._wakeups = WakeupThread(self._ctx, inproc)
+        self._wakeup_rid = self._wakeups.routing_id
+        self.processes.attach(self._wakeups)
 
     def _start_curve(self, sock: zmq.Socket, curve_dir: Path) -> None:
         """CURVE on tcp: the broker's key pair, and only clients whose public key is authorised."""
@@ -308,15 +241,16 @@ class BrokerServer:
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return (thread- and signal-safe)."""
         self._stop.set()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        wakeups = self._wakeups
+        if wakeups is not None:
+            wakeups.wake()
 
     def close(self) -> None:
         if self._journal_open:
             self._journal_open = False
             self.journal.close()
+        self.processes.close()  # the wake-up thread's socket goes before the context
+        self._wakeups = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -332,16 +266,9 @@ class BrokerServer:
                 sock_path.unlink()
             except OSError:
                 pass
-        self.processes.close()
         for lock in self._locks:
             lock.release()
         self._locks.clear()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_r = self._wake_w = -1
 
     def serve_forever(self) -> None:
         if not self.ready.is_set():
@@ -372,10 +299,10 @@ class BrokerServer:
         """The status document, computed by the server thread (thread-safe; for metrics)."""
         box: dict[str, Any] = {"done": threading.Event()}
         self._snapshot_requests.append(box)
-        try:
-            os.write(self._wake_w, b"s")
-        except OSError:
+        wakeups = self._wakeups
+        if wakeups is None:
             return None
+        wakeups.wake()
         return box["status"] if box["done"].wait(timeout_s) else None
 
     def status(self, now: float | None = None) -> dict[str, Any]:
@@ -383,22 +310,26 @@ class BrokerServer:
 
     # ---------------------------------------------------------------- rounds
     def run_round(self, timeout_ms: int = _POLL_TIMEOUT_MS) -> None:
+        """Wait up to ``timeout_ms`` for a request (or a wake-up), then serve one round."""
         replies: list[tuple[bytes, bytes]] = []
+        sock = self._sock
+        assert sock is not None
+        if timeout_ms != self._rcvtimeo_ms:
+            sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._rcvtimeo_ms = timeout_ms
+        try:
+            rid = sock.recv()  # the first message's routing id frame
+        except zmq.Again:
+            rid = None
         started = time.perf_counter()
         now = self.clock()
-        # Saturated (the last round stopped at max_batch): read on without a poll call, and
-        # glance at the pidfds every millisecond.  Otherwise the socket was drained: poll.
-        if self._saturated and self._read_requests(now, replies):
-            if now >= self._next_fd_glance_s:
-                self._next_fd_glance_s = now + 0.001
-                self._dispatch(zmq_poll(self._poll_items[1:], 0), now, replies)
-        else:
-            events = zmq_poll(self._poll_items, timeout_ms)
-            started = time.perf_counter()
-            now = self.clock()
-            self._dispatch(events, now, replies)
-        for timer in self._timers:
-            timer.run(now)
+        if rid is not None:
+            self._read_requests(rid, now, replies)
+        if now >= self._timers_due_s:
+            # The every-round jobs run at most once a millisecond: one check per round, not five calls.
+            self._timers_due_s = now + 0.001
+            for timer in self._timers:
+                timer.run(now)
         self.journal.commit(now)
         self._send(replies)
         if replies:
@@ -407,17 +338,6 @@ class BrokerServer:
         if self._snapshot_requests:
             self._answer_snapshots(now)
 
-    def _dispatch(self, events: list[tuple[Any, int]], now: float, replies: list[tuple[bytes, bytes]]) -> None:
-        for target, _ in events:
-            if target is self._sock:
-                self._read_requests(now, replies)
-            elif target == self._wake_r:
-                os.read(self._wake_r, 4096)
-            else:
-                pid = self.processes.pid_of(target)
-                if pid is not None:
-                    self.core.reclaim_pid(pid)
-
     def _answer_snapshots(self, now: float) -> None:
         requests, self._snapshot_requests = self._snapshot_requests, []
         status = self.core.status(now)
@@ -425,38 +345,55 @@ class BrokerServer:
             box["status"] = status
             box["done"].set()
 
-    def _read_requests(self, now: float, replies: list[tuple[bytes, bytes]]) -> int:
-        """Handle every request waiting (up to ``max_batch``); returns how many were read."""
+    def _read_requests(self, rid: bytes, now: float, replies: list[tuple[bytes, bytes]]) -> None:
+        """Handle the message ``rid`` starts and those waiting behind it, up to ``max_batch``."""
         sock = self._sock
         assert sock is not None
         recv = sock.recv
         peers = self._peers
         counters = self.core.counters
         handle = self.core.handle
-        self._saturated = False
-        for count in range(self.config.max_batch):
-            try:
-                rid = recv(_NOBLOCK)  # the ROUTER's routing id frame
-            except zmq.Again:
-                counters.requests += count
-                return count
+        max_batch = self.config.max_batch
+        count = 0
+        while True:
             frame = recv(_NOBLOCK, copy=False)  # a Frame: its properties carry the peer's credentials
+            count += 1
             extra = frame.more
             while extra and sock.get(_RCVMORE):
                 recv(_NOBLOCK)
             peer = peers.get(rid)
             if peer is None:
-                peer = self._learn_peer(rid, frame)
-            if extra:
+                if rid == self._wakeup_rid:
+                    self._on_wakeup(frame.bytes)
+                    count -= 1
+                    peer = _NOT_A_PEER
+                else:
+                    peer = self._learn_peer(rid, frame)
+            if peer is _NOT_A_PEER:
+                pass
+            elif extra:
                 counters.bad_frames += 1
                 replies.append((rid, proto.error_reply(None, "bad_request", "a request is exactly one frame")))
-                continue
-            reply = handle(rid, peer, frame.bytes, now)
-            if reply is not None:
-                replies.append((rid, reply))
-        self._saturated = True
-        counters.requests += self.config.max_batch
-        return self.config.max_batch
+            else:
+                reply = handle(rid, peer, frame.bytes, now)
+                if reply is not None:
+                    replies.append((rid, reply))
+            if count >= max_batch:
+                break
+            # Most rounds carry one request: a getsockopt is cheaper than the Again a failing
+            # recv raises (docs/performance.md).  Past the first, read on until Again.
+            if count <= 1 and not sock.get(_EVENTS) & _POLLIN:
+                break
+            try:
+                rid = recv(_NOBLOCK)
+            except zmq.Again:
+                break
+        counters.requests += count
+
+    def _on_wakeup(self, body: bytes) -> None:
+        pid = parse_wakeup(body)
+        if pid is not None:
+            self.core.reclaim_pid(pid)
 
     def _learn_peer(self, rid: bytes, frame: zmq.Frame) -> Peer:
         try:

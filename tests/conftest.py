@@ -144,7 +144,8 @@ class InprocBroker:
 @pytest.fixture
 def inproc_factory(short_tmp):
     from kvcached_broker.broker.device import SimulatedDevice
-    from kvcached_broker.broker.server import BrokerServer, ServeConfig
+    from kvcached_broker.broker.config import ServeConfig
+    from kvcached_broker.broker.server import BrokerServer
 
     servers: list[InprocBroker] = []
 

@@ -112,7 +112,8 @@ def test_a_resume_claiming_more_than_its_checkpoint_passes_admission(short_tmp):
     """After a restart a worker re-asserts what it holds; a claim above the checkpoint must
     fit like any grant, and one that does not keeps the checkpoint's figures."""
     from kvcached_broker.broker.device import SimulatedDevice
-    from kvcached_broker.broker.server import BrokerServer, ServeConfig
+    from kvcached_broker.broker.config import ServeConfig
+    from kvcached_broker.broker.server import BrokerServer
 
     def serve():
         server = BrokerServer(ServeConfig(endpoint=f"ipc://{short_tmp}/r.sock", headroom="0",

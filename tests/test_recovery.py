@@ -140,7 +140,8 @@ def test_a_round_that_ends_where_the_journal_is_writes_nothing_and_restart_keeps
     import zmq
 
     from kvcached_broker.broker.device import SimulatedDevice
-    from kvcached_broker.broker.server import BrokerServer, ServeConfig
+    from kvcached_broker.broker.config import ServeConfig
+    from kvcached_broker.broker.server import BrokerServer
 
     def serve() -> BrokerServer:
         config = ServeConfig(endpoint=f"ipc://{short_tmp}/j.sock", state_dir=short_tmp / "state")
