@@ -40,10 +40,10 @@ import weakref
 from typing import Any
 
 from ...client import BudgetExceeded, SessionEvicted
-from .. import worker
 from . import eviction, segment
 from .geometry import PoolGeometry
 from .grants import SessionGrants
+from .limits import DirectLimits, LimitChannel
 from .policy import Grow, PoolPages, Shrink, Watermarks, decide, give_back_plan, initial_pages
 
 log = logging.getLogger("kvcached_broker.adapters")
@@ -59,10 +59,11 @@ _sequence = itertools.count(1)
 
 class PoolGovernor:
     def __init__(self, geometry: PoolGeometry, real_allocator: Any, grants: SessionGrants | None,
-                 marks: Watermarks, *, why_ungoverned: str = ""):
+                 marks: Watermarks, *, limits: LimitChannel | None = None, why_ungoverned: str = ""):
         self.geometry = geometry
         self.real = real_allocator
         self.grants = grants
+        self.limits = limits or DirectLimits()
         self.marks = marks
         self.governed = grants is not None
         self.why_ungoverned = why_ungoverned
@@ -164,8 +165,9 @@ class PoolGovernor:
             self._read_operator_cap()
             if self.pending_limit is not None:
                 self._finish_deferred(manager)
+            polled = self.grants.poll() if self.grants is not None else 0
             with self._asks:
-                pressure, self._pressure_pages = self._pressure_pages, 0
+                pressure, self._pressure_pages = self._pressure_pages + polled, 0
                 short, self._short_pages = self._short_pages, 0
             if pressure:
                 self._quiet_until_s = now_s + PRESSURE_QUIET_S
@@ -321,7 +323,7 @@ class PoolGovernor:
         """``set_memory_limit`` with the next revision; the state kvcached reports."""
         self._revision += 1
         try:
-            return manager.set_memory_limit(self.geometry.limit_bytes(limit_pages), revision=self._revision)
+            return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), self._revision)
         except Exception as exc:  # noqa: BLE001 - a limit kvcached cannot take changes nothing
             log.warning("event=kvcached_limit_failed pool=%s limit_pages=%d error=%r", self.key, limit_pages, str(exc))
             return {"status": "rejected", "reason": str(exc)}
@@ -363,8 +365,7 @@ class PoolGovernor:
         """kvcached's zero page (one compound page per pool) is physical memory outside the pages."""
         assert self.grants is not None
         try:
-            if worker.report(self.grants.identity, self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes},
-                             allocated=False) is not None:
+            if self.grants.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, allocated=False):
                 self._zero_reported = True
         except BudgetExceeded as exc:
             if not self._zero_refusals:
@@ -390,8 +391,7 @@ class PoolGovernor:
         if key == self._published:
             return
         try:
-            if worker.report(self.grants.identity, self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes},
-                             usage=views) is not None:
+            if self.grants.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, usage=views):
                 self._published = key
         except BudgetExceeded:
             pass
@@ -443,7 +443,7 @@ class PoolGovernor:
             held = self.grants.pages
             if held and self.grants.release(held):
                 self.counters["pages_released"] += held
-            worker.forget(self.grants.identity, self.key)
+            self.grants.forget(self.key)
 
     def status(self) -> dict[str, Any]:
         """This pool as the governor sees it (bytes, and pool pages where named)."""

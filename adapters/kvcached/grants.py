@@ -7,6 +7,11 @@ returns None, an eviction is raised (fatal).
 
 Invariant: :attr:`pages` is what this pool holds from the broker; the session holds at least
 ``pages * ratio`` session pages (other reporters may hold more on the same session).
+
+A governor uses any object with this interface (``pages``, ``acquire``, ``release``,
+``report``, ``forget``, ``poll``): :class:`SessionGrants` when the pool's memory is mapped in
+this process, ``board.BoardGrants`` when it is mapped in tensor-parallel workers that hold
+the grants themselves.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ log = logging.getLogger("kvcached_broker.adapters")
 
 
 class SessionGrants:
+    """A pool's grant through this process's own broker session (the memory is mapped here)."""
+
     def __init__(self, identity: WorkerIdentity, client, ratio: int):
         self.identity = identity
         self.client = client
@@ -64,6 +71,21 @@ class SessionGrants:
             return False
         self.pages -= pages
         return True
+
+
+    def report(self, key: str, pools: dict[str, int], *, usage: dict[str, int] | None = None,
+               allocated: bool = True) -> bool:
+        """Report this pool's own reservations on the session; False if the process is
+        unprotected.  Raises ``BudgetExceeded`` when the broker refuses them."""
+        return worker.report(self.identity, key, pools, usage=usage, allocated=allocated) is not None
+
+    def forget(self, key: str) -> None:
+        worker.forget(self.identity, key)
+
+    def poll(self) -> int:
+        """Pool pages the broker asked back since the last call: 0 here (pressure arrives
+        through the client's callback, :mod:`.pressure`)."""
+        return 0
 
 
 def _released(client, session_pages: int) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ...client.units import parse_size
 from ..patching import Patch
-from . import identity, pressure, runner
+from . import identity, limits, pressure, runner
 from .allocator import GovernedPageAllocator
 from .geometry import PoolGeometry
 from .governor import PoolGovernor
@@ -91,7 +91,7 @@ def new_governor(geometry: PoolGeometry, real: Any) -> PoolGovernor:
     grants, why = SessionGrants.open(who, geometry)
     if grants is None:
         return _ungoverned(geometry, real, marks, why)
-    governor = PoolGovernor(geometry, real, grants, marks)
+    governor = PoolGovernor(geometry, real, grants, marks, limits=limits.channel_for(geometry))
     governor.start()
     if governor.governed:
         pressure.enlist(grants.client, governor)
