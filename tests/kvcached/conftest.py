@@ -2,8 +2,9 @@
 
 They run inside the ``kvcached-0.1.6`` overlay (scripts/test-adapters.sh; the overlay is
 fetched by scripts/fetch-kvcached.py) and are skipped elsewhere.  Every pool lives in its own
-process (pool_worker.py) on one shared simulated GPU (``serve --simulate-usage-dir``); see
-kv_harness.py for the sampler that checks mapped against granted.
+process (``kvcached_broker.tools.kvcached_sim.pool_process``) on one shared simulated GPU
+(``serve --simulate-usage-dir``); see kv_harness.py for the sampler that checks mapped against
+granted.
 """
 
 from __future__ import annotations

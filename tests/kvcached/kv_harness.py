@@ -1,84 +1,38 @@
 """What the kvcached-mode tests drive and check: pool processes, a sampler, kvctl.
 
-:class:`PoolProcess` is a pool_worker.py process (one real kvcached pool); :class:`Sampler`
-checks, at every sample, what each process has mapped against what the broker granted it.
+:class:`PoolProcess` is a pool process (one real kvcached pool, from
+``kvcached_broker.tools.kvcached_sim``, which ``make demo`` and the hand-over benchmark share);
+:class:`Sampler` checks, at every sample, what each process has mapped against what the broker granted it.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import subprocess
 import sys
 import threading
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from helpers import GIB, MIB, python_env  # noqa: F401
 
 from kvcached_broker.broker.device import read_shared_usage
 from kvcached_broker.client import BrokerUnavailable
+from kvcached_broker.tools.kvcached_sim.pools import PoolProcess as SimPool
 
-HERE = Path(__file__).resolve().parent
 #: One pool page of the workers' model: 2 MiB x 4 layers x K and V.
 POOL_PAGE_BYTES = (2 << 20) * 4 * 2
 
 
-@dataclass
-class PoolProcess:
-    """A pool_worker.py process: one kvcached pool, driven line by line."""
-
-    proc: subprocess.Popen
-    ipc_name: str
-    instance: str
-    ready: dict = field(default_factory=dict)
+class PoolProcess(SimPool):
+    """A pool process (kvcached_broker.tools.kvcached_sim.pool_process): one kvcached pool."""
 
     @classmethod
     def start(cls, broker, usage: Path, total_bytes: int, instance: str, extra_env: dict | None = None) -> "PoolProcess":
-        ipc_name = f"kvb-test-{uuid.uuid4().hex[:10]}"
         env = python_env()
-        env.update({"KVCACHED_BROKER_INSTANCE": instance, "KVCACHED_LOG_LEVEL": "WARNING", **(extra_env or {})})
-        proc = subprocess.Popen(
-            [sys.executable, str(HERE / "pool_worker.py"), str(usage), str(total_bytes), ipc_name, broker.endpoint],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(usage.parent / f"{instance}.err", "w"),
-            text=True, env=env)
-        pool = cls(proc, ipc_name, instance)
-        pool.ready = pool._read()
-        return pool
-
-    def request(self, op: str, **args) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"pool process {self.instance} exited with {self.proc.wait(timeout=10)}")
-        return json.loads(line)
-
-    def pool(self) -> dict:
-        return self.request("status")["pools"][0]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.request("exit")
-            except (AssertionError, BrokenPipeError, OSError):
-                pass
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
-        for path in (Path("/dev/shm") / self.ipc_name,):
-            path.unlink(missing_ok=True)
+        env.update(extra_env or {})
+        return super().start(broker.endpoint, usage, total_bytes, instance, env=env,
+                             stderr=usage.parent / f"{instance}.err")
 
 
 class Sampler:

@@ -1,9 +1,9 @@
 """kvcached mode: real kvcached 0.1.6 pools in separate processes whose memory is the broker's grant.
 
 Each pool is a real ``KVCacheManager`` built through kvcached's SGLang integration with the
-broker's kvcached patch applied (tests/kvcached/pool_worker.py).  A :class:`Sampler` checks at
-every sample, from start-up on, that what each process has mapped is at most what the broker
-granted it and that the device's sum is within the budget.
+broker's kvcached patch applied (``kvcached_broker.tools.kvcached_sim.pool_process``).  A
+:class:`Sampler` checks at every sample, from start-up on, that what each process has mapped is
+at most what the broker granted it and that the device's sum is within the budget.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ BLOCKS_PER_PAGE = 64
 @pytest.fixture
 def kvcached_alone(short_tmp, monkeypatch):
     """kvcached's SGLang integration on a 2 GiB shared simulated GPU, in this process."""
-    import kvcached_cpu
+    from kvcached_broker.tools.kvcached_sim import kvcached_cpu
 
     ipc = f"kvb-double-{uuid.uuid4().hex[:10]}"
     gpu = kvcached_cpu.install(short_tmp / "gpu-usage", 2 * GIB, ipc, setattr_=monkeypatch.setattr)

@@ -2,7 +2,7 @@
 
 :func:`install` must run before anything imports ``kvcached.kv_cache_manager``: it sets
 ``KVCACHED_IPC_NAME`` (kvcached computes its segment and socket names at import), puts
-:mod:`vmm_ops_double` in ``sys.modules["kvcached.vmm_ops"]``, points it at a shared simulated
+:mod:`.vmm_ops_double` in ``sys.modules["kvcached.vmm_ops"]``, points it at a shared simulated
 GPU, and patches the five ``torch.cuda`` functions kvcached's integrations call
 (``is_available``, ``get_device_properties``, ``set_device``, ``current_device``,
 ``mem_get_info``) to describe that GPU.  Nothing else is patched.
@@ -14,8 +14,6 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -34,13 +32,10 @@ def install(usage_dir: Path, total_bytes: int, ipc_name: str, *, setattr_=setatt
     process, so the patches are undone; plain ``setattr`` in a worker process).
     """
     os.environ["KVCACHED_IPC_NAME"] = ipc_name
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
     import torch
 
-    import vmm_ops_double
-
-    from kvcached_broker.tools.shared_gpu import SharedGpu
+    from ..shared_gpu import SharedGpu
+    from . import vmm_ops_double
 
     assert "kvcached.kv_cache_manager" not in sys.modules or sys.modules.get("kvcached.vmm_ops") is vmm_ops_double, \
         "install() must run before kvcached.kv_cache_manager is imported"

@@ -2,7 +2,8 @@
 semantics kvcached's Python code relies on, with physical pages on a shared simulated GPU.
 
 Installed as ``sys.modules["kvcached.vmm_ops"]`` before kvcached is imported (see
-``kvcached_cpu.install``); everything else in kvcached is its real Python code.  Modelled on
+:func:`kvcached_broker.tools.kvcached_sim.kvcached_cpu.install`); everything else in kvcached is its
+real Python code (the tests, ``make demo`` and the hand-over benchmark all use it).  Modelled on
 csrc/page_allocator.cpp, csrc/allocator.cpp and csrc/inc/mem_info_tracker.hpp of the 0.1.6 sdist:
 
 * **PageAllocator.**  Page ids live in exactly one of: the *free* list (unmapped), the

@@ -1,0 +1,329 @@
+"""A serving process with one real kvcached ``KVCacheManager``, driven over stdin.
+
+    python -m kvcached_broker.tools.kvcached_sim.pool_process USAGE_DIR TOTAL_BYTES IPC_NAME ENDPOINT
+        [--layers 4] [--virtual-tokens 4194304] [--evict all|oldest]
+
+It does what an SGLang rank does with kvcached mode on: the broker adapter's kvcached patch
+is applied, then kvcached's own SGLang integration builds the pool (``init_kvcached``,
+``get_kv_cache_manager``, ``alloc_kv_cache``) on the shared simulated GPU (only
+``kvcached.vmm_ops`` is a double, :mod:`.kvcached_cpu`).  With ``KVCACHED_BROKER=off`` in its
+environment the pool runs as kvcached alone.  The model has ``--layers`` layers of 8 KV heads of
+128 fp16 values and 16-token blocks, so a pool page is 2 MiB x layers x K and V (16 MiB at 4
+layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
+
+* ``{"op": "fill", "blocks": N}``: allocate until N blocks are held, as an engine does (a
+  refused allocation is a scheduling miss; it retries after the governors' thread ran); with
+  ``"reuse_cache": true`` a miss first frees the pool's own prefix cache, as a runtime's does;
+  ``"stall_s": S`` gives up once nothing was allocated for S seconds.  The reply times the
+  fill (``elapsed_s``, and ``first_miss_s``/``first_refusal_s``: the first allocation that
+  missed and the first broker ask that was refused, from the fill's start);
+  ``{"op": "free", "blocks": N}``: free the N newest; ``{"op": "cache", "blocks": N}``: the
+  N newest finish but stay in the prefix cache (held until an eviction frees them);
+  ``{"op": "drop_cache"}``: free every cached block;
+* ``{"op": "limit", "bytes": N}``: kvcached's own ``set_memory_limit`` (static partitioning);
+* ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S}``:
+  follow a demand trace in real time (see :meth:`Engine.track`);
+* ``{"op": "status"}``: the governor's status, kvcached's limit state and the bytes this
+  process has on the device; ``{"op": "settle"}``: wait for two governor rounds.
+
+The prefix cache's eviction hook frees every cached block (``--evict all``) or the oldest ones,
+only as many as the broker asked for (``--evict oldest``, an LRU cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+HEADS, HEAD_DIM = 8, 128
+BLOCK_TOKENS = 16
+FP16_BYTES = 2
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("usage_dir", type=Path)
+    parser.add_argument("total_bytes", type=int)
+    parser.add_argument("ipc_name")
+    parser.add_argument("endpoint")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--virtual-tokens", type=int, default=1 << 22)
+    parser.add_argument("--evict", choices=("all", "oldest"), default="all")
+    return parser.parse_args(argv)
+
+
+def connect_to(endpoint: str):
+    """A ``worker.client_factory`` opening the adapter's sessions on ``endpoint`` (no credit reserve)."""
+    from ...adapters import worker
+
+    def factory(identity):
+        return worker.connect(dataclasses.replace(identity, credit_pages=0), endpoint=endpoint)
+
+    return factory
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from . import kvcached_cpu
+
+    gpu = kvcached_cpu.install(args.usage_dir, args.total_bytes, args.ipc_name)
+    import torch
+
+    from ...adapters import autopatch, worker
+    from ...adapters import kvcached as kvmode
+    from ...adapters.kvcached import runner
+
+    worker.client_factory = connect_to(args.endpoint)
+    autopatch.apply(["kvcached"])
+    from kvcached.integration.sglang import interfaces
+
+    interfaces.init_kvcached(device="cuda:0")
+    cell_bytes = HEADS * HEAD_DIM * torch.float16.itemsize
+    manager = interfaces.get_kv_cache_manager(args.virtual_tokens // BLOCK_TOKENS, BLOCK_TOKENS, cell_bytes,
+                                              args.layers, pool_name="mha")
+    interfaces.alloc_kv_cache((args.virtual_tokens, HEADS, HEAD_DIM), torch.float16, "cuda:0", args.layers,
+                              page_size=BLOCK_TOKENS)
+    engine = Engine(manager, runner, gpu, evict_oldest=args.evict == "oldest")
+    kvmode.register_eviction_hook(manager, engine)
+    engine.time_refusals()
+    manager._post_init_done.wait(30)
+    reply({"ready": True, **engine.status()})
+    serve(engine, manager, runner)
+
+
+def serve(engine: "Engine", manager, runner) -> None:
+    """Answer one JSON line per request line until ``exit`` (or stdin closes)."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request["op"]
+        if op == "fill":
+            reply(engine.fill(request["blocks"], request.get("timeout_s", 30.0), request.get("reuse_cache", False),
+                              request.get("stall_s")))
+        elif op == "free":
+            reply(engine.free(request["blocks"]))
+        elif op == "cache":
+            reply(engine.cache(request["blocks"]))
+        elif op == "drop_cache":
+            reply({"freed_blocks": engine.drop_cache()})
+        elif op == "limit":
+            reply({"limit": manager.set_memory_limit(request["bytes"])})
+        elif op == "track":
+            reply(engine.track(request["schedule"], request["start_at"], request.get("sample_s", 0.05)))
+        elif op == "settle":
+            reply({"settled": runner.settle()})
+        elif op == "status":
+            reply(engine.status())
+        elif op == "exit":
+            manager.shutdown()
+            reply({"bye": True})
+            return
+
+
+class Engine:
+    """The engine's side: held blocks, a prefix cache of finished ones, and the eviction hook."""
+
+    def __init__(self, manager, runner, gpu, *, evict_oldest: bool = False):
+        self.manager = manager
+        self.runner = runner
+        self.gpu = gpu
+        self.evict_oldest = evict_oldest
+        self.held: list[list[int]] = []  # one entry per allocation, newest last
+        self.cached: list[list[int]] = []  # oldest first
+        self.lock = threading.Lock()
+        self.misses = 0
+        self.refusals: list[float] = []  # monotonic times of refused broker asks
+        self.evicted_blocks = 0
+
+    # ------------------------------------------------------------ allocation
+    def fill(self, blocks: int, timeout_s: float, reuse_cache: bool = False, stall_s: float | None = None) -> dict:
+        """Allocate until ``blocks`` are held, ``timeout_s`` passed, or (with ``stall_s``) nothing
+        was allocated for ``stall_s``; times the first miss and the first refused broker ask."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        first_miss = None
+        progress = start
+        while self.count() < blocks and time.monotonic() < deadline:
+            if self.alloc(min(64, blocks - self.count()), reuse_cache):
+                progress = time.monotonic()
+                continue
+            first_miss = time.monotonic() if first_miss is None else first_miss
+            if stall_s is not None and time.monotonic() - progress > stall_s:
+                break
+            self.runner.settle(1)  # a scheduling miss: try again once the governor has run
+        done = time.monotonic()
+        refused = [t for t in self.refusals if t >= start]
+        return {"held_blocks": self.count(), "misses": self.misses, "elapsed_s": done - start,
+                "first_miss_s": None if first_miss is None else first_miss - start,
+                "first_refusal_s": refused[0] - start if refused else None}
+
+    def alloc(self, blocks: int, reuse_cache: bool = False) -> bool:
+        """One allocation of ``blocks``; on a miss, with ``reuse_cache``, the own cache makes room first."""
+        got = self.manager.alloc(blocks)
+        if got is None and reuse_cache and self._free_cached(blocks):
+            got = self.manager.alloc(blocks)
+        if got is None:
+            self.misses += 1
+            return False
+        with self.lock:
+            self.held.append(got)
+        return True
+
+    def free(self, blocks: int) -> dict:
+        freed = self._take(self.held, blocks)
+        if freed:
+            self.manager.free(freed)
+        return {"held_blocks": self.count()}
+
+    def cache(self, blocks: int) -> dict:
+        with self.lock:
+            moved = self._take(self.held, blocks)
+            if moved:
+                self.cached.append(moved)
+        return {"held_blocks": self.count(), "cached_blocks": self.cached_count()}
+
+    # ------------------------------------------------------------ the prefix cache
+    def evict(self, pages: int) -> int:
+        """The eviction hook: free cached blocks (no running request uses them); blocks freed."""
+        blocks = pages * self.blocks_per_page() if self.evict_oldest else None
+        freed = self._free_cached(blocks)
+        self.evicted_blocks += freed
+        return freed
+
+    def _free_cached(self, blocks: int | None) -> int:
+        """Free the oldest cached blocks, ``blocks`` of them (every one when None)."""
+        with self.lock:
+            if blocks is None:
+                taken = [b for group in self.cached for b in group]
+                self.cached = []
+            else:
+                taken = self._take_oldest(self.cached, blocks)
+        if taken:
+            self.manager.free(taken)
+        return len(taken)
+
+    def drop_cache(self) -> int:
+        """Free every cached block (a reset between trials); blocks freed."""
+        return self._free_cached(None)
+
+    def blocks_per_page(self) -> int:
+        return max(1, self.manager.page_size // self.manager.block_mem_size)
+
+    # ------------------------------------------------------------ a demand trace
+    def track(self, schedule: list[list[float]], start_at: float, sample_s: float) -> dict:
+        """Follow ``schedule`` (``[t_s, live blocks wanted]`` steps, from ``start_at``, epoch seconds).
+
+        Every ``sample_s`` the live blocks move toward the demand: up by allocating (a miss is
+        retried at the next sample; the pool's own prefix cache makes room first), down by
+        finishing requests into the prefix cache.  Each sample records the demand, the live
+        blocks and the bytes the process has on the device; ``served_block_s`` integrates
+        ``min(demand, live)`` over time and ``demand_block_s`` the demand.
+        """
+        while time.time() < start_at:
+            time.sleep(min(0.01, max(0.0, start_at - time.time())))
+        end_s = schedule[-1][0]
+        samples, served, wanted = [], 0.0, 0.0
+        t = 0.0
+        while t <= end_s:
+            demand = demand_at(schedule, t)
+            self._follow(demand, deadline=start_at + t + sample_s)
+            live = self.count()
+            samples.append([round(t, 3), demand, live, self.cached_count(), self.gpu.mine_bytes()])
+            served += min(demand, live) * sample_s
+            wanted += demand * sample_s
+            t = time.time() - start_at
+            time.sleep(max(0.0, sample_s - (t - samples[-1][0])))
+            t = time.time() - start_at
+        return {"samples": samples, "served_block_s": served, "demand_block_s": wanted, "misses": self.misses,
+                "evicted_blocks": self.evicted_blocks}
+
+    def _follow(self, demand: int, deadline: float) -> None:
+        live = self.count()
+        if live > demand:
+            self.cache(live - demand)
+            return
+        while self.count() < demand and time.time() < deadline:
+            if not self.alloc(min(64, demand - self.count()), reuse_cache=True):
+                self.runner.wake()
+                return
+
+    # ------------------------------------------------------------ bookkeeping
+    def time_refusals(self) -> None:
+        """Timestamp every refused broker ask (instrumentation only: the grant is unchanged)."""
+        governor = getattr(self.manager.page_allocator, "governor", None)
+        grants = getattr(governor, "grants", None)
+        if grants is None:
+            return
+        real = grants.acquire
+
+        def acquire(*args, **kwargs):
+            got = real(*args, **kwargs)
+            if got == 0:
+                self.refusals.append(time.monotonic())
+            return got
+
+        grants.acquire = acquire
+
+    def _take(self, source: list[list[int]], blocks: int) -> list[int]:
+        """The newest ``blocks`` of ``source``."""
+        taken: list[int] = []
+        while source and len(taken) < blocks:
+            group = source.pop()
+            keep = len(taken) + len(group) - blocks
+            if keep > 0:
+                source.append(group[:keep])
+                group = group[keep:]
+            taken.extend(group)
+        return taken
+
+    def _take_oldest(self, source: list[list[int]], blocks: int) -> list[int]:
+        taken: list[int] = []
+        while source and len(taken) < blocks:
+            group = source.pop(0)
+            keep = len(taken) + len(group) - blocks
+            if keep > 0:
+                source.insert(0, group[-keep:])
+                group = group[:-keep]
+            taken.extend(group)
+        return taken
+
+    def count(self) -> int:
+        with self.lock:
+            return sum(map(len, self.held))
+
+    def cached_count(self) -> int:
+        with self.lock:
+            return sum(map(len, self.cached))
+
+    def status(self) -> dict:
+        from ...adapters import kvcached as kvmode
+
+        return {"pid": os.getpid(), "device_bytes": self.gpu.mine_bytes(), "pools": kvmode.status(),
+                "limit": self.manager.memory_limit_state(), "held_blocks": self.count(),
+                "cached_blocks": self.cached_count(), "page_state": self.manager.page_allocator.get_page_state(),
+                "blocks_per_page": self.blocks_per_page(), "evicted_blocks": self.evicted_blocks,
+                "misses": self.misses}
+
+
+def demand_at(schedule: list[list[float]], t_s: float) -> int:
+    """The demand in force at ``t_s``: the last step at or before it (0 before the first)."""
+    demand = 0
+    for at_s, blocks in schedule:
+        if at_s > t_s:
+            break
+        demand = int(blocks)
+    return demand
+
+
+def reply(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
