@@ -20,11 +20,12 @@ from msgspec import UNSET
 from ..client.admin import AdminClient
 from ..client.endpoint import EndpointError, resolve_endpoint
 from ..client.errors import BrokerError, BrokerUnavailable
-from ..client.units import SizeError
+from ..client.units import MAX_SIZE_BYTES, SizeError
 from . import __version__
 from . import config as serve_config
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+MAX_PID = (1 << 31) - 1  # the protocol's largest pid
 log = logging.getLogger("kvcached_broker")
 
 
@@ -58,12 +59,32 @@ def _size_or_none(text: str) -> int | None:
     return None if text.strip().lower() == "none" else _size(text)
 
 
-def _process_usage(text: str) -> tuple[int, int]:
-    """``PID=SIZE`` for ``simulate --process`` (SIZE 0 clears that process)."""
-    pid_text, sep, size_text = text.partition("=")
-    if not sep or not pid_text.strip().isdigit() or int(pid_text) <= 0:
-        raise argparse.ArgumentTypeError(f"expected PID=SIZE with a positive pid, got {text!r}")
-    return int(pid_text), _size(size_text.strip())
+def _simulated_size(flag: str, text: str) -> int:
+    """A size for ``simulate``, within what the protocol carries; UsageError (one line) if not."""
+    try:
+        size_bytes = serve_config.OPTIONS["simulate"][0](text.strip())
+    except (ValueError, SizeError) as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+    if size_bytes > MAX_SIZE_BYTES:
+        raise UsageError(f"{flag}: {text!r} is larger than the largest size the broker takes ({MAX_SIZE_BYTES} bytes)")
+    return size_bytes
+
+
+def _process_usage(texts: Sequence[str]) -> dict[int, int]:
+    """``{pid: bytes}`` from ``simulate --process PID=SIZE`` flags (SIZE 0 clears that process).
+
+    Each pid is positive, fits the protocol (< 2**31) and is given once; UsageError otherwise."""
+    usage: dict[int, int] = {}
+    for text in texts:
+        pid_text, sep, size_text = text.partition("=")
+        pid_text = pid_text.strip()
+        if not sep or not pid_text.isdigit() or not 0 < int(pid_text) <= MAX_PID:
+            raise UsageError(f"--process: expected PID=SIZE with a pid from 1 to {MAX_PID}, got {text!r}")
+        pid = int(pid_text)
+        if pid in usage:
+            raise UsageError(f"--process: pid {pid} is given twice")
+        usage[pid] = _simulated_size("--process", size_text)
+    return usage
 
 
 # -------------------------------------------------------------------- parser
@@ -129,10 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="inject usage into a simulated GPU (testing aid, admin)")
     endpoint_options(sim)
-    sim.add_argument("--external", type=_size, metavar="SIZE", help="memory used by unregistered processes")
+    # Values are checked in cmd_simulate, so that a bad one is a one-line error (exit 2).
+    sim.add_argument("--external", metavar="SIZE", help="memory used by unregistered processes")
     sim.add_argument(
-        "--process", type=_process_usage, action="append", default=[], metavar="PID=SIZE",
-        help="what the simulated device reports process PID using, as NVML would (repeatable; SIZE 0 clears it)",
+        "--process", action="append", default=[], metavar="PID=SIZE",
+        help="what the simulated device reports running process PID using, as NVML would (repeatable; "
+        "SIZE 0 clears it; the broker drops it once the process exits)",
     )
 
     keygen = sub.add_parser("keygen", help="create a CURVE key pair (NAME.key, NAME.key_secret) in DIR")
@@ -277,9 +300,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.external is None and not args.process:
-        raise UsageError("simulate: give --external SIZE and/or --process PID=SIZE")
-    external = UNSET if args.external is None else args.external
-    processes = dict(args.process) if args.process else UNSET
+        raise UsageError("give --external SIZE and/or --process PID=SIZE")
+    external = UNSET if args.external is None else _simulated_size("--external", args.external)
+    processes = _process_usage(args.process) if args.process else UNSET
     with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
         print(json.dumps(admin.simulate(external_bytes=external, process_bytes=processes)))
     return EXIT_OK

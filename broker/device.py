@@ -8,11 +8,11 @@ per-process measured bytes (for ``charge = max(reported, measured)``).
 from __future__ import annotations
 
 import logging
-import threading
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from .accounts import DeviceInfo
 
@@ -54,26 +54,40 @@ class DeviceError(RuntimeError):
     """The device cannot be opened (no NVML, no such GPU)."""
 
 
+class NoSuchProcess(ValueError):
+    """Usage was set for a pid that does not run (a simulated device reports running processes only)."""
+
+
 class SimulatedDevice:
     """A GPU of ``total_bytes`` that exists only in the broker, for machines without one.
 
     Tests and demos inject usage by others with :meth:`set_external` and per-process usage
     with :meth:`set_process_bytes` (reachable over the wire via the admin ``simulate`` op).
 
+    Invariant, as NVML: a reading lists a process only while it runs.  Usage set for a pid is
+    tied to that process's start time; once the pid no longer runs (exited, a zombie, or reused
+    by a process that started later) its entry is dropped for good.
+
     With ``usage_dir`` the device is shared by processes, as a real GPU is: each process that
-    "allocates" on it keeps a file ``usage_dir/PID`` holding the bytes it uses (a decimal
-    number, replaced atomically), and the device reports those files as each live process's
-    usage, the way NVML reports what each process has mapped.  The processes read the same
-    files to know what is free (their ``cudaMemGetInfo``).  See ``shared_usage``.
+    "allocates" on it keeps a file ``usage_dir/PID`` holding the bytes it uses and its start
+    time (``SIZE START_TICKS``, replaced atomically), and the device reports those files as
+    each running process's usage, the way NVML reports what each process has mapped.  The
+    processes read the same files to know what is free (their ``cudaMemGetInfo``).  See
+    :func:`read_shared_usage` and ``tools/shared_gpu.py``.
+
+    ``start_ticks(pid)`` says when a running pid started (None if it does not run); it is
+    :func:`running_start_ticks` unless a test injects another.
     """
 
-    def __init__(self, index: int, total_bytes: int, usage_dir: Path | None = None):
+    def __init__(self, index: int, total_bytes: int, usage_dir: Path | None = None, *,
+                 start_ticks: Callable[[int], int | None] | None = None):
         if total_bytes <= 0:
             raise DeviceError(f"simulated device size must be positive, got {total_bytes}")
         self.info = DeviceInfo(index=index, uuid=f"SIM-GPU-{index}", name=f"simulated GPU {index}", simulated=True)
         self.total_bytes = total_bytes
         self._external_bytes = 0
-        self._process_bytes: dict[int, int] = {}
+        self._process_bytes: dict[int, tuple[int, int]] = {}  # pid -> (bytes, its start ticks)
+        self._start_ticks = start_ticks or running_start_ticks
         self.usage_dir = usage_dir
         self._lock = threading.Lock()
 
@@ -82,18 +96,30 @@ class SimulatedDevice:
             self._external_bytes = external_bytes
 
     def set_process_bytes(self, process_bytes: dict[int, int]) -> None:
-        """Set what the device reports these processes using (0 clears one); others keep theirs."""
+        """Set what the device reports these processes using (0 clears one); others keep theirs.
+
+        All or nothing: raises :class:`NoSuchProcess` naming the first pid given a size that
+        does not run, and then changes nothing."""
+        stamped: dict[int, tuple[int, int] | None] = {}
+        for pid, size_bytes in process_bytes.items():
+            if size_bytes <= 0:
+                stamped[pid] = None
+                continue
+            start = self._start_ticks(pid)
+            if start is None:
+                raise NoSuchProcess(f"no running process {pid}: a simulated device, like NVML, reports running processes only")
+            stamped[pid] = (size_bytes, start)
         with self._lock:
-            for pid, size in process_bytes.items():
-                if size > 0:
-                    self._process_bytes[pid] = size
-                else:
+            for pid, entry in stamped.items():
+                if entry is None:
                     self._process_bytes.pop(pid, None)
+                else:
+                    self._process_bytes[pid] = entry
 
     def read(self) -> DeviceReading:
-        shared = read_shared_usage(self.usage_dir) if self.usage_dir is not None else {}
+        shared = read_shared_usage(self.usage_dir, self._start_ticks) if self.usage_dir is not None else {}
         with self._lock:
-            processes = {**shared, **self._process_bytes}
+            processes = {**shared, **self._running_process_bytes()}
             # As NVML: what every process uses, plus what the injected outsiders use; the
             # broker takes external usage as what its own processes do not account for.
             return DeviceReading(
@@ -101,6 +127,16 @@ class SimulatedDevice:
                 used_bytes=sum(processes.values()) + self._external_bytes,
                 process_bytes=processes,
             )
+
+    def _running_process_bytes(self) -> dict[int, int]:
+        """The set usage of processes still running; drops the others' entries (lock held)."""
+        running: dict[int, int] = {}
+        for pid, (size_bytes, start) in list(self._process_bytes.items()):
+            if self._start_ticks(pid) == start:
+                running[pid] = size_bytes
+            else:
+                del self._process_bytes[pid]
+        return running
 
 
 class NvmlDevice:
@@ -156,9 +192,49 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def read_shared_usage(usage_dir: Path) -> dict[int, int]:
-    """``{pid: bytes}`` from a shared simulated device's usage files, for live processes only
-    (a dead process's memory is freed with it, as the driver frees a real one's)."""
+def running_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat`` field 22), or
+    None if it does not run: no such process, or a zombie (its memory is freed at exit, so
+    NVML no longer lists it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may itself contain spaces or ')'.
+    fields = data[data.rfind(b")") + 2 :].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):  # fields[0] is field 3, the state
+        return None
+    try:
+        return int(fields[19])
+    except ValueError:
+        return None
+
+
+def format_shared_usage(size_bytes: int, start_ticks: int | None) -> str:
+    """A usage file's text: ``SIZE START_TICKS`` (``SIZE`` alone when the start is unknown)."""
+    return str(size_bytes) if start_ticks is None else f"{size_bytes} {start_ticks}"
+
+
+def parse_shared_usage(text: str) -> tuple[int, int | None]:
+    """``(bytes, start ticks or None)`` from a usage file's text; raises ValueError if malformed."""
+    parts = text.split()
+    if not parts:
+        return 0, None
+    if len(parts) > 2:
+        raise ValueError(f"expected SIZE [START_TICKS], got {text!r}")
+    size_bytes = int(parts[0])
+    start_ticks = int(parts[1]) if len(parts) == 2 else None
+    if size_bytes < 0:
+        raise ValueError(f"negative usage {size_bytes}")
+    return size_bytes, start_ticks
+
+
+def read_shared_usage(usage_dir: Path, start_ticks: Callable[[int], int | None] = running_start_ticks) -> dict[int, int]:
+    """``{pid: bytes}`` from a shared simulated device's usage files, for running processes
+    only: a dead process's memory is freed with it, as the driver frees a real one's, and a
+    file stamped with another start time than the pid's is a previous holder's of that pid.
+    A file without a start time is taken for whichever process runs under its pid."""
     usage: dict[int, int] = {}
     try:
         names = os.listdir(usage_dir)
@@ -169,9 +245,12 @@ def read_shared_usage(usage_dir: Path) -> dict[int, int]:
             continue
         pid = int(name)
         try:
-            size = int((usage_dir / name).read_text() or 0)
+            size_bytes, stamp = parse_shared_usage((usage_dir / name).read_text())
         except (OSError, ValueError):
             continue
-        if size > 0 and os.path.exists(f"/proc/{pid}"):
-            usage[pid] = size
+        if size_bytes <= 0:
+            continue
+        running = start_ticks(pid)
+        if running is not None and stamp in (None, running):
+            usage[pid] = size_bytes
     return usage

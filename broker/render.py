@@ -14,7 +14,12 @@ FREE_CHAR = "·"
 
 
 def render_table(status: dict[str, Any]) -> str:
-    """A readable table: a device header, then one row per instance and one per pool."""
+    """A readable table: a device header, then one row per instance and one per pool.
+
+    Under an instance, only what is there is shown: a pool that is a hold is marked ``hold``;
+    a line with the instance's held and unreported bytes if either is nonzero; a line per
+    session with nonzero held or measured bytes; and, with a ``!COLLISION`` marker on the
+    instance's row, a ``!`` line per name collision (``conflicts`` in ``status --json``)."""
     dev = status["device"]
     broker = status.get("broker", {})
     kind = "simulated" if dev["simulated"] else dev["name"]
@@ -51,11 +56,47 @@ def render_table(status: dict[str, Any]) -> str:
         lines.append(
             f"{_clip(inst['name'], 33):<34}{len(inst['sessions']):>9}{format_bytes(inst['reserved_bytes']):>13}"
             f"{format_bytes(inst['granted_bytes']):>13}{format_bytes(inst['min_bytes']):>12}"
-            f"{format_bytes(inst['max_bytes']):>12}{states}"
+            f"{format_bytes(inst['max_bytes']):>12}{states}{_collision_marker(inst)}"
         )
-        for pool, size in inst["pools"].items():
-            lines.append(f"  {_clip(pool, 31):<32}{'':>9}{format_bytes(size):>13}")
+        lines.extend(_instance_details(inst))
     return "\n".join(lines)
+
+
+def _instance_details(inst: dict[str, Any]) -> list[str]:
+    """The lines under an instance's row: pools, then held/measured figures, then collisions."""
+    holds = inst.get("holds", {})
+    lines = [
+        f"  {_clip(pool, 31):<32}{'':>9}{format_bytes(size):>13}" + ("  hold" if pool in holds else "")
+        for pool, size in inst["pools"].items()
+    ]
+    figures = _nonzero_figures(("held", inst.get("held_bytes", 0)), ("unreported", inst.get("unreported_bytes", 0)))
+    if figures:
+        lines.append(f"  {'(instance)':<32}{figures}")
+    for session in inst["sessions"]:
+        figures = _nonzero_figures(("held", session.get("held_bytes", 0)), ("measured", session.get("measured_bytes", 0)))
+        if figures:
+            who = f"{session['id']} rank {session['rank']} pid {session['pid']}"
+            lines.append(f"  {_clip(who, 31):<32}{figures}")
+    lines.extend(f"  ! {_describe_conflict(conflict)}" for conflict in inst.get("conflicts", []))
+    return lines
+
+
+def _nonzero_figures(*figures: tuple[str, int]) -> str:
+    """``"held 2.00 GiB  measured 30.00 GiB"`` for the nonzero ones ("" when all are 0)."""
+    return "  ".join(f"{label} {format_bytes(size_bytes)}" for label, size_bytes in figures if size_bytes)
+
+
+def _collision_marker(inst: dict[str, Any]) -> str:
+    return "  !COLLISION" if inst.get("conflicts") else ""
+
+
+def _describe_conflict(conflict: dict[str, Any]) -> str:
+    pids = ", ".join(map(str, conflict["pids"]))
+    sessions = ", ".join(conflict["sessions"])
+    if conflict["kind"] == "rank":
+        return f"name collision: rank {conflict['rank']} is held by pids {pids} (sessions {sessions})"
+    sizes = ", ".join(map(str, conflict["tp_sizes"]))
+    return f"name collision: sessions disagree on tp_size ({sizes}; pids {pids}, sessions {sessions})"
 
 
 def render_bars(status: dict[str, Any], width: int | None = None) -> str:

@@ -6,9 +6,9 @@ added since are listed in the README under "status fields" and never change mean
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from .accounts import Limits, Session
+from .accounts import Limits, Session, SessionState
 from .ledger import Ledger
 from .sessions import SessionTable
 
@@ -75,8 +75,59 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
         "pools": _sorted(pools),
         "holds": _sorted(holds),
         "usage_breakdown": _sorted(usage),
+        "conflicts": instance_conflicts(sessions).get(name, []),
         "sessions": [_session(table, s, now_s) for s in sessions],
     }
+
+
+def instance_conflicts(sessions: Iterable[Session]) -> dict[str, list[dict[str, Any]]]:
+    """The name collisions among live sessions, by instance (instances without one are absent).
+
+    Two servers given one ``KVCACHED_BROKER_INSTANCE`` merge into one instance; what gives
+    them away is one of:
+
+    * ``rank``: live sessions of one ``tp_rank`` opened by more than one process (a server's
+      rank is one process; one process may open several sessions);
+    * ``tp_size``: live sessions that disagree on ``tp_size`` (every rank of a server agrees).
+
+    Each conflict is ``{kind, rank | tp_sizes, sessions: [id], pids: [pid]}``, ids and pids
+    sorted, conflicts in a fixed order (``tp_size`` first, then ranks ascending), so that the
+    same sessions always give an equal answer.  Pure: reads the sessions, changes nothing.
+    Stale and recovering sessions are left out (a restarted server's old session is not a
+    second server).  Processes are told apart by pid (for a tcp peer, the pid it gave).
+    """
+    live: dict[str, list[Session]] = {}
+    for session in sessions:
+        if session.state is SessionState.LIVE:
+            live.setdefault(session.instance, []).append(session)
+    found: dict[str, list[dict[str, Any]]] = {}
+    for name, members in sorted(live.items()):
+        conflicts = _tp_size_conflicts(members) + _rank_conflicts(members)
+        if conflicts:
+            found[name] = conflicts
+    return found
+
+
+def _tp_size_conflicts(members: list[Session]) -> list[dict[str, Any]]:
+    tp_sizes = sorted({s.tp_size for s in members})
+    if len(tp_sizes) < 2:
+        return []
+    return [{"kind": "tp_size", "tp_sizes": tp_sizes, **_who(members)}]
+
+
+def _rank_conflicts(members: list[Session]) -> list[dict[str, Any]]:
+    by_rank: dict[int, list[Session]] = {}
+    for session in members:
+        by_rank.setdefault(session.tp_rank, []).append(session)
+    return [
+        {"kind": "rank", "rank": rank, **_who(group)}
+        for rank, group in sorted(by_rank.items())
+        if len({s.pid for s in group}) > 1
+    ]
+
+
+def _who(members: list[Session]) -> dict[str, list]:
+    return {"sessions": sorted(s.id for s in members), "pids": sorted({s.pid for s in members})}
 
 
 def _sorted(sizes: dict[str, int]) -> dict[str, int]:

@@ -1,9 +1,11 @@
 """The process side of a simulated GPU shared by processes (``serve --simulate-usage-dir DIR``).
 
-A process that "allocates" device memory records the bytes it now uses in ``DIR/PID``; the
-broker reports those files as each live process's usage, as NVML does, and every process
-reads them to know what is free, as ``cudaMemGetInfo`` tells it.  So a neighbour's allocation
-shrinks everyone's free memory, and an allocation that does not fit fails, as on a GPU.
+A process that "allocates" device memory records the bytes it now uses in ``DIR/PID``, with
+its start time (``SIZE START_TICKS``), so that a later process given the same pid is not taken
+for it; the broker reports those files as each running process's usage, as NVML does, and
+every process reads them to know what is free, as ``cudaMemGetInfo`` tells it.  So a
+neighbour's allocation shrinks everyone's free memory, and an allocation that does not fit
+fails, as on a GPU.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from ..broker.device import read_shared_usage
+from ..broker.device import format_shared_usage, parse_shared_usage, read_shared_usage, running_start_ticks
 
 
 class DeviceFull(RuntimeError):
@@ -20,10 +22,16 @@ class DeviceFull(RuntimeError):
 
 
 class SharedGpu:
+    """Process ``pid``'s view of the shared device (this process unless told otherwise).
+
+    Invariant: the usage file ``DIR/PID`` it writes is stamped with ``pid``'s start time, and
+    only a file with that stamp (or none) counts as this process's usage."""
+
     def __init__(self, usage_dir: Path, total_bytes: int, *, pid: int | None = None):
         self.usage_dir = Path(usage_dir)
         self.total_bytes = total_bytes
         self.pid = os.getpid() if pid is None else pid
+        self.start_ticks = running_start_ticks(self.pid)
         self.usage_dir.mkdir(parents=True, exist_ok=True)
 
     def used_bytes(self) -> int:
@@ -34,10 +42,12 @@ class SharedGpu:
         return max(0, self.total_bytes - self.used_bytes())
 
     def mine_bytes(self) -> int:
+        """What this process uses; 0 if its file is missing, malformed or a previous holder's of its pid."""
         try:
-            return int((self.usage_dir / str(self.pid)).read_text() or 0)
+            size_bytes, stamp = parse_shared_usage((self.usage_dir / str(self.pid)).read_text())
         except (OSError, ValueError):
             return 0
+        return size_bytes if stamp in (None, self.start_ticks) else 0
 
     def allocate(self, size_bytes: int) -> None:
         """Take ``size_bytes`` more; raises :class:`DeviceFull` if the device has no room."""
@@ -58,7 +68,7 @@ class SharedGpu:
     def _write(self, size_bytes: int) -> None:
         path = self.usage_dir / str(self.pid)
         tmp = self.usage_dir / f".{self.pid}.tmp"
-        tmp.write_text(str(size_bytes))
+        tmp.write_text(format_shared_usage(size_bytes, self.start_ticks))
         os.replace(tmp, path)
 
     def _locked(self):
