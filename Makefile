@@ -5,6 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 ENVS := .adapter-envs
+# The hand-over demo and benchmark (tools/kvcached_sim): torch, a CPU build (the pin resolves to
+# the local CPU wheel; never unpinned), and kvcached 0.1.6's Python code (scripts/fetch-kvcached.py).
+TORCH_PIN := torch==2.13.0
+KVCACHED_SIM := $(ENVS)/kvcached-0.1.6
+SIM_STAMP := $(VENV)/.kvcached-sim
+SIM_LOG := $(VENV)/kvcached-sim.log
 
 .PHONY: demo test test-core test-adapters adapter-envs bench chaos replay clean
 
@@ -14,8 +20,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# Idempotent: once stamped it is not run again (`make clean` or deleting the stamp redoes it).
+$(SIM_STAMP): $(STAMP) scripts/fetch-kvcached.py
+	@echo "preparing the hand-over demo: torch (CPU) and kvcached 0.1.6's Python code (log: $(SIM_LOG))"
+	@{ $(PY) -m pip show torch >/dev/null 2>&1 || $(PY) -m pip install --quiet '$(TORCH_PIN)'; } >$(SIM_LOG) 2>&1
+	@$(PY) scripts/fetch-kvcached.py $(ENVS) >>$(SIM_LOG) 2>&1
+	@touch $(SIM_STAMP)
+
+# The hand-over, live (tools/demo.py); if torch or kvcached cannot be had, the three-worker demo
+# (the demo says which it shows, and why, in one line).
 demo: $(STAMP)
-	$(VENV)/bin/kvcached-broker demo
+	@$(MAKE) --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over demo (see $(SIM_LOG))"
+	KVCACHED_BROKER_KVCACHED_PATH=$(abspath $(KVCACHED_SIM)) $(VENV)/bin/kvcached-broker demo $(DEMO_ARGS)
 
 # The whole suite: the environments first (so the core's torch-using tests run too), then the
 # core, then the adapters against every supported upstream version.
@@ -33,6 +49,7 @@ test-adapters: adapter-envs
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
+	@$(MAKE) --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over benchmark (see $(SIM_LOG))"
 	mkdir -p bench-results
 	$(PY) benchmarks/suite.py --out bench-results
 

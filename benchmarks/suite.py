@@ -4,6 +4,9 @@
 
 Prints one table (figure, value, baseline measured in this run, ratio, target) and writes
 ``bench-results/bench.json`` and ``bench-results/latency_vs_sessions.png`` (matplotlib).
+The kvcached hand-over (benchmarks/handover.py) runs last, with its own table, JSON and PNG;
+its headline figures join this table.  It needs torch and kvcached's Python code (``make
+bench`` installs them) and is skipped, saying why, without them.
 """
 
 from __future__ import annotations
@@ -296,6 +299,30 @@ def bench_reclaim(workdir: Path, trials: int) -> None:
         note=f"{trials} trials; includes the status polls that observe it")
 
 
+# ----------------------------------------------------------------------------- kvcached hand-over
+def bench_handover(out: Path, trials: int) -> None:
+    """benchmarks/handover.py: its own table and files; the hand-over and demand served join ROWS."""
+    import handover
+
+    why = handover.prerequisites()
+    if why:
+        print(f"hand-over benchmark skipped: {why}")
+        return
+    table, _ = handover.run(out, trials, list(handover.SETUPS))
+    by_key = {r["key"]: r["values"] for r in table}
+    handover_s = by_key["handover_p50_s"].get("broker")
+    if handover_s is not None:
+        row("kvcached hand-over p50", handover_s * 1e3, "ms", None, "",
+            note=f"first refusal to held: B bursts {handover.B_BURST_BYTES >> 30} GiB while an idle A holds "
+                 f"{handover.A_FILL_BYTES >> 30} GiB of cache; see handover.json")
+    served = by_key["served"]
+    if served.get("broker") is not None:
+        for base in ("static", "alone"):
+            if served.get(base):
+                row(f"kvcached demand served vs {base}", served["broker"], "%", served[base], "",
+                    note=f"burst trace, both models; baseline: {handover.SETUPS[base]}")
+
+
 # ----------------------------------------------------------------------------- output
 def render() -> str:
     lines = [f"{'figure':<40}{'value':>12}{'baseline':>12}{'ratio':>8}  {'target':<26}note"]
@@ -339,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--only", default="", help="comma-separated: roundtrip,capacity,credit,scaling,reclaim")
+    parser.add_argument("--only", default="",
+                        help="comma-separated: roundtrip,capacity,credit,scaling,reclaim,handover")
     args = parser.parse_args(argv)
     n = 1500 if args.quick else 6000
     only = set(filter(None, args.only.split(",")))
@@ -356,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             curve = bench_scaling(workdir, n)
         if not only or "reclaim" in only:
             bench_reclaim(workdir, 10 if args.quick else 30)
+        if not only or "handover" in only:
+            bench_handover(args.out, 2 if args.quick else 5)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(render())

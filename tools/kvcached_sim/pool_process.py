@@ -43,7 +43,10 @@ from pathlib import Path
 
 HEADS, HEAD_DIM = 8, 128
 BLOCK_TOKENS = 16
-FP16_BYTES = 2
+#: After a miss the engine tries again at its next scheduling step, at most this often (a
+#: runtime's scheduler steps every few to tens of milliseconds; a hot retry loop would take
+#: the CPU from the governors and the broker on a small machine).
+RETRY_S = 0.01
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -112,7 +115,8 @@ def serve(engine: "Engine", manager, runner) -> None:
         elif op == "drop_cache":
             reply({"freed_blocks": engine.drop_cache()})
         elif op == "limit":
-            reply({"limit": manager.set_memory_limit(request["bytes"])})
+            revision = int(manager.memory_limit_state().get("revision", 0)) + 1
+            reply({"limit": manager.set_memory_limit(request["bytes"], revision=revision)})
         elif op == "track":
             reply(engine.track(request["schedule"], request["start_at"], request.get("sample_s", 0.05)))
         elif op == "settle":
@@ -155,7 +159,7 @@ class Engine:
             first_miss = time.monotonic() if first_miss is None else first_miss
             if stall_s is not None and time.monotonic() - progress > stall_s:
                 break
-            self.runner.settle(1)  # a scheduling miss: try again once the governor has run
+            self._next_step()
         done = time.monotonic()
         refused = [t for t in self.refusals if t >= start]
         return {"held_blocks": self.count(), "misses": self.misses, "elapsed_s": done - start,
@@ -219,7 +223,8 @@ class Engine:
         """Follow ``schedule`` (``[t_s, live blocks wanted]`` steps, from ``start_at``, epoch seconds).
 
         Every ``sample_s`` the live blocks move toward the demand: up by allocating (a miss is
-        retried at the next sample; the pool's own prefix cache makes room first), down by
+        retried every scheduler step until the sample ends; the pool's own prefix cache makes
+        room first), down by
         finishing requests into the prefix cache.  Each sample records the demand, the live
         blocks and the bytes the process has on the device; ``served_block_s`` integrates
         ``min(demand, live)`` over time and ``demand_block_s`` the demand.
@@ -249,8 +254,13 @@ class Engine:
             return
         while self.count() < demand and time.time() < deadline:
             if not self.alloc(min(64, demand - self.count()), reuse_cache=True):
-                self.runner.wake()
-                return
+                self._next_step()
+
+    def _next_step(self) -> None:
+        """A scheduling miss: try again once the governor has run, and a scheduler step later."""
+        started = time.monotonic()
+        self.runner.settle(1)
+        time.sleep(max(0.0, RETRY_S - (time.monotonic() - started)))
 
     # ------------------------------------------------------------ bookkeeping
     def time_refusals(self) -> None:
