@@ -30,7 +30,7 @@ $(SIM_STAMP): $(STAMP) scripts/fetch-kvcached.py
 # The hand-over, live (tools/demo.py); if torch or kvcached cannot be had, the three-worker demo
 # (the demo says which it shows, and why, in one line).
 demo: $(STAMP)
-	@$(MAKE) --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over demo (see $(SIM_LOG))"
+	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over demo (see $(SIM_LOG))"
 	KVCACHED_BROKER_KVCACHED_PATH=$(abspath $(KVCACHED_SIM)) $(VENV)/bin/kvcached-broker demo $(DEMO_ARGS)
 
 # The whole suite: the environments first (so the core's torch-using tests run too), then the
@@ -49,7 +49,7 @@ test-adapters: adapter-envs
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
-	@$(MAKE) --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over benchmark (see $(SIM_LOG))"
+	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over benchmark (see $(SIM_LOG))"
 	mkdir -p bench-results
 	$(PY) benchmarks/suite.py --out bench-results
 

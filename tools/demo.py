@@ -1,4 +1,12 @@
-"""``kvcached-broker demo``: a simulated 80 GiB GPU shared by three co-located workers, live.
+"""``kvcached-broker demo``: the kvcached hand-over live, or three co-located workers.
+
+With torch and kvcached 0.1.6's Python code importable (``make demo`` installs them; a plain
+install finds kvcached on the path or at ``$KVCACHED_BROKER_KVCACHED_PATH``), the demo is the
+hand-over (:mod:`.kvcached_sim.handover_demo`): two real kvcached pools in kvcached mode, an
+idle model's memory flowing to a bursting one, kvcached's limits beside the broker's grants.
+
+Without them, or with ``KVCACHED_BROKER_DEMO=classic``, it is the three-worker demo (it says
+which, and why, in one line), a simulated 80 GiB GPU shared by:
 
 * ``deepseek-v4``: reports its runtime-owned DeepSeek-V4 pools (SWA, C4, C128, indexer and
   compressor state) plus weights as reservations, then holds a few elastic pages;
@@ -35,7 +43,27 @@ DSV4_POOLS = {
 ELASTIC_PAGE_BYTES = 64 * MIB
 
 
+DEMO_ENV = "KVCACHED_BROKER_DEMO"
+
+
 def run_demo(seconds: float = 8.0, keep: bool = False) -> int:
+    """The hand-over demo if it can run here, else the three-worker demo, saying why in one line."""
+    if os.environ.get(DEMO_ENV, "").strip().lower() == "classic":
+        return run_classic(seconds, keep)
+    from .kvcached_sim import missing
+
+    why = missing()
+    if why:
+        print(f"kvcached-broker demo: three co-located workers (no kvcached hand-over demo here: {why}; "
+              f"`make demo` installs what it needs)", flush=True)
+        return run_classic(seconds, keep)
+    from .kvcached_sim import handover_demo
+
+    return handover_demo.run(seconds, keep)
+
+
+def run_classic(seconds: float = 8.0, keep: bool = False) -> int:
+    """Three workers on a simulated 80 GiB GPU, the broker's status redrawn in place."""
     from ..broker.render import CLEAR_HOME, render_bars
     from ..client.errors import BrokerUnavailable
     from .launch import BrokerLauncher

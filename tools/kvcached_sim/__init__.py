@@ -45,8 +45,8 @@ def missing() -> str:
         return "torch is not installed (a CPU build is enough: pip install torch)"
     path = kvcached_path()
     if importlib.util.find_spec("kvcached") is None and path is None:
-        return (f"kvcached {KVCACHED_VERSION}'s Python code is not importable (scripts/fetch-kvcached.py "
-                f".adapter-envs, or set {PATH_ENV})")
+        return (f"kvcached {KVCACHED_VERSION}'s Python code is not importable (fetch it with "
+                f"scripts/fetch-kvcached.py and set {PATH_ENV})")
     version = _kvcached_version(path)
     if version != KVCACHED_VERSION:
         return f"kvcached {version} found, the simulation needs {KVCACHED_VERSION}"
