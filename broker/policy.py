@@ -9,6 +9,12 @@
   reservations are not reclaimable).  A session is not asked again while an ask is fresh.
   Whatever a session releases after an ask counts as returned.  A session that ignores an ask
   keeps what it holds: the broker never charges it less than it holds.
+* **Escalation.** A refused ask says only what it needed at least, and an instance that is
+  bursting is refused again and again.  Each refusal of the same instance within
+  ``escalate_window_s`` of the last doubles what the broker asks the others for (up to
+  ``2**MAX_ESCALATION`` times the refused ask), never beyond what the starved instance lacks
+  of its floor or fair share.  So a burst is handed over in a few rounds rather than one
+  refused ask at a time, while a single small refusal still costs the others only its size.
 
 Units: bytes and pages as ints, times in seconds.
 """
@@ -113,14 +119,21 @@ class InstancePressure:
     ignored_bytes: int = 0
 
 
+#: Refusals of one instance in a row that keep doubling the pressure (2**6 = 64 times an ask).
+MAX_ESCALATION = 6
+
+
 @dataclass
 class PressureBook:
     """Who was asked for how much, and how much came back."""
 
     retry_s: float = 1.0
     expire_s: float = 10.0
+    escalate_window_s: float = 2.0
     pending: dict[str, PendingAsk] = field(default_factory=dict)
     totals: dict[str, InstancePressure] = field(default_factory=dict)
+    #: starved instance -> (refusals in a row, when the last one was planned)
+    streaks: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def plan(self, ledger: Ledger, starved: str, need_bytes: int, now_s: float) -> list[Ask]:
         """Asks that would free up to ``need_bytes`` for ``starved`` from instances above their share."""
@@ -129,6 +142,7 @@ class PressureBook:
         shares = fair_shares(ledger)
         if not starving(ledger, starved, shares):
             return []
+        need_bytes = self._escalated(ledger, starved, need_bytes, shares, now_s)
         excess = []
         for name in ledger.instance_names():
             if name == starved:
@@ -162,6 +176,15 @@ class PressureBook:
             self._record(ask, now_s)
         return asks
 
+    def _escalated(self, ledger: Ledger, starved: str, need_bytes: int, shares: dict[str, int], now_s: float) -> int:
+        """``need_bytes`` doubled once per refusal of ``starved`` in a row, within its deficit."""
+        streak, last_s = self.streaks.get(starved, (-1, -math.inf))
+        streak = min(streak + 1, MAX_ESCALATION) if now_s - last_s <= self.escalate_window_s else 0
+        self.streaks[starved] = (streak, now_s)
+        floor = ledger.limits.get(starved, Limits()).min_bytes
+        deficit = max(floor, shares.get(starved, 0)) - ledger.instance_charge_bytes(starved)
+        return max(need_bytes, min(need_bytes << streak, deficit))
+
     def _record(self, ask: Ask, now_s: float) -> None:
         self.pending[ask.session_id] = PendingAsk(ask.instance, ask.page_bytes, ask.pages, now_s)
         totals = self.totals.setdefault(ask.instance, InstancePressure())
@@ -187,6 +210,7 @@ class PressureBook:
 
     def expire(self, now_s: float) -> list[tuple[str, PendingAsk]]:
         """Asks left unanswered for ``expire_s``: recorded as ignored and dropped."""
+        self.streaks = {name: s for name, s in self.streaks.items() if now_s - s[1] <= self.escalate_window_s}
         gone = [(sid, ask) for sid, ask in self.pending.items() if now_s - ask.asked_at_s >= self.expire_s]
         for sid, ask in gone:
             del self.pending[sid]

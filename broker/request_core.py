@@ -39,6 +39,9 @@ from .status import build_status
 
 log = logging.getLogger("kvcached_broker")
 
+#: At most one device reading per this many seconds on behalf of pressure planning.
+PRESSURE_READ_S = 0.05
+
 _decode_request = msgspec.msgpack.Decoder(proto.AnyRequest).decode
 _encode = msgspec.msgpack.Encoder().encode
 _LIVE = SessionState.LIVE  # bound once: an enum member lookup costs a metaclass call
@@ -74,6 +77,7 @@ class RequestCore:
         self.quotas = quotas
         self.counters = Counters()
         self.pressure = PressureBook()
+        self._pressure_read_s = -1.0
         self.lifecycle = SessionLifecycle(ledger, table, self.pressure, processes, self.counters)
         self.opener = SessionOpener(ledger, table, self.lifecycle, journal, quotas)
         self.admin = AdminOps(ledger, self.lifecycle, journal, device, is_admin)
@@ -239,6 +243,11 @@ class RequestCore:
         if refusal.code != "budget_exceeded" or refusal.details.get("held"):
             return  # its own cap, external overcommit or a recovery hold: taking from others would not help
         need = asked_bytes - int(refusal.details.get("free_bytes", 0))
+        if now - self._pressure_read_s >= PRESSURE_READ_S:
+            # What others were asked for before may be unmapped already: read the device, so
+            # that their excess is not a reading old and they are not asked for it twice.
+            self._pressure_read_s = now
+            self.device.observe(self.ledger, now)
         for ask in self.pressure.plan(self.ledger, instance, need, now):
             binding = self.table.by_id(ask.session_id)
             if binding is None or binding.routing_id is None:

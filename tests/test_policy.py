@@ -63,6 +63,40 @@ def test_pressure_asks_those_above_their_share_and_counts_what_comes_back():
     assert ledger.sessions["s0"].granted_pages == 86  # ignoring an ask never cuts what it holds
 
 
+def test_refusals_in_a_row_escalate_the_pressure_within_the_deficit():
+    """A burst is refused ask after ask: each refusal within the window doubles what the others
+    are asked for, never past what the starved instance lacks of its fair share."""
+    ledger = ledger_with("idle", "burst")
+    assert ledger.acquire("s0", 100).pages == 100
+    book = PressureBook(retry_s=0.0, expire_s=60.0, escalate_window_s=2.0)
+
+    def asked(now_s):
+        asks = book.plan(ledger, "burst", need_bytes=GIB, now_s=now_s)
+        for ask in asks:  # the idle instance gives back what it was asked for
+            ledger.release(ask.session_id, ask.pages)
+            book.on_release(ask.session_id, ask.pages)
+        return sum(a.pages for a in asks)
+
+    assert [asked(t) for t in (0.0, 0.1, 0.2, 0.3)] == [1, 2, 4, 8]
+    assert asked(0.4) == 16
+    assert asked(0.5) == 19  # 32 wanted, but the idle instance is only 100 - 31 - 50 = 19 above its share
+    assert asked(0.6) == 0  # the idle instance is at its share: it is not asked any more
+    assert asked(5.0) == 0
+    three = ledger_with("idle", "burst", "other")  # shares of 33.3 GiB each
+    three.acquire("s0", 60)
+    three.acquire("s1", 20)
+    book3 = PressureBook(retry_s=0.0, escalate_window_s=2.0)
+    wanted = [sum(a.pages for a in book3.plan(three, "burst", need_bytes=GIB, now_s=t_s)) for t_s in (0.0, 0.1, 0.2, 0.3, 0.4)]
+    assert wanted == [1, 2, 4, 8, 14]  # 16 would pass what it lacks of its share: 33.3 - 20, in whole pages
+    fresh = ledger_with("idle", "burst")
+    fresh.acquire("s0", 100)
+    book2 = PressureBook(retry_s=0.0, escalate_window_s=2.0)
+    book2.plan(fresh, "burst", need_bytes=GIB, now_s=0.0)
+    assert sum(a.pages for a in book2.plan(fresh, "burst", need_bytes=GIB, now_s=3.0)) == 1  # a pause resets it
+    book2.expire(now_s=10.0)
+    assert book2.streaks == {}
+
+
 def test_no_pressure_for_an_instance_at_or_above_its_share():
     ledger = ledger_with("a", "b")
     ledger.acquire("s0", 50)
@@ -140,6 +174,40 @@ def test_pressure_moves_memory_from_an_idle_instance_to_a_starved_one(broker_fac
             assert idle_view["granted_bytes"] <= 24 * GIB
             print(f"pressure moved memory in {moved_s * 1000:.0f} ms")
         assert "event=pressure for=starved" in b.log()
+    finally:
+        idle.kill()
+        idle.wait()
+
+
+def test_pressure_reads_the_device_so_memory_already_returned_is_not_asked_for_twice(inproc_factory, monkeypatch):
+    """An instance that answered an ask unmapped that memory before it released the pages, but
+    the broker's last device reading still has it (NVML is read every probe interval).
+    Pressure reads the device before it plans, so the next refusal does not take the same
+    memory from that instance again and push it below its share."""
+    from kvcached_broker.broker import request_core
+
+    monkeypatch.setattr(request_core, "PRESSURE_READ_S", 0.0)  # a reading for every plan here
+    b = inproc_factory(total_bytes=100 * GIB, probe_interval_s=3600.0)  # and no timed readings
+    idle = subprocess.Popen([sys.executable, "-c", PRESSURED, b.endpoint, "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert idle.stdout.readline().strip() == "ready"
+        with b.admin() as admin:
+            admin.simulate(process_bytes={idle.pid: 60 * GIB})  # what NVML measures it using
+
+        def idle_view():
+            return next(i for i in b.status()["instances"] if i["name"] == "idle-hoarder")
+
+        with BrokerClient.connect("burst", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as burst:
+            assert burst.acquire(45) == 0  # 40 free: the idle one, 10 above its share, is asked for 5
+            wait_for(lambda: idle_view()["granted_bytes"] == 55 * GIB, what="the idle instance to give 5 back")
+            b.probe.set_process_bytes({idle.pid: 55 * GIB})  # the device says so; the broker has not read it
+            assert b.ledger.measured_bytes(idle_view()["sessions"][0]["id"]) == 60 * GIB
+            assert burst.acquire(46) == 0  # refused on the old reading (40 free), twice in a row: 12 wanted
+            wait_for(lambda: idle_view()["pressure"]["pending_bytes"] == 0, what="the second ask to be answered")
+            assert idle_view()["pressure"]["asked_bytes"] == 10 * GIB  # 5, then the 5 it is still above its share
+            assert idle_view()["granted_bytes"] == 50 * GIB  # at its share, never below it
+            b.probe.set_process_bytes({idle.pid: 50 * GIB})
+            assert wait_for(lambda: burst.acquire(46), what="the burst to get its memory") == 46
     finally:
         idle.kill()
         idle.wait()
