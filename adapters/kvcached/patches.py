@@ -12,8 +12,9 @@ One patch, applied right after ``kvcached.kv_cache_manager`` is imported (kvcach
   holds too much; ``shutdown`` gives the grant back.
 
 A pool in broadcast mode (``world_size > 1``, or vLLM's EngineCore, whose pages are mapped in
-the workers) is left to kvcached alone here, with one log line: the tensor-parallel wiring
-governs it with every worker's grant.
+the workers) is governed with every worker's grant (:mod:`.board_grants`): each TP worker holds
+its own GPU's grant (:mod:`.worker_grants`, registered when kvcached creates its KV tensors) and
+bounds what kvcached's listener maps there (:mod:`.map_gate`, on ``kvcached.tp_ipc_util``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from ...client.units import parse_size
 from ..patching import Patch
-from . import identity, limits, pressure, runner
+from . import board_grants, identity, limits, map_gate, pressure, runner, worker_grants
 from .allocator import GovernedPageAllocator
 from .geometry import PoolGeometry
 from .governor import PoolGovernor
@@ -84,7 +85,7 @@ def new_governor(geometry: PoolGeometry, real: Any) -> PoolGovernor:
     """A governor for a pool being built (its first grant taken), or an ungoverned one saying why."""
     marks = Watermarks.for_page_bytes(geometry.page_bytes, batch_bytes())
     if _broadcast_mode(geometry):
-        return _ungoverned(geometry, real, marks, "broadcast mode: its pages are mapped in the TP workers")
+        return _board_governor(geometry, real, marks)
     who = identity.resolve(geometry)
     if who is None:
         return _ungoverned(geometry, real, marks, "no broker identity for this pool")
@@ -95,6 +96,17 @@ def new_governor(geometry: PoolGeometry, real: Any) -> PoolGovernor:
     governor.start()
     if governor.governed:
         pressure.enlist(grants.client, governor)
+    return governor
+
+
+def _board_governor(geometry: PoolGeometry, real: Any, marks: Watermarks) -> PoolGovernor:
+    """A broadcast-mode pool: its limit is at most what every TP worker was granted (the board)."""
+    grants, why = board_grants.open_grants(geometry, real)
+    if grants is None:
+        return _ungoverned(geometry, real, marks, f"broadcast mode: {why}")
+    governor = PoolGovernor(geometry, real, grants, marks, limits=limits.channel_for(geometry))
+    governor.start()
+    grants.sized()
     return governor
 
 
@@ -165,6 +177,10 @@ def patch_kv_cache_manager(module: ModuleType) -> None:
 PATCHES = [
     Patch("kvcached_pool_governor", "kvcached", "kvcached.kv_cache_manager", patch_kv_cache_manager,
           minimum="0.1.6", below="0.1.7"),
+    Patch("kvcached_worker_map_gate", "kvcached", "kvcached.tp_ipc_util", map_gate.install,
+          minimum="0.1.6", below="0.1.7"),
+    Patch("kvcached_worker_board", "kvcached", "kvcached.integration.vllm.interfaces",
+          worker_grants.patch_vllm_interfaces, minimum="0.1.6", below="0.1.7", required=False),
 ]
 
 

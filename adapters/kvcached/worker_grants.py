@@ -1,0 +1,326 @@
+"""A TP worker's own grant for a broadcast-mode pool, held through its own broker session.
+
+In vLLM's TP topology EngineCore owns the kvcached pool and each worker maps its pages (see
+:mod:`.map_gate`).  Each worker's memory is its own GPU's, so each worker holds its grant with
+its own broker session (``adapters/worker.py``: one session per device, the one the vLLM adapter
+uses for this worker).  :class:`WorkerGrants` is that holder, one per pool group, stepped on the
+governors' thread (:mod:`.runner`); EngineCore's :class:`~.board_grants.BoardGrants` talks to it
+through the board (:mod:`.board`).
+
+Each step:
+
+* **pressure** from this worker's broker (the client's callback, fanned out by
+  :mod:`.pressure`): what is held above both EngineCore's wanted level and what is mapped goes
+  back at once; the rest is posted on the board for EngineCore, whose governor gives back
+  (lower limit, prefix-cache eviction, a deferred limit) and lowers its wanted level;
+* **follow EngineCore**: on a new ask, acquire up to the wanted level (taking no less than the
+  ask's floor); release down to ``max(wanted, mapped)``, so a worker gives back only what
+  kvcached unmapped here and never drops below what EngineCore may map;
+* **publish** what it holds, maps and answered, and ring EngineCore's doorbell.
+
+Invariant, with the gate: ``mapped <= gate bound <= pages the session holds for this pool``.
+A broker that is unreachable, refuses the session or fails while serving makes the worker
+unprotected: its gate lets maps through (kvcached alone) and its slot says so, so EngineCore
+stops counting it.  Nothing here raises into kvcached's listener or the runtime.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+from typing import Any
+
+from ...client import BudgetExceeded, SessionEvicted
+from .. import worker
+from ..worker import WorkerIdentity
+from . import board as board_mod
+from . import doorbell, identity, map_gate, pressure, runner
+from .geometry import PoolGeometry
+from .governor import ZERO_PAGE_POOL
+from .grants import SessionGrants
+
+log = logging.getLogger("kvcached_broker.adapters")
+
+
+class _MappedView:
+    """What :func:`pressure.split` reads as a pool's pages in use: this worker's mapped pages."""
+
+    def __init__(self, gate: map_gate.MapGate):
+        self._gate = gate
+
+    def get_num_inuse_pages(self) -> int:
+        return self._gate.mapped_pages()
+
+
+class WorkerGrants:
+    def __init__(self, board: board_mod.Board, slot: int, who: WorkerIdentity, geometry: PoolGeometry,
+                 gate: map_gate.MapGate):
+        self.board = board
+        self.slot = slot
+        self.identity = who
+        self.geometry = geometry
+        self.gate = gate
+        self.real = _MappedView(gate)  # for pressure.split
+        self.key = f"kvcached-worker:g{geometry.group_id}:slot{slot}"
+        self.grants: SessionGrants | None = None
+        self.governed = False  # holding a grant through a broker session
+        self.why_ungoverned = "waiting for a governing engine on the board"
+        self.closed = False
+        self._active = False
+        self._answered = 0
+        self._asks = threading.Lock()
+        self._pressure_pages = 0
+        self._pressure_total = 0
+        self._published: tuple | None = None
+        self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
+                         "pressure_asks": 0, "pressure_posted": 0}
+        gate.engine_governs = map_gate.engine_governs(board)
+        gate.on_change = self._gate_changed
+
+    # ------------------------------------------------------------ any thread
+    def ask_back(self, pages: int) -> None:
+        """This worker's broker wants ``pages`` pool pages back (recorded; the step acts)."""
+        with self._asks:
+            self._pressure_pages += pages
+            self.counters["pressure_asks"] += 1
+
+    def _gate_changed(self) -> None:
+        self.board.write_slot(self.slot, mapped_pages=self.gate.mapped_pages(), refused_maps=self.gate.refused_maps)
+        runner.wake()
+
+    # ------------------------------------------------------------ the governors' thread
+    def step(self, now_s: float) -> None:
+        if self.closed:
+            return
+        engine = self.board.engine()
+        governing = engine.state == board_mod.ENGINE_GOVERNING and board_mod.alive(engine.pid, engine.start_ticks)
+        if not self._active:
+            if not governing:
+                return
+            self._activate()
+        if not self.governed:
+            return
+        try:
+            if governing:
+                self._answer_pressure(engine)
+                self._follow(engine)
+            else:
+                self._release_down_to(0)  # no engine asks for pages: keep only what is mapped
+            self._publish(engine)
+        except SessionEvicted as exc:
+            self._unprotected(f"evicted: {exc}")
+
+    def _activate(self) -> None:
+        """A governing engine appeared: open the session, report the zero page, hold nothing yet."""
+        self._active = True
+        client = worker.session(self.identity)
+        if client is None:
+            self._unprotected(f"unprotected ({worker.unprotected_reason(self.identity) or 'no broker'})")
+            return
+        self._report_zero_page()
+        grants, why = SessionGrants.open(self.identity, self.geometry)
+        if grants is None:
+            self._unprotected(why)
+            return
+        self.grants = grants
+        with self.gate.lock:
+            self.gate.bound_pages = 0
+        self.governed = True
+        self.why_ungoverned = ""
+        pressure.enlist(grants.client, self)
+        self.board.write_slot(self.slot, state=board_mod.SLOT_GOVERNED, granted_pages=0)
+        log.info("event=kvcached_worker_governed pool=%s rank=%d page_bytes=%d", self.key, self.identity.tp_rank,
+                 self.geometry.page_bytes)
+
+    def _report_zero_page(self) -> None:
+        """kvcached's zero page (one compound page per group, mapped with the tensors) is charged as a
+        pool; reported as allocated, so the base pinned with it does not count it twice."""
+        try:
+            worker.report(self.identity, self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, allocated=True)
+        except BudgetExceeded as exc:
+            log.warning("event=kvcached_zero_page_unreported pool=%s detail=%s (charged as measured usage)",
+                        self.key, exc)
+
+    def _answer_pressure(self, engine: board_mod.EngineRecord) -> None:
+        with self._asks:
+            asked, self._pressure_pages = self._pressure_pages, 0
+        if asked <= 0:
+            return
+        released = self._release_down_to(engine.wanted_pages, at_most=asked)
+        rest = asked - released
+        if rest > 0:  # only EngineCore can free pages it may still map: ask it
+            self._pressure_total += rest
+            self.counters["pressure_posted"] += rest
+            self.board.write_slot(self.slot, pressure_pages_total=self._pressure_total)
+            doorbell.ring(engine.pid)
+
+    def _follow(self, engine: board_mod.EngineRecord) -> None:
+        if engine.ask_seq != self._answered:
+            deficit = engine.wanted_pages - self._bound()
+            if deficit > 0:
+                self._acquire(deficit, max(0, engine.floor_pages - self._bound()))
+            self._answered = engine.ask_seq
+        self._release_down_to(engine.wanted_pages)
+
+    def _acquire(self, pages: int, min_pages: int) -> None:
+        assert self.grants is not None
+        got = self.grants.acquire(pages, min_pages)
+        if got is None:
+            self._unprotected(worker.unprotected_reason(self.identity) or "broker unusable while growing")
+            return
+        if got == 0:
+            self.counters["refusals"] += 1
+            return
+        with self.gate.lock:  # the grant first, the bound after
+            self.gate.bound_pages = (self.gate.bound_pages or 0) + got
+        self.counters["grows"] += 1
+        self.counters["pages_granted"] += got
+
+    def _release_down_to(self, wanted_pages: int, at_most: int | None = None) -> int:
+        """Lower the bound to ``max(wanted, mapped)`` (by at most ``at_most``), then release that
+        much; the pages released."""
+        assert self.grants is not None
+        with self.gate.lock:  # the bound first, the grant after: no map can land in between
+            bound = self._bound()
+            keep = max(wanted_pages, self.gate.mapped_pages())
+            surplus = max(0, bound - keep) if at_most is None else max(0, min(at_most, bound - keep))
+            if surplus <= 0:
+                return 0
+            self.gate.bound_pages = bound - surplus
+        if not self.grants.release(surplus):
+            self._unprotected(worker.unprotected_reason(self.identity) or "broker unusable while releasing")
+            return 0
+        self.counters["pages_released"] += surplus
+        return surplus
+
+    def _bound(self) -> int:
+        return self.gate.bound_pages or 0
+
+    def _publish(self, engine: board_mod.EngineRecord) -> None:
+        state = (self._bound(), self._answered)
+        if state == self._published:
+            return
+        self.board.write_slot(self.slot, granted_pages=self._bound(), answered_seq=self._answered,
+                              mapped_pages=self.gate.mapped_pages())
+        self._published = state
+        doorbell.ring(engine.pid)
+
+    def _unprotected(self, why: str) -> None:
+        """No broker: the gate lets maps through (kvcached alone) and EngineCore stops counting us."""
+        self.governed = False
+        self.why_ungoverned = why
+        with self.gate.lock:
+            self.gate.bound_pages = None
+        self.board.write_slot(self.slot, state=board_mod.SLOT_UNPROTECTED)
+        doorbell.ring(self.board.engine().pid)
+        log.warning("event=kvcached_pool_ungoverned pool=%s reason=%r detail=runs_as_kvcached_alone", self.key, why)
+
+    def close(self) -> None:
+        """Give the grant back (the process is going away; what is mapped goes with it)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.governed and self.grants is not None and self.grants.pages:
+            with self.gate.lock:
+                self.gate.bound_pages = None
+            self.grants.release(self.grants.pages)
+        self.board.unlink()
+
+    def status(self) -> dict[str, Any]:
+        g = self.geometry
+        mapped = self.gate.mapped_pages()
+        return {
+            "pool": "worker", "key": self.key, "group_id": g.group_id, "slot": self.slot,
+            "governed": self.governed, "why_ungoverned": self.why_ungoverned, "page_bytes": g.page_bytes,
+            "granted_bytes": g.limit_bytes(self._bound()), "mapped_bytes": g.limit_bytes(mapped),
+            "mapped_pages": mapped, "refused_maps": self.gate.refused_maps, "answered_seq": self._answered,
+            **self.counters,
+        }
+
+
+# ------------------------------------------------------------------ registration
+_holders: dict[int, WorkerGrants] = {}
+_lock = threading.Lock()
+
+
+def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrants | None:
+    """A worker created a group's KV tensors: put it on the board (holding nothing until a
+    governing engine appears) and gate its listener's maps.  None outside a TP worker."""
+    listener = _listener()
+    interfaces = sys.modules.get("kvcached.integration.vllm.interfaces")
+    if listener is None or interfaces is None or not getattr(interfaces, "_is_worker", False):
+        return None
+    rank, pp_rank = listener
+    tp_size = max(1, int(getattr(interfaces, "_world_size", 1)))
+    from kvcached.utils import PAGE_SIZE
+
+    geometry = PoolGeometry(num_layers=int(num_layers), page_size=int(PAGE_SIZE), num_kv_buffers=int(num_kv_buffers),
+                            virtual_pages=0, group_id=int(group_id), world_size=tp_size, pp_rank=max(0, pp_rank))
+    slot = max(0, pp_rank) * tp_size + rank
+    if slot >= board_mod.MAX_SLOTS:
+        log.warning("event=kvcached_worker_unboarded slot=%d detail=more_ranks_than_board_slots", slot)
+        return None
+    who = _identity(geometry, rank, tp_size, getattr(interfaces, "_kvcached_device", None))
+    if who is None:
+        return None
+    with _lock:
+        previous = _holders.pop(group_id, None)
+        if previous is not None:
+            previous.close()
+        board = board_mod.Board(board_mod.board_path(group_id))
+        pid, ticks = board_mod.own_identity()
+        board.write_slot(slot, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED, granted_pages=0,
+                         mapped_pages=0, answered_seq=0, pressure_pages_total=0, refused_maps=0,
+                         page_bytes=geometry.page_bytes)
+        holder = _holders[group_id] = WorkerGrants(board, slot, who, geometry, map_gate.gate(group_id))
+    doorbell.start()
+    doorbell.ring(board.engine().pid)
+    runner.enlist(holder)
+    atexit.register(holder.close)
+    log.info("event=kvcached_worker_registered group=%d slot=%d board=%s", group_id, slot, board.path)
+    return holder
+
+
+def holder(group_id: int) -> WorkerGrants | None:
+    with _lock:
+        return _holders.get(group_id)
+
+
+def _listener() -> tuple[int, int] | None:
+    """(tp rank, pp rank) of this process's kvcached listener, if it runs one."""
+    tp_ipc_util = sys.modules.get("kvcached.tp_ipc_util")
+    listeners = getattr(tp_ipc_util, "_listeners", None) or {}
+    return next(iter(listeners), None)
+
+
+def _identity(geometry: PoolGeometry, rank: int, tp_size: int, device: Any) -> WorkerIdentity | None:
+    """The identity whose session pays: the resolver's if one is installed, else this worker's
+    vLLM identity (device, TP rank and size), the one the vLLM adapter uses."""
+    if identity._resolver is not None:
+        return identity.resolve(geometry)
+    return WorkerIdentity("vllm", identity._device_index(device), tp_rank=rank, tp_size=tp_size)
+
+
+def wrap_create_kv_tensors(real):
+    """``kvcached.integration.vllm.interfaces.create_kv_tensors``: after the tensors exist, register."""
+    def create_kv_tensors(size, dtype_size, dev_str, num_layers, num_kv_buffers=2, group_id=0, **kwargs):
+        tensors = real(size, dtype_size, dev_str, num_layers, num_kv_buffers=num_kv_buffers, group_id=group_id,
+                       **kwargs)
+        try:
+            register(group_id, num_layers, num_kv_buffers)
+        except Exception as exc:  # noqa: BLE001 - a worker that cannot register runs as kvcached alone
+            log.warning("event=kvcached_worker_unregistered group=%d error=%r detail=runs_as_kvcached_alone",
+                        group_id, str(exc))
+        return tensors
+
+    create_kv_tensors.__kvcached_broker_real__ = real  # type: ignore[attr-defined]
+    return create_kv_tensors
+
+
+def patch_vllm_interfaces(module) -> None:
+    """Register a TP worker on the board once kvcached created its KV tensors (vLLM integration)."""
+    real = module.create_kv_tensors
+    if getattr(real, "__kvcached_broker_real__", None) is None:
+        module.create_kv_tensors = wrap_create_kv_tensors(real)
