@@ -67,12 +67,15 @@ class PoolGovernor:
         self.marks = marks
         self.governed = grants is not None
         self.why_ungoverned = why_ungoverned
-        self.key = f"kvcached:g{geometry.group_id}:{next(_sequence)}"
+        self.sequence = next(_sequence)  # creation order in this process
+        self.key = f"kvcached:g{geometry.group_id}:{self.sequence}"
         self.pool_name = ""
         self._manager: "weakref.ref[Any] | None" = None
         self._revision = 0
         self._lock_installed = False
         self._synced = False
+        self._seen_limit_pages = 0  # kvcached's allocator size when the last round ended
+        self._standing_due = False  # a limit channel lowered the limit below what this pool wanted
         self.operator_cap_pages: int | None = None
         self._segment_bytes: int | None = None  # total_size the governor last wrote
         self.pending_limit: int | None = None  # a deferred limit, waiting for frees
@@ -145,6 +148,11 @@ class PoolGovernor:
             self._pressure_pages += pages
             self.counters["pressure_asks"] += 1
 
+    def release_standing(self) -> None:
+        """A limit channel lowered the limit below what this pool wanted (its TP peers gave
+        back): the grant above kvcached's size goes back at the next round (any thread)."""
+        self._standing_due = True
+
     def _free_pages(self) -> int:
         return self.real.get_num_total_pages() - self.real.get_num_inuse_pages()
 
@@ -165,17 +173,21 @@ class PoolGovernor:
             self._read_operator_cap()
             if self.pending_limit is not None:
                 self._finish_deferred(manager)
+            self._adopt_lowered_limit(now_s)
             polled = self.grants.poll() if self.grants is not None else 0
             with self._asks:
                 pressure, self._pressure_pages = self._pressure_pages + polled, 0
                 short, self._short_pages = self._short_pages, 0
             if pressure:
                 self._quiet_until_s = now_s + PRESSURE_QUIET_S
+                pressure -= self._release_above_limit(pressure)  # a grant held above the limit first
+            if pressure > 0:
                 self._give_back(manager, pressure, evict=True)
             if self.pending_limit is None:
                 self._follow_policy(manager, short, now_s)
             self._write_segment()
             self._publish()
+            self._seen_limit_pages = self._limit_pages()
         except SessionEvicted as exc:
             self.governed = False
             self.why_ungoverned = f"evicted: {exc}"
@@ -200,6 +212,12 @@ class PoolGovernor:
 
     def _grow(self, manager: Any, decision: Grow, now_s: float) -> None:
         assert self.grants is not None
+        standing = min(self.grants.pages, self.pages().ceiling)
+        if standing > self._limit_pages():
+            # A grant already held above the limit (a limit channel that applies where TP
+            # peers agree has not raised it yet): use it before asking the broker for more.
+            self._set_limit(manager, standing)
+            return
         # After a refusal, every other ask is for the whole batch: the broker sizes the pressure
         # it puts on pools above their share from what a refused ask needed at least.
         whole = self._refusal_streak % 2 == 1
@@ -304,16 +322,31 @@ class PoolGovernor:
             return
         log.info("event=kvcached_evicted pool=%s asked_pages=%d freed_blocks=%d", self.key, pages, freed)
 
-    def _release_above_limit(self) -> None:
-        """Give the broker what kvcached can no longer map: granted pages above its size."""
+    def _release_above_limit(self, at_most: int | None = None) -> int:
+        """Give the broker what kvcached can no longer map: granted pages above its size (at
+        most ``at_most``); the pages released."""
         assert self.grants is not None
         surplus = self.grants.pages - self._limit_pages()
+        if at_most is not None:
+            surplus = min(surplus, at_most)
         if surplus <= 0:
-            return
+            return 0
         if not self.grants.release(surplus):
             self._ungovern("broker unusable while releasing")
-            return
+            return 0
         self.counters["pages_released"] += surplus
+        return surplus
+
+    def _adopt_lowered_limit(self, now_s: float) -> None:
+        """kvcached's size fell since the last round without this governor lowering it (a limit
+        its TP peers agreed on, or a deferred limit finishing), or a limit channel said its peers
+        lowered the limit: the grant above kvcached's size goes back, and, as after pressure, the
+        pool grows only on a real miss for a while (its peers gave back; it would hold alone)."""
+        due, self._standing_due = self._standing_due, False
+        if due:
+            self._quiet_until_s = max(self._quiet_until_s, now_s + PRESSURE_QUIET_S)
+        if due or self._limit_pages() < self._seen_limit_pages:
+            self._release_above_limit()
 
     def _floor_reason(self, wanted: int) -> str:
         return f"at its floor: {self.marks.floor_pages} page(s) kept for kvcached's null block ({wanted} asked)"
