@@ -68,9 +68,14 @@ class Session:
     granted_pages: int = 0
     reserve_pages: int = 0
     restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
-    #: May grow while the ledger holds growth: it is re-asserting memory it held before
-    #: the broker restarted (restored, or re-opened because its record was lost).
-    reasserting: bool = False
+    #: While the ledger holds growth, how much more this session may still grow to re-assert
+    #: what it held: set only for a session opened by a resume hello whose record was lost
+    #: (what that hello claimed), used up by its growth, 0 for everyone else and after the hold.
+    reassert_allowance_bytes: int = 0
+    #: What the broker did with the holdings the last hello claimed: ``adopted`` or
+    #: ``refused`` (a restored session; refused keeps the restored figures), ``kept`` (a
+    #: session the broker never lost keeps its own), ``ignored`` (a new session starts empty).
+    resume_claims: str = "ignored"
     usage: dict[str, int] = field(default_factory=dict)  # informational breakdown; never charged
     account: "ProcessAccount | None" = field(default=None, repr=False)
 

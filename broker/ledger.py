@@ -77,8 +77,9 @@ class Ledger:
         self._excess_total = 0
         self._unfilled_floor_total = 0
         self._changes = LedgerChanges()
-        #: Why nobody may grow right now (state restored from damage), or None.  Sessions
-        #: that re-assert what they held (``reasserting``) are exempt.
+        #: Why nobody may grow right now (state restored from damage), or None.  Growth that
+        #: adds no charge is exempt, and so is a session's re-assertion within its allowance
+        #: (``Session.reassert_allowance_bytes``), and the adoption of a restored session's claims.
         self.growth_hold: str | None = None
 
     # ----------------------------------------------------------------- totals
@@ -222,7 +223,6 @@ class Ledger:
             last_seen_s=now_s,
             state=state,
             restored=restored,
-            reasserting=restored,
         )
         self.sessions[session_id] = session
         inst = self._instances.get(instance)
@@ -281,6 +281,7 @@ class Ledger:
         """
         session = self._session(session_id)
         adopted = False
+        session.resume_claims = "kept"
         if session.restored and holdings is not None:
             pools, holds = _clean_pools(holdings.pools), _clean_pools(holdings.holds)
             resident_delta = sum(pools.values()) - (session.reserved_bytes - session.held_bytes)
@@ -290,6 +291,7 @@ class Ledger:
                 self._apply(session, pools=pools, granted_pages=holdings.granted_pages, holds=holds)
                 session.reserve_pages = min(holdings.reserve_pages, session.granted_pages)
                 adopted = True
+            session.resume_claims = "adopted" if adopted else "refused"
         session.restored = False
         session.state = SessionState.LIVE
         session.last_seen_s = now_s
@@ -297,13 +299,27 @@ class Ledger:
         return session, adopted
 
     def hold_growth(self, reason: str) -> None:
-        """Refuse growth to every session that is not re-asserting what it held."""
+        """Refuse growth that adds charge, except a re-assertion within its allowance
+        (:meth:`allow_reassertion`) and a restored session's claims (:meth:`resume`)."""
         self.growth_hold = reason
 
     def release_growth(self) -> None:
         self.growth_hold = None
         for session in self.sessions.values():
-            session.reasserting = False
+            session.reassert_allowance_bytes = 0
+
+    def allow_reassertion(self, session_id: str, claimed_bytes: int) -> int:
+        """While growth is held, let a session opened for a worker whose record was lost grow
+        back by up to ``claimed_bytes`` (what its hello claimed it held; at most the budget).
+        Returns the allowance (0 when growth is not held).
+
+        The allowance only exempts growth from the hold: each request still passes admission
+        (caps, budget, floors) like any, and uses the allowance up by what it adds.
+        """
+        session = self._session(session_id)
+        allowance_bytes = 0 if self.growth_hold is None else max(0, min(claimed_bytes, self.budget_bytes))
+        session.reassert_allowance_bytes = allowance_bytes
+        return allowance_bytes
 
     def expire_leases(self, now_s: float, lease_s: float) -> list[Session]:
         """Mark live sessions silent for longer than ``lease_s`` stale (still charged).
@@ -373,6 +389,8 @@ class Ledger:
                 details={"pool": pool, "pool_asked_bytes": pool_growth},
             )
         self._apply(session, pools=new_pools, granted_pages=session.granted_pages, holds=new_holds)
+        if session.reassert_allowance_bytes:
+            self._use_allowance(session, max(0, resident_delta) + max(0, held_delta))
         if views is not None:
             session.usage = views
         elif any(size > views_bound for size in session.usage.values()):
@@ -421,6 +439,8 @@ class Ledger:
             )
             return Grant(0, refusal)
         self._add_pages(session, fit_pages)
+        if session.reassert_allowance_bytes:
+            self._use_allowance(session, fit_pages * session.page_bytes)
         self._changed(session)
         return SMALL_GRANTS[fit_pages] if fit_pages < len(SMALL_GRANTS) else Grant(fit_pages)
 
@@ -651,8 +671,9 @@ class Ledger:
             return None
         if self.overcommitted:
             return "overcommitted", 0
-        if self.growth_hold is not None and not (resuming or session.reasserting):
-            return "held", 0
+        if self.growth_hold is not None and not resuming:
+            if max(0, resident_delta) + max(0, held_delta) > self._reassertion_left_bytes(session):
+                return "held", 0
         limits = self.limits.get(session.instance)
         if limits is not None and limits.max_bytes is not None:
             cap_room = limits.max_bytes - self.instance_charge_bytes(session.instance)
@@ -664,14 +685,45 @@ class Ledger:
             return "budget_exceeded", max(0, device_room)
         return None
 
+    def _use_allowance(self, session: Session, grown_bytes: int) -> None:
+        session.reassert_allowance_bytes = max(0, session.reassert_allowance_bytes - grown_bytes)
+
+    def _reassertion_left_bytes(self, session: Session) -> int:
+        """What the session may still grow by while growth is held: its allowance, capped where
+        the device measures its process at what that usage leaves beyond everything the
+        process already claims (a process cannot hold more than it uses)."""
+        left_bytes = session.reassert_allowance_bytes
+        account = session.account
+        if left_bytes and account is not None and account.measured_bytes:
+            claimed_bytes = account.reported_bytes + sum(self.sessions[sid].held_bytes for sid in account.session_ids)
+            left_bytes = min(left_bytes, max(0, account.measured_bytes - claimed_bytes))
+        return left_bytes
+
     def _pages_that_fit(self, session: Session, pages: int) -> tuple[int, str | None, int]:
-        """The most pages (≤ ``pages``) that fit, the binding constraint and its room in bytes."""
+        """The most pages (≤ ``pages``) that fit, the binding constraint and its room in bytes.
+
+        While growth is held, only pages that add no charge (measured usage covers them) or
+        that fit the session's re-assertion allowance may be granted.
+        """
         budget = self.budget_bytes
         charged = self._reserved_total + self._granted_total + self._excess_total
         if charged > budget:
             return 0, "overcommitted", 0
-        if self.growth_hold is not None and not session.reasserting:
+        if self.growth_hold is None:
+            return self._pages_within(session, pages, budget, charged)
+        account = session.account
+        assert account is not None
+        exempt_bytes = max(self._reassertion_left_bytes(session), account.excess_bytes)
+        exempt_pages = min(pages, exempt_bytes // session.page_bytes)
+        if not exempt_pages:
             return 0, "held", 0
+        fit, code, room_bytes = self._pages_within(session, exempt_pages, budget, charged)
+        if code is None and exempt_pages < pages:
+            return fit, "held", 0
+        return fit, code, room_bytes
+
+    def _pages_within(self, session: Session, pages: int, budget: int, charged: int) -> tuple[int, str | None, int]:
+        """``_pages_that_fit`` against the budget, floors and caps alone."""
         if not self._unfilled_floor_total and session.instance not in self.limits and not session.account.measured_bytes:
             fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
             return fit, (None if fit == pages else "budget_exceeded"), budget - charged

@@ -7,7 +7,9 @@
   session restored from the journal adopts the holdings the worker re-asserts, through
   admission, and answers the ids the worker names as ``settled`` from its reply cache.
 * Otherwise a new session opens, empty whatever the hello claims, within the per-peer hello
-  rate and the session quotas (in total, per pid, per uid).
+  rate and the session quotas (in total, per pid, per uid).  While growth is held after
+  damaged state, a new session opened by a resume hello (its record was lost) may grow back
+  by what that hello claimed, and no more (``Ledger.allow_reassertion``).
 * Limits a hello asks for apply only where no admin or config has set any, and leave with
   the instance.
 """
@@ -129,13 +131,14 @@ class SessionOpener:
         self._check_quotas(peer, now)
         if req.page_bytes > self.ledger.total_bytes:
             raise BadRequest(f"page_bytes {req.page_bytes} is larger than the device ({self.ledger.total_bytes} bytes)")
-        if req.holdings is not None and (req.holdings.pools or req.holdings.granted_pages or req.holdings.holds):
+        claimed_bytes = _claimed_bytes(req.holdings, req.page_bytes)
+        if claimed_bytes:
             # Claims are a resume's business: a session this broker never knew starts empty,
             # and its worker asks again for what it holds, through admission like anyone.
             log.info("event=hello_claims_ignored instance=%s pid=%d resume=%s", req.instance, req.pid, req.resume is not None)
         session_id, token = self.table.new_ids()
         verified = peer.pid_known
-        session = self.ledger.open_session(
+        self.ledger.open_session(
             session_id, instance=req.instance, pid=req.pid, pid_verified=verified, tp_rank=req.tp_rank,
             tp_size=req.tp_size, page_bytes=req.page_bytes, now_s=now,
         )
@@ -146,8 +149,10 @@ class SessionOpener:
             adapter=None if req.adapter is None else msgspec.structs.asdict(req.adapter), routing_id=rid,
         )
         self.table.add(binding)
-        if req.resume is not None and self.ledger.growth_hold is not None:
-            session.reasserting = True  # its record was lost: let it ask again for what it held
+        if req.resume is not None and claimed_bytes and self.ledger.growth_hold is not None:
+            allowance_bytes = self.ledger.allow_reassertion(session_id, claimed_bytes)
+            log.info("event=reassertion_allowed session=%s instance=%s pid=%d allowance_bytes=%d",
+                     session_id, req.instance, req.pid, allowance_bytes)
         if req.limits is not None:
             self._limits_from_hello(req.instance, req.limits)
         log.info(
@@ -194,6 +199,7 @@ class SessionOpener:
             "lease_s": self.quotas.lease_s,
             "heartbeat_s": self.quotas.lease_s / 4,
             "resumed": resumed,
+            "claims": session.resume_claims,
             "pid_verified": binding.pid_verified,
             "device": {"index": device.index, "uuid": device.uuid, "name": device.name, "simulated": device.simulated},
             "limits": self.ledger.limits.get(session.instance, Limits()).to_dict(),
@@ -204,6 +210,13 @@ class SessionOpener:
                 "holds": dict(session.holds),
             },
         }
+
+
+def _claimed_bytes(holdings: proto.Holdings | None, page_bytes: int) -> int:
+    """Everything a hello claims its worker holds: pools, holds and pages."""
+    if holdings is None:
+        return 0
+    return sum(holdings.pools.values()) + sum(holdings.holds.values()) + holdings.granted_pages * page_bytes
 
 
 def _same_process(binding: Binding, peer: Peer) -> bool:

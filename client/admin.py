@@ -10,6 +10,7 @@ from msgspec import UNSET
 from . import protocol as proto
 from .errors import BrokerUnavailable, error_from_wire
 from .transport import CurveKeys, SyncTransport, Timeouts, socket_missing
+from .trust import endpoint_guard
 
 
 class AdminClient:
@@ -20,11 +21,15 @@ class AdminClient:
             )
         self.endpoint = endpoint
         self._transport = SyncTransport(endpoint, Timeouts(attempt_s=min(1.0, timeout_s), total_s=timeout_s), curve=curve)
+        self._guard = endpoint_guard(endpoint, self._transport.close)
         self._ids = itertools.count(1)
 
     def _call(self, make: Any) -> Any:
+        """Send one request; its reply is believed only once the endpoint it came from checks out."""
         request_id = next(self._ids)
+        self._guard(False)
         reply = self._transport.request(proto.encode(make(request_id)), request_id)
+        self._guard(True)
         if not reply.ok:
             assert reply.error is not None
             raise error_from_wire(reply.error.code, reply.error.message, reply.error.details)

@@ -19,7 +19,7 @@ from .errors import BrokerError, SessionEvicted
 from .operations import Invoke, Op, Operations, Resume, Send
 from .sync_client import _check_ask
 from .transport import AsyncTransport, CurveKeys, Timeouts
-from .trust import check_endpoint
+from .trust import endpoint_guard
 
 log = logging.getLogger("kvcached_broker.client")
 
@@ -27,7 +27,7 @@ log = logging.getLogger("kvcached_broker.client")
 class AsyncBrokerClient:
     def __init__(self, core: ClientCore, transport: AsyncTransport):
         self._core = core
-        self._ops = Operations(core)
+        self._ops = Operations(core, endpoint_guard(transport.endpoint, transport.close))
         self._transport = transport
         self._heartbeat_task: asyncio.Task | None = None
         self._resuming: asyncio.Future | None = None
@@ -60,7 +60,6 @@ class AsyncBrokerClient:
         )
         self = cls(core, AsyncTransport(target, Timeouts.from_env(timeout_s), curve=curve))
         try:
-            check_endpoint(target)
             await self._run(self._ops.open(resume=False))
         except BaseException:
             self._transport.close()
@@ -106,7 +105,7 @@ class AsyncBrokerClient:
     async def release(self, pages: int) -> None:
         check_pages("pages", pages, minimum=1)
         self._core.check_usable()
-        surplus = self._core.credit.put_back(pages)
+        surplus = self._core.put_back(pages)
         if surplus:
             await self._run(self._ops.return_pages(surplus))
 
@@ -176,7 +175,6 @@ class AsyncBrokerClient:
             return
         self._resuming = asyncio.get_running_loop().create_future()
         try:
-            check_endpoint(self._transport.endpoint)
             await self._run(self._ops.open(resume=True))
             self._resuming.set_result(None)
         except BaseException as exc:

@@ -4,7 +4,12 @@ It builds requests, reads replies and keeps the client's view of its holdings, w
 re-asserts when it reconnects to a broker that restarted:
 
 * ``pools``: the reservation map the broker last acknowledged;
-* ``credit.held_pages`` / ``credit.reserve_pages``: pages handed to the caller / kept in reserve.
+* ``credit.held_pages`` / ``credit.reserve_pages``: pages handed to the caller / kept in reserve;
+* ``uncharged_pages``: held pages the broker does not charge (it lost them and could not
+  grant them again); the caller's next releases give these back first, without a request.
+
+Invariant at every quiet point: ``credit.granted_pages - uncharged_pages`` is what the broker
+charges the session in pages, and ``pools``/``holds`` are what it charges in reservations.
 
 **Exactly once.**  Every request that changes holdings stays in ``outstanding`` from the
 moment it is built until the broker answers it, whatever happens to the call that sent it
@@ -90,6 +95,7 @@ class ClientCore:
         self.adapter = _adapter_info(adapter)
         self.limits_request = _limits_request(limits)
         self.credit = CreditReserve(default_credit_pages(page_bytes) if credit_pages is None else credit_pages)
+        self.uncharged_pages = 0
         self.pools: dict[str, int] = {}
         self.holds: dict[str, int] = {}
         self.token: str | None = None
@@ -146,12 +152,62 @@ class ClientCore:
                 self.session_id, result["session_id"],
             )
             self.outstanding.clear()
+        elif result.get("claims") in ("adopted", "refused"):
+            self._follow_restored(result)
         self.token = result["session"]
         self.session_id = result["session_id"]
         self.lease_s = float(result.get("lease_s", self.lease_s))
         self.heartbeat_s = float(result.get("heartbeat_s", self.lease_s / 4))
         self.device = result.get("device", {})
         return lost
+
+    def _follow_restored(self, result: dict[str, Any]) -> None:
+        """A restored session's resume: the books become what the broker charges now.
+
+        ``adopted``: the broker took the books as they were (held pages it did not charge are
+        charged again).  ``refused``: it kept the figures it restored, because the growth
+        claimed did not fit.  The pools, holds and reserve then follow those figures; nothing
+        the caller holds is taken away (held pages the broker does not charge become
+        ``uncharged_pages``); and booked releases are dropped, since the broker's figures
+        are now the books' and must not have them subtracted a second time.
+        """
+        charged = result["holdings"]
+        charged_pages = int(charged["granted_pages"])
+        if result["claims"] == "adopted":
+            self.charge_pages(charged_pages)
+            return
+        claimed_bytes = self._bytes_of(self.pools, self.holds, self.credit.granted_pages)
+        for request_id in [rid for rid, o in self.outstanding.items() if o.booked]:
+            del self.outstanding[request_id]
+        self.book_pools(charged)
+        uncharged = self.charge_pages(charged_pages)
+        log.error(
+            "event=resume_claims_refused session=%s short_bytes=%d uncharged_pages=%d "
+            "detail=the_broker_kept_its_restored_figures_and_the_books_follow_them",
+            result["session_id"], claimed_bytes - self._bytes_of(self.pools, self.holds, charged_pages), uncharged,
+        )
+
+    def _bytes_of(self, pools: dict[str, int], holds: dict[str, int], pages: int) -> int:
+        return sum(pools.values()) + sum(holds.values()) + pages * self.page_bytes
+
+    def charge_pages(self, charged_pages: int) -> int:
+        """Book that the broker charges ``charged_pages``: the held pages first, the rest as the
+        reserve; returns the held pages it does not charge (``uncharged_pages``)."""
+        credit = self.credit
+        credit.reserve_pages = max(0, charged_pages - credit.held_pages)
+        self.uncharged_pages = max(0, credit.held_pages - charged_pages)
+        return self.uncharged_pages
+
+    def put_back(self, pages: int) -> int:
+        """The caller frees ``pages``: uncharged ones leave the books alone, the rest go to the
+        reserve.  Returns the surplus to send back to the broker (as ``CreditReserve.put_back``)."""
+        credit = self.credit
+        if pages > credit.held_pages:
+            return credit.put_back(pages)  # refused: more than held; nothing changes
+        free = min(pages, self.uncharged_pages)
+        self.uncharged_pages -= free
+        credit.held_pages -= free
+        return credit.put_back(pages - free)
 
     # --------------------------------------------------------- outstanding
     def track(self, request_id: int, payload: bytes, *, booked: bool = False,
@@ -198,9 +254,7 @@ class ClientCore:
         """Book what a re-assertion got back; pages short of what is held stay uncharged."""
         if result is not None:
             self.book_pools(result)
-        credit = self.credit
-        short = credit.held_pages - granted_pages
-        credit.reserve_pages = max(0, granted_pages - credit.held_pages)
+        short = self.charge_pages(granted_pages)
         if short > 0:
             log.error(
                 "event=uncharged_pages session=%s pages=%d detail=the_broker_lost_this_session_and_cannot_grant_them_again",

@@ -8,8 +8,8 @@ what it needs done and receives the outcome:
   back the :class:`~.protocol.Reply`, or throws the transport's exception in;
 * :class:`Resume`: re-open the session (the driver runs :meth:`Operations.open`, and shares
   one resume among calls in flight: an asyncio client may have many);
-* :class:`Invoke`: call user code (a pressure callback, a tensor-parallel ``reduce_min``),
-  awaiting its result if it is a coroutine.
+* :class:`Invoke`: call code outside the core (a pressure callback, a tensor-parallel
+  ``reduce_min``, the endpoint guard), awaiting its result if it is a coroutine.
 
 ``BrokerClient`` and ``AsyncBrokerClient`` are drivers: a dozen lines each that turn these
 actions into socket calls, so the two cannot drift.  Nothing here does I/O or reads a clock.
@@ -23,7 +23,7 @@ from typing import Any, Callable, Generator
 
 from . import protocol as proto
 from .core import RESUME_CODES, ClientCore
-from .errors import BadRequest, BrokerError, BrokerUnavailable
+from .errors import BadRequest, BrokerError, BrokerUnavailable, UntrustedEndpoint
 
 log = logging.getLogger("kvcached_broker.client")
 
@@ -54,18 +54,36 @@ MOOT = object()
 
 
 class Operations:
-    def __init__(self, core: ClientCore):
+    def __init__(self, core: ClientCore, guard: Callable[[bool], None] | None = None):
         self.core = core
+        #: ``guard(answered)`` refuses an endpoint that may not be the broker's (``client.trust``).
+        self.guard = guard
 
     # ------------------------------------------------------------ the calls
     def open(self, *, resume: bool) -> Op:
-        """Hello (or resume); a broker that lost the session gets the books asked for again."""
-        hello = self.core.hello(resume=resume)
+        """Hello (or resume); a broker that lost the session gets the books asked for again.
+
+        The endpoint is checked before the hello and again once its reply has come, before
+        anything in that reply is believed: a refusal closes this client for good.
+        """
+        core = self.core
+        hello = core.hello(resume=resume)
+        yield from self._guard(answered=False)
         reply = yield Send(hello.id, proto.encode(hello))
+        yield from self._guard(answered=True)
         if not reply.ok:
-            raise self.core.error_of(reply)
-        if self.core.on_hello(reply.result):
+            raise core.error_of(reply)
+        if core.on_hello(reply.result):
             yield from self._reassert()
+
+    def _guard(self, *, answered: bool) -> Op:
+        if self.guard is None:
+            return
+        try:
+            yield Invoke(self.guard, (answered,))
+        except UntrustedEndpoint:
+            self.core.closed = True
+            raise
 
     def reserve(self, pools: dict[str, int], usage: dict[str, int] | None, holds: dict[str, int] | None,
                 measured_base: bool) -> Op:
@@ -92,7 +110,7 @@ class Operations:
         return credit.settle(pages, min_pages, int(result["granted"]))
 
     def release(self, pages: int) -> Op:
-        surplus = self.core.credit.put_back(pages)
+        surplus = self.core.put_back(pages)
         if surplus:
             yield from self.return_pages(surplus)
 
@@ -235,6 +253,8 @@ class Operations:
                         return MOOT
                     payload = proto.encode(build(request_id))
                     core.retrack(request_id, entry, payload)
+                elif booked and request_id not in core.outstanding:
+                    return MOOT  # the books now follow what the broker charges (claims refused)
                 continue
             core.answered(request_id)
             raise core.error_of(reply)

@@ -18,7 +18,7 @@ from .core import ClientCore, check_pages, prepare
 from .errors import BrokerError, BrokerUnavailable, SessionEvicted
 from .operations import Invoke, Op, Operations, Resume, Send
 from .transport import CurveKeys, SyncTransport, Timeouts
-from .trust import check_endpoint
+from .trust import endpoint_guard
 
 log = logging.getLogger("kvcached_broker.client")
 
@@ -33,7 +33,7 @@ class BrokerClient:
 
     def __init__(self, core: ClientCore, transport: SyncTransport, *, background: bool = True):
         self._core = core
-        self._ops = Operations(core)
+        self._ops = Operations(core, endpoint_guard(transport.endpoint, transport.close))
         self._transport = transport
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -74,7 +74,6 @@ class BrokerClient:
         transport = SyncTransport(target, Timeouts.from_env(timeout_s), curve=curve)
         self = cls(core, transport, background=background)
         try:
-            check_endpoint(target)
             self._run(self._ops.open(resume=False))
         except BaseException:
             transport.close()
@@ -159,7 +158,7 @@ class BrokerClient:
         check_pages("pages", pages, minimum=1)
         with self._lock:
             self._core.check_usable()
-            surplus = self._core.credit.put_back(pages)
+            surplus = self._core.put_back(pages)
             if surplus:
                 self._run(self._ops.return_pages(surplus))
 
@@ -236,7 +235,6 @@ class BrokerClient:
             return reply
         if type(action) is Resume:
             if self._core.token == action.token:
-                check_endpoint(self._transport.endpoint)
                 self._run(self._ops.open(resume=True))
             return None
         return action.fn(*action.args)

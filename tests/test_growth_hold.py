@@ -1,0 +1,155 @@
+"""The growth hold after damaged state (docs/reliability.md, "The state directory").
+
+While the broker holds growth, nobody may add charge except to re-assert what it held: a
+session opened by a resume hello whose record was lost may grow back by what that hello
+claimed (capped by what the device measures its process using), a restored session adopts
+its claims through admission at its resume and no more, and everyone else is refused
+(``details.held``).  A client whose restored session's claims are refused books what the
+broker charges, and says so in one error line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from kvcached_broker.broker.accounts import DeviceInfo
+from kvcached_broker.broker.ledger import Ledger
+from kvcached_broker.client import BrokerClient
+
+from helpers import GIB, Worker, raw_ask, raw_dealer, raw_hello, session_of
+
+
+# ----------------------------------------------------------------------- the ledger alone
+def _held_ledger() -> Ledger:
+    ledger = Ledger(DeviceInfo(0, "SIM-GPU-0", "sim", True), total_bytes=16 * GIB, headroom_bytes=0)
+    ledger.hold_growth("damaged state")
+    return ledger
+
+
+def _open(ledger: Ledger, sid: str, **kw):
+    return ledger.open_session(sid, instance=sid, pid=100 + len(ledger.sessions), pid_verified=True, tp_rank=0,
+                               tp_size=1, page_bytes=GIB, now_s=0.0, **kw)
+
+
+def test_an_allowance_is_used_up_by_reservations_and_pages_alike():
+    ledger = _held_ledger()
+    _open(ledger, "lost")
+    assert ledger.allow_reassertion("lost", 3 * GIB) == 3 * GIB
+    ledger.reserve("lost", {"weights": GIB})
+    assert ledger.acquire("lost", 4, min_pages=1).pages == 2  # what is left of the allowance
+    refused = ledger.acquire("lost", 1)
+    assert refused.pages == 0 and refused.refusal.details["held"]
+    ledger.release_growth()
+    assert ledger.sessions["lost"].reassert_allowance_bytes == 0
+    assert ledger.acquire("lost", 1).pages == 1  # the hold is over: admission as usual
+
+
+def test_a_restored_session_is_not_exempt_from_the_hold_for_later_growth():
+    ledger = _held_ledger()
+    _open(ledger, "restored", granted_pages=2, restored=True)
+    ledger.resume("restored", 1.0, holdings=None)
+    refused = ledger.acquire("restored", 1)
+    assert refused.pages == 0 and refused.refusal.details["held"]
+
+
+def test_measured_usage_caps_the_allowance_and_is_never_held():
+    ledger = _held_ledger()
+    lost = _open(ledger, "lost")
+    ledger.allow_reassertion("lost", 8 * GIB)
+    ledger.observe_device(measured_by_pid={lost.pid: GIB})
+    assert ledger.acquire("lost", 8, min_pages=1).pages == 1  # a process cannot hold more than it uses
+    assert ledger.acquire("lost", 1).pages == 0
+    other = _open(ledger, "other")  # no allowance, but measured usage it has not reported yet
+    ledger.observe_device(measured_by_pid={lost.pid: GIB, other.pid: 2 * GIB})
+    assert ledger.acquire("other", 3, min_pages=1).pages == 2  # adds no charge, so the hold does not stop it
+    ledger.check_invariant()
+
+
+# ------------------------------------------------------------------- real brokers
+def _damaged_restart(b) -> None:
+    """SIGKILL the broker, flip a bit in the journal's last record, start it again: growth is held."""
+    b.kill()
+    journal = b.state_dir / "gpu0.journal"
+    data = bytearray(journal.read_bytes())
+    data[-1] ^= 0x01
+    journal.write_bytes(bytes(data))
+    b.start()
+    assert b.status()["broker"]["growth_held"]
+
+
+def _stopped_holder(b, workers, pages: int) -> Worker:
+    """A worker holding ``pages`` that cannot re-assert them (SIGSTOPped): the hold stays on."""
+    w = Worker(b.endpoint, "holder", {}, pages=pages, page_bytes=GIB)
+    workers.append(w)
+    w.signal(signal.SIGSTOP)
+    return w
+
+
+def _resume_hello(endpoint: str, nonce: str, instance: str, **holdings):
+    """A hello naming a session the broker does not know, claiming ``holdings``: (socket, token)."""
+    sock = raw_dealer(endpoint)
+    reply = raw_hello(sock, nonce, instance=instance, page_bytes=GIB, resume="Z" * 32,
+                      holdings=holdings or None)
+    assert reply["ok"] and reply["result"]["resumed"] is False
+    return sock, reply["result"]["session"]
+
+
+def _acquire(sock, token: str, request_id: int, pages: int, min_pages: int | None = None) -> dict:
+    return raw_ask(sock, {"op": "acquire", "id": request_id, "session": token, "pages": pages,
+                          "min_pages": pages if min_pages is None else min_pages})["result"]
+
+
+def test_a_resume_for_a_lost_record_grows_back_only_what_it_claimed(broker_factory, workers):
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    _stopped_holder(b, workers, pages=6)
+    _damaged_restart(b)
+    sock, token = _resume_hello(b.endpoint, "forger-nonce-1", "forger")
+    forged = _acquire(sock, token, 2, 16, min_pages=1)
+    assert forged["granted"] == 0 and forged["refused"]["details"]["held"]  # it claimed nothing
+    sock, token = _resume_hello(b.endpoint, "claimer-nonce-1", "claimer", granted_pages=2)
+    assert _acquire(sock, token, 2, 16, min_pages=1)["granted"] == 2
+    assert _acquire(sock, token, 3, 1)["refused"]["details"]["held"]
+    s = b.status()
+    assert s["granted_bytes"] == 2 * GIB and not s["overcommitted"]
+
+
+def test_measured_usage_caps_what_a_lost_record_may_grow_back(broker_factory, workers):
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    _stopped_holder(b, workers, pages=6)
+    _damaged_restart(b)
+    sock, token = _resume_hello(b.endpoint, "claimer-nonce-2", "claimer", granted_pages=8)
+    with b.admin() as admin:
+        admin.simulate(process_bytes={os.getpid(): GIB})  # the device sees this process using 1 GiB
+    assert _acquire(sock, token, 2, 8, min_pages=1)["granted"] == 1
+    assert _acquire(sock, token, 3, 1)["refused"]["details"]["held"]
+
+
+def test_a_restored_session_does_not_grow_past_its_claims_while_growth_is_held(broker_factory, workers):
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    with BrokerClient.connect("restored", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0,
+                              background=False) as c:
+        assert c.acquire(2) == 2
+        _stopped_holder(b, workers, pages=6)  # its record is the journal's last: the damaged one
+        _damaged_restart(b)
+        assert c.acquire(1) == 0  # resumes (its 2 pages adopted), then asks for more: held
+        assert session_of(b.status(), c.session_id)["granted_pages"] == 2 == c.held_pages
+
+
+def test_a_resume_whose_claims_are_refused_books_what_the_broker_charges(broker_factory, caplog):
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    with BrokerClient.connect("a", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0, background=False) as a:
+        assert a.acquire(6) == 6
+        _damaged_restart(b)  # its 6-page record is lost: it is restored with none
+        with b.admin() as admin:
+            admin.simulate(external_bytes=13 * GIB)  # 3 GiB left: a claim of 4 pages cannot fit
+        with caplog.at_level(logging.ERROR, logger="kvcached_broker.client"):
+            a.release(2)  # resumes claiming 4 pages (the release booked): refused
+        refused = [r.getMessage() for r in caplog.records if "event=resume_claims_refused" in r.getMessage()]
+        assert len(refused) == 1 and f"short_bytes={4 * GIB}" in refused[0] and "uncharged_pages=4" in refused[0]
+        assert a.held_pages == 4
+        assert session_of(b.status(), a.session_id)["granted_pages"] == 0
+        a.release(4)  # uncharged: they leave the books without a request the broker would refuse
+        assert a.held_pages == 0
+        assert session_of(b.status(), a.session_id)["granted_pages"] == 0
