@@ -14,6 +14,7 @@ escaping :meth:`handle` is a bug (it is answered ``internal`` and logged).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,7 +80,8 @@ class RequestCore:
         self.pressure = PressureBook()
         self._pressure_read_s = -1.0
         self.lifecycle = SessionLifecycle(ledger, table, self.pressure, processes, self.counters)
-        self.opener = SessionOpener(ledger, table, self.lifecycle, journal, quotas)
+        self.opener = SessionOpener(ledger, table, self.lifecycle, journal, quotas,
+                                    broker_start_ticks=processes.start_ticks(os.getpid()))
         self.admin = AdminOps(ledger, self.lifecycle, journal, device, is_admin)
         self.meta = dict(meta or {})
         self.started_s = started_s

@@ -9,7 +9,8 @@
 * Otherwise a new session opens, empty whatever the hello claims, within the per-peer hello
   rate and the session quotas (in total, per pid, per uid).  While growth is held after
   damaged state, a new session opened by a resume hello (its record was lost) may grow back
-  by what that hello claimed, and no more (``Ledger.allow_reassertion``).
+  by what that hello claimed, and no more (``Ledger.allow_reassertion``); a process that
+  started after this broker did cannot have held memory before it, and gets no allowance.
 * Limits a hello asks for apply only where no admin or config has set any, and leave with
   the instance.
 """
@@ -47,12 +48,15 @@ class SessionQuotas:
 
 class SessionOpener:
     def __init__(self, ledger: Ledger, table: SessionTable, lifecycle: SessionLifecycle,
-                 journal: Journal | NullJournal, quotas: SessionQuotas):
+                 journal: Journal | NullJournal, quotas: SessionQuotas, *, broker_start_ticks: int | None = None):
         self.ledger = ledger
         self.table = table
         self.lifecycle = lifecycle
         self.journal = journal
         self.quotas = quotas
+        #: When this broker process started (``/proc`` clock ticks): a process that started
+        #: later never held memory from the broker whose state was lost.
+        self.broker_start_ticks = broker_start_ticks
         self._hellos = HelloRateLimiter(quotas.hello_rate_per_s, quotas.hello_burst)
 
     def hello(self, req: proto.Hello, rid: bytes, peer: Peer, now: float) -> bytes:
@@ -150,9 +154,14 @@ class SessionOpener:
         )
         self.table.add(binding)
         if req.resume is not None and claimed_bytes and self.ledger.growth_hold is not None:
-            allowance_bytes = self.ledger.allow_reassertion(session_id, claimed_bytes)
-            log.info("event=reassertion_allowed session=%s instance=%s pid=%d allowance_bytes=%d",
-                     session_id, req.instance, req.pid, allowance_bytes)
+            if self._started_after_the_broker(binding):
+                log.warning("event=reassertion_refused session=%s instance=%s pid=%d "
+                            "detail=the_process_started_after_this_broker_and_cannot_have_held_memory_before_it",
+                            session_id, req.instance, req.pid)
+            else:
+                allowance_bytes = self.ledger.allow_reassertion(session_id, claimed_bytes)
+                log.info("event=reassertion_allowed session=%s instance=%s pid=%d allowance_bytes=%d",
+                         session_id, req.instance, req.pid, allowance_bytes)
         if req.limits is not None:
             self._limits_from_hello(req.instance, req.limits)
         log.info(
@@ -163,6 +172,10 @@ class SessionOpener:
         if verified:
             self.lifecycle.watch(req.pid)  # a process already gone is reclaimed at once
         return proto.ok_reply(req.id, result)
+
+    def _started_after_the_broker(self, binding: Binding) -> bool:
+        started = binding.pid_start_ticks
+        return started is not None and self.broker_start_ticks is not None and started > self.broker_start_ticks
 
     def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest) -> None:
         """A worker's requested limits, clamped by admin policy: they apply only to an instance no

@@ -115,6 +115,36 @@ def test_a_resume_for_a_lost_record_grows_back_only_what_it_claimed(broker_facto
     assert s["granted_bytes"] == 2 * GIB and not s["overcommitted"]
 
 
+FORGER = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+from helpers import GIB, raw_ask, raw_dealer, raw_hello
+sock = raw_dealer(sys.argv[1])
+reply = raw_hello(sock, "late-forger-nonce", instance="late", page_bytes=GIB, resume="Z" * 32,
+                  holdings={"granted_pages": 16})
+token = reply["result"]["session"]
+result = raw_ask(sock, {"op": "acquire", "id": 2, "session": token, "pages": 16, "min_pages": 1})["result"]
+print(result["granted"], bool(result.get("refused", {}).get("details", {}).get("held")))
+"""
+
+
+def test_a_process_started_after_the_broker_gets_no_allowance(broker_factory, workers):
+    """It cannot have held memory from the broker whose state was lost, whatever it claims."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
+    _stopped_holder(b, workers, pages=6)
+    _damaged_restart(b)
+    tests_dir = str(Path(__file__).resolve().parent)
+    out = subprocess.run([sys.executable, "-c", FORGER, b.endpoint, tests_dir], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["0", "True"], out.stderr
+    assert "event=reassertion_refused" in b.log()
+    assert b.status()["granted_bytes"] == 0
+
+
 def test_measured_usage_caps_what_a_lost_record_may_grow_back(broker_factory, workers):
     b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
     _stopped_holder(b, workers, pages=6)
