@@ -2,14 +2,29 @@
 # Run the adapter tests once per upstream version, each against the real upstream classes
 # installed in its overlay (see scripts/adapter-envs.sh); then upstream's own allocator and
 # block-pool tests with the patches off and on (scripts/upstream-tests.py; fetched files only);
-# kvcached-0.1.6 runs tests/kvcached against kvcached's real Python code.
+# kvcached-0.1.6 runs tests/kvcached against kvcached's real Python code; a combined overlay
+# kvcached+RUNTIME-VERSION (e.g. kvcached+sglang-0.5.23) runs tests/kvcached_RUNTIME with both on
+# one path: kvcached mode inside the runtime's real classes.
 #   usage: test-adapters.sh PYTHON ENVS_DIR [OVERLAY...]
 set -euo pipefail
 PY=$1 ENVS=$2; shift 2
-OVERLAYS=${*:-"sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0 kvcached-0.1.6"}
+OVERLAYS=${*:-"sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0 kvcached-0.1.6 kvcached+sglang-0.5.23"}
+KVCACHED=kvcached-0.1.6
 cd "$(dirname "$0")/.."
 status=0
 for overlay in $OVERLAYS; do
+  if [ "${overlay%%+*}" = kvcached ] && [ "$overlay" != "${overlay#*+}" ]; then
+    # kvcached mode in a runtime: the runtime's overlay, then kvcached's Python code, on one path
+    inner=${overlay#*+}
+    echo "=== kvcached mode tests: $overlay ==="
+    (
+      set -a; . "$ENVS/$inner.env"; runtime_path=$PYTHONPATH; . "$ENVS/$KVCACHED.env"; set +a
+      export PYTHONPATH="$runtime_path:$PYTHONPATH"
+      export KVCACHED_BROKER_TEST_RUNTIME="$inner" KVCACHED_BROKER_TEST_KVCACHED="$KVCACHED"
+      "$PY" -m pytest -q -p no:cacheprovider "tests/kvcached_${inner%%-*}"
+    ) || status=1
+    continue
+  fi
   runtime=${overlay%%-*}
   if [ "$runtime" = kvcached ]; then
     # kvcached mode: kvcached's real Python code (scripts/fetch-kvcached.py), its native extension

@@ -15,7 +15,8 @@ memory this worker holds.  Hook points:
   on the adapter's background thread (``adapters/background.py``), so no broker round trip
   (which can be slow or fail) ever runs inside the forward pass.
 
-The flag is read each time a pool is built, never frozen at import.
+The flag is read each time a pool is built, never frozen at import.  Pools the installed
+kvcached reports itself are left out (``dsv4_ownership``).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from typing import Any
 
 from .. import background, flags
 from ..patching import wrap_methods, wrap_once
-from . import kv_budget, dsv4_pools, pool_bytes, reporting, parallel
+from . import dsv4_ownership, dsv4_pools, kv_budget, parallel, pool_bytes, reporting
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
 _windows: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
+_registered: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live V4 pools measured here
 _said_off = False
 
 
@@ -58,12 +60,26 @@ def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
     identity = parallel.identity(getattr(pool, "device", None))
     seen = reporting.charged_storages(identity, pool)
     already = set(seen)
-    pools = dsv4_pools.measure(pool, seen)
+    pools = dsv4_ownership.without_kvcached_reports(dsv4_pools.measure(pool, seen))
     _track_window(pool)
+    _remember(pool)
     if not reporting.report_pool(identity, pool, "dsv4", pools, "DeepSeek-V4 runtime-owned pools",
                                  last=last, storages=seen - already):
         return None
     return pools
+
+
+def _remember(pool: Any) -> None:
+    try:
+        _registered.add(pool)
+    except TypeError:
+        pass
+
+
+def remeasure_all() -> None:
+    """Measure every live V4 pool again (what kvcached reports or owns by now is left out)."""
+    for pool in list(_registered):
+        register(pool)
 
 
 def _track_window(pool: Any) -> None:

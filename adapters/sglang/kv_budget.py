@@ -5,6 +5,10 @@ The room is read from the broker's status document (docs/design.md, "status --js
 ``grantable_bytes = free_bytes - unfilled floors of the other instances``, further capped by
 this instance's own ``max_bytes`` (what it already holds counts against the cap), and 0 when
 the device is overcommitted.  That is the most a reservation made now could grow by.
+
+``ever_bytes = min(budget - floors of the other instances, own max_bytes) - what this instance
+is charged now``: the most the broker could ever give it on top of what it already uses, once
+the others are down to their floors.  That bounds an elastic (kvcached) pool's virtual size.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class BrokerRoom:
     budget_bytes: int
     free_bytes: int
     grantable_bytes: int
+    #: the most the broker could ever give this instance beyond what it is charged now
+    ever_bytes: int = 0
     #: instance name -> bytes it is charged, for every other instance on this GPU
     others_bytes: dict[str, int] = field(default_factory=dict)
 
@@ -59,6 +65,7 @@ def room_from_status(status: dict[str, Any], instance: str, endpoint: str) -> Br
         budget_bytes=int(status["budget_bytes"]),
         free_bytes=int(status["free_bytes"]),
         grantable_bytes=max(0, grantable),
+        ever_bytes=max(0, _ever(status, own, others)),
         others_bytes={i["name"]: _charged(i) for i in others if _charged(i) > 0},
     )
 
@@ -72,6 +79,14 @@ def _derived_grantable(status: dict[str, Any], own: dict[str, Any] | None, other
     if own is not None and own.get("max_bytes") is not None:
         grantable = min(grantable, int(own["max_bytes"]) - _charged(own))
     return grantable
+
+
+def _ever(status: dict[str, Any], own: dict[str, Any] | None, others: list[dict[str, Any]]) -> int:
+    floors_bytes = sum(int(i.get("min_bytes") or 0) for i in others)
+    ceiling = int(status["budget_bytes"]) - floors_bytes
+    if own is not None and own.get("max_bytes") is not None:
+        ceiling = min(ceiling, int(own["max_bytes"]))
+    return ceiling - (_charged(own) if own is not None else 0)
 
 
 def measure_room(client: BrokerClient, instance: str) -> BrokerRoom:

@@ -23,9 +23,14 @@ co-located models both see the same free memory.  This module patches, on
   it, with the target's pools when no draft follows and with the draft's otherwise
   (``speculative``).
 
-With an on-demand backing registered (elastic KV, ``adapters/backing.py``) the same applies
-while the worker starts; once the pools exist the hold is dropped and an elastic pool's pages
-are granted as they are used.  All sizes are bytes.
+In kvcached mode (kvcached's capacity patch under this one, ``kvcached_sizing``) the figure is
+kvcached's *virtual* budget (``total_memory x mem_fraction_static``, MIN-reduced over the world
+group by kvcached itself): kvcached maps nothing at sizing time, and its pools take their
+memory page by page from the broker later (``adapters/kvcached``).  So the figure is capped at
+what the broker could *ever* give the instance (``kv_budget.BrokerRoom.ever_bytes``), no hold
+is taken, and every rank still takes part in the same world min-reduce.  A pool kvcached does
+not manage (DeepSeek-V4: ``kvcached_fallback``) is static, and sized as above, with a hold.
+All sizes are bytes.
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ from typing import Any
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
-from ..backing import on_demand_backing
 from ..patching import wrap_methods, wrap_once
-from . import kv_budget, dsv4_reservation, pool_bytes, reporting, session, speculative, startup, parallel
+from . import (dsv4_reservation, kv_budget, kvcached_fallback, kvcached_sizing, kvcached_sync, parallel, pool_bytes,
+               reporting, session, speculative, startup)
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -67,8 +72,11 @@ def last_decision() -> SizingDecision | None:
     return getattr(_last, "decision", None)
 
 
-def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = None) -> int:
+def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = None, *, elastic: bool = False) -> int:
     """The KV budget SGLang may use: its own figure, capped (and held) by the broker.
+
+    ``elastic`` (kvcached mode): the figure is a virtual budget; it is capped at what the
+    broker could ever give the instance, and nothing is held.
 
     Every rank calls the world min-reduce exactly once, whatever happened with its broker:
     an unprotected rank offers SGLang's own figure, and a rank that must stop (a refusal
@@ -78,7 +86,7 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     room, local_bytes, failure = None, int(runtime_bytes), None
     try:
         if session.client_for(identity) is not None:
-            found = _hold_what_fits(identity, int(runtime_bytes))
+            found = (_ever_what_fits if elastic else _hold_what_fits)(identity, int(runtime_bytes))
             if found is not None:
                 room, local_bytes = found
     except Exception as exc:  # noqa: BLE001 - still take part in the collective, then fail
@@ -91,14 +99,25 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
         return agreed_bytes
     if agreed_bytes <= 0:
         raise kv_budget.refusal(room, max(1, int(runtime_bytes)), "its KV cache")
-    if reporting.held_bytes(identity) > agreed_bytes:
+    if not elastic and reporting.held_bytes(identity) > agreed_bytes:
         reporting.hold(identity, agreed_bytes)  # another rank got less: keep only the agreed size
     log.info(
-        "event=sglang_kv_sized device=%s rank=%d runtime=%s broker_grantable=%s kv=%s elastic=%s",
+        "event=sglang_kv_sized device=%s rank=%d runtime=%s broker_grantable=%s broker_ever=%s kv=%s elastic=%s",
         identity.device, identity.tp_rank, format_bytes(int(runtime_bytes)), format_bytes(room.grantable_bytes),
-        format_bytes(agreed_bytes), on_demand_backing() is not None,
+        format_bytes(room.ever_bytes), format_bytes(agreed_bytes), elastic,
     )
     return agreed_bytes
+
+
+def _ever_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[kv_budget.BrokerRoom, int] | None:
+    """kvcached mode: ``min(virtual budget, what the broker could ever give)``; no hold.
+    None when the worker is, or turns, unprotected."""
+    client = session.client_for(identity)
+    instance = identity.instance_name()
+    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client, instance))
+    if room is None:
+        return None
+    return room, max(0, min(runtime_bytes, room.ever_bytes))
 
 
 def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[kv_budget.BrokerRoom, int] | None:
@@ -167,16 +186,17 @@ def _drop_hold(identity: worker.WorkerIdentity) -> None:
 
 # ---------------------------------------------------------------------------- the wrappers
 def wrap_profile(original: Callable[..., int]) -> Callable[..., int]:
-    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
-        runtime_bytes = original(self, pre_model_load_memory)
-        return cap_available_bytes(runtime_bytes, getattr(self, "device", None), getattr(self, "gpu_id", None))
+    def cap(self: Any, runtime_bytes: int, elastic: bool) -> int:
+        return cap_available_bytes(runtime_bytes, getattr(self, "device", None), getattr(self, "gpu_id", None),
+                                   elastic=elastic)
 
-    return wrap_once(original, _profile_available_bytes)
+    return kvcached_sizing.outer_profile(original, cap)
 
 
 def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
     def _resolve_memory_pool_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         _last.decision = None
+        kvcached_sizing.ensure_outermost(type(self), wrap_profile)
         try:
             config = original(self, *args, **kwargs)
         except (RuntimeError, ValueError, AssertionError) as exc:
@@ -200,6 +220,7 @@ def _explained(exc: BaseException) -> BaseException:
 
 def wrap_init_pools(original: Callable[..., Any]) -> Callable[..., Any]:
     def _init_pools(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kvcached_fallback.install()  # every patch has run by now: kvcached's allocators fall back for V4
         result = original(self, *args, **kwargs)
         built = result if result is not None and hasattr(result, "token_to_kv_pool") else self
         charge_pools(
@@ -220,6 +241,8 @@ _WRAPPERS = {
 
 def _apply(module: Any, class_name: str) -> None:
     wrap_methods(module, class_name, _WRAPPERS)
+    kvcached_sync.install()  # kvcached pools built here apply their limits at sync points
+    kvcached_fallback.install()  # kvcached's elastic allocators, aliased by now, fall back for other pools
 
 
 def apply_configurator(module: Any) -> None:

@@ -64,13 +64,6 @@ class PageTracker:
         if token_ids is not None and token_ids.numel():
             self.in_use[token_ids // self.page_size] = True
 
-    def newly_used_pages(self, token_ids: Any) -> Any:
-        """Distinct pages of ``token_ids`` not in use yet (call before :meth:`mark_token_ids`)."""
-        import torch
-
-        pages = token_ids // self.page_size
-        return torch.unique(pages[~self.in_use[pages]])
-
     def _valid_pages(self, pages: Any) -> Any:
         in_range = (pages >= 1) & (pages <= self.num_pages)
         return in_range & self.in_use[pages.clamp(0, self.num_pages)]
@@ -117,27 +110,12 @@ class PageTracker:
     def snapshot(self) -> Any:
         return self.in_use.clone()
 
-    def restore(self, in_use: Any) -> tuple[Any, Any]:
-        """Go back to a snapshot; returns ``(pages now free, pages now in use)`` that changed."""
-        import torch
-
-        freed = torch.nonzero(self.in_use & ~in_use).flatten()
-        taken = torch.nonzero(in_use & ~self.in_use).flatten()
+    def restore(self, in_use: Any) -> None:
+        """Go back to a snapshot (the allocator restored its own state)."""
         self.in_use = in_use.clone()
-        return freed, taken
 
 
 def _example(ids: Any, keep: Any) -> Any:
     dropped = ids[~keep]
     return dropped[:4].tolist() if dropped.numel() else []
 
-
-def extend_new_pages(seq_lens_cpu: Any, prefix_lens_cpu: Any, page_size: int) -> int:
-    """Pages an extend adds: ``sum(ceil(seq / ps) - ceil(prefix / ps))`` (CPU tensors)."""
-    new = (seq_lens_cpu + page_size - 1) // page_size - (prefix_lens_cpu + page_size - 1) // page_size
-    return int(new.sum().item())
-
-
-def decode_new_pages(seq_lens_cpu: Any, page_size: int) -> int:
-    """Pages a decode step adds: one per request whose new token opens a page."""
-    return int((seq_lens_cpu % page_size == 1).sum().item())

@@ -1,5 +1,4 @@
-"""SGLang's paged KV allocator under the broker: precomputed page counts, stale-id filtering,
-and elastic pages.
+"""SGLang's paged KV allocator under the broker: precomputed page counts and stale-id filtering.
 
 The adapter never edits ``PagedTokenToKVPoolAllocator`` itself.  It derives one subclass from
 it and binds that subclass where SGLang *constructs* allocators:
@@ -18,18 +17,21 @@ module                                         what it binds                rele
 Modules that *subclass* the allocator (HiSparse, NPU, page-interleave) keep the upstream
 class, and an instance of any further subclass of ours behaves exactly like upstream (the
 tracking only runs when ``type(self)`` is the adapter's class), so their own overrides are
-never second-guessed.
+never second-guessed.  kvcached's elastic allocators (kvcached mode, where its SGLang patch
+aliases these names) are left as they are: kvcached owns their free lists
+(``kvcached_fallback`` gives them SGLang's own allocator for pools kvcached does not manage).
 
 What the subclass adds:
 
 * ``alloc_extend(..., num_new_pages=None)``: a precomputed count is passed through, so the
   runtime's ``get_num_new_pages`` is not called for it;
 * ``free``/``free_page_ids``: stale and out-of-range ids are dropped (``page_tracking``)
-  before they reach the free list or the broker, except in SGLang's debug mode
+  before they reach the free list, except in SGLang's debug mode
   (``SGLANG_DEBUG_MEMORY_POOL=1``), where every id reaches upstream so that its own
-  double-free checks fire;
-* elastic mode (an on-demand backing is registered and the pool has tensors): every
-  allocation is admitted by the broker first (``elastic_pages``); a refusal returns None.
+  double-free checks fire.
+
+The KV memory behind it is static: sized by the broker and charged as a reservation
+(``kv_sizing``).  Elastic KV is kvcached mode (``adapters/kvcached``), not this class.
 """
 
 from __future__ import annotations
@@ -37,14 +39,11 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from .. import worker
-from ..backing import on_demand_backing
 from ..patching import PatchError
-from . import dsv4_reservation, elastic_pages, page_tracking, pool_bytes, session, parallel
+from . import kvcached_fallback, page_tracking
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -55,84 +54,19 @@ _derived: dict[type, type] = {}
 
 
 class AllocatorState:
-    """The adapter's view of one allocator: its page tracker and, in elastic mode, its gate."""
+    """The adapter's view of one allocator: which of its pages are handed out."""
 
-    def __init__(self, tracker: page_tracking.PageTracker, gate: elastic_pages.ElasticGate | None):
+    def __init__(self, tracker: page_tracking.PageTracker):
         self.tracker = tracker
-        self.gate = gate
 
     @classmethod
     def create(cls, alloc: Any) -> AllocatorState:
         label = f"{type(alloc).__name__}@{id(alloc):x}"
-        tracker = page_tracking.PageTracker(alloc.num_pages, alloc.page_size, alloc.device, label)
-        return cls(tracker, _elastic_gate(alloc))
-
-    def admit(self, new_pages: int | None) -> bool:
-        return self.gate is None or new_pages is None or self.gate.admit(new_pages)
+        return cls(page_tracking.PageTracker(alloc.num_pages, alloc.page_size, alloc.device, label))
 
     def allocated(self, token_ids: Any) -> None:
-        if token_ids is None:
-            return
-        if self.gate is not None:
-            self.gate.taken(self.tracker.newly_used_pages(token_ids))
-        self.tracker.mark_token_ids(token_ids)
-
-    def freed(self, page_ids: Any) -> None:
-        if self.gate is not None:
-            self.gate.returned(page_ids)
-
-    def restored(self, in_use: Any) -> None:
-        """The allocator went back to a snapshot: pages freed since are in use again, and back."""
-        freed, taken = self.tracker.restore(in_use)
-        self.freed(freed)
-        if self.gate is not None and taken.numel():
-            if not self.gate.admit(taken.numel()):  # a rollback cannot be refused; say so
-                log.warning("event=sglang_elastic_restore_unadmitted pages=%d", taken.numel())
-            self.gate.taken(taken)
-
-
-def _elastic_gate(alloc: Any) -> elastic_pages.ElasticGate | None:
-    """A gate when the pool can be elastic: an on-demand backing and a KV pool of our own.
-
-    The decision depends only on what every TP rank has alike (the backing, the pool), never
-    on whether this rank's broker answers: a rank that runs unprotected still gets a gate
-    (one without a client), so it joins the same min-reduces as its peers.
-    """
-    backing = on_demand_backing()
-    kvcache = getattr(alloc, "_kvcache", None)
-    if backing is None or kvcache is None or dsv4_reservation.is_dsv4_pool(kvcache):
-        return None
-    page_bytes = kv_page_bytes(kvcache, alloc.page_size)
-    if page_bytes <= 0:
-        return None
-    identity = parallel.identity(alloc.device)
-    worker.pin_base(identity)  # before any page: a grant is reported before its pages are mapped
-    client = session.client_for(identity)
-    pool_bytes.mark_managed(kvcache)
-    log.info("event=sglang_elastic_allocator pages=%d page_bytes=%d protected=%s", alloc.num_pages, page_bytes,
-             client is not None)
-    gate = elastic_pages.ElasticGate(
-        client, backing, page_bytes=page_bytes, session_page_bytes=parallel.SESSION_PAGE_BYTES,
-        physical_pages=alloc.num_pages, reduce_min=parallel.tp_group().reducer(),
-        on_failure=lambda action, exc: worker.serving_failure(identity, f"elastic {action}", exc),
-    )
-    weakref.finalize(alloc, gate.close_later)  # a dropped allocator gives its grant back
-    return gate
-
-
-def kv_page_bytes(kvcache: Any, page_size: int) -> int:
-    """KV bytes of one allocator page: every per-token buffer of the pool, ``page_size`` rows of it.
-
-    Per-token buffers are the tensors with one row per token slot (``size + page_size`` rows,
-    the padding page included); the pool's small tables (layer pointers) are left out.
-    """
-    rows = int(getattr(kvcache, "size", 0)) + page_size
-    row_bytes = sum(
-        t.numel() * t.element_size() // rows
-        for t in pool_bytes.runtime_tensors(kvcache)
-        if t.dim() and t.shape[0] == rows
-    )
-    return row_bytes * page_size if rows > page_size else 0
+        if token_ids is not None:
+            self.tracker.mark_token_ids(token_ids)
 
 
 def debug_mode(alloc: Any) -> bool:
@@ -160,44 +94,28 @@ class BrokerPagedAllocatorMixin:
             self._kvb = AllocatorState.create(self)
 
     def clear(self) -> None:
-        state = self._kvb
-        if state is not None:
-            state.freed(state.tracker.in_use.nonzero().flatten())
         super().clear()
-        if state is not None:
-            state.tracker.reset(self.num_pages)
+        if self._kvb is not None:
+            self._kvb.tracker.reset(self.num_pages)
 
     def alloc(self, need_size: int) -> Any:
-        state = self._kvb
-        if state is None:
-            return super().alloc(need_size)
-        if not state.admit(need_size // self.page_size):
-            return None
         out = super().alloc(need_size)
-        state.allocated(out)
+        if self._kvb is not None:
+            self._kvb.allocated(out)
         return out
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
                      num_new_pages: int | None = None) -> Any:
-        state = self._kvb
-        if state is not None and state.gate is not None and num_new_pages is None:
-            num_new_pages = page_tracking.extend_new_pages(seq_lens_cpu, prefix_lens_cpu, self.page_size)
-        if state is not None and not state.admit(num_new_pages):
-            return None
         out = super().alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                                    extend_num_tokens, num_new_pages=num_new_pages)
-        if state is not None:
-            state.allocated(out)
+        if self._kvb is not None:
+            self._kvb.allocated(out)
         return out
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc) -> Any:
-        state = self._kvb
-        if state is None:
-            return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-        if state.gate is not None and not state.admit(page_tracking.decode_new_pages(seq_lens_cpu, self.page_size)):
-            return None
         out = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
-        state.allocated(out)
+        if self._kvb is not None:
+            self._kvb.allocated(out)
         return out
 
     def free(self, free_index: Any) -> None:
@@ -208,15 +126,11 @@ class BrokerPagedAllocatorMixin:
         if in_free_group(self):  # applied at free_group_end, which frees through here again
             return super().free(free_index if debug else state.tracker.in_range_token_ids(free_index))
         if debug:
-            _kept, freed_pages = state.tracker.release_token_ids(free_index, count=False)
-            try:
-                return super().free(free_index)
-            finally:
-                state.freed(freed_pages)
-        kept, freed_pages = state.tracker.release_token_ids(free_index)
+            state.tracker.release_token_ids(free_index, count=False)
+            return super().free(free_index)
+        kept, _freed_pages = state.tracker.release_token_ids(free_index)
         if kept.numel():
             super().free(kept)
-        state.freed(freed_pages)
 
     @property
     def stale_free_ids(self) -> int:
@@ -235,15 +149,11 @@ class _OptionalMethods:
         if state is None or page_ids.numel() == 0:
             return _upstream(self).free_page_ids(page_ids)
         if debug_mode(self):  # upstream's own checks see every id, double frees included
-            freed_pages = state.tracker.release_page_ids(page_ids, count=False)
-            try:
-                return _upstream(self).free_page_ids(page_ids)
-            finally:
-                state.freed(freed_pages)
+            state.tracker.release_page_ids(page_ids, count=False)
+            return _upstream(self).free_page_ids(page_ids)
         freed_pages = state.tracker.release_page_ids(page_ids)
         if freed_pages.numel():
             _upstream(self).free_page_ids(freed_pages)
-        state.freed(freed_pages)
 
     def backup_state(self) -> Any:  # 0.5.12-0.5.13 (speculative decoding rollbacks)
         state = self._kvb
@@ -255,7 +165,7 @@ class _OptionalMethods:
         if state is None or not isinstance(saved, _TrackedState):
             return _upstream(self).restore_state(saved)
         _upstream(self).restore_state(saved.upstream)
-        state.restored(saved.in_use)
+        state.tracker.restore(saved.in_use)
 
 
 def _upstream(alloc: Any) -> Any:
@@ -272,8 +182,9 @@ class _TrackedState:
 
 
 def broker_class(base: type) -> type:
-    """The adapter's subclass of the upstream allocator ``base`` (made once, then reused)."""
-    if getattr(base, _OWNER, None) is base:
+    """The adapter's subclass of the upstream allocator ``base`` (made once, then reused);
+    ``base`` itself when it is kvcached's elastic allocator (kvcached owns its free list)."""
+    if getattr(base, _OWNER, None) is base or kvcached_fallback.is_kvcached_class(base):
         return base
     with _lock:
         derived = _derived.get(base)
@@ -302,4 +213,7 @@ def apply_binding(module: Any) -> None:
     base = getattr(module, CLASS_NAME, None)
     if not isinstance(base, type):
         raise PatchError(f"{module.__name__} has no {CLASS_NAME}")
+    kvcached_fallback.remember_native(CLASS_NAME, base)
+    kvcached_fallback.remember_native("TokenToKVPoolAllocator", getattr(module, "TokenToKVPoolAllocator", None))
     setattr(module, CLASS_NAME, broker_class(base))
+    kvcached_fallback.install()  # kvcached's elastic classes, if its patch aliased them already

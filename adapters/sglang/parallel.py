@@ -7,8 +7,9 @@ identity is read where the worker runs:
   which maps to device 0 and reaches its broker through ``KVCACHED_BROKER``);
 * the rank and size from SGLang's parallel state (``get_tp_group()``) once it is initialised,
   else rank 0 of 1;
-* the min-reduce that elastic grants and KV sizing agree on, over SGLang's TP (or world) CPU
-  group, which is a gloo group in every SGLang release this adapter supports.
+* the min-reduces that KV sizing and kvcached mode's sync points agree on, over SGLang's
+  world, TP or attention-TP CPU group, which is a gloo group in every SGLang release this
+  adapter supports.
 
 Nothing here imports SGLang or torch at module import; both are looked up when asked.
 """
@@ -16,7 +17,6 @@ Nothing here imports SGLang or torch at module import; both are looked up when a
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,18 +37,19 @@ class RankGroup:
 
     def reduce_min(self, value: int) -> int:
         """The minimum of ``value`` over the group (a collective: every rank must call it)."""
+        return self.reduce_min_each([int(value)])[0]
+
+    def reduce_min_each(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of ``values`` over the group, in one collective (every rank
+        must call it, with a list of the same length)."""
         if self.size <= 1:
-            return int(value)
+            return [int(v) for v in values]
         import torch
         import torch.distributed as dist
 
-        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        tensor = torch.tensor([int(v) for v in values], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        return int(tensor.item())
-
-    def reducer(self) -> Callable[[int], int] | None:
-        """``reduce_min`` for a group of several ranks, None for a single rank."""
-        return self.reduce_min if self.size > 1 else None
+        return [int(v) for v in tensor.tolist()]
 
 
 SINGLE = RankGroup(0, 1, None)
@@ -75,7 +76,7 @@ def _coordinator(name: str) -> Any:
         if state is None or (name == "tp_group" and not _initialised(state)):
             return None
         return getattr(state, f"get_{name}")()
-    except (AssertionError, AttributeError, RuntimeError):
+    except (AssertionError, AttributeError, RuntimeError, ValueError):
         return None  # not initialised: a single-process run (or a test)
 
 
@@ -95,6 +96,32 @@ def tp_group() -> RankGroup:
 def world_group() -> RankGroup:
     """SGLang's world group: what its own memory profile min-reduces over."""
     return _group("world_group")
+
+
+def scheduling_group() -> RankGroup:
+    """The ranks that run one scheduler in lockstep: the attention-TP group under DP attention,
+    else the TP group (each receives the same requests by a broadcast over its CPU group)."""
+    return _group("attn_tp_group") if dp_attention() else tp_group()
+
+
+def dp_attention() -> bool:
+    """True when SGLang runs with DP attention (``attn_dp_enabled``, 0.5.16+; the
+    ``dp_attention`` flag before)."""
+    context = sys.modules.get("sglang.srt.runtime_context")
+    get_parallel = getattr(context, "get_parallel", None)
+    try:
+        if get_parallel is not None:
+            return bool(getattr(get_parallel(), "attn_dp_enabled", False))
+        module = sys.modules.get("sglang.srt.layers.dp_attention")
+        return bool(module is not None and module.is_dp_attention_enabled())
+    except (AssertionError, AttributeError, RuntimeError, ValueError):
+        return False
+
+
+def pipeline_size() -> int:
+    """SGLang's pipeline-parallel size (1 before it is initialised)."""
+    coordinator = _coordinator("pp_group")
+    return int(getattr(coordinator, "world_size", 1)) if coordinator is not None else 1
 
 
 def _initialised(state: Any) -> bool:

@@ -17,6 +17,9 @@ range logs one warning and one skip per patch, and runs without the broker (with
 | paged allocator | ``mem_cache.kv_cache_configurator`` | the name pools are built from | 0.5.16+ |
 | paged allocator | ``model_executor.model_runner_kv_cache_mixin`` | the same, before the configurator | 0.5.12-0.5.15 |
 | KV sizing hold | ``managers.scheduler`` | ``Scheduler.init_model_worker`` (target and draft pools) | all |
+| kvcached mode: sync points | ``managers.scheduler`` | ``Scheduler.ingest_requests`` (``process_input_requests`` where absent) | all |
+| kvcached mode: virtual K/V rows | ``mem_cache.memory_pool`` | ``MHATokenToKVPool._build_kv_buffer_descs`` | where present |
+| kvcached mode: sizing order | ``kvcached.integration.sglang.patches`` | kvcached's capacity patch (the broker's cap re-wrapped outside) | all |
 | memory occupation | ``managers.scheduler_components.weight_updater`` | ``SchedulerWeightUpdaterManager.release/resume_memory_occupation`` | 0.5.13+ |
 | memory occupation | ``managers.scheduler_update_weights_mixin`` | ``SchedulerUpdateWeightsMixin.release/resume_memory_occupation`` | 0.5.12 |
 
@@ -32,7 +35,8 @@ import logging
 from .. import flags
 from ..patching import Patch, PatchError
 from ..versions import in_range, installed
-from . import dsv4_reservation, kv_sizing, memory_release, paged_allocator, startup
+from . import (dsv4_reservation, kv_sizing, kvcached_buffers, kvcached_sizing, kvcached_sync, memory_release,
+               paged_allocator, startup)
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -66,6 +70,10 @@ ALL_PATCHES: list[Patch] = [
            minimum=CONFIGURATOR),
     _patch("sglang_paged_allocator_mixin", _MIXIN, paged_allocator.apply_binding, below=CONFIGURATOR),
     _patch("sglang_kv_startup", "sglang.srt.managers.scheduler", startup.apply_scheduler),
+    _patch("sglang_kvcached_sync", "sglang.srt.managers.scheduler", kvcached_sync.apply_scheduler),
+    _patch("sglang_kvcached_buffers", f"{_MEM}.memory_pool", kvcached_buffers.apply_memory_pool),
+    _patch("sglang_kvcached_sizing_order", "kvcached.integration.sglang.patches",
+           kvcached_sizing.apply_kvcached_patches),
     _patch("sglang_memory_occupation", "sglang.srt.managers.scheduler_components.weight_updater",
            memory_release.apply_weight_updater, minimum=PACKAGE_LAYOUT),
     _patch("sglang_memory_occupation_legacy", "sglang.srt.managers.scheduler_update_weights_mixin",

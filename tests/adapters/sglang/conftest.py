@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: 
 import pytest  # noqa: E402
 from helpers import connect_to, require_runtime  # noqa: E402,F401  (tests import connect_to from here)
 
-from kvcached_broker.adapters import backing, worker  # noqa: E402
+from kvcached_broker.adapters import worker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,17 +57,15 @@ def patched_sglang(sglang_version):
 
 @pytest.fixture
 def adapter_state(monkeypatch):
-    """A clean adapter: no session, no reporters, no backing; the instance is named ``under-test``."""
+    """A clean adapter: no session, no reporters; the instance is named ``under-test``."""
     from kvcached_broker.adapters.sglang import reporting
 
     monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "under-test")
     worker.reset()
     reporting.reset()
-    backing.register_on_demand_backing(None)
     yield
     worker.reset()
     reporting.reset()
-    backing.register_on_demand_backing(None)
     worker.client_factory = None
 
 

@@ -20,7 +20,7 @@ import torch
 import sglang_cpu
 from helpers import GIB, MIB
 
-from kvcached_broker.adapters import backing, worker
+from kvcached_broker.adapters import worker
 from kvcached_broker.adapters.sglang import kv_sizing, reporting, startup, parallel
 from kvcached_broker.client import BrokerClient, BudgetExceeded
 
@@ -178,16 +178,3 @@ def test_a_fused_draft_pool_viewing_the_target_buffer_is_not_charged_again(sg_br
     kv_sizing.charge_pools("cpu", 0, draft, owner=_owner("draft"))
     me = _me(sg_broker)
     assert me["holds"] == {} and me["pools"] == {"runtime_base": WEIGHTS, "kv_static": 64 * MIB}  # once
-
-
-def test_elastic_pages_are_not_covered_by_the_weights(sg_broker, weights_loaded):
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-
-    backing.register_on_demand_backing(backing.RecordingBacking())
-    kv = _mha_pool(64 * 128, 4)
-    alloc = PagedTokenToKVPoolAllocator(64 * 128, 16, torch.bfloat16, "cpu", kv, False)
-    assert alloc._kvb.gate is not None and _me(sg_broker)["pools"] == {"runtime_base": WEIGHTS}  # pinned first
-    assert alloc.alloc(16) is not None  # pages granted, not mapped yet: the device still says weights
-    me = _me(sg_broker)
-    assert me["granted_pages"] > 0
-    assert sg_broker.status()["free_bytes"] == GIB - WEIGHTS - me["granted_pages"] * me["page_bytes"]

@@ -1,0 +1,102 @@
+"""Which DeepSeek-V4 side pools the adapter reports, when kvcached may report some itself.
+
+kvcached 0.1.6 manages no V4 pool and reports none: its
+``observability.get_capabilities()["features"]["runtime_reservation_reporting"]`` is False, so
+every V4 pool is SGLang's and a reservation of this adapter (``dsv4_reservation``).  A later
+kvcached may report SGLang's runtime-owned V4 pools itself (kvcached PR #376:
+``register_runtime_owned_reservation(device, pool_name, num_bytes)``, names ``dsv4.<pool>``), or
+move one into its own management and report it at 0 (#400: the SWA pool).  Its reports and the
+adapter's are never both counted:
+
+* :func:`reported_by_kvcached`: while the capability is off (or cannot be read), nothing; when it
+  is on, the adapter's names of the pools kvcached lists (``get_runtime_owned_reservations()``
+  entries' ``pool_name``, ``dsv4.`` stripped), or, if kvcached lists nothing readable, every V4
+  pool: stepping all of the adapter's aside rather than counting any twice (that memory is then
+  charged as the process's measured usage);
+* ``dsv4_reservation.register`` leaves those pools out of its report (a pool reported before
+  is removed), logged once per pool (``event=dsv4_pool_reported_by_kvcached``);
+* :func:`before_kvcached_grant` runs before a kvcached pool takes its first grant: every live V4
+  pool is measured again, so a pool that moved into kvcached's ownership stops being a
+  reservation before kvcached's pool takes grants for the same memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+log = logging.getLogger("kvcached_broker.adapters.sglang")
+
+CAPABILITY = "runtime_reservation_reporting"
+PREFIX = "dsv4."
+#: kvcached names every V4 pool: step all of the adapter's aside
+ALL = frozenset({"*"})
+
+_said: set[str] = set()
+
+
+def kvcached_reports() -> bool:
+    """True when the installed kvcached says it reports runtime-owned reservations."""
+    observability = _observability()
+    try:
+        return bool(observability.get_capabilities()["features"].get(CAPABILITY, False))
+    except Exception:  # noqa: BLE001 - no kvcached, or an unreadable record: it reports nothing
+        return False
+
+
+def reported_by_kvcached() -> frozenset[str]:
+    """The adapter's V4 pool names kvcached reports itself (:data:`ALL`: every one)."""
+    if not kvcached_reports():
+        return frozenset()
+    listing = getattr(_observability(), "get_runtime_owned_reservations", None)
+    try:
+        entries = list(listing()) if callable(listing) else None
+    except Exception:  # noqa: BLE001 - unreadable: step every pool aside
+        entries = None
+    if entries is None:
+        return ALL
+    names = {_name_of(entry) for entry in entries}
+    return frozenset(name[len(PREFIX):] for name in names if name.startswith(PREFIX))
+
+
+def _name_of(entry: Any) -> str:
+    if isinstance(entry, dict):
+        return str(entry.get("pool_name") or entry.get("name") or "")
+    return str(getattr(entry, "pool_name", "") or getattr(entry, "name", "") or "")
+
+
+def without_kvcached_reports(pools: dict[str, int]) -> dict[str, int]:
+    """``pools`` less the ones kvcached reports itself (each said once)."""
+    reported = reported_by_kvcached()
+    if not reported:
+        return pools
+    kept = {}
+    for name, size in pools.items():
+        if reported is ALL or name in reported:
+            if name not in _said:
+                _said.add(name)
+                log.warning("event=dsv4_pool_reported_by_kvcached pool=%s detail=kvcached reports it: "
+                            "not reserved here too", name)
+            continue
+        kept[name] = size
+    return kept
+
+
+def before_kvcached_grant() -> None:
+    """A kvcached pool is about to take its first grant: measure every live V4 pool again."""
+    if not kvcached_reports():
+        return
+    from . import dsv4_reservation
+
+    dsv4_reservation.remeasure_all()
+
+
+def _observability() -> Any:
+    module = sys.modules.get("kvcached.observability")
+    if module is None and "kvcached" in sys.modules:
+        try:
+            import kvcached.observability as module  # noqa: PLC0415
+        except ImportError:
+            return None
+    return module

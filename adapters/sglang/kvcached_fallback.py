@@ -1,0 +1,134 @@
+"""Pools kvcached does not manage get SGLang's own (static) allocator, not a start-up failure.
+
+With kvcached's SGLang patch on, ``PagedTokenToKVPoolAllocator`` and ``TokenToKVPoolAllocator``
+are aliased to kvcached's elastic allocators everywhere SGLang builds allocators (the
+configurator or model-runner mixin, the SWA allocator's sub-allocators).  Their ``__init__``
+raises ``ValueError("... requires elastic MHA pool")`` for a KV pool without a
+``kvcached_allocator``: every pool kvcached 0.1.6 does not replace, first of all
+DeepSeek-V4's ``DeepSeekV4TokenToKVPool`` (and the SWA sub-allocators it gets ``kvcache=None``
+for).  The server would fail at start-up.
+
+This module gives each kvcached elastic allocator class a ``__new__`` that, for such a pool,
+builds SGLang's own allocator instead (the adapter's subclass of it, with the precomputed page
+counts and the stale-id filter; ``paged_allocator``), logged once per allocator kind.  That pool
+is then broker-sized static KV: charged as reservations (a DeepSeek-V4 pool per pool,
+``dsv4_reservation``), never governed.  A pool kvcached manages is untouched.
+
+The classes are found where kvcached puts them (``sglang.srt.mem_cache.allocator``'s
+``ElasticPagedTokenToKVPoolAllocator`` / ``ElasticTokenToKVPoolAllocator``), whenever a module
+that builds allocators is patched, which is after kvcached aliased them (kvcached imports the
+pool builder only once every alias is in place).  Idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger("kvcached_broker.adapters.sglang")
+
+_ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"
+#: kvcached's elastic class name -> SGLang's own class name it replaces
+ELASTIC_TO_NATIVE = {
+    "ElasticPagedTokenToKVPoolAllocator": "PagedTokenToKVPoolAllocator",
+    "ElasticTokenToKVPoolAllocator": "TokenToKVPoolAllocator",
+}
+_MARK = "__kvcached_broker_fallback__"
+_lock = threading.Lock()
+_natives: dict[str, type] = {}  # SGLang's own classes, by name, as first seen
+_said: set[str] = set()
+
+
+def remember_native(name: str, cls: Any) -> None:
+    """Record SGLang's own allocator class ``name`` (before kvcached aliases the name)."""
+    if isinstance(cls, type) and not is_kvcached_class(cls):
+        _natives.setdefault(name, cls)
+
+
+def is_kvcached_class(cls: type) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    return module == "kvcached" or module.startswith("kvcached.")
+
+
+def install() -> list[str]:
+    """Give every kvcached elastic allocator class present the fallback; the names given it."""
+    module = sys.modules.get(_ALLOCATOR_MODULE)
+    done = []
+    for elastic_name, native_name in ELASTIC_TO_NATIVE.items():
+        elastic = getattr(module, elastic_name, None) if module is not None else None
+        if isinstance(elastic, type) and _give_fallback(elastic, native_name):
+            done.append(elastic_name)
+    return done
+
+
+def _give_fallback(elastic: type, native_name: str) -> bool:
+    with _lock:
+        if vars(elastic).get(_MARK):
+            return True
+        native = native_class(native_name)
+        if native is None:
+            return False
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            kvcache = _kvcache_argument(native_name, args, kwargs)
+            if hasattr(kvcache, "kvcached_allocator"):
+                return object.__new__(cls)
+            _say_once(native_name, kvcache)
+            return native_class(native_name)(*args, **kwargs)  # fully built: not an instance of cls
+
+        elastic.__new__ = staticmethod(__new__)  # type: ignore[assignment]
+        setattr(elastic, _MARK, True)
+        return True
+
+
+def native_class(name: str) -> type | None:
+    """SGLang's own allocator class ``name`` with the adapter's bindings (``paged_allocator``
+    for the paged one): from its implementation module (0.5.13+) or as first seen (0.5.12)."""
+    from . import paged_allocator
+
+    native = _natives.get(name) or _implementation(name)
+    if native is None:
+        return None
+    return paged_allocator.broker_class(native) if name == paged_allocator.CLASS_NAME else native
+
+
+def _implementation(name: str) -> type | None:
+    module_name = {"PagedTokenToKVPoolAllocator": f"{_ALLOCATOR_MODULE}.paged",
+                   "TokenToKVPoolAllocator": f"{_ALLOCATOR_MODULE}.token"}[name]
+    module = sys.modules.get(module_name)
+    if module is None:
+        try:
+            import importlib
+
+            module = importlib.import_module(module_name)
+        except ImportError:  # 0.5.12: one allocator module, the class as first seen
+            return None
+    cls = getattr(module, name, None)
+    return cls if isinstance(cls, type) and not is_kvcached_class(cls) else None
+
+
+def _kvcache_argument(native_name: str, args: tuple, kwargs: dict) -> Any:
+    """The ``kvcache`` argument: ``(size, page_size, dtype, device, kvcache, ...)`` for the
+    paged allocator, ``(size, dtype, device, kvcache, ...)`` for the token one."""
+    if "kvcache" in kwargs:
+        return kwargs["kvcache"]
+    position = 4 if native_name == "PagedTokenToKVPoolAllocator" else 3
+    return args[position] if len(args) > position else None
+
+
+def _say_once(native_name: str, kvcache: Any) -> None:
+    kind = type(kvcache).__name__ if kvcache is not None else "None"
+    key = f"{native_name}:{kind}"
+    if key in _said:
+        return
+    _said.add(key)
+    log.warning("event=kvcached_pool_static allocator=%s kvcache=%s detail=kvcached does not manage this pool: "
+                "SGLang's own allocator, broker-sized static KV", native_name, kind)
+
+
+def apply(module: Any) -> None:
+    """Patch hook for the modules that build allocators: install the fallback if kvcached's
+    classes are there by now (no-op without kvcached)."""
+    install()

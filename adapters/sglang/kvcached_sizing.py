@@ -1,0 +1,116 @@
+"""The broker's KV sizing cap stays outermost when kvcached's capacity patch wraps the same method.
+
+SGLang sizes its KV cache in ``_profile_available_bytes`` (``KVCacheConfigurator`` 0.5.16+,
+``ModelRunnerKVCacheMixin`` before).  The adapter wraps it when SGLang's module is imported;
+kvcached's capacity patch wraps it *afterwards* (``KVCacheConfigurator`` 0.5.16+, ``ModelRunner``
+0.5.11-0.5.15), and in kvcached mode its wrapper returns ``total_memory x mem_fraction_static``
+(MIN-reduced over the world group) without calling what it wrapped, so the broker's cap would
+never run.  Hence:
+
+* :func:`ensure_outermost`, called from the adapter's ``_resolve_memory_pool_config`` (the
+  caller of ``_profile_available_bytes``, which kvcached leaves alone), wraps the method again
+  wherever the owner's class resolves it to someone else's function;
+* a wrapper already running on this thread lets an inner one pass straight through (kvcached's
+  fallback calls the method it wrapped, which may be the adapter's): one cap and one world
+  min-reduce per profile, on every rank;
+* the figure is kvcached's **virtual** budget when kvcached's capacity patch is beneath the
+  outer wrapper and SGLang's own profile did not run (kvcached did not fall back), and the model
+  is not DeepSeek-V4 (whose pools kvcached does not manage, ``kvcached_fallback``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..patching import WRAPPED
+
+log = logging.getLogger("kvcached_broker.adapters.sglang")
+
+METHOD = "_profile_available_bytes"
+#: kvcached's mark on its capacity wrapper (``BasePatch._mark_as_patched(fn, marker)``)
+KVCACHED_MARK = "virtual_kv_capacity"
+
+Cap = Callable[[Any, int, bool], int]  # (owner, runtime bytes, elastic) -> bytes
+
+_ours: "weakref.WeakSet[Callable[..., int]]" = weakref.WeakSet()
+_local = threading.local()
+
+
+def outer_profile(original: Callable[..., int], cap: Cap) -> Callable[..., int]:
+    """``original`` wrapped so its figure goes through ``cap`` (``original`` if already ours)."""
+    if original in _ours:
+        return original
+
+    def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
+        if getattr(_local, "active", False):  # inside the outer wrapper: SGLang's own profile runs
+            _local.native_ran = True
+            return original(self, pre_model_load_memory)
+        _local.active, _local.native_ran = True, False
+        try:
+            runtime_bytes = original(self, pre_model_load_memory)
+            elastic = bool(getattr(original, KVCACHED_MARK, False)) and not _local.native_ran and not dsv4_model(self)
+        finally:
+            _local.active = False
+        return cap(self, runtime_bytes, elastic)
+
+    functools.update_wrapper(_profile_available_bytes, original)
+    setattr(_profile_available_bytes, WRAPPED, True)
+    _ours.add(_profile_available_bytes)
+    return _profile_available_bytes
+
+
+def ensure_outermost(cls: type, wrap: Callable[[Callable[..., int]], Callable[..., int]]) -> bool:
+    """Wrap ``cls``'s ``_profile_available_bytes`` again if someone wrapped it over ours; True
+    if it did (where the class resolves it: ``cls`` or a base)."""
+    owner = next((klass for klass in cls.__mro__ if METHOD in vars(klass)), None)
+    if owner is None:
+        return False
+    current = vars(owner)[METHOD]
+    if current in _ours:
+        return False
+    setattr(owner, METHOD, wrap(current))
+    log.info("event=sglang_kv_sizing_rewrapped class=%s detail=the broker's cap runs outside %s",
+             owner.__name__, getattr(current, "__module__", "?"))
+    return True
+
+
+def dsv4_model(owner: Any) -> bool:
+    """True when the configurator or model runner ``owner`` sizes a DeepSeek-V4 model."""
+    try:
+        from sglang.srt.configs.model_config import is_deepseek_v4
+
+        return bool(is_deepseek_v4(owner.model_config.hf_config))
+    except Exception:  # noqa: BLE001 - no model config (tests, other runtimes): not V4
+        return False
+
+
+CAPACITY_PATCH_CLASS = "_SGLangVirtualKVCapacityPatchBase"
+
+
+def apply_kvcached_patches(module: Any) -> None:
+    """Patch kvcached's own SGLang patch module (``kvcached.integration.sglang.patches``): right
+    after kvcached wraps ``_profile_available_bytes``, the broker's cap is put back outside it.
+    (``ensure_outermost`` at ``_resolve_memory_pool_config`` covers a kvcached without this
+    class.)"""
+    from . import kv_sizing
+
+    base = getattr(module, CAPACITY_PATCH_CLASS, None)
+    original = vars(base).get("patch_profile_available_bytes") if isinstance(base, type) else None
+    if original is None or getattr(original, WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def patch_profile_available_bytes(self: Any, target_module: Any) -> Any:
+        result = original(self, target_module)
+        target = getattr(target_module, getattr(self, "target_class", "") or "", None)
+        if isinstance(target, type):
+            ensure_outermost(target, kv_sizing.wrap_profile)
+        return result
+
+    setattr(patch_profile_available_bytes, WRAPPED, True)
+    base.patch_profile_available_bytes = patch_profile_available_bytes

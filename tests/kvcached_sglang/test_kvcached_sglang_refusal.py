@@ -1,0 +1,70 @@
+"""kvcached mode in SGLang: a refused grant or a give-back is a scheduling miss, never a crash.
+
+SGLang admits a request by ``available_size() + evictable_size()`` and then allocates through
+``mem_cache/allocation.py``, which raises ``RuntimeError("Prefill out of memory ...")`` on a
+None.  With the limits applied on the governors' thread (``--direct``, the old ``DirectLimits``),
+broker pressure between the admission and the allocation lowers the limit under the admitted
+request and the allocation raises; with sync points it cannot, and the limit falls at the next
+iteration.  One SGLang rank (TP=1) on a simulated 1 GiB GPU with a real broker.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import wait_for
+
+from kvcached_broker.client import BrokerClient
+
+TOKENS_PER_PAGE = 1024
+
+
+def fill(rank, pages: int) -> dict:
+    for _ in range(200):
+        done = rank.request("allocate", requests=4, tokens=TOKENS_PER_PAGE)
+        if done["inuse_pages"] - 1 >= pages:
+            return done
+        rank.request("step", n=20)
+    raise AssertionError(f"could not fill {pages} pages")
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["sync-points", "limits-on-the-governors-thread"])
+def test_pressure_between_admission_and_allocation(gpu_broker, ranks, direct):
+    broker = gpu_broker(0)
+    (rank,) = ranks([broker.endpoint], direct=direct, instance="model-a")
+    rank.request("build")
+    fill(rank, 40)  # 640 MiB: above the fair share once a second instance asks
+    rank.request("step", n=50)  # the growth ahead of need applies
+    room = rank.request("status")["available_tokens"]
+    assert room >= TOKENS_PER_PAGE
+    assert rank.request("admit", tokens=room)["admitted"]
+
+    neighbour = BrokerClient.connect("neighbour", endpoint=broker.endpoint, credit_pages=0)
+    try:
+        assert neighbour.acquire(200, min_pages=200) == 0  # refused: broker pressure on model-a
+        assert rank.request("wait_want")["wanted"]  # the governor gave back (or wants to)
+        result = rank.request("alloc_admitted")
+        if direct:
+            assert not result["allocated"] and "out of memory" in result["runtime_error"]
+            return  # the latent crash: SGLang's scheduler would have stopped here
+        assert result["allocated"] and "runtime_error" not in result
+        limit = rank.request("status")["limit_pages"]
+        lowered = rank.request("step", limit_at_most=limit - 1)["record"]  # the give-back applies now
+        assert lowered["agreed_pages"][0] < limit
+        taken = wait_for(lambda: neighbour.acquire(200, min_pages=1), what="the neighbour got model-a's pages")
+
+        # The neighbour keeps its room: model-a's growth is refused from now on.  Requests go on
+        # arriving; each is admitted or not, and none raises inside SGLang.
+        asked = admitted = 0
+        for asked in range(1, 401):
+            rank.request("free", requests=2)
+            admitted += rank.request("allocate", requests=4, tokens=TOKENS_PER_PAGE)["allocated"]
+            rank.request("step", n=20)
+            status = rank.request("status")
+            assert not status["errors"]
+            if status["pools"][0]["refusals"] >= 1:  # it asked to grow and the broker said no
+                break
+        assert status["pools"][0]["refusals"] >= 1
+        assert admitted < asked * 4  # so requests waited: scheduling misses
+        assert taken > 0
+    finally:
+        neighbour.close()

@@ -1,0 +1,124 @@
+"""kvcached mode in SGLang: TP ranks size alike, agree at every sync point, and give back together.
+
+Two SGLang ranks (``sglang_rank.py``), each on its own simulated 1 GiB GPU with its own broker,
+joined in one gloo group as SGLang's TP group; each builds a real kvcached pool through
+kvcached's SGLang integration and runs the real, patched ``Scheduler.ingest_requests`` as its
+iterations.  Both ranks always get the same requests, as SGLang's broadcast gives them.
+"""
+
+from __future__ import annotations
+
+from conftest import POOL_PAGE_BYTES, SESSION_PAGE_BYTES, on_all, session_pages
+from helpers import MIB, wait_for
+
+from kvcached_broker.client import BrokerClient
+
+TOKENS_PER_PAGE = 1024  # 64 blocks of 16 tokens in one 2 MiB page per layer
+SESSION_PAGES_PER_POOL_PAGE = POOL_PAGE_BYTES // SESSION_PAGE_BYTES
+BATCH_PAGES = 4  # KVCACHED_BROKER_KV_BATCH=64MiB of 16 MiB pool pages
+
+
+def fill(group, pages: int, rounds: int = 400) -> int:
+    """Admit and allocate one-page requests on every rank alike until ``pages`` are in use; a
+    miss is a scheduling miss: the ranks run iterations (sync points) and try again."""
+    for _ in range(rounds):
+        done = on_all(group, "allocate", requests=4, tokens=TOKENS_PER_PAGE)
+        assert done[0]["allocated"] == done[1]["allocated"], "the ranks admitted differently"
+        assert not done[0]["errors"] and not done[1]["errors"], "an allocation raised inside SGLang"
+        if done[0]["inuse_pages"] - 1 >= pages:  # the null block's page
+            return done[0]["inuse_pages"] - 1
+        on_all(group, "step", n=20)
+    raise AssertionError(f"could not fill {pages} pages: {done}")
+
+
+def assert_agreed_at_every_sync(group) -> int:
+    logs = [process.request("records")["records"] for process in group]
+    assert logs[0] and len(logs[0]) == len(logs[1])
+    for mine, theirs in zip(*logs):
+        assert mine["number"] == theirs["number"]
+        assert mine["agreed_pages"] == theirs["agreed_pages"]
+        assert mine["limit_pages"] == theirs["limit_pages"], (mine, theirs)
+        assert mine["evicted_pages"] == theirs["evicted_pages"]
+    return len(logs[0])
+
+
+def test_tp_pair_sizes_alike_agrees_at_every_sync_and_gives_back_together(gpu_broker, ranks):
+    b0, b1 = gpu_broker(0), gpu_broker(1)
+    with b1.admin() as admin:
+        admin.limit("model-tp", max_bytes=900 * MIB)  # rank 1's broker could never give it more
+    group = ranks([b0.endpoint, b1.endpoint])
+
+    # Sizing: kvcached's virtual budget (0.9 x 1 GiB, MIN over the world group), capped by the
+    # broker at what it could ever give (rank 1: 900 MiB), agreed by both ranks; no hold.
+    sized = on_all(group, "profile", free_bytes=1 << 30, pre_model_load_bytes=1 << 30)
+    assert sized[0]["kv_bytes"] == sized[1]["kv_bytes"] == 900 * MIB
+    assert sized[0]["held_bytes"] == sized[1]["held_bytes"] == 0
+    assert [s["ever_bytes"] for s in sized] == [1 << 30, 900 * MIB]
+
+    built = on_all(group, "build")
+    assert {b["pool"] for b in built} == {"ElasticMHATokenToKVPool"}
+    assert all(b["pools"][0]["governed"] for b in built)
+
+    used = fill(group, 40)  # 640 MiB of KV on each rank: grants grow as the limits agree
+    before = on_all(group, "status")
+    limit = before[0]["limit_pages"]
+    assert limit == before[1]["limit_pages"] >= used + 1
+    for rank, broker in enumerate((b0, b1)):
+        assert session_pages(broker, "model-tp") >= limit * SESSION_PAGES_PER_POOL_PAGE
+
+    on_all(group, "finish", requests=24)  # requests end; their prefixes stay cached (evictable)
+    cached = on_all(group, "status")
+    assert cached[0]["evictable_tokens"] == cached[1]["evictable_tokens"] == 24 * TOKENS_PER_PAGE
+
+    # Pressure on rank 0's broker only: a neighbour wants 400 MiB of its GPU.
+    neighbour = BrokerClient.connect("neighbour", endpoint=b0.endpoint, credit_pages=0)
+    try:
+        assert neighbour.acquire(200, min_pages=200) == 0  # refused: the room is model-tp's
+        after = on_all(group, "step", limit_at_most=limit - 1)  # every rank stops at the same sync
+        assert after[0]["record"] == after[1]["record"]
+        lowered = after[0]["record"]["agreed_pages"][0]
+        assert lowered < limit
+        # Both ranks gave back, identically: the same limit and the same prefix evictions; each
+        # rank's broker got back at least what the group's limit fell by, and holds no more than
+        # that limit plus one batch (a rank may stand ready to grow again).
+        on_all(group, "step", n=50)
+        final = on_all(group, "status")
+        shrunk = final[0]["limit_pages"]
+        assert shrunk == final[1]["limit_pages"] <= lowered  # applied (a deferred limit once evictions freed)
+        assert final[0]["evictable_tokens"] == final[1]["evictable_tokens"] < 24 * TOKENS_PER_PAGE
+        assert final[0]["running"] == final[1]["running"] == used - 24  # running requests keep their KV
+        for rank, broker in enumerate((b0, b1)):
+            pool, was = final[rank]["pools"][0], before[rank]["pools"][0]
+            assert pool["pages_released"] - was["pages_released"] >= limit - shrunk
+            granted_pages = pool["granted_bytes"] // POOL_PAGE_BYTES
+            assert shrunk <= granted_pages <= shrunk + BATCH_PAGES
+            wait_for(lambda rank=rank, broker=broker: session_pages(broker, "model-tp") == SESSION_PAGES_PER_POOL_PAGE
+                     * (group[rank].request("status")["pools"][0]["granted_bytes"] // POOL_PAGE_BYTES),
+                     what="the broker's books and the rank's grant agree")
+        wait_for(lambda: neighbour.acquire(200, min_pages=1) > 0, what="the neighbour got room on GPU 0")
+    finally:
+        neighbour.close()
+    assert assert_agreed_at_every_sync(group) > 100
+    assert not any(s["errors"] for s in on_all(group, "status"))
+
+
+def test_a_rank_without_a_broker_takes_part_and_the_governed_rank_bounds_both(gpu_broker, ranks):
+    b0 = gpu_broker(0)
+    with b0.admin() as admin:
+        admin.limit("model-tp", max_bytes=320 * MIB)  # rank 0 can hold at most ~18 pool pages
+    group = ranks([b0.endpoint, "off"])
+    sized = on_all(group, "profile", free_bytes=1 << 30, pre_model_load_bytes=1 << 30)
+    assert sized[0]["kv_bytes"] == sized[1]["kv_bytes"]  # the unprotected rank still joined the min-reduce
+    built = on_all(group, "build")
+    assert [b["pools"][0]["governed"] for b in built] == [True, False]
+    on_all(group, "step", n=5)  # no deadlock: the unprotected rank offers no constraint
+    for _ in range(60):
+        done = on_all(group, "allocate", requests=4, tokens=TOKENS_PER_PAGE)
+        assert done[0]["allocated"] == done[1]["allocated"]
+        on_all(group, "step", n=20)
+    status = on_all(group, "status")
+    assert status[0]["limit_pages"] == status[1]["limit_pages"]  # the governed rank bounds both
+    assert status[1]["limit_pages"] * POOL_PAGE_BYTES <= 320 * MIB
+    assert status[0]["inuse_pages"] == status[1]["inuse_pages"]
+    assert not status[0]["errors"] and not status[1]["errors"]
+    assert_agreed_at_every_sync(group)
