@@ -13,7 +13,7 @@ It speaks JSON lines: one on stdout per step it reaches, and it waits on stdin b
     sglang_worker.py tp RANK WORLD PORT FULL_PAGES [FREE_BYTES]
         join a gloo TP group through SGLang's own parallel state; with FREE_BYTES, run SGLang's
         real KV profile over the real world group first (then drop its hold); build a
-        DeepSeek-V4 pool, then take elastic pages from an MHA pool's allocator until refused
+        DeepSeek-V4 pool and print its per-pool tensor bytes
 
 The dsv4 mode configures logging as an SGLang scheduler does (SGLang's own ``configure_logger``,
 at ``--log-level error``) before anything reaches the broker.
@@ -87,11 +87,8 @@ def init_tp(rank: int, world: int, port: int) -> None:
 
 
 def tensor_parallel(rank: int, world: int, port: int, full_pages: int, free_bytes: int | None) -> None:
-    import torch
-
     import sglang_cpu
 
-    from kvcached_broker.adapters import backing
     from kvcached_broker.adapters.sglang import reporting, parallel
 
     init_tp(rank, world, port)
@@ -101,21 +98,7 @@ def tensor_parallel(rank: int, world: int, port: int, full_pages: int, free_byte
         kv_bytes = sglang_cpu.profile(free_bytes, real_world_group=True)
         reporting.release_hold(parallel.identity("cpu"))
     pool = sglang_cpu.build_dsv4_pool(full_pages, full_pages // 4)
-    recorder = backing.RecordingBacking()
-    backing.register_on_demand_backing(recorder)
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    pages, page = 64, 128  # 128 tokens x 8 heads x 128 dims x 4 layers of bf16 K and V: 2 MiB a page
-    kv = MHATokenToKVPool(pages * page, page, torch.bfloat16, 8, 128, 4, "cpu", False)
-    alloc = PagedTokenToKVPoolAllocator(pages * page, page, torch.bfloat16, "cpu", kv, False)
-    taken = 0
-    while alloc.alloc(page) is not None:
-        taken += 1
-    gate = alloc._kvb.gate
-    say(rank=group.rank, size=group.size, kv_bytes=kv_bytes, pools=sglang_cpu.tensor_bytes_by_pool(pool), elastic_pages=taken,
-        mapped=len(recorder.mapped), granted_session_pages=gate.granted_session_pages,
-        page_bytes=gate.page_bytes)
+    say(rank=group.rank, size=group.size, kv_bytes=kv_bytes, pools=sglang_cpu.tensor_bytes_by_pool(pool))
     wait()
 
 
