@@ -5,8 +5,8 @@ have no ``get_kv_size_bytes``), so the adapter walks the object: its attributes,
 and dicts, down into the SGLang objects they hold, and sums every distinct tensor storage
 once (views and alias attributes share storage; see ``adapters/tensors.py``).
 
-A pool that the broker or kvcached already manages (an elastic pool) is *managed*: it is
-never reported as a static reservation, and its storages are claimed so that a walk of the
+A pool that kvcached manages (kvcached mode; a ``kvcached.*`` class, or one marked managed) is
+*managed*: it is never reported as a static reservation, and its storages are claimed so that a walk of the
 pool that contains it does not count them either.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from ..tensors import storage_bytes, storage_key
 
-#: Set on a pool object whose memory the broker grants page by page (elastic mode).
+#: Set on a pool object whose memory is managed elsewhere (kvcached), never reserved statically.
 MANAGED_ATTR = "_kvcached_broker_managed"
 #: Attributes that lead to machinery or to memory owned elsewhere, never followed.
 SKIPPED_ATTRS = frozenset({
