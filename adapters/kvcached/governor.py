@@ -178,6 +178,8 @@ class PoolGovernor:
             with self._asks:
                 pressure, self._pressure_pages = self._pressure_pages + polled, 0
                 short, self._short_pages = self._short_pages, 0
+                if polled:  # pressure that came through the grants object (a broadcast pool's board)
+                    self.counters["pressure_asks"] += 1
             if pressure:
                 self._quiet_until_s = now_s + PRESSURE_QUIET_S
                 pressure -= self._release_above_limit(pressure)  # a grant held above the limit first
