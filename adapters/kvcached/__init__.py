@@ -30,5 +30,6 @@ def install() -> None:
 
 
 def status() -> list[dict[str, Any]]:
-    """Every governed pool of this process (``PoolGovernor.status()``)."""
-    return [governor.status() for governor in runner.governors()]
+    """Every governed pool of this process (``PoolGovernor.status()``), and each TP worker's grant
+    for a broadcast-mode pool once an engine governs it (``WorkerGrants.status()``)."""
+    return [found for found in (governor.status() for governor in runner.governors()) if found is not None]

@@ -228,7 +228,11 @@ class WorkerGrants:
             self.grants.release(self.grants.pages)
         self.board.unlink()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any] | None:
+        """None until a governing engine appeared (a worker whose pool maps in-process, as with
+        vLLM's UniProcExecutor, registers but never holds anything here)."""
+        if not self._active:
+            return None
         g = self.geometry
         mapped = self.gate.mapped_pages()
         return {
