@@ -40,10 +40,13 @@ test: adapter-envs test-core test-adapters
 test-core: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/adapters
 
-# torch (CPU, local file) and triton in .venv, plus one overlay per upstream version.
+# torch (CPU, local file) and triton in .venv, plus one overlay per upstream version, and vLLM's own
+# block-pool tests from each release's sdist on the package index (stamped: a second run fetches
+# nothing; a failed fetch fails here in one line unless KVCACHED_UPSTREAM_OPTIONAL=1).
 adapter-envs: $(STAMP)
 	bash scripts/adapter-envs.sh --install-base --prune-native --check $(PY) $(ENVS)
 
+# each overlay's suite, then upstream's own tests with the patches off and on (scripts/upstream-tests.py)
 test-adapters: adapter-envs
 	bash scripts/test-adapters.sh $(PY) $(ENVS)
 

@@ -23,6 +23,9 @@
 # Nothing here copies upstream source: overlays are plain pip --target installs
 # of exact pins (wheels only). The torchvision import stub is our own code, in
 # tests/stubs; this script writes only the *.env, SUMMARY.tsv and MANIFEST files.
+# It also fetches (scripts/upstream-tests.py fetch, stamped) the vLLM overlays' own
+# upstream tests into OUT/upstream/ (never committed); KVCACHED_UPSTREAM_OPTIONAL=1
+# lets the build go on when the package index cannot serve them.
 set -euo pipefail
 
 TORCH_PIN="torch==2.13.0"     # must resolve to the local CPU wheel; never unpinned
@@ -218,7 +221,7 @@ while [ $# -gt 0 ]; do
     --prune-native) PRUNE=1 ;;
     --force) FORCE=1 ;;
     --check) CHECK=1 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     --) shift; break ;;
     -*) die "unknown option $1" ;;
     *) break ;;
@@ -339,6 +342,11 @@ for o in $WANT; do
   build_overlay "$o"
   write_env "$o"
 done
+# upstream's own allocator and block-pool tests (tests/adapters/upstream/MANIFEST.tsv): vLLM's, from
+# each release's sdist on the package index (sha256-pinned, stamped); a failure is one line and
+# fails the build, unless KVCACHED_UPSTREAM_OPTIONAL=1.  SGLang's come only from GitHub
+# (scripts/upstream-tests.py fetch-github, by hand).
+"$PY" "$(dirname "$0")/upstream-tests.py" fetch "$OUT" $WANT || exit 1
 {
   echo "base_python=$PY"
   "$PY" -W ignore -c 'import sys, torch; print("python=" + sys.version.split()[0]); print("torch=" + torch.__version__)'
