@@ -25,9 +25,10 @@ Failing safe.  No broker, endpoint, device or protocol failure may crash a serve
 * :func:`session` catches every failure to open a session (an unreachable or refusing
   broker, ``KVCACHED_BROKER=ipc://relative``, a ``CUDA_VISIBLE_DEVICES`` entry NVML cannot
   resolve, a malformed instance name) and returns None: the worker runs unprotected;
-* :func:`guard` runs a broker round trip of an open session: a refusal (``BudgetExceeded``)
-  goes to the caller, which explains it; an eviction is always raised (its memory was given
-  away); anything else (a timeout, ``rate_limited``, ``internal``, an unknown code) turns the
+* :func:`guard` runs a broker round trip of an open session, reading of the answer included:
+  a refusal (``BudgetExceeded``) goes to the caller, which explains it; an eviction is always
+  raised (its memory was given away); anything else (a timeout, ``rate_limited``,
+  ``internal``, an unknown code, an answer in a shape the adapter cannot read) turns the
   worker unprotected and returns None.
 
 Unprotected is said once per process (``event=unprotected`` on stderr, :mod:`.announce`).
@@ -51,6 +52,10 @@ from . import announce, autopatch, flags, instance, patching, versions
 log = logging.getLogger("kvcached_broker.adapters")
 
 T = TypeVar("T")
+
+#: What reading a broker answer of an unexpected shape raises (a missing field, a field of the
+#: wrong type or value): a protocol failure, handled like any other broker failure.
+MALFORMED_ANSWER = (LookupError, TypeError, ValueError, AttributeError)
 
 
 class BrokerRequired(RuntimeError):
@@ -223,10 +228,12 @@ def unprotected_reason(identity: WorkerIdentity) -> str | None:
 
 
 def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | None:
-    """Run ``call`` (a broker round trip); None if the worker is, or just turned, unprotected.
+    """Run ``call`` (a broker round trip, and the reading of its answer); None if the worker is,
+    or just turned, unprotected.
 
-    ``BudgetExceeded`` (a refusal) and a fatal error (eviction) propagate; any other failure
-    makes the worker unprotected (or, under ``KVCACHED_REQUIRE=1``, raises ``BrokerRequired``).
+    ``BudgetExceeded`` (a refusal) and a fatal error (eviction) propagate; any other failure,
+    an answer the caller cannot read included, makes the worker unprotected (or, under
+    ``KVCACHED_REQUIRE=1``, raises ``BrokerRequired``).
     """
     if session(identity) is None:
         return None
@@ -237,8 +244,11 @@ def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | N
     except BrokerError as exc:
         if exc.fatal:
             raise
-        with _lock:
-            return _unprotected_now(str(identity.device), f"{action}: {exc}", exc)
+        why, cause = str(exc), exc
+    except MALFORMED_ANSWER as exc:
+        why, cause = f"the broker's answer is not in the shape this adapter reads ({type(exc).__name__}: {exc})", exc
+    with _lock:
+        return _unprotected_now(str(identity.device), f"{action}: {why}", cause)
 
 
 def announce_process(runtime: str, role: str) -> None:
@@ -369,13 +379,22 @@ def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: 
     pools = _merge(charged)
     if entry.base_bytes and not plan.pin_base:
         pools[RUNTIME_BASE_POOL] = entry.base_bytes
-    result = guard(identity, action, lambda: entry.client.reserve(
-        pools, usage=_merge(shown), holds=dict(plan.holds), measured_base=plan.pin_base))
-    if result is not None and plan.pin_base:
-        entry.base_bytes = int(result.get(RUNTIME_BASE_POOL, 0))
+    answer = guard(identity, action, lambda: _reserve(entry.client, pools, _merge(shown), plan))
+    if answer is None:
+        return None
+    result, pinned_bytes = answer
+    if plan.pin_base:
+        entry.base_bytes = pinned_bytes
         log.info("event=runtime_base_pinned runtime=%s device=%s rank=%d runtime_base=%d",
                  identity.runtime, identity.device, identity.tp_rank, entry.base_bytes)
     return result
+
+
+def _reserve(client: BrokerClient, pools: dict[str, int], usage: dict[str, int],
+             plan: _Plan) -> tuple[dict[str, int], int]:
+    """The reserve request and the runtime base its answer gives (read inside :func:`guard`)."""
+    result = client.reserve(pools, usage=usage, holds=dict(plan.holds), measured_base=plan.pin_base)
+    return result, int(result.get(RUNTIME_BASE_POOL, 0))
 
 
 def _merge(by_reporter: dict[str, dict[str, int]]) -> dict[str, int]:

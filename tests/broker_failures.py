@@ -4,8 +4,9 @@ Real where the failure is real: a socket nobody listens on, an endpoint or a dev
 client cannot use, a broker that refuses the hello for its own rate limit, a broker process
 that is stopped (SIGSTOP: slow) or gone (SIGKILL), an operator's eviction.  Injected at the
 client boundary only where no real broker produces the failure on demand: an ``internal``
-error, a ``rate_limited`` reply to a session request, and an error code this client does
-not know (a newer broker).
+error, a ``rate_limited`` reply to a session request, an error code this client does not
+know (a newer broker), and a status document in a shape the adapter does not read (fields
+missing, or of the wrong type).
 
 ``arrange(kind)`` sets the failure up for the adapter's real connection path
 (``worker.session`` with ``KVCACHED_BROKER``); for the failures of a live session,
@@ -32,9 +33,12 @@ REASONS = {
     "rate_limited": "[rate_limited]",
     "internal": "[internal]",
     "unknown_code": "[quota_exhausted]",
+    "status_missing_fields": "not in the shape this adapter reads (KeyError",
+    "status_wrong_types": "not in the shape this adapter reads (TypeError",
 }
 #: the failures of a session that opened
-AFTER_OPEN = {"slow", "gone", "rate_limited", "internal", "unknown_code", "evicted"}
+AFTER_OPEN = {"slow", "gone", "rate_limited", "internal", "unknown_code", "status_missing_fields",
+              "status_wrong_types", "evicted"}
 KINDS = [*REASONS, "evicted"]
 #: what the injected kinds answer, as a broker would put it on the wire
 INJECTED = {
@@ -42,6 +46,19 @@ INJECTED = {
     "internal": ("internal", "ledger invariant check failed; the request was not applied"),
     "unknown_code": ("quota_exhausted", "this broker speaks a newer protocol"),
 }
+
+
+def _without_fields(status: dict) -> dict:
+    return {"instances": []}
+
+
+def _with_wrong_types(status: dict) -> dict:
+    instances = [{**i, "grantable_bytes": None, "charged_bytes": None} for i in status["instances"]]
+    return {**status, "instances": instances, "free_bytes": None}
+
+
+#: the kinds whose status answers arrive, in a shape the adapter cannot read
+MALFORMED = {"status_missing_fields": _without_fields, "status_wrong_types": _with_wrong_types}
 
 
 @dataclass
@@ -71,7 +88,7 @@ class Arranged:
             with self.broker.admin() as admin:
                 admin.evict(client.session_id)
         else:
-            self.armed.append(True)
+            self.armed.append(True)  # an injected error, or a malformed status
 
     def undo(self) -> None:
         """Resume a stopped broker, then close the worker's sessions while their broker still runs."""
@@ -101,6 +118,19 @@ def _failing_client(arranged: Arranged, endpoint: str):
     return factory
 
 
+def _malformed_client(arranged: Arranged, endpoint: str):
+    """Real sessions on ``endpoint``; once armed, status answers arrive reshaped."""
+    reshape = MALFORMED[arranged.kind]
+
+    def factory(identity):
+        client = worker.connect(identity, endpoint=endpoint)
+        real = client.status
+        client.status = lambda: reshape(real()) if arranged.armed else real()
+        return client
+
+    return factory
+
+
 def arrange(kind: str, request, monkeypatch, total_bytes: int = 1 << 30) -> Arranged:
     """Set ``kind`` up for this test (environment, brokers, client factory)."""
     short_tmp = request.getfixturevalue("short_tmp")
@@ -122,6 +152,8 @@ def arrange(kind: str, request, monkeypatch, total_bytes: int = 1 << 30) -> Arra
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000-dead-beef-0000-000000000000")
         if kind in INJECTED:
             worker.client_factory = _failing_client(arranged, arranged.broker.endpoint)
+        elif kind in MALFORMED:
+            worker.client_factory = _malformed_client(arranged, arranged.broker.endpoint)
     request.addfinalizer(arranged.undo)
     return arranged
 
