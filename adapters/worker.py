@@ -252,23 +252,34 @@ def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | N
 
 
 def announce_process(runtime: str, role: str) -> None:
-    """The ``adapter_active`` line of a process that opens no session itself (vLLM's EngineCore)."""
+    """The ``adapter_active`` line of a process that opens no session itself (vLLM's EngineCore).
+
+    Its ``instance`` is ``KVCACHED_BROKER_INSTANCE``, or ``default`` where that is unset: the
+    default comes from the workers' process group, which this process is not in, and each
+    worker's own line shows it.
+    """
     failed = failed_patches(runtime)
     announce.once(
         "active", logging.INFO, "adapter_active", runtime=runtime, version=versions.installed(runtime),
         pid=os.getpid(), hook="pth" if autopatch.hook_installed() else "explicit", role=role,
+        instance="default" if instance.defaulted() else _shown_instance(runtime),
         endpoint=os.environ.get("KVCACHED_BROKER", "").strip() or "default",
         patches=",".join(applied_patches(runtime)) or "none", failed=",".join(failed) or None,
     )
 
 
+def _shown_instance(runtime: str, name: str | None = None) -> str:
+    """The instance name as the ``adapter_active`` line shows it (an invalid one, with why)."""
+    try:
+        return name or instance.instance_name(runtime)
+    except instance.InstanceNameError as exc:
+        return f"invalid ({exc})"
+
+
 def _announce_active(identity: WorkerIdentity, client: BrokerClient | None) -> None:
     runtime = identity.runtime
     failed = failed_patches(runtime)
-    try:
-        name = identity.instance_name()
-    except instance.InstanceNameError as exc:
-        name = f"invalid ({exc})"
+    name = _shown_instance(runtime, identity.instance)
     announce.once(
         "active", logging.INFO, "adapter_active", runtime=runtime, version=versions.installed(runtime),
         pid=os.getpid(), hook="pth" if autopatch.hook_installed() else "explicit", instance=name,

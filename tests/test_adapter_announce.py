@@ -73,3 +73,19 @@ def test_the_broker_shows_which_adapter_opened_each_session(adapter_broker, monk
     (inst,) = adapter_broker.status()["instances"]
     adapter = inst["sessions"][0]["adapter"]
     assert adapter == worker.adapter_info("vllm") and adapter["runtime"] == "vllm"
+
+
+@pytest.mark.parametrize("name", ["llama-a", None])
+def test_a_process_without_a_session_names_its_instance_in_its_active_line(monkeypatch, capsys, name):
+    """vLLM's EngineCore: the same line as a worker's, ``instance=`` included (``default`` when
+    the variable is unset: the default comes from the workers' process group, which it is not in)."""
+    if name is None:
+        monkeypatch.delenv("KVCACHED_BROKER_INSTANCE", raising=False)
+    else:
+        monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", name)
+    worker.reset()
+    worker.announce_process("vllm", "engine_core")
+    (active,) = _lines(capsys.readouterr().err, "adapter_active")
+    assert f"instance={name or 'default'} " in active and "role=engine_core" in active
+    assert active.startswith("kvcached-broker: INFO event=adapter_active runtime=vllm ")
+    worker.reset()
