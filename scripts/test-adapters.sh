@@ -8,7 +8,7 @@
 #   usage: test-adapters.sh PYTHON ENVS_DIR [OVERLAY...]
 set -euo pipefail
 PY=$1 ENVS=$2; shift 2
-OVERLAYS=${*:-"sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0 kvcached-0.1.6 kvcached+sglang-0.5.23"}
+OVERLAYS=${*:-"sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0 kvcached-0.1.6 kvcached+sglang-0.5.23 kvcached+vllm-0.19.1"}
 KVCACHED=kvcached-0.1.6
 cd "$(dirname "$0")/.."
 status=0

@@ -17,8 +17,9 @@ and nothing allocated); after, ``kv_static`` is set to the bytes really allocate
 storage once).  The runtime base is pinned before ``kv_static`` is first reported, so the
 weights cannot absorb a buffer reported ahead of its allocation.  The per-group view from the
 real ``KVCacheConfig`` goes along as ``usage``: shown in status as ``usage_breakdown``,
-never charged.  With an on-demand backing, nothing is held statically: the worker's
-:class:`~.worker_pages.WorkerKVPages` takes pages as the scheduler makes blocks usable.
+never charged.  In kvcached mode (:mod:`.kvcached_mode`) the buffers are kvcached's whole-GPU
+virtual ones: nothing is charged here, whichever wrapper runs (kvcached's allocation replaces
+vLLM's, and its pages are granted as kvcached maps them, ``adapters/kvcached``).
 """
 
 from __future__ import annotations
@@ -29,37 +30,31 @@ from typing import Any, Callable
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
-from ..backing import on_demand_backing
 from ..patching import PatchError, wrap_once
 from ..tensors import storage_bytes
 from ..worker import WorkerIdentity
-from . import kv_budget, kv_config, parallel, worker_pages
+from . import kv_budget, kv_config, kvcached_mode, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
 
 
 def before_allocation(kv_cache_config: Any, device: Any) -> WorkerIdentity:
-    """Hold the planned buffer (static backing) before vLLM allocates it."""
+    """Hold the planned buffer before vLLM allocates it (not in kvcached mode: virtual buffers)."""
     identity = parallel.identity(device)
-    if on_demand_backing() is None:
+    if not kvcached_mode.active():
         _report(identity, kv_config.buffer_bytes(kv_cache_config), kv_cache_config, "the KV cache buffer",
                 allocated=False)
     return identity
 
 
 def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: Any) -> None:
-    """Charge what was allocated (static), or open the elastic pages (on-demand backing)."""
-    backing = on_demand_backing()
-    client = worker.session(identity)
-    if client is None:
-        if backing is not None:
-            worker_pages.open_pages(identity, None, backing, kv_cache_config)
+    """Charge what was allocated as ``kv_static`` (never kvcached's virtual buffers)."""
+    if kvcached_mode.active():
+        log.info("event=vllm_kv_kvcached rank=%d detail=virtual_buffers_not_charged_pages_granted_as_mapped",
+                 identity.tp_rank)
         return
-    if backing is not None:  # no static charge; the broker takes no usage views beyond reservations
-        # base pinned with it: pages are granted before they are mapped, which the weights would cover
-        worker.report(identity, kv_budget.REPORTER, {}, holds={kv_budget.HOLD: 0})
-        worker_pages.open_pages(identity, worker.session(identity), backing, kv_cache_config)
+    if worker.session(identity) is None:
         return
     allocated = storage_bytes(tensors) or kv_config.buffer_bytes(kv_cache_config)
     _report(identity, allocated, kv_cache_config, "the allocated KV cache buffer")

@@ -14,9 +14,10 @@ take it before vLLM allocates, and the weights it already loaded cannot absorb i
   figure is not), the worker fails at startup with a :class:`~.kv_budget.KVCacheBudgetError`
   naming the broker, the budget and what others hold.  A profile that is short by itself
   is left to vLLM's own error.
-* With an on-demand backing registered (elastic KV), the buffer is virtual: the figure is
-  capped at the most the broker could ever grant, and nothing is held (pages are granted
-  as blocks are used).
+* In kvcached mode (:mod:`.kvcached_mode`) the buffer is virtual: the figure kvcached's own
+  patch computed is capped at the most the broker could ever grant this instance, and nothing
+  is held (kvcached maps nothing at sizing time; its pages are granted as it maps them, see
+  ``adapters/kvcached``).  The cap wraps kvcached's patched method (``kvcached_mode``), once.
 
 All sizes are bytes.
 """
@@ -29,9 +30,8 @@ from typing import Any, Callable
 
 from ...client.units import format_bytes
 from .. import worker
-from ..backing import on_demand_backing
 from ..patching import wrap_methods, wrap_once
-from . import kv_budget, parallel
+from . import kv_budget, kvcached_mode, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
@@ -46,7 +46,7 @@ def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
     room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client))
     if room is None:  # the broker failed: unprotected, vLLM's own figure
         return available_bytes
-    elastic = on_demand_backing() is not None
+    elastic = kvcached_mode.active()
     limit = room.ceiling_bytes if elastic else room.grantable_bytes
     explicit = getattr(vllm_worker.cache_config, "kv_cache_memory_bytes", None)
     if explicit and explicit > limit:
@@ -90,9 +90,10 @@ def _max_memory_usage_function() -> Callable[..., int] | None:
     return None
 
 
-def wrap_determine_available_memory(original: Callable[[Any], int]) -> Callable[[Any], int]:
-    def determine_available_memory(self: Any) -> int:
-        return cap_available_memory(self, original(self))
+def wrap_determine_available_memory(original: Callable[..., int]) -> Callable[..., int]:
+    def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> int:
+        return kvcached_mode.outermost(lambda: cap_available_memory(self, original(self, *args, **kwargs)),
+                                       lambda: original(self, *args, **kwargs))
 
     return wrap_once(original, determine_available_memory)
 

@@ -16,9 +16,12 @@ without the broker.
 | sizing | ``vllm.v1.worker.gpu_worker`` | ``Worker.determine_available_memory`` |
 | sleep mode | ``vllm.v1.worker.gpu_worker`` | ``Worker.sleep``, ``Worker.wake_up`` |
 | sleep mode | ``vllm.v1.executor.abstract`` | ``Executor.wake_up`` (admits every worker before any wakes) |
-| elastic blocks | ``vllm.v1.core.block_pool`` | ``BlockPool`` allocation methods |
-| elastic blocks | ``vllm.v1.core.kv_cache_manager`` | ``KVCacheManager.allocate_slots`` |
-| elastic blocks | ``vllm.v1.engine.core`` | ``EngineCore.__init__`` (attaches the gate) |
+| kvcached mode | ``vllm.v1.engine.core`` | ``EngineCore.__init__`` (announce; the prefix-cache eviction hook) |
+| kvcached mode | ``vllm.v1.core.sched.scheduler`` | ``Scheduler.schedule`` (runs queued evictions on the engine thread) |
+| kvcached mode | ``kvcached.integration.vllm.patches`` | ``GPUWorkerPatch`` (the sizing cap wraps kvcached's) |
+
+Elastic KV is kvcached mode (``adapters/kvcached``, :mod:`.kvcached_mode`); without kvcached
+the KV cache is vLLM's own, sized and charged by the broker.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import logging
 
 from ..patching import Patch
 from ..versions import in_range, installed
-from . import block_pool, engine, kv_cache_manager, kv_reservation, kv_sizing, memory_release
+from . import engine, kv_reservation, kv_sizing, kvcached_mode, memory_release, prefix_eviction
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
@@ -54,9 +57,10 @@ PATCHES: list[Patch] = [
     _patch("vllm_kv_sizing", "vllm.v1.worker.gpu_worker", kv_sizing.apply_gpu_worker),
     _patch("vllm_sleep_mode_worker", "vllm.v1.worker.gpu_worker", memory_release.apply_gpu_worker),
     _patch("vllm_sleep_mode_executor", "vllm.v1.executor.abstract", memory_release.apply_executor),
-    _patch("vllm_elastic_block_pool", "vllm.v1.core.block_pool", block_pool.apply_block_pool),
-    _patch("vllm_elastic_allocate_slots", "vllm.v1.core.kv_cache_manager", kv_cache_manager.apply_kv_cache_manager),
-    _patch("vllm_elastic_engine_core", "vllm.v1.engine.core", engine.apply_engine_core),
+    _patch("vllm_engine_core", "vllm.v1.engine.core", engine.apply_engine_core),
+    _patch("vllm_prefix_eviction", "vllm.v1.core.sched.scheduler", prefix_eviction.apply_scheduler),
+    _patch("vllm_kvcached_sizing", "kvcached.integration.vllm.patches", kvcached_mode.apply_kvcached_patches,
+           required=False),
 ]
 
 

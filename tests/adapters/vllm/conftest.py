@@ -1,8 +1,7 @@
 """vLLM adapter tests: real vLLM classes from the overlay, real brokers, patches applied once.
 
 Each test gets a fresh adapter state: the worker's broker session points at the test's
-broker, no on-demand backing is registered unless the test registers one, and no elastic
-pages survive it.
+broker, and no session survives it.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import connect_to, require_runtime  # noqa: F401  (tests import connect_to from here)
 
-from kvcached_broker.adapters import backing, worker
+from kvcached_broker.adapters import worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: device_usage
 
@@ -30,8 +29,7 @@ def vllm_version() -> str:
 @pytest.fixture(scope="session")
 def patched_vllm():
     """Import the hooked vLLM modules and apply the adapter's patches (idempotent)."""
-    import vllm.v1.core.block_pool  # noqa: F401
-    import vllm.v1.core.kv_cache_manager  # noqa: F401
+    import vllm.v1.core.sched.scheduler  # noqa: F401
     import vllm.v1.engine.core  # noqa: F401
     import vllm.v1.worker.gpu.attn_utils  # noqa: F401
     import vllm.v1.worker.gpu_model_runner  # noqa: F401
@@ -44,15 +42,11 @@ def patched_vllm():
 
 @pytest.fixture
 def adapter_state(monkeypatch):
-    """Reset the worker session, elastic pages and backing around a test."""
-    from kvcached_broker.adapters.vllm import worker_pages
-
+    """Reset the worker session around a test."""
     monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "vllm-test")
     yield
-    worker_pages.forget()
     worker.reset()
     worker.client_factory = None
-    backing.register_on_demand_backing(None)
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from kvcached_broker.adapters import backing, worker
+from kvcached_broker.adapters import worker
 from kvcached_broker.adapters.tensors import storage_bytes
-from kvcached_broker.adapters.vllm import kv_config, kv_sizing, parallel
+from kvcached_broker.adapters.vllm import kv_config, kv_sizing, kvcached_mode, parallel
 from kvcached_broker.adapters.vllm.kv_budget import KVCacheBudgetError
 from kvcached_broker.client import BrokerClient, BudgetExceeded
 
@@ -86,11 +86,13 @@ def test_less_room_than_one_max_length_request_fails_at_startup(patched_vllm, gp
     assert "grantable 4.00 MiB" in str(caught.value)
 
 
-def test_elastic_workers_are_capped_at_the_budget_and_hold_nothing(patched_vllm, gpu_broker, neighbour):
+def test_in_kvcached_mode_the_virtual_size_is_capped_at_the_budget_and_nothing_is_held(
+    patched_vllm, gpu_broker, neighbour, monkeypatch
+):
     neighbour.reserve({"weights": 700 * MIB})
-    backing.register_on_demand_backing(backing.RecordingBacking())
-    assert determine(4 * GIB)(vllm_worker()) == GIB
-    assert held(gpu_broker) == 0
+    monkeypatch.setattr(kvcached_mode, "active", lambda: True)  # kvcached's integration initialised here
+    assert determine(4 * GIB)(vllm_worker()) == GIB  # the most it could ever get, not what is free now
+    assert held(gpu_broker) == 0  # kvcached maps nothing at sizing time: its grants come as it maps
 
 
 # ------------------------------------------------------------ a device that measures the worker

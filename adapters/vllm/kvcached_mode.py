@@ -1,0 +1,71 @@
+"""Whether kvcached serves this vLLM process's KV cache (kvcached mode), and the sizing cap around it.
+
+With kvcached ``>=0.1.6,<0.1.7`` installed and ``ENABLE_KVCACHED=1`` (kvcached's own autopatch
+on), kvcached's vLLM integration replaces the KV cache: each GPU worker's KV tensors are
+whole-GPU *virtual* buffers whose pages are mapped on demand, and EngineCore's block pool is
+kvcached's ``ElasticBlockPool``.  The broker then governs the physical pages
+(``adapters/kvcached``), so the vLLM adapter:
+
+* never charges kvcached's virtual buffers as ``kv_static`` (:mod:`.kv_reservation`);
+* caps the virtual size at what the broker could ever give this instance and takes no sizing
+  hold (:mod:`.kv_sizing`): kvcached maps nothing at sizing time;
+* registers the prefix-cache eviction hook in EngineCore (:mod:`.prefix_eviction`).
+
+Both autopatches fire on the same flag, in an order that depends on what imports first.
+kvcached's ``Worker.determine_available_memory`` computes its own figure and calls the method it
+replaced only for an explicit ``kv_cache_memory_bytes``, so the broker's cap must be the
+*outer* wrapper: :func:`apply_kvcached_patches` re-wraps the method right after kvcached's
+``GPUWorkerPatch`` replaced it (an inner wrapper of ours then passes through, see
+:func:`outermost`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+from ..patching import PatchError, wrap_once
+
+_local = threading.local()
+
+
+def enabled() -> bool:
+    """kvcached's own switch, read as kvcached reads it (``ENABLE_KVCACHED`` true or 1)."""
+    return os.getenv("ENABLE_KVCACHED", "false").lower() in ("true", "1")
+
+
+def active() -> bool:
+    """True in a process where kvcached's vLLM integration is switched on and initialised."""
+    interfaces = sys.modules.get("kvcached.integration.vllm.interfaces")
+    return enabled() and interfaces is not None and bool(getattr(interfaces, "_kvcached_initialized", False))
+
+
+def outermost(call: Callable[[], Any], passthrough: Callable[[], Any]) -> Any:
+    """Run ``call`` unless an outer wrapper of ours is already running on this thread (then
+    ``passthrough``): the broker's cap applies once, at the outermost wrapper."""
+    if getattr(_local, "depth", 0):
+        return passthrough()
+    _local.depth = 1
+    try:
+        return call()
+    finally:
+        _local.depth = 0
+
+
+def apply_kvcached_patches(module: Any) -> None:
+    """``kvcached.integration.vllm.patches``: put the broker's sizing cap outside kvcached's."""
+    patch_class = getattr(module, "GPUWorkerPatch", None)
+    original = getattr(patch_class, "patch_worker_determine_available_memory", None)
+    if original is None:
+        raise PatchError(f"{module.__name__} has no GPUWorkerPatch.patch_worker_determine_available_memory")
+
+    def patch_worker_determine_available_memory(self: Any, gpuworker_mod: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, gpuworker_mod, *args, **kwargs)
+        from . import kv_sizing
+
+        kv_sizing.apply_gpu_worker(gpuworker_mod)  # wraps whatever kvcached put in place
+        return result
+
+    patch_class.patch_worker_determine_available_memory = wrap_once(original, patch_worker_determine_available_memory)

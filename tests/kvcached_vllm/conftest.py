@@ -1,0 +1,78 @@
+"""kvcached mode for vLLM: kvcached 0.1.6's real Python code with vLLM 0.19.1's real classes.
+
+They run in the combined overlay ``kvcached+vllm-0.19.1`` (scripts/test-adapters.sh: vLLM's
+overlay, its common packages and kvcached's Python code on one path) and are skipped elsewhere.  Only
+``kvcached.vmm_ops`` is a double (``kvcached_broker.tools.kvcached_sim``); every engine and
+worker is its own process, each worker on its own simulated GPU with its own real broker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import require_runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tp_harness import Broker, Gpu, Processes  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def overlay() -> str:
+    """vLLM and kvcached at the overlay's versions (a missing one fails inside the overlay)."""
+    found = require_runtime("vllm")
+    expected = os.environ.get("KVCACHED_BROKER_TEST_KVCACHED", "")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        kvcached = version("kvcached")
+    except PackageNotFoundError:
+        kvcached = None
+    if expected:
+        assert kvcached == expected.split("-", 1)[1], f"overlay expects {expected}, found kvcached {kvcached}"
+    elif kvcached is None:
+        pytest.skip("kvcached mode for vLLM runs in the kvcached+vllm overlay (make test-adapters)")
+    return found
+
+
+@pytest.fixture
+def gpus(short_tmp):
+    """``make(n)``: n simulated GPUs of ``total`` each, every one with its own broker (headroom 0)."""
+    started: list[Broker] = []
+
+    def make(n: int, total: str = "1GiB") -> list[Gpu]:
+        made = []
+        for index in range(n):
+            workdir = short_tmp / f"gpu{index}"
+            workdir.mkdir()
+            usage = workdir / "usage"
+            broker = Broker(workdir, total, usage).start()
+            started.append(broker)
+            made.append(Gpu(broker, usage, short_tmp))
+        return made
+
+    yield make
+    for broker in started:
+        broker.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.call_failed = report.failed
+
+
+@pytest.fixture
+def processes(request, short_tmp):
+    running = Processes(short_tmp)
+    yield running
+    running.stop_all()
+    if getattr(request.node, "call_failed", False):  # what the processes and brokers said, for the report
+        for path in sorted(short_tmp.rglob("*.err")) + sorted(short_tmp.rglob("broker.log")):
+            tail = path.read_text(errors="replace")[-6000:]
+            print(f"===== {path.relative_to(short_tmp)} (tail) =====\n{tail}")

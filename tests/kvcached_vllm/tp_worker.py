@@ -1,0 +1,84 @@
+"""A vLLM TP worker process in kvcached mode, on its own simulated GPU, driven over stdin.
+
+    python tp_worker.py USAGE_DIR TOTAL_BYTES RANK WORLD_SIZE
+
+What vLLM's patched ``GPUModelRunner`` does in a worker with ``ENABLE_KVCACHED=1``: kvcached's
+own vLLM integration initialises the worker (``init_kvcached(is_worker=True)``, which starts
+kvcached's real IPC listener) and creates its KV tensors (``alloc_kv_cache``).  Only
+``kvcached.vmm_ops`` is a double (pages cost memory on the simulated GPU only once mapped).
+The broker adapter arrives as it does in production: the ``kvcached_broker_autopatch.pth`` hook
+(``ENABLE_KVCACHED=1``), plus ``import kvcached.autopatch`` for kvcached's own ``.pth``.  The
+broker is ``KVCACHED_BROKER``; the instance ``KVCACHED_BROKER_INSTANCE`` (set by the test).
+
+Requests are JSON lines, one JSON line back each:
+
+* ``{"op": "status"}``: this worker's bytes on its GPU, what the vmm double has mapped, and its
+  grant holder's status;
+* ``{"op": "pin_bound", "pages": N}``: set the gate's bound to N pages (a worker whose grant is
+  below what EngineCore may map: a race the design excludes, forced to check the rollback);
+* ``{"op": "exit"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 4, 8, 128, 16
+
+
+#: Replies go out on the original stdout; everything else printed (kvcached prints) goes to stderr.
+_replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+def reply(obj: dict) -> None:
+    _replies.write(json.dumps(obj) + "\n")
+    _replies.flush()
+
+
+def main(argv: list[str]) -> None:
+    usage_dir, total_bytes, rank, world_size = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
+    from kvcached_broker.tools.kvcached_sim import kvcached_cpu
+
+    gpu = kvcached_cpu.install(usage_dir, total_bytes, os.environ["KVCACHED_IPC_NAME"])
+    import torch
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # the listener syncs before an unmap
+    import kvcached.autopatch  # noqa: F401  (what kvcached's own .pth does)
+    from kvcached import vmm_ops
+    from kvcached.integration.vllm import interfaces
+
+    from kvcached_broker.adapters import kvcached as kvmode
+    from kvcached_broker.adapters.kvcached import map_gate, runner, worker_grants
+
+    interfaces.init_kvcached(tp_rank=rank, world_size=world_size, pp_rank=0, is_worker=True, device="cuda:0")
+    virtual_blocks = 4096
+    interfaces.alloc_kv_cache((2, virtual_blocks, BLOCK_TOKENS, HEADS, HEAD_DIM), BLOCK_TOKENS, torch.float16,
+                              "cuda:0", LAYERS)
+    holder = worker_grants.holder(0)
+    reply({"ready": True, "pid": os.getpid(), "registered": holder is not None})
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request["op"]
+        if op == "status":
+            reply({"pid": os.getpid(), "device_bytes": gpu.mine_bytes(), "vmm_mapped_bytes": vmm_ops.mapped_bytes(0),
+                   "holder": holder.status() if holder is not None else None, "pools": kvmode.status()})
+        elif op == "pin_bound":
+            gate = map_gate.gate(0)
+            with gate.lock:
+                gate.bound_pages = int(request["pages"])
+            holder.governed = False  # stop following the engine, so the pinned bound stays
+            reply({"bound_pages": gate.bound_pages})
+        elif op == "settle":
+            reply({"settled": runner.settle()})
+        elif op == "exit":
+            reply({"bye": True})
+            return
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
