@@ -18,7 +18,10 @@ elastic pages) but one session per device.  The book follows docs/accounting.md:
 :func:`report` sets one reporter's pools and changes holds in the same broker request, so a
 hold turns into the pools it was for in one call.  A reporter can be *suspended* (its memory
 was handed back: SGLang's release of memory occupation, vLLM's sleep): its pools stay in the
-book but are not charged until it is resumed, through admission.
+book but are not charged until it is resumed, through admission.  What else the runtime hands
+back (weights, CUDA graphs) is inside the runtime base: :func:`repin_base` pins it again at
+what the device measures, and :func:`resume` can raise it back before the runtime maps the
+memory again (:mod:`.handback`).
 
 Failing safe.  No broker, endpoint, device or protocol failure may crash a server:
 
@@ -85,6 +88,7 @@ RUNTIME_BASE_POOL = "runtime_base"
 @dataclass
 class _DeviceSession:
     client: BrokerClient
+    identity: WorkerIdentity
     book: dict[str, dict[str, int]] = field(default_factory=dict)  # reporter -> resident pools
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # reporter -> views (never charged)
     holds: dict[str, int] = field(default_factory=dict)  # hold name -> bytes promised, not allocated yet
@@ -101,6 +105,7 @@ class _Plan:
     holds: dict[str, int]
     suspended: frozenset[str]
     pin_base: bool = False
+    base_bytes: int | None = None  # a runtime base to book instead of the pinned one (memory coming back)
 
 
 _lock = threading.RLock()
@@ -169,7 +174,7 @@ def session(identity: WorkerIdentity) -> BrokerClient | None:
         except Exception as exc:  # noqa: BLE001 - any failure to open leaves the worker unprotected
             _announce_active(identity, None)
             return _unprotected_now(key, _describe(exc), exc)
-        _sessions[key] = _DeviceSession(client)
+        _sessions[key] = _DeviceSession(client, identity)
         _announce_active(identity, client)
         log.info(
             "event=adapter_session runtime=%s device=%s instance=%s session=%s endpoint=%s",
@@ -220,6 +225,12 @@ def serving_failure(identity: WorkerIdentity, action: str, exc: BrokerError) -> 
         return False
     _mark_unprotected(str(identity.device), f"{action}: {exc}")
     return True
+
+
+def open_identities() -> list[WorkerIdentity]:
+    """The identity of every usable session of this process (one per device)."""
+    with _lock:
+        return [entry.identity for key, entry in _sessions.items() if key not in _unprotected]
 
 
 def unprotected_reason(identity: WorkerIdentity) -> str | None:
@@ -384,12 +395,13 @@ def _with_holds(current: dict[str, int], changes: dict[str, int] | None) -> dict
 
 
 def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: str) -> dict[str, int] | None:
-    """One reserve request for the whole book; books the pinned base when it was pinned."""
+    """One reserve request for the whole book; books the base it pinned or raised."""
     charged = {name: pools for name, pools in plan.book.items() if name not in plan.suspended}
     shown = {name: views for name, views in plan.usage.items() if name not in plan.suspended}
     pools = _merge(charged)
-    if entry.base_bytes and not plan.pin_base:
-        pools[RUNTIME_BASE_POOL] = entry.base_bytes
+    base_bytes = entry.base_bytes if plan.base_bytes is None else plan.base_bytes
+    if base_bytes and not plan.pin_base:
+        pools[RUNTIME_BASE_POOL] = base_bytes
     answer = guard(identity, action, lambda: _reserve(entry.client, pools, _merge(shown), plan))
     if answer is None:
         return None
@@ -398,6 +410,8 @@ def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: 
         entry.base_bytes = pinned_bytes
         log.info("event=runtime_base_pinned runtime=%s device=%s rank=%d runtime_base=%d",
                  identity.runtime, identity.device, identity.tp_rank, entry.base_bytes)
+    elif plan.base_bytes is not None:
+        entry.base_bytes = plan.base_bytes
     return result
 
 
@@ -439,40 +453,69 @@ def base_bytes(identity: WorkerIdentity) -> int | None:
         return entry.base_bytes if entry is not None else None
 
 
-def suspend(identity: WorkerIdentity, names: list[str]) -> int:
-    """Stop charging ``names`` (their memory was handed back); returns the bytes no longer charged."""
+def suspend(identity: WorkerIdentity, names: list[str], *, base_bytes: int | None = None) -> int:
+    """Stop charging ``names`` (their memory was handed back) and, with ``base_bytes``, lower the
+    runtime base to it, in one request; returns the bytes no longer charged."""
     with _lock:
         entry = _sessions.get(str(identity.device))
-        names = [n for n in names if entry is not None and n in entry.book and n not in entry.suspended]
-        if not names:
+        if entry is None:
             return 0
-        freed = sum(sum(entry.book[n].values()) for n in names)
-        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended | set(names)))
+        names = [n for n in names if n in entry.book and n not in entry.suspended]
+        base_drop_bytes = max(0, (entry.base_bytes or 0) - base_bytes) if base_bytes is not None else 0
+        if not names and not base_drop_bytes:
+            return 0
+        freed = sum(sum(entry.book[n].values()) for n in names) + base_drop_bytes
+        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended | set(names)),
+                     base_bytes=base_bytes if base_drop_bytes else None)
         if _send(identity, entry, plan, "suspend") is not None:
             entry.suspended |= set(names)
             return freed
         return 0
 
 
-def resume(identity: WorkerIdentity, names: list[str] | None = None) -> int:
-    """Charge the suspended ``names`` (all, if None) again; returns the bytes charged again.
+def resume(identity: WorkerIdentity, names: list[str] | None = None, *, base_bytes: int | None = None) -> int:
+    """Charge the suspended ``names`` (all, if None) again and, with ``base_bytes``, raise the
+    runtime base to it, in one request; returns the bytes charged again.
 
-    This is an admission: ``BudgetExceeded`` if the broker has no room for them (they stay
-    suspended).  0 when nothing was suspended or the worker runs unprotected.
+    This is an admission, made before the runtime maps the memory again: ``BudgetExceeded``
+    if the broker has no room (nothing changes).  0 when nothing comes back or the worker
+    runs unprotected.
     """
     with _lock:
         entry = _sessions.get(str(identity.device))
         if entry is None:
             return 0
         back = set(entry.suspended if names is None else entry.suspended.intersection(names))
-        if not back:
+        base_growth_bytes = max(0, (base_bytes or 0) - (entry.base_bytes or 0))
+        if not back and not base_growth_bytes:
             return 0
-        charged = sum(sum(entry.book[n].values()) for n in back)
-        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended - back))
+        charged = sum(sum(entry.book[n].values()) for n in back) + base_growth_bytes
+        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended - back),
+                     base_bytes=base_bytes if base_growth_bytes else None)
         if _send(identity, entry, plan, "resume") is None:
             return 0
         entry.suspended -= back
         return charged
+
+
+def repin_base(identity: WorkerIdentity, suspend: list[str] | tuple[str, ...] = ()) -> int | None:
+    """Pin the runtime base again at what the device measures the process using now, and stop
+    charging ``suspend`` in the same request; returns the new base.
+
+    Around a release of memory (:mod:`.handback`): before it, so that the base covers all the
+    process uses; after it, so that what it handed back is no longer charged.  None when the
+    worker runs unprotected.
+    """
+    if session(identity) is None:
+        return None
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        names = {n for n in suspend if n in entry.book}
+        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended | names), pin_base=True)
+        if _send(identity, entry, plan, "re-pin runtime_base") is None:
+            return None
+        entry.suspended |= names
+        return entry.base_bytes
 
 
 def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:
@@ -510,5 +553,8 @@ def reset() -> None:
                 pass
         _sessions.clear()
         _unprotected.clear()
+    from . import handback  # it builds on this module
+
+    handback.reset()
     announce.reset()
     instance.reset()

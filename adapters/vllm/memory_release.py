@@ -1,21 +1,26 @@
-"""vLLM's sleep mode, followed through to the broker: a sleeping worker's KV cache is not charged.
+"""vLLM's sleep mode, followed through to the broker: memory a sleeping worker handed back is not charged.
 
-``Worker.sleep(level)`` discards the KV cache at every level (level 1 also offloads the
-weights, level 2 discards them), so its memory goes back to the device; the worker's
-``kv_static`` charge would otherwise stay.  Hook points, both releases:
+``Worker.sleep(level)`` frees the KV cache and the weights at every level (level 1 offloads
+the weights to host memory, level 2 discards them); ``Worker.discard(tags)`` (0.33+) frees
+the tagged memory alone.  ``wake_up(tags)`` maps it again (no tags: all).  What the broker
+charges follows (:mod:`..handback`): the KV reporter is suspended, and the runtime base,
+which holds the weights, is pinned again at what the device measures.  Hook points:
 
-* ``Worker.sleep`` in ``vllm.v1.worker.gpu_worker``: after vLLM freed the memory, the KV
-  reporter is suspended (its bytes are no longer charged, the book keeps them);
-* ``Worker.wake_up``: with the ``kv_cache`` tag (or no tags), the KV reporter is admitted
-  back *before* vLLM maps the memory again; a refusal raises
-  :class:`~.kv_budget.KVCacheBudgetError`, and nothing is mapped;
+* ``Worker.sleep`` and ``Worker.discard`` in ``vllm.v1.worker.gpu_worker``: the base is
+  pinned at what the device measures just before, and again after vLLM freed the memory,
+  with the KV reporter suspended in the same request;
+* ``Worker.wake_up``: what the tags bring back (the KV cache, the base the weights held) is
+  admitted *before* vLLM maps the memory again, and the base is pinned at what the device
+  measures after; a refusal raises :class:`~.kv_budget.KVCacheBudgetError`, and nothing is
+  mapped;
 * ``Executor.wake_up`` in ``vllm.v1.executor.abstract`` (EngineCore's side): before any
-  worker wakes, every worker is asked (one ``collective_rpc``) to admit its KV cache; if one
-  is refused, the others suspend theirs again and the wake fails with that worker's
-  reason, so no TP rank wakes up alone.  vLLM reports the failed utility call to its caller.
+  worker wakes, every worker is asked (one ``collective_rpc``) to admit what it takes back;
+  if one fails (a refusal, an eviction, ``BrokerRequired``), the others hand theirs back
+  again and the wake fails with that worker's reason, so no TP rank wakes up alone.  vLLM
+  reports the failed utility call to its caller.
 
-Weights are not reported by this adapter, so their tags change nothing here.  Elastic
-workers (an on-demand backing) hold pages, not a ``kv_static`` charge, and are left alone.
+No collective runs inside a worker.  Elastic pages are left alone (a sleeping worker keeps
+its grant).
 """
 
 from __future__ import annotations
@@ -24,87 +29,129 @@ import logging
 from typing import Any, Callable
 
 from ...client import BudgetExceeded
-from ...client.units import format_bytes
-from .. import worker
+from .. import handback, worker
 from ..patching import wrap_methods, wrap_once
 from . import kv_budget, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
-KV_CACHE_TAG = "kv_cache"
-_asleep: dict[str, worker.WorkerIdentity] = {}  # device -> the identity whose KV is suspended
+#: What ``Worker.sleep`` frees at every level, and what a wake without tags maps again
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+_asleep: dict[str, worker.WorkerIdentity] = {}  # device -> the identity that handed memory back
 
 
-def wakes_kv(tags: list[str] | None) -> bool:
-    return not tags or KV_CACHE_TAG in tags
+def wake_tags(tags: list[str] | None) -> set[str]:
+    return set(tags) if tags else set(SLEEP_TAGS)
 
 
-def fall_asleep(identity: worker.WorkerIdentity) -> int:
-    """Stop charging this worker's KV cache; returns the bytes no longer charged."""
-    freed = worker.suspend(identity, [kv_budget.REPORTER])
-    if freed:
+def before_release(identity: worker.WorkerIdentity, tags: set[str]) -> Exception | None:
+    """Pin the base before vLLM frees ``tags``; the failure to raise once vLLM has freed them."""
+    try:
+        handback.before_release(identity, tags)
+    except Exception as exc:  # noqa: BLE001 - vLLM's own release runs first
+        return exc
+    return None
+
+
+def after_release(identity: worker.WorkerIdentity, tags: set[str]) -> int:
+    """Stop charging what vLLM freed; returns the bytes no longer charged."""
+    freed = handback.after_release(identity, tags, [kv_budget.REPORTER])
+    if handback.handed_back(identity):
         _asleep[str(identity.device)] = identity
-        log.info("event=vllm_kv_asleep rank=%d bytes=%s", identity.tp_rank, format_bytes(freed))
+    log.info("event=vllm_memory_released rank=%d tags=%s bytes=%d", identity.tp_rank, ",".join(sorted(tags)), freed)
     return freed
 
 
-def admit(identity: worker.WorkerIdentity) -> None:
-    """Charge this worker's KV cache again; :class:`KVCacheBudgetError` if the broker has no room."""
-    held = worker.booked_bytes(identity, kv_budget.REPORTER)
+def admit(identity: worker.WorkerIdentity, tags: set[str]) -> None:
+    """Charge again what ``tags`` bring back; :class:`KVCacheBudgetError` if the broker has no room."""
     try:
-        worker.resume(identity, [kv_budget.REPORTER])
+        handback.admit(identity, tags, [kv_budget.REPORTER])
     except BudgetExceeded as exc:
         client = worker.session(identity)
         if client is None:
             raise
-        raise kv_budget.explain(identity, client, held, "the KV cache back to wake up", exc) from exc
-    _asleep.pop(str(identity.device), None)
+        asked_bytes = handback.coming_back_bytes(identity, tags, [kv_budget.REPORTER])
+        raise kv_budget.explain(identity, client, asked_bytes, "its memory back to wake up", exc) from exc
+
+
+def settle(identity: worker.WorkerIdentity, tags: set[str]) -> None:
+    handback.settle(identity, tags)
+    if not handback.handed_back(identity):
+        _asleep.pop(str(identity.device), None)
 
 
 # ------------------------------------------------------------------------ worker side
 def wrap_sleep(original: Callable[..., None]) -> Callable[..., None]:
     def sleep(self: Any, level: int = 1, *args: Any, **kwargs: Any) -> None:
+        identity = parallel.identity(self.device)
+        failure = before_release(identity, set(SLEEP_TAGS))
         original(self, level, *args, **kwargs)
-        fall_asleep(parallel.identity(self.device))
+        if failure is not None:
+            raise failure
+        after_release(identity, set(SLEEP_TAGS))
 
     return wrap_once(original, sleep)
 
 
+def wrap_discard(original: Callable[..., None]) -> Callable[..., None]:
+    def discard(self: Any, tags: tuple[str, ...], *args: Any, **kwargs: Any) -> None:
+        identity = parallel.identity(self.device)
+        failure = before_release(identity, set(tags))
+        original(self, tags, *args, **kwargs)
+        if failure is not None:
+            raise failure
+        after_release(identity, set(tags))
+
+    return wrap_once(original, discard)
+
+
 def wrap_wake_up(original: Callable[..., None]) -> Callable[..., None]:
     def wake_up(self: Any, tags: list[str] | None = None, *args: Any, **kwargs: Any) -> None:
-        if wakes_kv(tags):
-            admit(parallel.identity(self.device))  # before vLLM maps the memory again
-        return original(self, tags, *args, **kwargs)
+        identity = parallel.identity(self.device)
+        admit(identity, wake_tags(tags))  # before vLLM maps the memory again
+        try:
+            result = original(self, tags, *args, **kwargs)
+        except BaseException:
+            handback.roll_back(identity)  # vLLM mapped nothing it was admitted for
+            raise
+        settle(identity, wake_tags(tags))
+        return result
 
     return wrap_once(original, wake_up)
 
 
 def apply_gpu_worker(module: Any) -> None:
-    """``Worker.sleep`` and ``Worker.wake_up`` in ``vllm.v1.worker.gpu_worker``."""
-    wrap_methods(module, "Worker", {"sleep": wrap_sleep, "wake_up": wrap_wake_up})
+    """``Worker.sleep``, ``Worker.wake_up`` and, where vLLM has it (0.33+), ``Worker.discard``
+    in ``vllm.v1.worker.gpu_worker``."""
+    wrappers = {"sleep": wrap_sleep, "wake_up": wrap_wake_up}
+    if "discard" in vars(getattr(module, "Worker", object)):
+        wrappers["discard"] = wrap_discard
+    wrap_methods(module, "Worker", wrappers)
 
 
 # ---------------------------------------------------------------------- EngineCore side
-def on_worker(_worker: Any, action: str) -> str | None:
-    """What ``collective_rpc`` runs in each worker: ``admit`` (None or why not) or ``suspend``."""
+def on_worker(_worker: Any, action: str, tags: list[str] | None = None) -> str | None:
+    """What ``collective_rpc`` runs in each worker: ``admit`` what ``tags`` bring back, or
+    ``roll_back`` (hand it back again).  None, or why this worker could not."""
+    wanted = wake_tags(tags)
     for identity in list(_asleep.values()):
-        if action == "suspend":
-            fall_asleep(identity)
-            continue
         try:
-            admit(identity)
-        except kv_budget.KVCacheBudgetError as exc:
-            return str(exc)
+            if action == "roll_back":
+                handback.roll_back(identity)
+            else:
+                admit(identity, wanted)
+        except Exception as exc:  # noqa: BLE001 - the reason goes back to EngineCore, which decides
+            return str(exc) if isinstance(exc, kv_budget.KVCacheBudgetError) else f"{type(exc).__name__}: {exc}"
     return None
 
 
 def wrap_executor_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
     def wake_up(self: Any, tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "is_sleeping", False) and wakes_kv(tags):
-            refused = [reason for reason in self.collective_rpc(on_worker, args=("admit",)) if reason]
-            if refused:
-                self.collective_rpc(on_worker, args=("suspend",))  # no rank wakes up alone
-                raise kv_budget.KVCacheBudgetError(refused[0])
+        if getattr(self, "is_sleeping", False):
+            failed = [reason for reason in self.collective_rpc(on_worker, args=("admit", tags)) if reason]
+            if failed:
+                self.collective_rpc(on_worker, args=("roll_back", tags))  # no rank wakes up alone
+                raise kv_budget.KVCacheBudgetError(failed[0])
         return original(self, tags, *args, **kwargs)
 
     return wrap_once(original, wake_up)
@@ -116,5 +163,5 @@ def apply_executor(module: Any) -> None:
 
 
 def reset() -> None:
-    """Forget which workers sleep (tests)."""
+    """Forget which workers handed memory back (tests)."""
     _asleep.clear()

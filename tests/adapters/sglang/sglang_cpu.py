@@ -209,3 +209,68 @@ def configure_logging(level: str) -> None:
     from sglang.srt.utils import configure_logger
 
     configure_logger(types.SimpleNamespace(log_level=level), prefix=" TP0")
+
+
+# ------------------------------------------------------------------ release/resume of memory
+class MemorySaver:
+    """torch_memory_saver as SGLang's adapter sees it (it needs CUDA): enabled, pausing and
+    resuming regions by tag.  ``on_change(tag, mapped)`` follows each one (a test tells the
+    simulated device what the process now uses)."""
+
+    def __init__(self, enabled: bool = True, on_change=None):
+        self.enabled = enabled
+        self.calls: list[tuple[str, str]] = []
+        self.on_change = on_change
+
+    def pause(self, tag: str) -> None:
+        self.calls.append(("pause", tag))
+        if self.on_change is not None:
+            self.on_change(tag, False)
+
+    def resume(self, tag: str) -> None:
+        self.calls.append(("resume", tag))
+        if self.on_change is not None:
+            self.on_change(tag, True)
+
+
+def weight_updater(saver: MemorySaver, tp_cpu_group: Any = None) -> Any:
+    """The object SGLang runs release/resume of memory occupation on (``SchedulerWeightUpdaterManager``
+    in 0.5.13+, a scheduler with ``SchedulerUpdateWeightsMixin`` in 0.5.12), holding only what
+    those methods read: the saver, a one-layer model (the weights path stashes its buffers) and
+    the TP CPU group (the weights path has a barrier on it)."""
+    if at_least("0.5.13"):
+        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager as cls
+    else:
+        from sglang.srt.managers.scheduler_update_weights_mixin import SchedulerUpdateWeightsMixin
+
+        cls = type("Scheduler", (SchedulerUpdateWeightsMixin,), {})
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("scale", torch.ones(2))
+    obj = object.__new__(cls)
+    for name, value in {"memory_saver_adapter": saver, "offload_tags": set(), "scheduler": None,
+                        "tp_worker": types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model)),
+                        "tp_cpu_group": tp_cpu_group, "draft_worker": None, "flush_cache": lambda *a, **k: True,
+                        "is_fully_idle": lambda *a, **k: True}.items():
+        try:
+            setattr(obj, name, value)
+        except AttributeError:  # a slotted release without that field (0.5.13 has no scheduler)
+            pass
+    return obj
+
+
+def occupation_request(kind: str, tags: list[str] | None) -> Any:
+    """SGLang's ``ReleaseMemoryOccupationReqInput`` or ``ResumeMemoryOccupationReqInput``."""
+    from sglang.srt.managers import io_struct
+
+    return getattr(io_struct, f"{kind}MemoryOccupationReqInput")(tags=tags)
+
+
+def release(updater: Any, tags: list[str] | None = None) -> Any:
+    """SGLang's own ``release_memory_occupation`` (its weights path reads the published config)."""
+    with runtime_config():
+        return updater.release_memory_occupation(occupation_request("Release", tags))
+
+
+def resume(updater: Any, tags: list[str] | None = None) -> Any:
+    with runtime_config():
+        return updater.resume_memory_occupation(occupation_request("Resume", tags))

@@ -15,6 +15,11 @@ It speaks JSON lines: one on stdout per step it reaches, and it waits on stdin b
         real KV profile over the real world group first (then drop its hold); build a
         DeepSeek-V4 pool and print its per-pool tensor bytes
 
+    sglang_worker.py occupation RANK WORLD PORT
+        join a gloo TP group; build a DeepSeek-V4 pool (reported); on a line, release memory
+        occupation (every tag) through SGLang's own method, on the next resume it; print what
+        each step raised and how many adapter collectives (TP min-reduces) it ran
+
 The dsv4 mode configures logging as an SGLang scheduler does (SGLang's own ``configure_logger``,
 at ``--log-level error``) before anything reaches the broker.
 """
@@ -102,12 +107,52 @@ def tensor_parallel(rank: int, world: int, port: int, full_pages: int, free_byte
     wait()
 
 
+def occupation(rank: int, world: int, port: int) -> None:
+    import sglang_cpu
+
+    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters.sglang import parallel
+
+    init_tp(rank, world, port)
+    collectives = _count_collectives(parallel.RankGroup)
+    pool = sglang_cpu.build_dsv4_pool(16, 4)  # reported while it lives
+    client = worker.session(parallel.identity("cpu"))
+    updater = sglang_cpu.weight_updater(sglang_cpu.MemorySaver(), parallel.tp_group().cpu_group)
+    say(event="ready", rank=rank, pid=os.getpid(), session=client.session_id)
+    for step, run in (("release", sglang_cpu.release), ("resume", sglang_cpu.resume)):
+        if not wait():
+            return
+        collectives.clear()
+        try:
+            run(updater)
+            say(event=step, rank=rank, error=None, collectives=len(collectives))
+        except Exception as exc:  # noqa: BLE001 - the test wants to see what it was
+            say(event=step, rank=rank, error=type(exc).__name__, message=str(exc), collectives=len(collectives))
+    wait()
+    del pool
+
+
+def _count_collectives(group_class) -> list[int]:
+    """Record every ``reduce_min`` the adapter runs over a group (the calls go on to the real one)."""
+    calls: list[int] = []
+    real = group_class.reduce_min
+
+    def reduce_min(self, value: int) -> int:
+        calls.append(value)
+        return real(self, value)
+
+    group_class.reduce_min = reduce_min
+    return calls
+
+
 def main(argv: list[str]) -> int:
     mode = argv[0]
     if mode == "dsv4":
         dsv4(int(argv[1]), int(argv[2]), "--explicit-apply" in argv)
     elif mode == "together":
         return together(int(argv[1]), int(argv[2]))
+    elif mode == "occupation":
+        occupation(int(argv[1]), int(argv[2]), int(argv[3]))
     elif mode == "tp":
         tensor_parallel(int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]), int(argv[5]) if len(argv) > 5 else None)
     else:

@@ -1,0 +1,196 @@
+"""Memory a runtime hands back to the device and later maps again, followed through to the broker.
+
+SGLang's release of memory occupation and vLLM's sleep and discard free tagged memory
+(``kv_cache``, ``weights``, SGLang's ``cuda_graph``); resume and wake map it again.  What the
+broker charges follows (docs/accounting.md):
+
+* **The KV cache's pools** (reported by the adapter) are *suspended* once the release is
+  done: kept in the book, no longer charged.
+* **Everything else** (weights, CUDA graphs) is inside the pinned ``runtime_base``.  Just
+  before a release that frees more than the KV cache, the base is pinned again at what the
+  device measures, so that it covers all the process uses (CUDA graphs and activations
+  allocated since the first pin included); once the release is done it is pinned again, with
+  the KV pools suspended in the same request.  What the base lost is no longer charged.
+* **Before the runtime maps memory again** (:func:`admit`), what comes back is admitted in
+  one request: the KV pools are charged again and the base goes back up to where it was
+  before the release.  Both are resident charges reported ahead of their mapping, which the
+  device's measurement covers once the memory is mapped, so nothing is charged twice while
+  it maps.  A refusal raises ``BudgetExceeded`` and changes nothing: the runtime must not map.
+* **Once it is mapped** (:func:`settle`), the base is pinned at what the device measures
+  again, so that tags still handed back (a resume of the weights alone) stay uncharged.  If
+  it is not mapped after all (another TP rank failed, the runtime's resume raised),
+  :func:`roll_back` hands back again exactly what :func:`admit` charged.
+
+Tags are tracked per device; a resume of any tag that was handed back with the base admits
+all the base handed back (the split between weights and CUDA graphs is not known), and the
+settle after it gives back what did not come back.  Over-charging for a moment, never
+overbooking.  Every function here is a no-op for a worker without a session (unprotected).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from ..client import BudgetExceeded
+from ..client.units import format_bytes
+from . import worker
+
+log = logging.getLogger("kvcached_broker.adapters")
+
+KV_CACHE_TAG = "kv_cache"
+
+
+@dataclass
+class _HandedBack:
+    before_bytes: int  # the runtime base just before the first release
+    tags: set[str] = field(default_factory=set)  # tags other than the KV cache's still handed back
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """What :func:`admit` charged again, until the runtime mapped it (or a peer failed)."""
+
+    kv_names: list[str]
+    base_from_bytes: int | None  # the base before it was raised (None: not raised)
+
+
+_lock = threading.Lock()
+_handed_back: dict[str, _HandedBack] = {}  # device -> what its base handed back
+_admitted: dict[str, _Admission] = {}  # device -> an admission not mapped yet
+
+
+def frees_base(tags: set[str]) -> bool:
+    """True if releasing ``tags`` frees memory inside the runtime base (anything but KV)."""
+    return bool(tags - {KV_CACHE_TAG})
+
+
+def before_release(identity: worker.WorkerIdentity, tags: set[str]) -> None:
+    """Pin the base at what the process uses now, if this release frees more than the KV cache."""
+    if not frees_base(tags):
+        return
+    try:
+        base_bytes = worker.repin_base(identity)
+    except BudgetExceeded:  # a cap the measured base exceeds: keep the base pinned before
+        base_bytes = worker.base_bytes(identity)
+    if base_bytes is None:
+        return
+    key = str(identity.device)
+    with _lock:
+        record = _handed_back.get(key)
+        if record is None or not record.tags:  # nothing handed back yet (or a release that never finished)
+            _handed_back[key] = _HandedBack(base_bytes)
+        else:
+            record.before_bytes = max(record.before_bytes, base_bytes)
+
+
+def after_release(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
+    """The release is done: stop charging what it freed; returns the bytes no longer charged."""
+    kv = list(kv_names) if KV_CACHE_TAG in tags else []
+    record = _record(identity)
+    if record is None or not frees_base(tags):
+        return worker.suspend(identity, kv)
+    charged_before = worker.base_bytes(identity) or 0
+    kv_bytes = sum(worker.booked_bytes(identity, name) for name in kv if name not in worker.suspended(identity))
+    base_bytes = worker.repin_base(identity, suspend=kv)
+    if base_bytes is None:
+        return 0
+    with _lock:
+        record.tags |= tags - {KV_CACHE_TAG}
+    freed = kv_bytes + max(0, charged_before - base_bytes)
+    log.info("event=memory_handed_back device=%s tags=%s runtime_base=%s no_longer_charged=%s", identity.device,
+             ",".join(sorted(tags)), format_bytes(base_bytes), format_bytes(freed))
+    return freed
+
+
+def coming_back_bytes(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
+    """What :func:`admit` would charge again for ``tags``."""
+    kv = _kv_coming_back(identity, tags, kv_names)
+    base_bytes = _base_coming_back(identity, tags)
+    growth = max(0, base_bytes - (worker.base_bytes(identity) or 0)) if base_bytes is not None else 0
+    return sum(worker.booked_bytes(identity, name) for name in kv) + growth
+
+
+def admit(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
+    """Before the runtime maps ``tags`` again: charge them again, in one request.
+
+    ``BudgetExceeded`` if the broker has no room (nothing changes, and the runtime must not
+    map); returns the bytes charged again.
+    """
+    kv = _kv_coming_back(identity, tags, kv_names)
+    base_bytes = _base_coming_back(identity, tags)
+    if not kv and base_bytes is None:
+        return 0
+    base_before = worker.base_bytes(identity)
+    charged = worker.resume(identity, kv, base_bytes=base_bytes)
+    _remember_admission(identity, kv, base_before if base_bytes is not None else None)
+    return charged
+
+
+def _remember_admission(identity: worker.WorkerIdentity, kv_names: list[str], base_from_bytes: int | None) -> None:
+    """Add to what is admitted and not mapped yet (EngineCore admits, then the worker's own wake does)."""
+    key = str(identity.device)
+    with _lock:
+        earlier = _admitted.get(key)
+        if earlier is not None:
+            kv_names = earlier.kv_names + [name for name in kv_names if name not in earlier.kv_names]
+            if earlier.base_from_bytes is not None:
+                base_from_bytes = earlier.base_from_bytes
+        _admitted[key] = _Admission(kv_names, base_from_bytes)
+
+
+def settle(identity: worker.WorkerIdentity, tags: set[str]) -> None:
+    """The runtime mapped ``tags`` again: pin the base at what the device measures."""
+    with _lock:
+        _admitted.pop(str(identity.device), None)
+    record = _record(identity)
+    if record is None or not record.tags & tags:
+        return
+    worker.repin_base(identity)
+    with _lock:
+        record.tags -= tags
+        if not record.tags:
+            _handed_back.pop(str(identity.device), None)
+
+
+def roll_back(identity: worker.WorkerIdentity) -> None:
+    """What :func:`admit` charged was not mapped (another TP rank failed, or the runtime's own
+    resume did): hand it back again, and nothing else."""
+    with _lock:
+        admission = _admitted.pop(str(identity.device), None)
+    if admission is not None:
+        worker.suspend(identity, admission.kv_names, base_bytes=admission.base_from_bytes)
+
+
+def handed_back(identity: worker.WorkerIdentity) -> bool:
+    """True while memory of this device's base or KV cache is handed back."""
+    record = _record(identity)
+    return (record is not None and bool(record.tags)) or bool(worker.suspended(identity))
+
+
+def _record(identity: worker.WorkerIdentity) -> _HandedBack | None:
+    with _lock:
+        return _handed_back.get(str(identity.device))
+
+
+def _kv_coming_back(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> list[str]:
+    if KV_CACHE_TAG not in tags:
+        return []
+    suspended = set(worker.suspended(identity))
+    return [name for name in kv_names if name in suspended]
+
+
+def _base_coming_back(identity: worker.WorkerIdentity, tags: set[str]) -> int | None:
+    """The base to book before ``tags`` map again (None: the base does not change)."""
+    record = _record(identity)
+    if record is None or not record.tags & tags:
+        return None
+    return record.before_bytes
+
+
+def reset() -> None:
+    """Forget what was handed back (tests; :func:`worker.reset`)."""
+    with _lock:
+        _handed_back.clear()
+        _admitted.clear()
