@@ -10,10 +10,11 @@ elastic pages) but one session per device.  The book follows docs/accounting.md:
   sizing hold), charged on top of what the device measures the process using;
 * the pinned **runtime base**: what the process already used (weights, CUDA context) when it
   first asked for memory, which the broker measures and keeps as the ``runtime_base`` pool
-  (``reserve(..., measured_base=True)``).  It is pinned once per session, before or with the
-  first request that promises memory, so that measured usage can never absorb a hold or a
-  pool reported ahead of its allocation, and a hold can turn into its pools in one request
-  without the charge dipping while the device's measurement catches up.
+  (``reserve(..., measured_base=True)``).  It is pinned before or with the first request that
+  promises memory, so that measured usage can never absorb a hold or a pool reported ahead of
+  its allocation, and a hold can turn into its pools in one request without the charge
+  dipping while the device's measurement catches up; and again around memory the runtime
+  hands back and maps again (:mod:`.handback`).
 
 :func:`report` sets one reporter's pools and changes holds in the same broker request, so a
 hold turns into the pools it was for in one call.  A reporter can be *suspended* (its memory
