@@ -74,8 +74,9 @@ class WorkerIdentity:
     tp_size: int = 1
     page_bytes: int = 2 << 20
     instance: str | None = None
-    #: Adapters batch their own elastic grants (``ElasticBudget``), so by default the client
-    #: keeps no credit reserve of its own: a worker that only reserves holds no idle pages.
+    #: Adapters batch their own elastic grants (kvcached mode grows a pool a batch at a time),
+    #: so by default the client keeps no credit reserve of its own: a worker that only
+    #: reserves holds no idle pages.
     credit_pages: int | None = 0
 
     def instance_name(self) -> str:

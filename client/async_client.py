@@ -113,8 +113,7 @@ class AsyncBrokerClient:
         self, pages: int, reduce_min: Callable[[int], Awaitable[int] | int], min_pages: int | None = None
     ) -> int:
         """As :meth:`BrokerClient.acquire_tp`; ``reduce_min`` may be sync or a coroutine."""
-        _check_ask(pages, min_pages)
-        self._core.check_usable()
+        _check_ask(pages, min_pages)  # no check_usable here: an evicted rank must still take part (the op checks)
         return await self._run(self._ops.acquire_tp(pages, reduce_min, min_pages))
 
     async def status(self) -> dict[str, Any]:

@@ -171,8 +171,7 @@ class BrokerClient:
         every rank, even when this rank's broker fails, so the group never deadlocks.
         """
         _check_ask(pages, min_pages)
-        with self._lock:
-            self._core.check_usable()
+        with self._lock:  # no check_usable here: an evicted rank must still take part (the op checks)
             return self._run(self._ops.acquire_tp(pages, reduce_min, min_pages))
 
     def status(self) -> dict[str, Any]:

@@ -118,3 +118,21 @@ def test_tp_reduce_is_called_once_even_when_this_ranks_broker_is_gone(broker_fac
         client.acquire_tp(4, lambda v: calls.append(v) or 0)
     assert calls == [0]  # this rank still took part in the collective, with nothing
     client.close(timeout_s=0.2)
+
+
+def test_tp_reduce_is_called_once_even_when_this_ranks_session_was_evicted(broker_factory):
+    """An evicted rank still takes part in the collective (with nothing), then raises."""
+    from kvcached_broker.client import BrokerClient
+    from kvcached_broker.client.errors import SessionEvicted
+
+    b = broker_factory()
+    client = BrokerClient.connect("tp", endpoint=b.endpoint, credit_pages=0, background=False)
+    with b.admin() as admin:
+        admin.evict(client.session_id)
+    with pytest.raises(SessionEvicted):
+        client.acquire(1)  # the broker says so; from now on the client knows
+    calls = []
+    with pytest.raises(SessionEvicted):
+        client.acquire_tp(4, lambda v: calls.append(v) or 0)
+    assert calls == [0]
+    client.close(timeout_s=0.2)
