@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..client.errors import BadRequest, BrokerError, BudgetExceeded, LimitExceeded, Overcommitted, StaleRevision
+from ..client.errors import BadRequest, LimitExceeded, StaleRevision
 from ..client.units import format_bytes
 from .accounts import (
     SMALL_GRANTS,
@@ -50,6 +50,8 @@ from .accounts import (
     Session,
     SessionState,
 )
+from .refusals import clean_pools, clean_views, largest_growth
+from .refusals import refusal as refusal_for
 
 #: Sentinel for "leave this limit as it is" in :meth:`Ledger.set_limits`.
 KEEP: Any = object()
@@ -210,7 +212,7 @@ class Ledger:
             raise BadRequest(f"session {session_id} is already open")
         if page_bytes <= 0:
             raise BadRequest(f"page_bytes must be positive, got {page_bytes}")
-        clean_pools = _clean_pools(pools or {})
+        resident = clean_pools(pools or {})
         session = Session(
             id=session_id,
             instance=instance,
@@ -231,7 +233,7 @@ class Ledger:
         inst.session_ids.add(session_id)
         session.account = self._account_for(session)
         session.account.session_ids.add(session_id)
-        self._apply(session, pools=clean_pools, granted_pages=granted_pages, holds=_clean_pools(holds or {}))
+        self._apply(session, pools=resident, granted_pages=granted_pages, holds=clean_pools(holds or {}))
         session.reserve_pages = min(reserve_pages, session.granted_pages)
         self._changed(session)
         return session
@@ -283,7 +285,7 @@ class Ledger:
         adopted = False
         session.resume_claims = "kept"
         if session.restored and holdings is not None:
-            pools, holds = _clean_pools(holdings.pools), _clean_pools(holdings.holds)
+            pools, holds = clean_pools(holdings.pools), clean_pools(holdings.holds)
             resident_delta = sum(pools.values()) - (session.reserved_bytes - session.held_bytes)
             resident_delta += (holdings.granted_pages - session.granted_pages) * session.page_bytes
             held_delta = sum(holds.values()) - session.held_bytes
@@ -361,8 +363,8 @@ class Ledger:
         growth does not fit; the ledger is then unchanged.
         """
         session = self._session(session_id)
-        new_pools = _clean_pools(pools)
-        new_holds = session.holds if holds is None else _clean_pools(holds)
+        new_pools = clean_pools(pools)
+        new_holds = session.holds if holds is None else clean_pools(holds)
         both = set(new_pools) & set(new_holds)
         if both:
             raise BadRequest(f"pool {sorted(both)[0]!r} cannot be both a reservation and a hold")
@@ -372,14 +374,14 @@ class Ledger:
         held_delta = sum(new_holds.values()) - session.held_bytes
         new_total = session.reserved_bytes + resident_delta + held_delta
         views_bound = new_total + session.granted_bytes
-        views = None if usage is None else _clean_views(usage, views_bound)
+        views = None if usage is None else clean_views(usage, views_bound)
         fit = self._fits(session, resident_delta, held_delta)
         if fit is not None:
             code, room_bytes = fit
             # name what costs the charge: a hold, charged in full, before a pool measured usage may cover
             grown = (session.holds, new_holds) if held_delta > 0 else (session.pools, new_pools)
-            pool, pool_growth = _largest_growth(*grown)
-            raise _refusal(
+            pool, pool_growth = largest_growth(*grown)
+            raise refusal_for(
                 code,
                 what=f"reservation of pool {pool!r} (+{format_bytes(pool_growth)})",
                 instance=session.instance,
@@ -428,7 +430,7 @@ class Ledger:
             raise BadRequest(f"min_pages must be between 0 and pages ({pages}), got {min_pages}")
         fit_pages, code, room_bytes = self._pages_that_fit(session, pages)
         if fit_pages < floor_pages or fit_pages == 0:
-            refusal = _refusal(
+            refusal = refusal_for(
                 code or "budget_exceeded",
                 what=f"{pages} page(s) of {format_bytes(session.page_bytes)}",
                 instance=session.instance,
@@ -736,77 +738,3 @@ class Ledger:
         if cap_room is not None and cap_fit <= device_fit:
             return fit, "limit_exceeded", max(0, cap_room)
         return fit, "budget_exceeded", max(0, device_room)
-
-
-def _clean_pools(pools: dict[str, int]) -> dict[str, int]:
-    for name, size in pools.items():
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise BadRequest(f"pool {name!r} needs a non-negative int of bytes, got {size!r}")
-    return {name: size for name, size in pools.items() if size > 0}
-
-
-def _clean_views(usage: dict[str, int], held_bytes: int) -> dict[str, int]:
-    """Usage views describe what a session holds (reservations and pages), so none may be larger."""
-    views = _clean_pools(usage)
-    for name, size in views.items():
-        if size > held_bytes:
-            raise BadRequest(
-                f"usage view {name!r} ({format_bytes(size)}) is larger than what the session holds "
-                f"({format_bytes(held_bytes)} in reservations and pages)",
-                details={"view": name, "view_bytes": size, "session_bytes": held_bytes},
-            )
-    return views
-
-
-def _largest_growth(old: dict[str, int], new: dict[str, int]) -> tuple[str, int]:
-    growth = {name: size - old.get(name, 0) for name, size in new.items() if size > old.get(name, 0)}
-    if not growth:
-        return "(reservations)", 0
-    name = max(growth, key=growth.__getitem__)
-    return name, growth[name]
-
-
-def _refusal(
-    code: str,
-    *,
-    what: str,
-    instance: str,
-    asked_bytes: int,
-    room_bytes: int,
-    ledger: Ledger,
-    details: dict[str, Any],
-) -> BrokerError:
-    dev = ledger.device
-    where = f"GPU {dev.index}"
-    if code == "held":
-        message = f"{what} for {instance!r} refused for now: {ledger.growth_hold}"
-        cls: type[BrokerError] = BudgetExceeded
-        room_bytes = 0
-        details = {**details, "held": True}
-    elif code == "overcommitted":
-        message = (
-            f"{what} for {instance!r} refused: {where} is overcommitted "
-            f"(charges {format_bytes(ledger.charged_bytes)} > budget {format_bytes(ledger.budget_bytes)})"
-        )
-        cls = Overcommitted
-    elif code == "limit_exceeded":
-        limits = ledger.limits.get(instance, Limits())
-        message = (
-            f"{what} for {instance!r} refused: its cap of {format_bytes(limits.max_bytes)} leaves "
-            f"{format_bytes(room_bytes)}"
-        )
-        cls = LimitExceeded
-    else:
-        message = (
-            f"{what} for {instance!r} refused: {format_bytes(room_bytes)} free on {where} "
-            f"(budget {format_bytes(ledger.budget_bytes)}, charged {format_bytes(ledger.charged_bytes)})"
-        )
-        cls = BudgetExceeded
-    details = {
-        **details,
-        "instance": instance,
-        "asked_bytes": asked_bytes,
-        "free_bytes": room_bytes,
-        "budget_bytes": ledger.budget_bytes,
-    }
-    return cls(message, details=details)

@@ -1,0 +1,93 @@
+"""What a refused or malformed ledger request gets: one typed error with a one-line message.
+
+The ledger's rules decide *whether* a request fits (:mod:`.ledger`); this module words the
+answer.  A refusal names what was asked, for which instance, and the room there is (details:
+``instance``, ``asked_bytes``, ``free_bytes``, ``budget_bytes``, plus ``held`` while growth is
+held after damaged state).  The pool maps a request carries are checked here too: bytes are
+non-negative ints, zero entries are dropped, and a usage view is never larger than what the
+session holds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..client.errors import BadRequest, BrokerError, BudgetExceeded, LimitExceeded, Overcommitted
+from ..client.units import format_bytes
+from .accounts import Limits
+
+if TYPE_CHECKING:
+    from .ledger import Ledger
+
+def clean_pools(pools: dict[str, int]) -> dict[str, int]:
+    for name, size in pools.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BadRequest(f"pool {name!r} needs a non-negative int of bytes, got {size!r}")
+    return {name: size for name, size in pools.items() if size > 0}
+
+
+def clean_views(usage: dict[str, int], held_bytes: int) -> dict[str, int]:
+    """Usage views describe what a session holds (reservations and pages), so none may be larger."""
+    views = clean_pools(usage)
+    for name, size in views.items():
+        if size > held_bytes:
+            raise BadRequest(
+                f"usage view {name!r} ({format_bytes(size)}) is larger than what the session holds "
+                f"({format_bytes(held_bytes)} in reservations and pages)",
+                details={"view": name, "view_bytes": size, "session_bytes": held_bytes},
+            )
+    return views
+
+
+def largest_growth(old: dict[str, int], new: dict[str, int]) -> tuple[str, int]:
+    growth = {name: size - old.get(name, 0) for name, size in new.items() if size > old.get(name, 0)}
+    if not growth:
+        return "(reservations)", 0
+    name = max(growth, key=growth.__getitem__)
+    return name, growth[name]
+
+
+def refusal(
+    code: str,
+    *,
+    what: str,
+    instance: str,
+    asked_bytes: int,
+    room_bytes: int,
+    ledger: "Ledger",
+    details: dict[str, Any],
+) -> BrokerError:
+    dev = ledger.device
+    where = f"GPU {dev.index}"
+    if code == "held":
+        message = f"{what} for {instance!r} refused for now: {ledger.growth_hold}"
+        cls: type[BrokerError] = BudgetExceeded
+        room_bytes = 0
+        details = {**details, "held": True}
+    elif code == "overcommitted":
+        message = (
+            f"{what} for {instance!r} refused: {where} is overcommitted "
+            f"(charges {format_bytes(ledger.charged_bytes)} > budget {format_bytes(ledger.budget_bytes)})"
+        )
+        cls = Overcommitted
+    elif code == "limit_exceeded":
+        limits = ledger.limits.get(instance, Limits())
+        message = (
+            f"{what} for {instance!r} refused: its cap of {format_bytes(limits.max_bytes)} leaves "
+            f"{format_bytes(room_bytes)}"
+        )
+        cls = LimitExceeded
+    else:
+        message = (
+            f"{what} for {instance!r} refused: {format_bytes(room_bytes)} free on {where} "
+            f"(budget {format_bytes(ledger.budget_bytes)}, charged {format_bytes(ledger.charged_bytes)})"
+        )
+        cls = BudgetExceeded
+    details = {
+        **details,
+        "instance": instance,
+        "asked_bytes": asked_bytes,
+        "free_bytes": room_bytes,
+        "budget_bytes": ledger.budget_bytes,
+    }
+    return cls(message, details=details)
