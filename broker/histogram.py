@@ -1,4 +1,4 @@
-"""A cheap latency histogram for the request path (one bisect and one increment per sample)."""
+"""A latency histogram for the request path: one bisect and one increment per sample."""
 
 from __future__ import annotations
 

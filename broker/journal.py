@@ -81,8 +81,6 @@ class Restored:
 class NullJournal:
     """``--no-state``: nothing is kept, so a restarted broker starts empty."""
 
-    state_dir = None
-
     def __init__(self, ledger: Ledger, table: SessionTable):
         self._ledger = ledger
 
@@ -101,9 +99,6 @@ class NullJournal:
     def flush_due(self, now_s: float) -> bool:
         return False
 
-    def flush(self) -> None:
-        return None
-
     def started(self) -> None:
         self._ledger.drain_changes()
 
@@ -114,7 +109,6 @@ class NullJournal:
 class Journal:
     def __init__(self, store: StateStore, ledger: Ledger, table: SessionTable):
         self.store = store
-        self.state_dir = store.state_dir
         self._ledger = ledger
         self._table = table
         self._pending: list[JournalRecord] = []  # written with the next commit (fences)

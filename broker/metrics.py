@@ -113,7 +113,7 @@ class StatusCollector:
         yield from (requests, grants, refusals, reclaims, bad)
         hist = counters.get("request_latency")
         if hist:
-            h = histogram("kvcached_broker_request_duration_seconds", "Time to decide a poll round's requests",
+            h = histogram("kvcached_broker_request_duration_seconds", "Time to serve a round of requests",
                           labels=["device"])
             buckets = [(("+Inf" if b == "+Inf" else repr(float(b))), n) for b, n in hist["buckets"]]
             h.add_metric([device], buckets, sum_value=hist["sum_s"])

@@ -45,7 +45,7 @@ PRESSURE_READ_S = 0.05
 
 _decode_request = msgspec.msgpack.Decoder(proto.AnyRequest).decode
 _encode = msgspec.msgpack.Encoder().encode
-_LIVE = SessionState.LIVE  # bound once: an enum member lookup costs a metaclass call
+_LIVE = SessionState.LIVE  # bound once: no enum member lookup per request (docs/performance.md)
 
 
 class _Retried(Exception):

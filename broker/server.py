@@ -57,7 +57,7 @@ from .wakeups import PidfdProcesses, WakeupThread, parse_wakeup
 
 log = logging.getLogger("kvcached_broker")
 
-# Plain ints: enum arithmetic on zmq's flags is not free, and the request path uses them.
+# Plain ints for zmq's flags on the request path (docs/performance.md).
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
@@ -305,9 +305,6 @@ class BrokerServer:
         wakeups.wake()
         return box["status"] if box["done"].wait(timeout_s) else None
 
-    def status(self, now: float | None = None) -> dict[str, Any]:
-        return self.core.status(self.clock() if now is None else now)
-
     # ---------------------------------------------------------------- rounds
     def run_round(self, timeout_ms: int = _POLL_TIMEOUT_MS) -> None:
         """Wait up to ``timeout_ms`` for a request (or a wake-up), then serve one round."""
@@ -380,8 +377,8 @@ class BrokerServer:
                     replies.append((rid, reply))
             if count >= max_batch:
                 break
-            # Most rounds carry one request: a getsockopt is cheaper than the Again a failing
-            # recv raises (docs/performance.md).  Past the first, read on until Again.
+            # Most rounds carry one request: ask whether more are waiting rather than fail a
+            # receive (docs/performance.md).  Past the first, read on until Again.
             if count <= 1 and not sock.get(_EVENTS) & _POLLIN:
                 break
             try:

@@ -1,8 +1,8 @@
 """Process exits and wake-ups, delivered as messages on the broker's own socket.
 
-The shell waits in one blocking ``recv`` on its ROUTER socket: a ``zmq_poll`` over the socket,
-the pidfds and a wake pipe cost about 20 us of every round trip (docs/performance.md).  So
-whatever else must wake the shell arrives on that socket.  :class:`WakeupThread` waits on the
+The shell waits in one blocking ``recv`` on its ROUTER socket rather than a ``zmq_poll`` over
+the socket, the pidfds and a wake pipe (docs/performance.md, "The receive loop").  So whatever
+else must wake the shell arrives on that socket.  :class:`WakeupThread` waits on the
 pidfds and on a wake pipe with ``epoll`` and posts one message per event over ``inproc`` to the
 ROUTER, from a DEALER whose routing id is a random token (:attr:`WakeupThread.routing_id`):
 

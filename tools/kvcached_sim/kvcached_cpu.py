@@ -53,6 +53,3 @@ def install(usage_dir: Path, total_bytes: int, ipc_name: str, *, setattr_=setatt
     setattr_(torch.cuda, "mem_get_info", lambda device=None: vmm_ops_double.mem_get_info())
     return gpu
 
-
-def segment_path(ipc_name: str) -> Path:
-    return Path("/dev/shm") / ipc_name
