@@ -1,10 +1,16 @@
 """Shared fixtures: real brokers on simulated GPUs, over real ipc sockets.
 
 * ``broker``: a ``kvcached-broker serve`` subprocess (what operators run);
-* ``inproc_broker``: a :class:`BrokerServer` in a thread of the test process, for tests that
-  need to look inside the ledger.  Its sockets are just as real.
+* ``inproc``: a :class:`BrokerServer` in a thread of the test process, for tests that
+  need to look inside the ledger over real sockets (``inproc_factory`` for other settings);
+* ``broker_factory``: brokers as ``broker`` is, with other settings (all through
+  ``tools/launch.py``'s ``BrokerLauncher``, the one way a broker process is started);
 * ``workers``: worker processes a test started (``helpers.Worker``), killed at the end;
 * ``adapter_broker``: an in-process broker the adapters' worker session connects to.
+
+Tests whose subject is a decision (decoding, quotas, the reply cache, refusals) drive the
+request core directly instead (``helpers.make_core``); these fixtures are for what needs
+sockets, processes, crashes and restarts.
 
 Socket paths live in short directories under /tmp because an ipc path may not exceed 107 bytes.
 """
@@ -63,14 +69,17 @@ class BrokerProcess:
     def proc(self):
         return self.launcher.proc if self.launcher is not None else None
 
-    def _launcher(self) -> BrokerLauncher:
+    def _launcher(self, endpoint: str | None = None, **kwargs) -> BrokerLauncher:
+        kwargs.setdefault("log", self.log_path)
         return BrokerLauncher(
-            self.endpoint, simulate=self.simulate, state_dir=self.state_dir, device=self.device,
-            args=["--lease", str(self.lease_s), "--log-level", "debug", *self.extra_args], log=self.log_path,
+            endpoint or self.endpoint, simulate=self.simulate, state_dir=self.state_dir, device=self.device,
+            args=["--lease", str(self.lease_s), "--log-level", "debug", *self.extra_args], **kwargs,
         )
 
-    def command(self) -> list[str]:
-        return self._launcher().command()
+    def second(self, endpoint: str | None = None):
+        """Another broker with this one's settings (on ``endpoint``, else this one's), which
+        must refuse to start: its exit status and output."""
+        return self._launcher(endpoint, log=None).expect_refusal()
 
     def start(self, wait: bool = True) -> "BrokerProcess":
         self.launcher = self._launcher().start(wait=wait)

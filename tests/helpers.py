@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -156,35 +155,9 @@ def raw_hello(sock, nonce: str, **extra) -> dict:
 
 
 # ----------------------------------------------------------------------------- broker processes
+# A broker process is started by ``tools/launch.py``'s BrokerLauncher (conftest's ``broker``
+# fixtures, or directly); CLI runs the other commands.
 CLI = [sys.executable, "-m", "kvcached_broker.broker.cli"]
-
-
-def serve(args, env=None, **kw):
-    """``kvcached-broker serve ARGS`` as a subprocess, its output piped."""
-    return subprocess.Popen(CLI + ["serve", *args], env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-
-
-def stop(proc):
-    """SIGTERM (SIGKILL if it hangs) and the ``(stdout, stderr)`` it wrote."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()
-
-
-def try_status(endpoint):
-    """The broker's status, or None while it does not answer."""
-    from kvcached_broker.client.admin import AdminClient
-
-    try:
-        with AdminClient(endpoint, timeout_s=0.5) as admin:
-            return admin.status()
-    except Exception:
-        return None
 
 
 def free_port():

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kvcached_broker.client import BrokerClient
+from kvcached_broker.tools.launch import BrokerLauncher
 
 from helpers import GIB, MIB
 
@@ -141,24 +142,21 @@ def test_demo_runs_and_exits_0():
 
 
 def test_status_all_shows_every_gpus_broker_in_the_runtime_dir(short_tmp):
-    env = {**os.environ, "KVCACHED_BROKER_RUNTIME_DIR": str(short_tmp)}
-    env.pop("KVCACHED_BROKER", None)
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--device", str(i),
-                          "--simulate", f"{8 * (i + 1)}GiB", "--no-state"], env=env, stderr=subprocess.DEVNULL)
-        for i in (0, 1)
-    ]
-    try:
-        from helpers import wait_for
+    from helpers import python_env
 
-        wait_for(lambda: all((short_tmp / f"gpu{i}.sock").exists() for i in (0, 1)), what="two brokers")
-        out = wait_for(lambda: (r := cli("status", "--all", "--json", env=env)).returncode == 0 and r, what="status")
+    env = {**python_env(), "KVCACHED_BROKER_RUNTIME_DIR": str(short_tmp)}
+    brokers = [BrokerLauncher(None, device=i, simulate=f"{8 * (i + 1)}GiB", env=env) for i in (0, 1)]
+    try:
+        for b in brokers:
+            b.start()  # no --endpoint: each binds its default socket in the runtime dir, and answers
+        assert [b.endpoint for b in brokers] == [f"ipc://{short_tmp}/gpu{i}.sock" for i in (0, 1)]
+        out = cli("status", "--all", "--json", env=env)
+        assert out.returncode == 0, out.stderr
         docs = json.loads(out.stdout)
         assert [d["device"]["index"] for d in docs] == [0, 1]
         assert [d["total_bytes"] for d in docs] == [8 * GIB, 16 * GIB]
         table = cli("status", "--all", env=env)
         assert table.stdout.count("(simulated)") == 2
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=10)
+        for b in brokers:
+            b.stop()

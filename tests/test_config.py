@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 
 from kvcached_broker.client import BrokerClient
+from kvcached_broker.tools.launch import BrokerLauncher
 
-from helpers import CLI, GIB, serve, stop, try_status, wait_for
+from helpers import GIB
 
 
 def test_config_file_options_limits_and_precedence(short_tmp):
@@ -19,10 +17,9 @@ def test_config_file_options_limits_and_precedence(short_tmp):
         '[limits.capped]\nmax = "2GiB"\n[limits.floored]\nmin = "4GiB"\nweight = 2\n'
     )
     endpoint = f"ipc://{short_tmp}/gpu0.sock"
-    proc = serve(["--config", str(config), "--endpoint", endpoint, "--no-state", "--headroom", "2GiB"],
-                 env={"KVCACHED_BROKER_LEASE_S": "4"})
-    try:
-        status = wait_for(lambda: try_status(endpoint), what="broker with config")
+    with BrokerLauncher(endpoint, simulate=None, args=["--config", str(config), "--headroom", "2GiB"],
+                        extra_env={"KVCACHED_BROKER_LEASE_S": "4"}) as broker:
+        status = broker.status()
         assert status["total_bytes"] == 16 * GIB  # file
         assert status["headroom_bytes"] == 2 * GIB  # CLI beats file
         assert status["broker"]["lease_s"] == 4.0  # env beats file
@@ -31,8 +28,6 @@ def test_config_file_options_limits_and_precedence(short_tmp):
         assert by_name["floored"]["min_bytes"] == 4 * GIB and by_name["floored"]["weight"] == 2.0
         with BrokerClient.connect("capped", endpoint=endpoint, page_bytes=GIB, credit_pages=0) as c:
             assert c.acquire(3) == 0 and c.acquire(2) == 2  # the configured cap applies on arrival
-    finally:
-        stop(proc)
 
 
 @pytest.mark.parametrize(
@@ -49,14 +44,12 @@ def test_config_file_options_limits_and_precedence(short_tmp):
 def test_bad_config_is_a_one_line_error_naming_the_key(short_tmp, text, needle):
     config = short_tmp / "bad.toml"
     config.write_text(text)
-    out = subprocess.run(CLI + ["serve", "--simulate", "8GiB", "--config", str(config), "--no-state",
-                                "--endpoint", f"ipc://{short_tmp}/gpu0.sock"], capture_output=True, text=True, timeout=30)
+    out = BrokerLauncher(f"ipc://{short_tmp}/gpu0.sock", simulate="8GiB", args=["--config", str(config)]).expect_refusal()
     assert out.returncode == 2
     assert needle in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_bad_environment_value_names_the_variable(short_tmp):
-    out = subprocess.run(CLI + ["serve", "--simulate", "8GiB", "--no-state", "--endpoint", f"ipc://{short_tmp}/g.sock"],
-                         capture_output=True, text=True, timeout=30, env={**os.environ, "KVCACHED_BROKER_LEASE_S": "-2"})
+    out = BrokerLauncher(f"ipc://{short_tmp}/g.sock", simulate="8GiB",
+                         extra_env={"KVCACHED_BROKER_LEASE_S": "-2"}).expect_refusal()
     assert out.returncode == 2 and "KVCACHED_BROKER_LEASE_S" in out.stderr
-

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 import urllib.request
 
 from kvcached_broker.client import BrokerClient
+from kvcached_broker.tools.launch import BrokerLauncher
 
-from helpers import GIB, MIB, free_port, serve, stop, try_status, wait_for
+from helpers import GIB, MIB, free_port
 
 
 def test_metrics_match_status_while_workers_hold_memory(short_tmp):
@@ -16,17 +16,15 @@ def test_metrics_match_status_while_workers_hold_memory(short_tmp):
 
     endpoint = f"ipc://{short_tmp}/gpu0.sock"
     port = free_port()
-    proc = serve(["--simulate", "80GiB", "--endpoint", endpoint, "--no-state", "--metrics-port", str(port)])
-    try:
-        wait_for(lambda: try_status(endpoint), what="broker")
+    with BrokerLauncher(endpoint, simulate="80GiB", args=["--metrics-port", str(port)]) as broker:
         with BrokerClient.connect("dsv4", endpoint=endpoint, credit_pages=0) as a, \
                 BrokerClient.connect("llama", endpoint=endpoint, credit_pages=0, page_bytes=64 * MIB) as b:
             a.reserve({"swa_kv_pool": 3 * GIB, "c4_kv_pool": GIB})
             a.acquire(10)
             b.acquire(5)
             b.acquire(10 ** 6)  # refused: counted
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            status = try_status(endpoint)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
+            status = broker.status()
         samples = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -43,19 +41,15 @@ def test_metrics_match_status_while_workers_hold_memory(short_tmp):
         assert samples[("kvcached_broker_grants_total", dev)] == 2
         assert samples[("kvcached_broker_request_duration_seconds_count", dev)] >= 6
         assert "kvcached_broker_reclaims_total" in text
-    finally:
-        stop(proc)
 
 
 def test_metrics_without_the_extra_fail_before_ready(short_tmp):
-    script = (
-        "import sys; sys.modules['prometheus_client'] = None;"
-        "from kvcached_broker.broker.cli import main;"
-        f"sys.exit(main(['serve', '--simulate', '8GiB', '--no-state', '--endpoint', 'ipc://{short_tmp}/m.sock',"
-        "'--metrics-port', '9', '--log-level', 'info']))"
-    )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    hidden = short_tmp / "hidden"  # a sitecustomize that makes prometheus_client unimportable
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text("import sys\nsys.modules['prometheus_client'] = None\n")
+    path = os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))
+    out = BrokerLauncher(f"ipc://{short_tmp}/m.sock", simulate="8GiB", args=["--metrics-port", "9", "--log-level", "info"],
+                         extra_env={"PYTHONPATH": path}).expect_refusal()
     assert out.returncode == 1
     assert "event=ready" not in out.stderr + out.stdout
     assert "kvcached-broker[metrics]" in out.stderr
-

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -70,16 +69,14 @@ def test_evict_kill_sends_sigkill_first(broker, workers):
 
 
 def test_second_broker_on_the_same_endpoint_refuses(broker):
-    out = subprocess.run(broker.command(), capture_output=True, text=True, timeout=30)
+    out = broker.second()
     assert out.returncode != 0
     assert "already serves" in out.stderr and str(broker.proc.pid) in out.stderr
     assert broker.status()["device"]["index"] == 0  # the first one is untouched
 
 
 def test_second_broker_on_the_same_state_dir_refuses(broker, short_tmp):
-    cmd = broker.command()
-    cmd[cmd.index("--endpoint") + 1] = f"ipc://{short_tmp}/other/gpu0.sock"
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    out = broker.second(f"ipc://{short_tmp}/other/gpu0.sock")
     assert out.returncode != 0 and "state directory" in out.stderr
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvcached_broker.client import BrokerClient, BrokerUnavailable
+from kvcached_broker.tools.launch import BrokerLauncher
 
-from helpers import GIB, MIB, Worker, free_port, journal_records, session_of, wait_for
+from helpers import GIB, MIB, Worker, free_port, journal_records, python_env, session_of, wait_for
 
 
 def test_a_stolen_token_is_useless_from_another_process(broker, workers):
@@ -56,19 +57,11 @@ def test_socket_and_directory_are_not_world_writable(broker):
 
 def test_default_socket_directory_is_created_0750(short_tmp):
     runtime = short_tmp / "run"
-    env = {**os.environ, "KVCACHED_BROKER_RUNTIME_DIR": str(runtime)}
-    env.pop("KVCACHED_BROKER", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "8GiB", "--no-state"],
-        env=env, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        wait_for(lambda: (runtime / "gpu0.sock").exists(), what="default socket")
+    broker = BrokerLauncher(None, simulate="8GiB", env={**python_env(), "KVCACHED_BROKER_RUNTIME_DIR": str(runtime)})
+    with broker:  # no --endpoint: the default socket, in a directory the broker creates
+        assert broker.endpoint == f"ipc://{runtime}/gpu0.sock"
         assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o750
         assert stat.S_IMODE(os.stat(runtime / "gpu0.sock").st_mode) == 0o660
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.mark.parametrize("problem", ["symlink", "world_writable", "foreign_owner", "not_a_socket"])
@@ -87,11 +80,7 @@ def test_unsafe_socket_paths_are_refused(short_tmp, problem):
     else:
         sock_dir.mkdir()
         (sock_dir / "gpu0.sock").write_text("not a socket")
-    out = subprocess.run(
-        [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "8GiB", "--no-state",
-         "--endpoint", f"ipc://{sock_dir}/gpu0.sock"],
-        capture_output=True, text=True, timeout=30,
-    )
+    out = BrokerLauncher(f"ipc://{sock_dir}/gpu0.sock", simulate="8GiB").expect_refusal()
     assert out.returncode == 1, out
     assert len(out.stderr.strip().splitlines()) == 1 and str(sock_dir) in out.stderr
 
@@ -160,27 +149,17 @@ def test_an_admin_group_member_cannot_kill_another_users_worker(broker_factory, 
 
 
 def test_insecure_tcp_needs_the_flag_and_loopback(short_tmp):
-    base = [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "8GiB", "--no-state"]
-    out = subprocess.run(base + ["--endpoint", "tcp://127.0.0.1:45611"], capture_output=True, text=True, timeout=30)
+    out = BrokerLauncher("tcp://127.0.0.1:45611", simulate="8GiB").expect_refusal()
     assert out.returncode == 1 and "CURVE" in out.stderr
-    out = subprocess.run(base + ["--endpoint", "tcp://0.0.0.0:45611", "--insecure-tcp"], capture_output=True,
-                         text=True, timeout=30)
+    out = BrokerLauncher("tcp://0.0.0.0:45611", simulate="8GiB", args=["--insecure-tcp"]).expect_refusal()
     assert out.returncode == 1 and "loopback" in out.stderr
 
 
 def test_every_loopback_address_counts_for_insecure_tcp(short_tmp):
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvcached_broker.broker.cli", "serve", "--simulate", "8GiB", "--no-state",
-           "--endpoint", f"tcp://127.0.0.2:{port}", "--insecure-tcp"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for line in proc.stdout:
-            if "event=ready" in line or "loopback" in line:
-                break
-        assert "event=ready" in line, line
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    broker = BrokerLauncher(f"tcp://127.0.0.2:{free_port()}", simulate="8GiB", args=["--insecure-tcp"], capture=True)
+    with broker:  # it answers status there: it started
+        assert "event=ready" in broker.stderr(), broker.stderr()
+        assert "loopback" not in broker.stderr()
 
 
 def test_tcp_with_curve_admits_only_authorized_clients(short_tmp, monkeypatch):
@@ -189,12 +168,10 @@ def test_tcp_with_curve_admits_only_authorized_clients(short_tmp, monkeypatch):
     for name, where in (("server", keys), ("worker", keys / "authorized"), ("stranger", short_tmp / "other")):
         assert subprocess.run(cli + ["keygen", str(where), name], capture_output=True).returncode == 0
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen(cli + ["serve", "--simulate", "8GiB", "--no-state", "--endpoint", endpoint,
-                                   "--curve-dir", str(keys)], stderr=subprocess.PIPE, text=True)
-    try:
-        monkeypatch.setenv("KVCACHED_BROKER_CURVE_SERVER", str(keys / "server.key"))
-        monkeypatch.setenv("KVCACHED_BROKER_CURVE_CLIENT", str(keys / "authorized" / "worker.key_secret"))
-        c = wait_for(lambda: _try_connect(endpoint), what="curve broker")
+    monkeypatch.setenv("KVCACHED_BROKER_CURVE_SERVER", str(keys / "server.key"))
+    monkeypatch.setenv("KVCACHED_BROKER_CURVE_CLIENT", str(keys / "authorized" / "worker.key_secret"))
+    with BrokerLauncher(endpoint, simulate="8GiB", args=["--curve-dir", str(keys)]):  # ready: an authorized client got status
+        c = BrokerClient.connect("curve-worker", endpoint=endpoint, credit_pages=0)
         assert c.acquire(3) == 3
         status = c.status()
         assert status["instances"][0]["sessions"][0]["pid_verified"] is False  # tcp: no kernel credentials
@@ -206,16 +183,6 @@ def test_tcp_with_curve_admits_only_authorized_clients(short_tmp, monkeypatch):
         monkeypatch.delenv("KVCACHED_BROKER_CURVE_SERVER")
         with pytest.raises(BrokerUnavailable):
             BrokerClient.connect("plaintext", endpoint=endpoint, timeout_s=1.0)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _try_connect(endpoint):
-    try:
-        return BrokerClient.connect("curve-worker", endpoint=endpoint, credit_pages=0, timeout_s=1.0)
-    except BrokerUnavailable:
-        return None
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to own files as another user")
