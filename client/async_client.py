@@ -1,38 +1,46 @@
 """``AsyncBrokerClient``: the asyncio twin of :class:`BrokerClient` (same methods, as coroutines).
 
 A driver of :class:`~.operations.Operations`, like the sync client, so the two make the same
-protocol decisions.  Many requests may be in flight on one client (replies are matched by
-id); the books change only between awaits, so concurrent coroutines see them consistent,
-and concurrent calls that find the broker restarted share one resume.
+protocol decisions: each public method runs one operation.  Many requests may be in flight on
+one client (replies are matched by id); the books change only between awaits, so concurrent
+coroutines see them consistent, and concurrent calls that find the broker restarted share one
+resume.  A background task runs :meth:`Operations.background_round` every tick, and at once
+when a pressure push arrives: it answers the pushes, tops the credit reserve up, and
+heartbeats.  Its public surface is :class:`BrokerClient`'s, with coroutines where that one has
+plain methods.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any, Awaitable, Callable
 
 from . import protocol as proto
-from .core import ClientCore, check_pages, prepare
-from .errors import BrokerError, SessionEvicted
-from .operations import Invoke, Op, Operations, Resume, Send
-from .sync_client import _check_ask
+from .core import ClientCore, package_version, prepare
+from .errors import BrokerError
+from .operations import BACKGROUND_TICK_S, BackgroundHealth, Invoke, Op, Operations, Resume, Send
 from .transport import AsyncTransport, CurveKeys, Timeouts
 from .trust import endpoint_guard
 
-log = logging.getLogger("kvcached_broker.client")
+#: What the runtime registers to free pages under pressure (as ``sync_client.PressureCallback``;
+#: it may be a coroutine function).
+AsyncPressureCallback = Callable[[int], Awaitable[int] | int]
 
 
 class AsyncBrokerClient:
+    """A session with one GPU's broker.  Create it with ``await AsyncBrokerClient.connect(...)``."""
+
     def __init__(self, core: ClientCore, transport: AsyncTransport):
         self._core = core
         self._ops = Operations(core, endpoint_guard(transport.endpoint, transport.close))
         self._transport = transport
-        self._heartbeat_task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None
         self._resuming: asyncio.Future | None = None
         self._next_heartbeat_s = 0.0
-        self._pressure_callback: Callable[[int], Awaitable[int] | int] | None = None
+        self._pressure_callback: AsyncPressureCallback | None = None
+        self._pushes: list[proto.Pressure] = []
+        self._wake = asyncio.Event()
         self.pressure_log: list[dict[str, int]] = []
         transport.on_push = self._on_push
 
@@ -50,13 +58,15 @@ class AsyncBrokerClient:
         timeout_s: float | None = None,
         device_uuid: str | None = None,
         curve: CurveKeys | None = None,
+        background: bool = True,
         client: str = "",
         limits: dict | None = None,
         adapter: dict | None = None,
     ) -> "AsyncBrokerClient":
+        """As :meth:`BrokerClient.connect`."""
         core, target = prepare(
             instance, device, tp_rank, tp_size, page_bytes, endpoint, credit_pages,
-            device_uuid=device_uuid, limits=limits, adapter=adapter, client=client or "kvcached-broker-async-client",
+            device_uuid=device_uuid, limits=limits, adapter=adapter, client=client or f"kvcached-broker-async-client/{package_version()}",
         )
         self = cls(core, AsyncTransport(target, Timeouts.from_env(timeout_s), curve=curve))
         try:
@@ -64,25 +74,46 @@ class AsyncBrokerClient:
         except BaseException:
             self._transport.close()
             raise
-        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        if background:
+            self._task = asyncio.get_running_loop().create_task(self._run_background())
         return self
 
+    # ------------------------------------------------------------ properties
     @property
     def session_id(self) -> str | None:
         return self._core.session_id
 
     @property
+    def endpoint(self) -> str:
+        return self._transport.endpoint
+
+    @property
     def page_bytes(self) -> int:
+        """The size of one page of this session, in bytes."""
         return self._core.page_bytes
 
     @property
     def held_pages(self) -> int:
+        """Pages handed to the caller and not yet released."""
         return self._core.credit.held_pages
 
     @property
     def reserve_pages(self) -> int:
         return self._core.credit.reserve_pages
 
+    @property
+    def pools(self) -> dict[str, int]:
+        return dict(self._core.pools)
+
+    @property
+    def holds(self) -> dict[str, int]:
+        return dict(self._core.holds)
+
+    @property
+    def lease_s(self) -> float:
+        return self._core.lease_s
+
+    # -------------------------------------------------------------- the API
     async def reserve(
         self,
         pools: dict[str, int],
@@ -95,36 +126,36 @@ class AsyncBrokerClient:
         return await self._run(self._ops.reserve(pools, usage, holds, measured_base))
 
     async def acquire(self, pages: int, min_pages: int | None = None) -> int:
-        _check_ask(pages, min_pages)
-        core = self._core
-        core.check_usable()
-        if not core.outstanding and core.credit.take(pages):  # served from the reserve
-            return pages
+        """As :meth:`BrokerClient.acquire`."""
         return await self._run(self._ops.acquire(pages, min_pages))
 
     async def release(self, pages: int) -> None:
-        check_pages("pages", pages, minimum=1)
-        self._core.check_usable()
-        surplus = self._core.put_back(pages)
-        if surplus:
-            await self._run(self._ops.return_pages(surplus))
+        """As :meth:`BrokerClient.release`."""
+        await self._run(self._ops.release(pages))
 
     async def acquire_tp(
         self, pages: int, reduce_min: Callable[[int], Awaitable[int] | int], min_pages: int | None = None
     ) -> int:
         """As :meth:`BrokerClient.acquire_tp`; ``reduce_min`` may be sync or a coroutine."""
-        _check_ask(pages, min_pages)  # no check_usable here: an evicted rank must still take part (the op checks)
         return await self._run(self._ops.acquire_tp(pages, reduce_min, min_pages))
 
     async def status(self) -> dict[str, Any]:
+        """As :meth:`BrokerClient.status`."""
         return await self._run(self._ops.status())
+
+    async def heartbeat(self) -> None:
+        """As :meth:`BrokerClient.heartbeat`."""
+        await self._run(self._ops.heartbeat())
+
+    def on_pressure(self, callback: AsyncPressureCallback | None) -> None:
+        """As :meth:`BrokerClient.on_pressure`; the callback may be a coroutine function."""
+        self._pressure_callback = callback
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """As :meth:`BrokerClient.close`."""
         if self._core.closed:
             return
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
+        await self._stop_background()
         try:
             await self._run(self._ops.close(timeout_s))
         finally:
@@ -182,28 +213,41 @@ class AsyncBrokerClient:
         finally:
             self._resuming = None
 
-    async def _heartbeat_loop(self) -> None:
-        while not self._core.closed:
-            await asyncio.sleep(max(0.05, self._core.heartbeat_s / 2))
-            if time.monotonic() < self._next_heartbeat_s:
-                continue
-            try:
-                await self._run(self._ops.heartbeat())
-            except SessionEvicted:
-                log.error("event=evicted session=%s", self._core.session_id)
-                return
-            except BrokerError as exc:
-                log.warning("event=heartbeat_failed session=%s error=%s", self._core.session_id, exc)
-
-    def on_pressure(self, callback: Callable[[int], Awaitable[int] | int] | None) -> None:
-        """As :meth:`BrokerClient.on_pressure`; the callback may be a coroutine function."""
-        self._pressure_callback = callback
+    # ------------------------------------------------------- the background
+    def _heartbeat_due(self) -> bool:
+        return time.monotonic() >= self._next_heartbeat_s
 
     def _on_push(self, push: proto.Pressure) -> None:
-        asyncio.get_running_loop().create_task(self._answer_pressure(push))
+        self._pushes.append(push)
+        self._wake.set()
 
-    async def _answer_pressure(self, push: proto.Pressure) -> None:
+    async def _run_background(self) -> None:
+        """Every tick (or at once on a push), one background round, until closed or evicted."""
+        health = BackgroundHealth(self._core, self._transport.endpoint)
+        while not self._core.ended:
+            await self._sleep_until_woken(BACKGROUND_TICK_S)
+            if self._core.ended:
+                return
+            pushes, self._pushes = self._pushes, []
+            try:
+                await self._run(self._ops.background_round(
+                    pushes, self._pressure_callback, self._heartbeat_due, self.pressure_log))
+                health.ok()
+            except BrokerError as exc:
+                if health.failed(exc):
+                    return
+
+    async def _sleep_until_woken(self, timeout_s: float) -> None:
         try:
-            self.pressure_log.append(await self._run(self._ops.answer_pressure(push, self._pressure_callback)))
-        except BrokerError as exc:
-            log.warning("event=pressure_return_failed session=%s error=%s", self._core.session_id, exc)
+            await asyncio.wait_for(self._wake.wait(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _stop_background(self) -> None:
+        """Cancel the background task and wait for it (unless close was called from it)."""
+        task, self._task = self._task, None
+        if task is None or task is asyncio.current_task():
+            return
+        task.cancel()
+        await asyncio.wait([task])  # a cancellation of close itself still propagates

@@ -237,6 +237,11 @@ class ClientCore:
     def in_doubt(self) -> list[tuple[int, Outstanding]]:
         return [(rid, o) for rid, o in self.outstanding.items() if not o.waiting]
 
+    def in_flight(self) -> bool:
+        """A caller is waiting right now on a request that changes holdings (an asyncio
+        client can have many): the background leaves the reserve to it."""
+        return any(o.waiting for o in self.outstanding.values())
+
     def book_pools(self, result: dict[str, Any]) -> None:
         """A reserve's answer: the pools and holds the broker now charges."""
         self.pools = dict(result["pools"])
@@ -260,6 +265,11 @@ class ClientCore:
                 "event=uncharged_pages session=%s pages=%d detail=the_broker_lost_this_session_and_cannot_grant_them_again",
                 self.session_id, short,
             )
+
+    @property
+    def ended(self) -> bool:
+        """Closed or evicted: no request will be sent any more, in the background or not."""
+        return self.closed or self.evicted
 
     def check_usable(self) -> None:
         if self.evicted:
@@ -342,6 +352,16 @@ def prepare(
     return core, target
 
 
+def package_version() -> str:
+    """This package's installed version, for the ``client`` a hello names (``0+unknown`` if none)."""
+    try:
+        from importlib.metadata import version
+
+        return version("kvcached-broker")
+    except Exception:
+        return "0+unknown"
+
+
 def _limits_request(limits: dict[str, Any] | None) -> proto.LimitsRequest | None:
     """``{"max_bytes": .., "min_bytes": .., "weight": ..}`` asked for at hello (admin policy may clamp)."""
     if limits is None:
@@ -377,6 +397,15 @@ def check_pages(name: str, value: Any, *, minimum: int) -> int:
     if value > proto.MAX_PAGES:
         raise BadRequest(f"{name} must be at most {proto.MAX_PAGES}, got {value}")
     return value
+
+
+def check_ask(pages: Any, min_pages: Any) -> None:
+    """An acquire's arguments: ``1 <= pages``, and ``0 <= min_pages <= pages`` unless None."""
+    check_pages("pages", pages, minimum=1)
+    if min_pages is not None:
+        check_pages("min_pages", min_pages, minimum=0)
+        if min_pages > pages:
+            raise BadRequest(f"min_pages ({min_pages}) must not exceed pages ({pages})")
 
 
 def check_pools(pools: Any) -> dict[str, int]:

@@ -9,10 +9,15 @@ what it needs done and receives the outcome:
 * :class:`Resume`: re-open the session (the driver runs :meth:`Operations.open`, and shares
   one resume among calls in flight: an asyncio client may have many);
 * :class:`Invoke`: call code outside the core (a pressure callback, a tensor-parallel
-  ``reduce_min``, the endpoint guard), awaiting its result if it is a coroutine.
+  ``reduce_min``, the endpoint guard, the driver's heartbeat clock), awaiting its result if
+  it is a coroutine.
 
-``BrokerClient`` and ``AsyncBrokerClient`` are drivers: a dozen lines each that turn these
-actions into socket calls, so the two cannot drift.  Nothing here does I/O or reads a clock.
+Everything a call decides is here: its argument checks, whether the credit reserve serves it
+without a round trip, what it sends, how it books the answer, when it resumes, and what the
+background does in a round.  ``BrokerClient`` (threads) and ``AsyncBrokerClient`` (asyncio)
+are drivers: each public method runs one operation, and each driver keeps only what its
+concurrency model needs (a lock and a thread; a shared resume and a task).  Nothing here does
+I/O or reads a clock.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
 from . import protocol as proto
-from .core import RESUME_CODES, ClientCore
-from .errors import BadRequest, BrokerError, BrokerUnavailable, UntrustedEndpoint
+from .core import RESUME_CODES, ClientCore, check_ask, check_pages
+from .errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted, UntrustedEndpoint
 
 log = logging.getLogger("kvcached_broker.client")
 
@@ -51,6 +56,9 @@ Op = Generator[Action, Any, Any]
 
 #: What an exchange returns for a request that a lost session made moot.
 MOOT = object()
+
+#: How often a driver's background wakes to answer pushes, refill the reserve and heartbeat.
+BACKGROUND_TICK_S = 0.05
 
 
 class Operations:
@@ -94,8 +102,16 @@ class Operations:
         return dict(result["pools"])
 
     def acquire(self, pages: int, min_pages: int | None) -> Op:
+        """Take ``pages`` (or, with ``min_pages``, the most that fit in between); 0: refused.
+
+        The credit reserve serves it with no round trip when it holds enough and no request
+        is in doubt (those are settled first: a late grant may be what serves this one).
+        """
+        check_ask(pages, min_pages)
         core = self.core
-        yield from self.settle_in_doubt(None)  # a late grant may serve this from the reserve
+        core.check_usable()
+        if core.outstanding:
+            yield from self.settle_in_doubt(None)
         credit = core.credit
         if credit.take(pages):
             return pages
@@ -110,6 +126,10 @@ class Operations:
         return credit.settle(pages, min_pages, int(result["granted"]))
 
     def release(self, pages: int) -> Op:
+        """Give back ``pages``: they go to the reserve, and only its surplus above the high
+        watermark goes to the broker.  More than held is refused and changes nothing."""
+        check_pages("pages", pages, minimum=1)
+        self.core.check_usable()
         surplus = self.core.put_back(pages)
         if surplus:
             yield from self.return_pages(surplus)
@@ -130,15 +150,16 @@ class Operations:
             raise
 
     def acquire_tp(self, pages: int, reduce_min: Callable[[int], Any], min_pages: int | None) -> Op:
-        """Acquire here, agree on the group's minimum, release the surplus (see ``client.tp``).
+        """Acquire here, agree on the group's minimum with ``reduce_min``, release the surplus.
 
-        ``reduce_min`` is called exactly once on every path, so a rank whose broker fails still
-        takes part in the collective (contributing 0) and the group never deadlocks.
+        ``reduce_min`` is called exactly once on every path (refused arguments, a closed or
+        evicted session, a broker that is gone), so a rank that fails still takes part in the
+        collective, contributing 0, and the group never deadlocks; the failure is raised after.
         """
-        failure: BrokerError | None = None
+        failure: Exception | None = None
         try:
             local = yield from self.acquire(pages, min_pages)
-        except BrokerError as exc:
+        except Exception as exc:  # not BaseException: an interrupt or a cancellation stops the rank
             local, failure = 0, exc
         agreed = int((yield Invoke(reduce_min, (local,))))
         if not 0 <= agreed <= local:
@@ -165,16 +186,28 @@ class Operations:
         ))
 
     def refill(self) -> Op:
-        """Top the credit reserve up in the background once it runs low."""
+        """Top the credit reserve up once it runs below its low watermark (the background does
+        this; not while a caller's own request that changes holdings is in flight)."""
         core, credit = self.core, self.core.credit
         wanted = credit.refill_wanted()
-        if wanted:
+        if wanted and not core.in_flight():
             result = yield from self.call(
                 lambda rid: proto.Acquire(id=rid, session=core.session_token(), pages=wanted, min_pages=0,
                                           reserve_pages=credit.reserve_pages, caller_pages=0),
                 track={"on_answer": core.book_late_grant},
             )
             credit.reattach(int(result["granted"]))
+
+    def background_round(self, pushes: list[proto.Pressure], callback: Callable[[int], Any] | None,
+                         heartbeat_due: Callable[[], bool], pressure_log: list[dict[str, int]]) -> Op:
+        """One round of a driver's background work, in this order: answer the pressure pushes
+        that came (each answer appended to ``pressure_log`` as it is made), top the reserve up,
+        then heartbeat if ``heartbeat_due()`` (the driver's clock) says so."""
+        for push in pushes:
+            pressure_log.append((yield from self.answer_pressure(push, callback)))
+        yield from self.refill()
+        if (yield Invoke(heartbeat_due, ())):
+            yield from self.heartbeat()
 
     def answer_pressure(self, push: proto.Pressure, callback: Callable[[int], Any] | None) -> Op:
         """The broker asks for pages back: the credit reserve first, then what the runtime frees."""
@@ -306,3 +339,33 @@ class Operations:
             )
             granted = int(result["granted"])
         core.book_reasserted(booked_pools, granted)
+
+
+class BackgroundHealth:
+    """How a driver's background loop takes the outcome of a round.
+
+    It stops for good once the session is evicted (its memory was given away); a broker that
+    does not answer is logged once per outage (the loop goes on, so a restarted broker is
+    found by the next heartbeat); any other refusal is logged and the loop goes on.
+    """
+
+    def __init__(self, core: ClientCore, endpoint: str):
+        self.core = core
+        self.endpoint = endpoint
+        self.failures = 0
+
+    def ok(self) -> None:
+        self.failures = 0
+
+    def failed(self, exc: BrokerError) -> bool:
+        """Log a failed round; True when the loop must stop."""
+        if isinstance(exc, SessionEvicted):
+            log.error("event=evicted session=%s detail=%s", self.core.session_id, exc.message)
+            return True
+        if isinstance(exc, BrokerUnavailable):
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("event=broker_unreachable endpoint=%s detail=%s", self.endpoint, exc.message)
+            return False
+        log.warning("event=background_error session=%s error=%s", self.core.session_id, exc)
+        return False

@@ -1,26 +1,25 @@
 """``BrokerClient``: the synchronous, thread-safe client a worker imports (see README, "Using it from a worker").
 
-A driver of :class:`~.operations.Operations`, which makes every protocol decision: this class
-only turns its actions into socket calls.  One lock serialises use of the socket.  A
-background thread heartbeats (so the lease does not lapse while the worker is busy), answers
-the broker's pressure pushes, tops the credit reserve up, and notices a restarted broker
-through its heartbeat.
+A driver of :class:`~.operations.Operations`, which makes every protocol decision: each
+public method runs one operation, and this class only turns its actions into socket calls.
+One lock serialises use of the socket (and so of the books).  A background thread runs
+:meth:`Operations.background_round` every tick: it answers the broker's pressure pushes, tops
+the credit reserve up, and heartbeats (so the lease does not lapse while the worker is busy,
+and a restarted broker is noticed).  Its public surface is :class:`AsyncBrokerClient`'s, with
+plain methods where that one has coroutines.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Any, Callable
 
-from .core import ClientCore, check_pages, prepare
-from .errors import BrokerError, BrokerUnavailable, SessionEvicted
-from .operations import Invoke, Op, Operations, Resume, Send
+from .core import ClientCore, package_version, prepare
+from .errors import BrokerError
+from .operations import BACKGROUND_TICK_S, BackgroundHealth, Invoke, Op, Operations, Resume, Send
 from .transport import CurveKeys, SyncTransport, Timeouts
 from .trust import endpoint_guard
-
-log = logging.getLogger("kvcached_broker.client")
 
 #: What the runtime registers to free pages under pressure: called with the pages still
 #: wanted after the credit reserve, it frees what it can, hands those pages back with
@@ -31,7 +30,7 @@ PressureCallback = Callable[[int], int]
 class BrokerClient:
     """A session with one GPU's broker.  Create it with :meth:`connect`."""
 
-    def __init__(self, core: ClientCore, transport: SyncTransport, *, background: bool = True):
+    def __init__(self, core: ClientCore, transport: SyncTransport):
         self._core = core
         self._ops = Operations(core, endpoint_guard(transport.endpoint, transport.close))
         self._transport = transport
@@ -40,7 +39,6 @@ class BrokerClient:
         self._pressure_callback: PressureCallback | None = None
         self._next_heartbeat_s = 0.0
         self._thread: threading.Thread | None = None
-        self._background = background
         self.pressure_log: list[dict[str, int]] = []
 
     @classmethod
@@ -69,10 +67,10 @@ class BrokerClient:
         """
         core, target = prepare(
             instance, device, tp_rank, tp_size, page_bytes, endpoint, credit_pages,
-            device_uuid=device_uuid, limits=limits, adapter=adapter, client=client or f"kvcached-broker-client/{_version()}",
+            device_uuid=device_uuid, limits=limits, adapter=adapter, client=client or f"kvcached-broker-client/{package_version()}",
         )
         transport = SyncTransport(target, Timeouts.from_env(timeout_s), curve=curve)
-        self = cls(core, transport, background=background)
+        self = cls(core, transport)
         try:
             self._run(self._ops.open(resume=False))
         except BaseException:
@@ -145,22 +143,13 @@ class BrokerClient:
 
         Returns the pages granted; 0 means refused (no room, a cap, or overcommit).
         """
-        _check_ask(pages, min_pages)
         with self._lock:
-            core = self._core
-            core.check_usable()
-            if not core.outstanding and core.credit.take(pages):  # served from the reserve
-                return pages
             return self._run(self._ops.acquire(pages, min_pages))
 
     def release(self, pages: int) -> None:
         """Give back ``pages``; more than held is ``BrokerError(bad_request)``."""
-        check_pages("pages", pages, minimum=1)
         with self._lock:
-            self._core.check_usable()
-            surplus = self._core.put_back(pages)
-            if surplus:
-                self._run(self._ops.return_pages(surplus))
+            self._run(self._ops.release(pages))
 
     def acquire_tp(self, pages: int, reduce_min: Callable[[int], int], min_pages: int | None = None) -> int:
         """Tensor-parallel acquire: every rank calls this with its own client.
@@ -170,8 +159,7 @@ class BrokerClient:
         so all ranks return the same count.  ``reduce_min`` is called exactly once per call on
         every rank, even when this rank's broker fails, so the group never deadlocks.
         """
-        _check_ask(pages, min_pages)
-        with self._lock:  # no check_usable here: an evicted rank must still take part (the op checks)
+        with self._lock:
             return self._run(self._ops.acquire_tp(pages, reduce_min, min_pages))
 
     def status(self) -> dict[str, Any]:
@@ -180,6 +168,7 @@ class BrokerClient:
             return self._run(self._ops.status())
 
     def heartbeat(self) -> None:
+        """Tell the broker this worker is alive (the background does it on its own)."""
         with self._lock:
             self._run(self._ops.heartbeat())
 
@@ -239,50 +228,28 @@ class BrokerClient:
         return action.fn(*action.args)
 
     # ------------------------------------------------------- the background
+    def _heartbeat_due(self) -> bool:
+        return time.monotonic() >= self._next_heartbeat_s
+
     def _run_background(self) -> None:
-        failures = 0
-        while not self._stop.wait(0.05):
+        """Every tick, one background round, skipped while a caller holds the lock."""
+        health = BackgroundHealth(self._core, self._transport.endpoint)
+        while not self._stop.wait(BACKGROUND_TICK_S):
             if not self._lock.acquire(blocking=False):
                 continue
             try:
-                if self._core.closed or self._core.evicted:
+                if self._core.ended:
                     return
                 self._background_step()
-                failures = 0
-            except SessionEvicted as exc:
-                log.error("event=evicted session=%s detail=%s", self._core.session_id, exc.message)
-                return
-            except BrokerUnavailable as exc:
-                failures += 1
-                if failures == 1:
-                    log.warning("event=broker_unreachable endpoint=%s detail=%s", self._transport.endpoint, exc.message)
+                health.ok()
             except BrokerError as exc:
-                log.warning("event=background_error session=%s error=%s", self._core.session_id, exc)
+                if health.failed(exc):
+                    return
             finally:
                 self._lock.release()
 
     def _background_step(self) -> None:
         self._transport.drain()
         pushes, self._transport.pushes = self._transport.pushes, []
-        for push in pushes:
-            self.pressure_log.append(self._run(self._ops.answer_pressure(push, self._pressure_callback)))
-        self._run(self._ops.refill())
-        if time.monotonic() >= self._next_heartbeat_s:
-            self._run(self._ops.heartbeat())
+        self._run(self._ops.background_round(pushes, self._pressure_callback, self._heartbeat_due, self.pressure_log))
 
-
-def _check_ask(pages: int, min_pages: int | None) -> None:
-    check_pages("pages", pages, minimum=1)
-    if min_pages is not None:
-        check_pages("min_pages", min_pages, minimum=0)
-        if min_pages > pages:
-            raise BrokerError(f"min_pages ({min_pages}) must not exceed pages ({pages})", code="bad_request")
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("kvcached-broker")
-    except Exception:
-        return "0+unknown"

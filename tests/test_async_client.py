@@ -67,3 +67,47 @@ async def test_async_tp_acquire_with_a_coroutine_reduce(inproc_factory):
         assert await c.acquire_tp(3, reduce_min) == 2
         assert c.held_pages == 2
         assert b.ledger.sessions[c.session_id].granted_pages == 2
+
+
+async def eventually(predicate, timeout_s: float = 60.0, what: str = "condition"):
+    """Poll ``predicate`` on the loop until it holds; the timeout only bounds a failure."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_async_background_refills_the_reserve_below_its_low_watermark(inproc):
+    async with await AsyncBrokerClient.connect("async-refill", endpoint=inproc.endpoint, credit_pages=8) as c:
+        assert await c.acquire(7) == 7  # asked 15: 7 held, 8 in reserve
+        assert await c.acquire(6) == 6  # from the reserve: 2 left, below the low watermark of 4
+        await eventually(lambda: c.reserve_pages == 8, what="the background refill")
+        assert inproc.ledger.sessions[c.session_id].granted_pages == 7 + 6 + 8
+
+
+async def test_async_pressure_is_answered_in_the_background_by_a_coroutine_callback(inproc_factory):
+    b = inproc_factory(total_bytes=10 * GIB)
+    async with await AsyncBrokerClient.connect("giver", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as giver, \
+            await AsyncBrokerClient.connect("needy", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as needy:
+        assert await giver.acquire(10) == 10
+
+        async def give_back(pages: int) -> int:
+            await giver.release(pages)
+            return pages
+
+        giver.on_pressure(give_back)
+        assert await needy.acquire(5) == 0  # refused: the giver, above its share, is asked for 5
+        await eventually(lambda: giver.pressure_log, what="the pressure push to be answered")
+        assert giver.pressure_log == [{"asked": 5, "from_reserve": 0, "from_runtime": 5}]
+        assert giver.held_pages == 5 and b.ledger.sessions[giver.session_id].granted_pages == 5
+        assert await needy.acquire(5) == 5
+
+
+async def test_async_client_has_the_sync_clients_properties_and_heartbeat(inproc):
+    async with await AsyncBrokerClient.connect("async-p", endpoint=inproc.endpoint, credit_pages=0,
+                                               background=False) as c:
+        await c.reserve({"weights": GIB}, holds={"kv": GIB})
+        await c.heartbeat()
+        assert (c.endpoint, c.pools, c.holds) == (inproc.endpoint, {"weights": GIB}, {"kv": GIB})
+        assert c.lease_s == inproc.server.config.lease_s

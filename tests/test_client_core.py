@@ -1,0 +1,180 @@
+"""``client/core.py`` alone: the session's books, with no I/O.
+
+What a hello carries and how its answer is taken (a lost session, a restored one adopted or
+refused), the outstanding requests (tracked until answered, in doubt once their caller gives
+up), pages the broker does not charge, argument checks and when the core refuses to be used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvcached_broker.client import protocol as proto
+from kvcached_broker.client.core import ClientCore, check_ask, check_pages, check_pools
+from kvcached_broker.client.errors import BadRequest, BrokerError, SessionEvicted
+
+PAGE_BYTES = 1 << 20
+
+
+def _core(credit_pages: int = 4, **kwargs) -> ClientCore:
+    return ClientCore(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES, credit_pages=credit_pages,
+                      device_uuid=None, **kwargs)
+
+
+def _opened(credit_pages: int = 4) -> ClientCore:
+    core = _core(credit_pages)
+    core.on_hello({"session": "token-one", "session_id": "s-1", "lease_s": 8.0, "heartbeat_s": 2.0})
+    return core
+
+
+def _reply_error(code: str) -> proto.Reply:
+    return proto.decode_broker_message(proto.error_reply(3, code, f"scripted {code}"))
+
+
+# ------------------------------------------------------------------------------ arguments
+@pytest.mark.parametrize("kwargs", [
+    {"tp_size": 0}, {"tp_rank": -1}, {"tp_rank": 2, "tp_size": 2}, {"page_bytes": 0}, {"credit_pages": -1},
+    {"instance": ""}, {"limits": {"max_gib": 1}}, {"limits": {"weight": 0}}, {"adapter": {"runtime": 3}},
+])
+def test_a_core_refuses_bad_arguments(kwargs):
+    base = dict(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES, credit_pages=4, device_uuid=None)
+    with pytest.raises(BadRequest):
+        ClientCore(**{**base, **kwargs})
+
+
+def test_check_ask_takes_pages_from_1_and_min_pages_up_to_pages():
+    check_ask(1, None)
+    check_ask(5, 0)
+    check_ask(5, 5)
+    for pages, min_pages in [(0, None), (5, 6), (5, -1), (False, None), (proto.MAX_PAGES + 1, None)]:
+        with pytest.raises(BadRequest):
+            check_ask(pages, min_pages)
+    assert check_pages("pages", 3, minimum=1) == 3
+    assert check_pools({"a": 1, "b": 0}) == {"a": 1, "b": 0}
+    for pools in ([("a", 1)], {"": 1}, {"a": -1}, {"a": 1.0}, {f"p{i}": 1 for i in range(proto.MAX_POOLS + 1)}):
+        with pytest.raises(BadRequest):
+            check_pools(pools)
+
+
+# --------------------------------------------------------------------------------- hello
+def test_a_first_hello_claims_nothing_and_a_resume_claims_the_books():
+    core = _opened()
+    first = _core().hello(resume=False)
+    assert (first.resume, first.holdings, first.settled) == (None, None, [])
+    core.credit.reserve_pages, core.credit.held_pages = 2, 3
+    core.pools, core.holds = {"w": 10}, {"kv": 5}
+    core.track(7, b"release", booked=True)
+    core.track(8, b"acquire")
+    again = core.hello(resume=True)
+    assert again.resume == "token-one" and again.settled == [7]  # only what the books already show
+    assert again.holdings == proto.Holdings(pools={"w": 10}, granted_pages=5, reserve_pages=2, holds={"kv": 5})
+    assert (core.session_id, core.lease_s, core.heartbeat_s) == ("s-1", 8.0, 2.0)
+
+
+def test_a_hello_that_opens_a_new_session_where_one_was_means_it_was_lost():
+    core = _opened()
+    core.track(5, b"acquire")
+    assert core.on_hello({"session": "token-two", "session_id": "s-2", "resumed": False}) is True
+    assert core.outstanding == {} and core.token == "token-two"
+    assert core.heartbeat_s == core.lease_s / 4  # no heartbeat_s: a quarter of the lease
+
+
+def test_an_adopted_resume_charges_the_held_pages_first():
+    core = _opened()
+    core.credit.held_pages, core.credit.reserve_pages = 3, 2
+    result = {"session": "token-one", "session_id": "s-1", "resumed": True, "claims": "adopted",
+              "holdings": {"pools": {}, "granted_pages": 4, "holds": {}}}
+    assert core.on_hello(result) is False
+    assert (core.credit.held_pages, core.credit.reserve_pages, core.uncharged_pages) == (3, 1, 0)
+
+
+def test_a_refused_resume_follows_the_brokers_figures_and_drops_booked_releases():
+    core = _opened()
+    core.credit.held_pages, core.pools = 5, {"w": 100}
+    core.track(9, b"release", booked=True)
+    core.track(10, b"acquire")
+    result = {"session": "token-one", "session_id": "s-1", "resumed": True, "claims": "refused",
+              "holdings": {"pools": {"w": 40}, "granted_pages": 2, "holds": {}}}
+    core.on_hello(result)
+    assert core.pools == {"w": 40} and list(core.outstanding) == [10]
+    assert (core.credit.held_pages, core.credit.reserve_pages, core.uncharged_pages) == (5, 0, 3)
+
+
+# ---------------------------------------------------------------------- uncharged pages
+def test_uncharged_pages_are_released_first_without_a_request():
+    core = _opened(credit_pages=0)
+    core.credit.held_pages = 5
+    core.book_reasserted({"pools": {}, "holds": {}}, granted_pages=2)  # the broker could give back only 2
+    assert core.uncharged_pages == 3
+    assert core.put_back(4) == 1  # 3 leave the books alone; 1 was charged: back to the broker
+    assert (core.credit.held_pages, core.uncharged_pages) == (1, 0)
+    with pytest.raises(BadRequest):
+        core.put_back(2)
+    assert (core.credit.held_pages, core.uncharged_pages) == (1, 0)
+
+
+def test_a_reassertion_asks_for_the_books():
+    core = _opened()
+    core.pools, core.holds = {"w": 1}, {"kv": 2}
+    core.credit.held_pages, core.credit.reserve_pages = 3, 4
+    assert core.reassertion() == ({"w": 1}, {"kv": 2}, 7)
+
+
+# -------------------------------------------------------------------------- outstanding
+def test_a_request_stays_outstanding_until_answered_and_is_in_doubt_once_given_up():
+    core = _opened()
+    booked = []
+    core.track(1, b"a", on_answer=booked.append)
+    core.track(2, b"b")
+    assert core.in_flight() and core.in_doubt() == []
+    core.gave_up(1)
+    core.gave_up(99)  # nothing outstanding: nothing happens
+    assert [rid for rid, _ in core.in_doubt()] == [1] and core.in_flight()  # 2 is still waited on
+    core.outstanding[1].on_answer({"granted": 3})
+    assert booked == [{"granted": 3}]
+    assert core.answered(2) is not None and core.answered(2) is None
+    core.gave_up(2)  # answered already: still nothing in doubt for it
+    assert not core.in_flight() and list(core.outstanding) == [1]
+
+
+def test_a_late_grant_goes_to_the_reserve_and_a_reserve_answer_books_pools():
+    core = _opened()
+    core.book_late_grant({"granted": 6})
+    core.book_pools({"pools": {"w": 3}})
+    assert core.credit.reserve_pages == 6 and (core.pools, core.holds) == ({"w": 3}, {})
+
+
+# ------------------------------------------------------------------------------ usability
+def test_usable_until_evicted_closed_or_forked():
+    core = _opened()
+    core.check_usable()
+    assert not core.ended
+    err = core.error_of(_reply_error("evicted"))
+    assert isinstance(err, SessionEvicted) and core.evicted and core.ended
+    with pytest.raises(SessionEvicted):
+        core.check_usable()
+    closed = _opened()
+    closed.closed = True
+    with pytest.raises(BrokerError, match="closed"):
+        closed.check_usable()
+    forked = _core(pid=os.getpid() + 1)
+    with pytest.raises(BrokerError, match="after fork") as info:
+        forked.check_usable()
+    assert info.value.code == "not_owner"
+
+
+def test_other_errors_leave_the_session_usable():
+    core = _opened()
+    err = core.error_of(_reply_error("budget_exceeded"))
+    assert err.code == "budget_exceeded" and err.retryable and not core.evicted
+
+
+def test_requests_need_a_session_token_first():
+    with pytest.raises(AssertionError, match="hello first"):
+        _core().session_token()
+    build = _opened().reserve_request({"w": 1}, None, {"kv": 2}, True)
+    req = build(11)
+    assert (req.id, req.session, req.pools, req.holds, req.usage, req.measured_base) == (
+        11, "token-one", {"w": 1}, {"kv": 2}, None, True)
