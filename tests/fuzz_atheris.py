@@ -25,13 +25,13 @@ from helpers import make_core  # noqa: E402  (the request core alone: no sockets
 
 PEER = Peer(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), address="localhost")
 RID = b"\x00fuzz"
-SERVER = make_core(8 << 30, is_admin=lambda peer: True)
+CORE = make_core(8 << 30, is_admin=lambda peer: True)
 _hello = proto.Hello(id=1, versions=[1], instance="fuzz", pid=os.getpid(), page_bytes=1 << 20, nonce="atheris-nonce")
-TOKEN = proto.decode_broker_message(SERVER.handle(RID, PEER, proto.encode(_hello), 0.0)).result["session"]
+TOKEN = proto.decode_broker_message(CORE.handle(RID, PEER, proto.encode(_hello), 0.0)).result["session"]
 
 
 def fingerprint():
-    led = SERVER.ledger
+    led = CORE.ledger
     return led.reserved_bytes, led.granted_bytes, len(led.sessions), {sid: s.granted_pages for sid, s in led.sessions.items()}
 
 
@@ -47,12 +47,12 @@ def test_one_input(data: bytes) -> None:
     else:
         frame = fdp.ConsumeBytes(fdp.remaining_bytes())
     before = fingerprint()
-    raw = SERVER.handle(RID, PEER, frame, 1.0)
+    raw = CORE.handle(RID, PEER, frame, 1.0)
     reply = msgspec.msgpack.decode(raw, type=proto.Reply)
     if not reply.ok:
         assert reply.error is not None and reply.error.code != "internal", reply.error
         assert fingerprint() == before
-    SERVER.ledger.check_invariant()
+    CORE.ledger.check_invariant()
 
 
 if __name__ == "__main__":

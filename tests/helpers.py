@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -76,15 +77,18 @@ def require_runtime(dist: str) -> str:
 
 class FakeProcesses:
     """``ProcessOps`` for driving the request core without processes: every pid is alive unless
-    listed in ``dead``; kills and watches are recorded."""
+    listed in ``dead``, and started at tick 1 unless ``ticks`` says otherwise (the core reads
+    its own pid's first: a later tick is a process started after the broker); kills and
+    watches are recorded."""
 
     def __init__(self) -> None:
         self.dead: set[int] = set()
+        self.ticks: dict[int, int] = {}
         self.killed: list[int] = []
         self.watched: set[int] = set()
 
     def start_ticks(self, pid: int) -> int | None:
-        return None if pid in self.dead else 1
+        return None if pid in self.dead else self.ticks.get(pid, 1)
 
     def alive(self, pid: int, start_ticks: int | None) -> bool:
         return pid not in self.dead
@@ -113,6 +117,96 @@ def make_core(total_bytes: int = 8 * GIB, **kwargs):
     return build_core(SimulatedDevice(0, total_bytes), processes, **kwargs)
 
 
+def restarted_core(state_dir: Path, total_bytes: int = 8 * GIB, now: float = 0.0, **kwargs):
+    """A request core with a journal in ``state_dir``, restored from it as the server starts one
+    (``Journal.restore``, the sessions whose processes live, then ``Journal.started``)."""
+    core = make_core(total_bytes, state_dir=state_dir, **kwargs)
+    core.restore(core.journal.restore(), now)
+    core.journal.started()
+    return core
+
+
+def local_peer(pid: int | None = None, uid: int | None = None, gid: int | None = None):
+    """A local connection's kernel credentials, as the broker reads them off an ipc socket."""
+    from kvcached_broker.broker.security import Peer
+
+    pid = os.getpid() if pid is None else pid
+    uid = os.getuid() if uid is None else uid
+    gid = os.getgid() if gid is None else gid
+    return Peer(uid, gid, pid, f"localhost:{uid}:{gid}:{pid}")
+
+
+_connections = itertools.count(1)
+
+
+class CoreConnection:
+    """One connection of ``peer`` (this process by default) to a request core, with its own
+    routing id: plain MessagePack maps (or exact frames) in, decoded replies out, as
+    ``raw_ask`` does over a socket.  ``now`` is the clock value the core is handed."""
+
+    def __init__(self, core, peer=None, now: float = 0.0):
+        self.core = core
+        self.peer = local_peer() if peer is None else peer
+        self.rid = b"conn-%d" % next(_connections)
+        self.now = now
+
+    def ask(self, message) -> dict | None:
+        import msgpack
+
+        frame = message if isinstance(message, bytes) else msgpack.packb(message)
+        reply = self.core.handle(self.rid, self.peer, frame, self.now)
+        return None if reply is None else msgpack.unpackb(reply)
+
+    def hello(self, nonce: str, **extra) -> dict:
+        """A hello as ``raw_hello`` sends it (instance ``claimer``, 4 KiB pages unless given)."""
+        return self.ask({"op": "hello", "id": extra.pop("id", 1), "versions": [1],
+                         "instance": extra.pop("instance", "claimer"), "pid": extra.pop("pid", self.peer.pid),
+                         "page_bytes": extra.pop("page_bytes", 4096), "nonce": nonce, **extra})
+
+    def status(self) -> dict:
+        reply = self.ask({"op": "status", "id": 1 << 40})
+        assert reply["ok"], reply
+        return reply["result"]
+
+
+class CoreSession(CoreConnection):
+    """A session opened with ``hello`` on its own connection to a request core, as a client
+    with no credit reserve opens one: :meth:`request` numbers the ids and adds the token."""
+
+    def __init__(self, core, instance: str = "m", *, page_bytes: int = 2 * MIB, peer=None, now: float = 0.0,
+                 nonce: str | None = None, **hello):
+        super().__init__(core, peer, now)
+        reply = self.hello(nonce or f"nonce-{self.rid.decode()}", instance=instance, page_bytes=page_bytes, **hello)
+        assert reply["ok"], reply
+        self.opened = reply["result"]
+        self.token = self.opened["session"]
+        self.session_id = self.opened["session_id"]
+        self._ids = itertools.count(2)
+
+    @property
+    def session(self):
+        """The ledger's session."""
+        return self.core.ledger.sessions[self.session_id]
+
+    def request(self, op: str, **fields) -> dict:
+        return self.ask({"op": op, "id": next(self._ids), "session": self.token, **fields})
+
+    def result(self, op: str, **fields) -> dict:
+        reply = self.request(op, **fields)
+        assert reply["ok"], reply
+        return reply["result"]
+
+    def error(self, op: str, **fields) -> dict:
+        reply = self.request(op, **fields)
+        assert not reply["ok"], reply
+        return reply["error"]
+
+    def acquire(self, pages: int, min_pages: int | None = None) -> int:
+        """Pages granted: 0 when refused (all or nothing, or at least ``min_pages``)."""
+        extra = {} if min_pages is None else {"min_pages": min_pages}
+        return self.result("acquire", pages=pages, **extra)["granted"]
+
+
 def ledger_fingerprint(ledger) -> tuple:
     """Everything a refused request must leave as it was: totals, sessions' holdings, limits."""
     return (
@@ -130,13 +224,22 @@ def connect(b, instance="m", **kw):
     return BrokerClient.connect(instance, endpoint=b.endpoint, **kw)
 
 
+def set_timeout(client, total_s: float) -> None:
+    """Give a connected ``BrokerClient`` another request timeout: a test connects with a
+    generous one and shortens it only where nothing can answer (a broker killed or stopped),
+    so that waiting for the timeout is the point, and a slow machine cannot change the outcome."""
+    from kvcached_broker.client.transport import Timeouts
+
+    client._transport.timeouts = Timeouts.from_env(total_s)
+
+
 def raw_dealer(endpoint):
     """A bare ZeroMQ DEALER on ``endpoint``: frames as a client of any language would send them."""
     import zmq
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)  # bounds a failure only: a reply ends the wait
     sock.connect(endpoint)
     return sock
 

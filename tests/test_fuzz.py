@@ -25,24 +25,25 @@ RID = b"\x00fuzz"
 COUNTS = {"bytes": 0, "structured": 0}
 
 
-def make_server():
-    """The request core alone: no sockets, files or processes (admin ops allowed, as for root)."""
-    server = make_core(8 * GIB, is_admin=lambda peer: True)
+def fuzzed_core():
+    """The request core alone: no sockets, files or processes (admin ops allowed, as for root),
+    with one session holding a pool and pages; the core and that session's token."""
+    core = make_core(8 * GIB, is_admin=lambda peer: True)
     hello = proto.encode(proto.Hello(id=1, versions=[1], instance="fuzz", pid=os.getpid(), page_bytes=1 << 20,
                                      nonce="fuzz-nonce-0"))
-    reply = proto.decode_broker_message(server.handle(RID, PEER, hello, 0.0))
+    reply = proto.decode_broker_message(core.handle(RID, PEER, hello, 0.0))
     assert reply.ok
     token = reply.result["session"]
-    server.handle(RID, PEER, proto.encode(proto.Reserve(id=2, session=token, pools={"weights": GIB})), 0.0)
-    server.handle(RID, PEER, proto.encode(proto.Acquire(id=3, session=token, pages=10)), 0.0)
-    return server, token
+    core.handle(RID, PEER, proto.encode(proto.Reserve(id=2, session=token, pools={"weights": GIB})), 0.0)
+    core.handle(RID, PEER, proto.encode(proto.Acquire(id=3, session=token, pages=10)), 0.0)
+    return core, token
 
 
-SERVER, TOKEN = make_server()
+CORE, TOKEN = fuzzed_core()
 
 
-def fingerprint(server):
-    led = server.ledger
+def fingerprint(core):
+    led = core.ledger
     return (
         led.reserved_bytes, led.granted_bytes, len(led.sessions), dict(led.limits),
         {sid: (dict(s.pools), s.granted_pages) for sid, s in led.sessions.items()},
@@ -61,13 +62,13 @@ def check_reply(raw: bytes) -> proto.Reply:
 @given(st.binary(max_size=512))
 def test_random_bytes_never_crash_and_never_change_the_ledger(frame):
     COUNTS["bytes"] += 1
-    before = fingerprint(SERVER)
-    reply = SERVER.handle(RID, PEER, frame, 1.0)
+    before = fingerprint(CORE)
+    reply = CORE.handle(RID, PEER, frame, 1.0)
     if reply is not None:
         decoded = check_reply(reply)
         if not decoded.ok:
-            assert fingerprint(SERVER) == before
-    SERVER.ledger.check_invariant()
+            assert fingerprint(CORE) == before
+    CORE.ledger.check_invariant()
 
 
 values = st.recursive(
@@ -102,13 +103,13 @@ def test_structured_garbage_gets_an_error_or_a_valid_effect(message):
         frame = msgpack.packb(message, use_bin_type=True)
     except (OverflowError, ValueError, TypeError):
         return
-    before = fingerprint(SERVER)
-    raw = SERVER.handle(RID, PEER, frame, 2.0)
+    before = fingerprint(CORE)
+    raw = CORE.handle(RID, PEER, frame, 2.0)
     reply = check_reply(raw)
     if not reply.ok:
-        assert fingerprint(SERVER) == before, message
-    SERVER.ledger.check_invariant()
-    assert SERVER.ledger.charged_bytes <= SERVER.ledger.budget_bytes or SERVER.ledger.overcommitted
+        assert fingerprint(CORE) == before, message
+    CORE.ledger.check_invariant()
+    assert CORE.ledger.charged_bytes <= CORE.ledger.budget_bytes or CORE.ledger.overcommitted
 
 
 EXTREMES = [0, 1, -1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 40, (1 << 56) + 1, (1 << 63) - 1, 1 << 63,
@@ -132,11 +133,11 @@ def test_nesting_at_any_depth_gets_a_reply(op, field, bomb):
     COUNTS["nested"] = COUNTS.get("nested", 0) + 1
     head = msgpack.packb({"op": op, "id": 9, "session": TOKEN})
     frame = bytes([head[0] + 1]) + head[1:] + msgpack.packb(field) + bomb  # one more map entry, the bomb
-    before = fingerprint(SERVER)
-    reply = check_reply(SERVER.handle(RID, PEER, frame, 3.0))
+    before = fingerprint(CORE)
+    reply = check_reply(CORE.handle(RID, PEER, frame, 3.0))
     if not reply.ok:
-        assert fingerprint(SERVER) == before
-    check_reply(SERVER.handle(RID, PEER, proto.encode(proto.Status(id=10)), 3.0))  # status still answers
+        assert fingerprint(CORE) == before
+    check_reply(CORE.handle(RID, PEER, proto.encode(proto.Status(id=10)), 3.0))  # status still answers
 
 
 @FUZZ_SETTINGS
@@ -153,12 +154,12 @@ def test_integer_extremes_never_break_the_ledger_or_status(op, ints, claim):
         frame = msgpack.packb(message)
     except (OverflowError, ValueError):
         return
-    before = fingerprint(SERVER)
-    reply = check_reply(SERVER.handle(RID, PEER, frame, 4.0))
+    before = fingerprint(CORE)
+    reply = check_reply(CORE.handle(RID, PEER, frame, 4.0))
     if not reply.ok:
-        assert fingerprint(SERVER) == before, message
-    SERVER.ledger.check_invariant()
-    status = check_reply(SERVER.handle(RID, PEER, proto.encode(proto.Status(id=12)), 4.0))
+        assert fingerprint(CORE) == before, message
+    CORE.ledger.check_invariant()
+    status = check_reply(CORE.handle(RID, PEER, proto.encode(proto.Status(id=12)), 4.0))
     assert status.ok and status.result["free_bytes"] >= 0 and not status.result["overcommitted"]
 
 

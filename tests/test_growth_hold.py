@@ -6,6 +6,10 @@ claimed (capped by what the device measures its process using), a restored sessi
 its claims through admission at its resume and no more, and everyone else is refused
 (``details.held``).  A client whose restored session's claims are refused books what the
 broker charges, and says so in one error line.
+
+The ledger alone; then the hellos' allowances through the request core, restored from damaged
+state with a holder that has not come back (``Restored``, as a journal replay hands it over);
+then real brokers and clients across a damaged restart.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import os
 import signal
 
 from kvcached_broker.broker.accounts import DeviceInfo
+from kvcached_broker.broker.journal import Restored
 from kvcached_broker.broker.ledger import Ledger
+from kvcached_broker.broker.session_opener import SessionQuotas
+from kvcached_broker.broker.state_records import SessionRecord
 from kvcached_broker.client import BrokerClient
 
-from helpers import GIB, Worker, raw_ask, raw_dealer, raw_hello, session_of
+from helpers import GIB, CoreConnection, FakeProcesses, Worker, local_peer, make_core, session_of
 
 
 # ----------------------------------------------------------------------- the ledger alone
@@ -67,6 +74,70 @@ def test_measured_usage_caps_the_allowance_and_is_never_held():
     ledger.check_invariant()
 
 
+# ------------------------------------------------------- the request core, growth held
+HOLDER_PID = 4242
+DAMAGE = {"damaged_records": 1, "damaged_bytes": 40, "torn_bytes": 0, "snapshot": None}
+
+
+def _held_core(**kwargs):
+    """A 16 GiB core restored from damaged state: the holder's latest record (6 pages) was the
+    damaged one, so it comes back with none and, not having re-asserted, keeps growth held."""
+    holder = SessionRecord(id="s-00000001", token="token-holder-0001", nonce="nonce-holder", instance="holder",
+                           pid=HOLDER_PID, pid_verified=True, page_bytes=GIB, granted_pages=0)
+    core = make_core(16 * GIB, quotas=SessionQuotas(lease_s=30.0), **kwargs)
+    core.restore(Restored([holder], damage=DAMAGE, found_state=True), now=0.0)
+    assert core.status(0.0)["broker"]["growth_held"]
+    return core
+
+
+def _resume_hello(core, nonce: str, instance: str, peer=None, **holdings):
+    """A hello naming a session the broker does not know, claiming ``holdings``: (connection, token)."""
+    conn = CoreConnection(core, peer)
+    reply = conn.hello(nonce, instance=instance, page_bytes=GIB, resume="Z" * 32, holdings=holdings or None)
+    assert reply["ok"] and reply["result"]["resumed"] is False
+    return conn, reply["result"]["session"]
+
+
+def _acquire(conn, token: str, request_id: int, pages: int, min_pages: int | None = None) -> dict:
+    return conn.ask({"op": "acquire", "id": request_id, "session": token, "pages": pages,
+                     "min_pages": pages if min_pages is None else min_pages})["result"]
+
+
+def test_a_resume_for_a_lost_record_grows_back_only_what_it_claimed():
+    core = _held_core()
+    conn, token = _resume_hello(core, "forger-nonce-1", "forger")
+    forged = _acquire(conn, token, 2, 16, min_pages=1)
+    assert forged["granted"] == 0 and forged["refused"]["details"]["held"]  # it claimed nothing
+    conn, token = _resume_hello(core, "claimer-nonce-1", "claimer", granted_pages=2)
+    assert _acquire(conn, token, 2, 16, min_pages=1)["granted"] == 2
+    assert _acquire(conn, token, 3, 1)["refused"]["details"]["held"]
+    s = conn.status()
+    assert s["granted_bytes"] == 2 * GIB and not s["overcommitted"]
+
+
+def test_a_process_started_after_the_broker_gets_no_allowance(caplog):
+    """It cannot have held memory from the broker whose state was lost, whatever it claims."""
+    processes = FakeProcesses()
+    late = 5151
+    processes.ticks[late] = 2  # started after the broker (tick 1)
+    core = _held_core(processes=processes)
+    with caplog.at_level(logging.INFO, logger="kvcached_broker"):
+        conn, token = _resume_hello(core, "late-forger-nonce", "late", peer=local_peer(pid=late), granted_pages=16)
+    result = _acquire(conn, token, 2, 16, min_pages=1)
+    assert [result["granted"], bool(result.get("refused", {}).get("details", {}).get("held"))] == [0, True]
+    assert "event=reassertion_refused" in caplog.text
+    assert conn.status()["granted_bytes"] == 0
+
+
+def test_measured_usage_caps_what_a_lost_record_may_grow_back():
+    core = _held_core(is_admin=lambda peer: True)
+    conn, token = _resume_hello(core, "claimer-nonce-2", "claimer", granted_pages=8)
+    simulated = conn.ask({"op": "simulate", "id": 9, "process_bytes": {os.getpid(): GIB}})
+    assert simulated["ok"], simulated  # the device sees this process using 1 GiB
+    assert _acquire(conn, token, 2, 8, min_pages=1)["granted"] == 1
+    assert _acquire(conn, token, 3, 1)["refused"]["details"]["held"]
+
+
 # ------------------------------------------------------------------- real brokers
 def _damaged_restart(b) -> None:
     """SIGKILL the broker, flip a bit in the journal's last record, start it again: growth is held."""
@@ -85,75 +156,6 @@ def _stopped_holder(b, workers, pages: int) -> Worker:
     workers.append(w)
     w.signal(signal.SIGSTOP)
     return w
-
-
-def _resume_hello(endpoint: str, nonce: str, instance: str, **holdings):
-    """A hello naming a session the broker does not know, claiming ``holdings``: (socket, token)."""
-    sock = raw_dealer(endpoint)
-    reply = raw_hello(sock, nonce, instance=instance, page_bytes=GIB, resume="Z" * 32,
-                      holdings=holdings or None)
-    assert reply["ok"] and reply["result"]["resumed"] is False
-    return sock, reply["result"]["session"]
-
-
-def _acquire(sock, token: str, request_id: int, pages: int, min_pages: int | None = None) -> dict:
-    return raw_ask(sock, {"op": "acquire", "id": request_id, "session": token, "pages": pages,
-                          "min_pages": pages if min_pages is None else min_pages})["result"]
-
-
-def test_a_resume_for_a_lost_record_grows_back_only_what_it_claimed(broker_factory, workers):
-    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
-    _stopped_holder(b, workers, pages=6)
-    _damaged_restart(b)
-    sock, token = _resume_hello(b.endpoint, "forger-nonce-1", "forger")
-    forged = _acquire(sock, token, 2, 16, min_pages=1)
-    assert forged["granted"] == 0 and forged["refused"]["details"]["held"]  # it claimed nothing
-    sock, token = _resume_hello(b.endpoint, "claimer-nonce-1", "claimer", granted_pages=2)
-    assert _acquire(sock, token, 2, 16, min_pages=1)["granted"] == 2
-    assert _acquire(sock, token, 3, 1)["refused"]["details"]["held"]
-    s = b.status()
-    assert s["granted_bytes"] == 2 * GIB and not s["overcommitted"]
-
-
-FORGER = r"""
-import sys
-sys.path.insert(0, sys.argv[2])
-from helpers import GIB, raw_ask, raw_dealer, raw_hello
-sock = raw_dealer(sys.argv[1])
-reply = raw_hello(sock, "late-forger-nonce", instance="late", page_bytes=GIB, resume="Z" * 32,
-                  holdings={"granted_pages": 16})
-token = reply["result"]["session"]
-result = raw_ask(sock, {"op": "acquire", "id": 2, "session": token, "pages": 16, "min_pages": 1})["result"]
-print(result["granted"], bool(result.get("refused", {}).get("details", {}).get("held")))
-"""
-
-
-def test_a_process_started_after_the_broker_gets_no_allowance(broker_factory, workers):
-    """It cannot have held memory from the broker whose state was lost, whatever it claims."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
-    _stopped_holder(b, workers, pages=6)
-    _damaged_restart(b)
-    tests_dir = str(Path(__file__).resolve().parent)
-    out = subprocess.run([sys.executable, "-c", FORGER, b.endpoint, tests_dir], capture_output=True, text=True,
-                         timeout=60)
-    assert out.stdout.split() == ["0", "True"], out.stderr
-    assert "event=reassertion_refused" in b.log()
-    assert b.status()["granted_bytes"] == 0
-
-
-def test_measured_usage_caps_what_a_lost_record_may_grow_back(broker_factory, workers):
-    b = broker_factory(simulate="16GiB", extra_args=["--headroom", "0"], lease_s=30.0)
-    _stopped_holder(b, workers, pages=6)
-    _damaged_restart(b)
-    sock, token = _resume_hello(b.endpoint, "claimer-nonce-2", "claimer", granted_pages=8)
-    with b.admin() as admin:
-        admin.simulate(process_bytes={os.getpid(): GIB})  # the device sees this process using 1 GiB
-    assert _acquire(sock, token, 2, 8, min_pages=1)["granted"] == 1
-    assert _acquire(sock, token, 3, 1)["refused"]["details"]["held"]
 
 
 def test_a_restored_session_does_not_grow_past_its_claims_while_growth_is_held(broker_factory, workers):

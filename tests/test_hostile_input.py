@@ -1,5 +1,10 @@
-"""Hostile input at a real broker socket: malformed, oversized, multipart, deeply nested and
-random frames, and tokens the broker never issued, get an error (or nothing) and change nothing."""
+"""Hostile input: malformed, oversized, multipart, deeply nested and random frames, and tokens
+the broker never issued, get an error (or nothing) and change nothing.
+
+Decoding and the refusals are the request core's (driven directly, ``helpers.CoreSession``);
+what only a socket can carry (oversized and multipart frames, thousands of random frames over
+several connections) goes to a real broker.  The fuzzers (test_fuzz.py) drive the core too.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import zmq
 from kvcached_broker.client import BrokerClient
 from kvcached_broker.client import protocol as proto
 
-from helpers import GIB, MIB, connect, ledger_fingerprint, raw_ask, raw_dealer
+from helpers import GIB, MIB, CoreConnection, CoreSession, connect, ledger_fingerprint, make_core, raw_dealer
 
 
 @pytest.mark.parametrize(
@@ -27,32 +32,29 @@ from helpers import GIB, MIB, connect, ledger_fingerprint, raw_ask, raw_dealer
         msgpack.packb({"op": "nope", "id": 7}),
     ],
 )
-def test_bad_frames_get_an_error_reply_and_change_nothing(inproc, frame):
-    with connect(inproc) as c:
-        c.acquire(2)
-        before = ledger_fingerprint(inproc.ledger)
-        sock = raw_dealer(inproc.endpoint)
-        sock.send(frame)
-        reply = msgpack.unpackb(sock.recv())
-        assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
-        assert ledger_fingerprint(inproc.ledger) == before
-        assert c.acquire(1) == 1  # the broker is still serving
-        sock.close()
+def test_bad_frames_get_an_error_reply_and_change_nothing(frame):
+    core = make_core(80 * GIB)
+    c = CoreSession(core)
+    c.acquire(2)
+    before = ledger_fingerprint(core.ledger)
+    reply = CoreConnection(core).ask(frame)
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+    assert ledger_fingerprint(core.ledger) == before
+    assert c.acquire(1) == 1  # the broker is still serving
 
 
 @pytest.mark.parametrize(
     ("token", "code"),
     [("bad token!{}\n" * 2, "unknown_session"), ("é" * 10, "unknown_session"), ("short", "bad_request"), ("x" * 65, "bad_request")],
 )
-def test_a_token_the_broker_never_issued_is_refused_and_changes_nothing(inproc, token, code):
-    with connect(inproc) as c:
-        c.acquire(2)
-        before = ledger_fingerprint(inproc.ledger)
-        sock = raw_dealer(inproc.endpoint)
-        reply = raw_ask(sock, {"op": "acquire", "id": 1, "session": token, "pages": 1})
-        assert reply["ok"] is False and reply["error"]["code"] == code and reply["id"] == 1
-        assert ledger_fingerprint(inproc.ledger) == before and inproc.ledger.sessions[c.session_id].granted_pages == 2
-        sock.close()
+def test_a_token_the_broker_never_issued_is_refused_and_changes_nothing(token, code):
+    core = make_core(80 * GIB)
+    c = CoreSession(core)
+    c.acquire(2)
+    before = ledger_fingerprint(core.ledger)
+    reply = CoreConnection(core).ask({"op": "acquire", "id": 1, "session": token, "pages": 1})
+    assert reply["ok"] is False and reply["error"]["code"] == code and reply["id"] == 1
+    assert ledger_fingerprint(core.ledger) == before and core.ledger.sessions[c.session_id].granted_pages == 2
 
 
 def test_oversized_and_multipart_frames_do_not_hurt_the_broker(inproc):
@@ -65,21 +67,19 @@ def test_oversized_and_multipart_frames_do_not_hurt_the_broker(inproc):
 
 
 @pytest.mark.parametrize("depth", [200, 1000, 20_000])
-def test_deeply_nested_frames_get_bad_request(inproc, depth):
+def test_deeply_nested_frames_get_bad_request(depth):
     """msgpack nested 1,000 deep once killed the broker (a RecursionError in the decoder)."""
-    sock = raw_dealer(inproc.endpoint)
+    conn = CoreConnection(make_core(80 * GIB))
     for nested in (b"\x91" * depth + b"\x01", b"\x81\xa1k" * depth + b"\x01"):
         frame = b"\x83\xa2op\xa6status\xa2id\x07\xa1x" + nested  # an unknown field holds the nesting
         if len(frame) > proto.MAX_REQUEST_BYTES:
-            continue
-        sock.send(frame)
-        reply = msgpack.unpackb(sock.recv())
+            continue  # the socket's MAXMSGSIZE drops it before the core (the oversized test below)
+        reply = conn.ask(frame)
         if depth >= 1000:
             assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
         else:  # shallow enough to skip: a valid status request with an unknown field
             assert reply["ok"] is True and reply["id"] == 7
-    assert inproc.status()["free_bytes"] == 80 * GIB  # alive, and nothing changed
-    sock.close()
+    assert conn.status()["free_bytes"] == 80 * GIB  # alive, and nothing changed
 
 
 def test_random_garbage_at_a_real_broker_socket(broker):
