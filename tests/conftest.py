@@ -85,11 +85,11 @@ class BrokerProcess:
         self.launcher = self._launcher().start(wait=wait)
         return self
 
-    def wait_ready(self, timeout_s: float = 30.0) -> None:
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
         assert self.launcher is not None
         self.launcher.wait_ready(timeout_s)
 
-    def admin(self, timeout_s: float = 5.0) -> AdminClient:
+    def admin(self, timeout_s: float = 30.0) -> AdminClient:
         return AdminClient(self.endpoint, timeout_s=timeout_s)
 
     def status(self) -> dict:
@@ -143,7 +143,7 @@ class InprocBroker:
         return self.server.ledger
 
     def admin(self) -> AdminClient:
-        return AdminClient(self.endpoint, timeout_s=5.0)
+        return AdminClient(self.endpoint, timeout_s=30.0)
 
     def status(self) -> dict:
         with self.admin() as admin:

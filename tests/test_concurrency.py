@@ -6,55 +6,90 @@ import json
 import multiprocessing as mp
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from kvcached_broker.client import BrokerClient
 
-from helpers import GIB
+from helpers import GIB, set_timeout
 
 CHURN = r"""
-import json, random, sys, time
+import json, random, sys, threading
 from kvcached_broker.client import BrokerClient, BudgetExceeded
-endpoint, name, seconds, seed = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+endpoint, name, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rng = random.Random(seed)
 asked = granted = 0
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()  # churn until stdin closes
 with BrokerClient.connect(name, endpoint=endpoint, page_bytes=64 << 20, credit_pages=rng.choice([0, 2, 8])) as c:
     try:
         c.reserve({"weights": rng.randrange(1, 4) << 30})
     except BudgetExceeded:
         pass  # the others filled the GPU first: a refusal, which is what the broker is for
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    short = False
+    while not done.is_set():
         if c.held_pages and rng.random() < 0.45:
             c.release(rng.randint(1, c.held_pages))
         else:
             n = rng.randint(1, 40)
             asked += n
-            granted += c.acquire(n, min_pages=rng.choice([None, 1]))
+            got = c.acquire(n, min_pages=rng.choice([None, 1]))
+            granted += got
+            if got < n and not short:
+                short = True
+                print("short", flush=True)  # the first acquire that got less than it asked for
 print(json.dumps({"asked": asked, "granted": granted}))
 """
+
+#: How much churn before the workers stop: an amount of work, not a time (about 4 s on a quiet machine).
+CHURN_REQUESTS = 20_000
 
 
 def test_eight_workers_churning_never_overbook(broker_factory):
     b = broker_factory(simulate="40GiB", extra_args=["--headroom", "2GiB"])
     procs = [
-        subprocess.Popen([sys.executable, "-c", CHURN, b.endpoint, f"w{i}", "4", str(i)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", CHURN, b.endpoint, f"w{i}", str(i)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
         for i in range(8)
     ]
+    lines: list[list[str]] = [[] for _ in procs]
+    readers = [threading.Thread(target=lambda p=p, out=out: out.extend(p.stdout), daemon=True)
+               for p, out in zip(procs, lines)]
+    for r in readers:
+        r.start()
     samples = 0
     saw_pressure = False
-    with b.admin() as admin:
-        while any(p.poll() is None for p in procs):
-            s = admin.status()
-            samples += 1
-            charged = s["reserved_bytes"] + s["granted_bytes"] + s["unreported_bytes"]
-            assert charged <= s["budget_bytes"], s
-            assert s["free_bytes"] == s["budget_bytes"] - charged
-            per_instance = sum(i["reserved_bytes"] + i["granted_bytes"] for i in s["instances"])
-            assert per_instance == s["reserved_bytes"] + s["granted_bytes"]
-            saw_pressure |= s["free_bytes"] < 2 * GIB
-    results = [json.loads(p.stdout.read()) for p in procs]
+    deadline = time.monotonic() + 300  # bounds a failure only
+
+    def enough(s: dict) -> bool:
+        counters = s["broker"]["counters"]
+        return (samples > 20 and saw_pressure and counters["requests"] >= CHURN_REQUESTS
+                and any("short\n" in out for out in lines))
+
+    try:
+        with b.admin() as admin:
+            while True:
+                assert all(p.poll() is None for p in procs), "a worker ended before it was told to"
+                s = admin.status()
+                samples += 1
+                charged = s["reserved_bytes"] + s["granted_bytes"] + s["unreported_bytes"]
+                assert charged <= s["budget_bytes"], s
+                assert s["free_bytes"] == s["budget_bytes"] - charged
+                per_instance = sum(i["reserved_bytes"] + i["granted_bytes"] for i in s["instances"])
+                assert per_instance == s["reserved_bytes"] + s["granted_bytes"]
+                saw_pressure |= s["free_bytes"] < 2 * GIB
+                if enough(s):
+                    break
+                assert time.monotonic() < deadline, (samples, saw_pressure, s["broker"]["counters"], lines)
+    finally:
+        for p in procs:
+            p.stdin.close()  # stop churning, close the session, report
+    for p, r in zip(procs, readers):
+        p.wait(timeout=60)
+        r.join(timeout=60)
+    results = [json.loads(out[-1]) for out in lines]
     assert all(p.returncode == 0 for p in procs)
     assert samples > 20
     assert saw_pressure, "the workload never came close to the budget; the test proves nothing"
@@ -111,8 +146,9 @@ def test_tp_reduce_is_called_once_even_when_this_ranks_broker_is_gone(broker_fac
     from kvcached_broker.client.errors import BrokerUnavailable
 
     b = broker_factory()
-    client = BrokerClient.connect("tp", endpoint=b.endpoint, credit_pages=0, timeout_s=0.5, background=False)
+    client = BrokerClient.connect("tp", endpoint=b.endpoint, credit_pages=0, timeout_s=60, background=False)
     b.kill()
+    set_timeout(client, 0.5)  # nothing can answer now: short
     calls = []
     with pytest.raises(BrokerUnavailable):
         client.acquire_tp(4, lambda v: calls.append(v) or 0)

@@ -140,7 +140,7 @@ def test_a_floor_set_after_others_hold_memory_is_kept_free_as_it_is_released(inp
 
 
 PRESSURED = r"""
-import sys, time
+import sys, threading
 from kvcached_broker.client import BrokerClient
 endpoint, pages = sys.argv[1], int(sys.argv[2])
 c = BrokerClient.connect("idle-hoarder", endpoint=endpoint, page_bytes=1 << 30, credit_pages=0)
@@ -154,7 +154,7 @@ def give_back(n):
     return n
 c.on_pressure(give_back)
 print("ready", flush=True)
-time.sleep(60)
+threading.Event().wait()  # until the test kills it, however long the test takes
 """
 
 
