@@ -15,7 +15,7 @@ from kvcached_broker.tools.launch import BrokerLauncher
 from helpers import GIB, MIB
 
 
-def cli(*args: str, env: dict | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvcached_broker.broker.cli", *args],
         capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},

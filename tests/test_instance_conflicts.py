@@ -54,7 +54,7 @@ def _conflicts(status: dict) -> dict[str, list]:
 
 
 def _table(b) -> str:
-    out = subprocess.run([*CLI, "status", "--endpoint", b.endpoint], capture_output=True, text=True, timeout=30)
+    out = subprocess.run([*CLI, "status", "--endpoint", b.endpoint], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -71,7 +71,7 @@ def test_two_servers_under_one_name_are_shown_and_logged_once(broker, workers):
     workers.append(b)
     workers.append(Worker(broker.endpoint, "solo", {}, 0))
     status = json.loads(subprocess.run([*CLI, "status", "--endpoint", broker.endpoint, "--json"],
-                                       capture_output=True, text=True, timeout=30).stdout)
+                                       capture_output=True, text=True, timeout=120).stdout)
     (dup,) = _conflicts(status)["dup"]
     assert dup == {"kind": "rank", "rank": 0, "sessions": sorted([a.session_id, b.session_id]),
                    "pids": sorted([a.proc.pid, b.proc.pid])}

@@ -41,7 +41,7 @@ def children():
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
 
 
 def external_is(b, size_bytes: int):

@@ -24,7 +24,7 @@ SESSION_FIELDS = {
 
 
 def status_cli(b, *args: str) -> str:
-    out = subprocess.run([*CLI, "status", "--endpoint", b.endpoint, *args], capture_output=True, text=True, timeout=30)
+    out = subprocess.run([*CLI, "status", "--endpoint", b.endpoint, *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
