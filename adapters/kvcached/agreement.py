@@ -234,6 +234,12 @@ def _guarded(action: str, call: Callable[[], None]) -> None:
 class AgreedLimits:
     """A :class:`~.limits.LimitChannel` whose limits apply at the runtime's sync points."""
 
+    #: No limit of such a pool changes anywhere else: not even kvcached's kvctl watcher on a pool
+    #: without a broker (:meth:`~.governor.PoolGovernor.resize_target`).  The ranks share one
+    #: segment, so the watcher would apply a governed peer's limit on this rank alone; an
+    #: operator's ``kvctl limit`` reaches the group through its governed ranks' caps.
+    at_sync_points = True
+
     def __init__(self, agreement: Agreement, wait_s: float = WAIT_S):
         self.agreement = agreement
         self.wait_s = wait_s

@@ -3,21 +3,28 @@
 Run in the combined overlay ``kvcached+sglang-0.5.23`` (scripts/test-adapters.sh: SGLang's
 overlay, the common packages, the test stubs and kvcached's Python code on one path); skipped
 elsewhere.  Every SGLang rank is its own process (``sglang_rank.py``) on its own simulated GPU
-with its own real broker; the ranks of a TP group share a gloo process group.
+with its own real broker; the ranks of a TP group share a gloo process group and, as an SGLang
+server's ranks do, one process group (so one kvcached ``/dev/shm`` segment: kvcached names it
+after the process group when ``KVCACHED_IPC_NAME`` is unset).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from helpers import python_env, require_runtime
+
+from kvcached_broker.adapters.kvcached import segment
+from kvcached_broker.broker.device import read_shared_usage
 
 HERE = Path(__file__).resolve().parent
 RANK = HERE / "sglang_rank.py"
@@ -51,8 +58,9 @@ class RankProcess:
 
     proc: subprocess.Popen
     name: str
-    ipc_name: str
     log: Path
+    usage: Path  # its simulated GPU's usage directory
+    ipc_name: str = ""  # the segment kvcached named (from the rank's ready line)
     replies: list = field(default_factory=list)
 
     def request(self, op: str, **args) -> dict:
@@ -82,13 +90,17 @@ class RankProcess:
             except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-        (Path("/dev/shm") / self.ipc_name).unlink(missing_ok=True)
+        if self.ipc_name:
+            for path in (segment.path_of(self.ipc_name), segment.sidecar_path(self.ipc_name)):
+                Path(path).unlink(missing_ok=True)
 
 
 @pytest.fixture
 def ranks(short_tmp):
     """``start(endpoints, ...)``: one rank process per endpoint (a broker, or ``"off"``), each on
-    its own simulated GPU, joined in one gloo group; they are ready when it returns."""
+    its own simulated GPU, joined in one gloo group and in one process group (rank 0 leads it),
+    with kvcached's default IPC name: the ranks share one segment, as an SGLang server's do.
+    They are ready when it returns."""
     started: list[RankProcess] = []
 
     def start(endpoints: list[str], *, total_bytes: int = 1 << 30, instance: str = "model-tp", weights: int = 0,
@@ -97,19 +109,23 @@ def ranks(short_tmp):
         group = []
         for rank, endpoint in enumerate(endpoints):
             usage = short_tmp / f"gpu{rank}-{uuid.uuid4().hex[:6]}"
-            ipc = f"kvb-sg-{uuid.uuid4().hex[:10]}"
             env = python_env()
+            env.pop("KVCACHED_IPC_NAME", None)
             env.update(ENABLE_KVCACHED="1", KVCACHED_AUTOPATCH="1", KVCACHED_BROKER=endpoint, TRITON_INTERPRET="1",
                        KVCACHED_BROKER_INSTANCE=instance, KVCACHED_BROKER_KV_BATCH=batch, KVCACHED_LOG_LEVEL="WARNING")
-            log = short_tmp / f"rank{rank}-{ipc}.log"
-            args = [sys.executable, str(RANK), str(usage), str(total_bytes), ipc, "--rank", str(rank),
+            log = short_tmp / f"rank{rank}-{uuid.uuid4().hex[:6]}.log"
+            args = [sys.executable, str(RANK), str(usage), str(total_bytes), "-", "--rank", str(rank),
                     "--world", str(len(endpoints)), "--init", str(init), "--weights", str(weights)]
+            leader = group[0].proc.pid if group else 0  # one process group, as SGLang's launcher gives
             proc = subprocess.Popen(args + (["--direct"] if direct else []), stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env)
-            group.append(RankProcess(proc, f"{instance}/{rank}", ipc, log))
+                                    stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, env=env,
+                                    process_group=leader)
+            group.append(RankProcess(proc, f"{instance}/{rank}", log, usage))
         started.extend(group)
         for process in group:
-            assert process.receive()["ready"]
+            ready = process.receive()
+            assert ready["ready"]
+            process.ipc_name = ready["ipc_name"]
         return group
 
     yield start
@@ -138,3 +154,80 @@ def gpu_broker(broker_factory):
         return broker_factory(simulate=total, device=device, extra_args=["--headroom", "0"])
 
     return make
+
+
+class Sampler:
+    """Checks, at every sample, every governed rank's bound: what the rank's process has mapped
+    on its simulated GPU (its bytes less its pool's zero page, which kvcached allocates with the
+    KV tensors) is at most what its GPU's broker granted the process's sessions.  Each GPU is
+    read with its allocation lock held (nothing maps or unmaps meanwhile) while the broker's
+    status is taken, as tests/kvcached and tests/kvcached_vllm sample theirs."""
+
+    def __init__(self, ranks: list[tuple[RankProcess, object]], zero_page_bytes: int = POOL_PAGE_BYTES):
+        self.ranks = ranks  # (rank, its GPU's broker)
+        self.zero_page_bytes = zero_page_bytes
+        self.samples = 0
+        self.violations: list[str] = []
+        self.peak_mapped: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._taken = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        admins = {}
+        try:
+            while not self._stop.is_set():
+                for rank, broker in self.ranks:
+                    if rank.name not in admins:
+                        admins[rank.name] = broker.admin(timeout_s=5.0)
+                    self.sample(rank, admins[rank.name])
+                with self._taken:
+                    self.samples += 1
+                    self._taken.notify_all()
+                self._stop.wait(0.005)
+        except Exception as exc:  # noqa: BLE001 - a sampler that cannot sample fails the test
+            self.violations.append(f"sampler failed: {exc!r}")
+        finally:
+            for admin in admins.values():
+                admin.close()
+
+    def sample(self, rank: RankProcess, admin) -> None:
+        rank.usage.mkdir(parents=True, exist_ok=True)
+        fd = os.open(rank.usage / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the GPU's allocation lock: nobody maps or unmaps now
+            used = read_shared_usage(rank.usage).get(rank.proc.pid, 0)
+            status = admin.status()
+        finally:
+            os.close(fd)
+        granted = sum(s["granted_pages"] * s["page_bytes"] for inst in status["instances"]
+                      for s in inst["sessions"] if s["pid"] == rank.proc.pid)
+        mapped = max(0, used - self.zero_page_bytes)
+        self.peak_mapped[rank.name] = max(self.peak_mapped.get(rank.name, 0), mapped)
+        if mapped > granted:
+            self.violations.append(f"{rank.name}: {mapped} bytes of KV pages mapped, {granted} granted")
+
+    def observe(self, rounds: int = 3, timeout_s: float = 60.0) -> None:
+        """Wait until ``rounds`` more full rounds (every rank) were sampled."""
+        with self._taken:
+            target = self.samples + rounds
+            assert self._taken.wait_for(lambda: self.samples >= target or self.violations, timeout=timeout_s), \
+                f"the sampler took no sample in {timeout_s}s"
+
+    def check(self, min_samples: int = 20) -> None:
+        assert not self.violations, self.violations[:5]
+        assert self.samples >= min_samples, f"only {self.samples} samples"
+
+
+@pytest.fixture
+def sampler():
+    """``sampler([(rank, broker), ...])``: a :class:`Sampler` over governed ranks (a context manager)."""
+    return Sampler

@@ -2,6 +2,9 @@
 
     python sglang_rank.py USAGE_DIR TOTAL_BYTES IPC_NAME --rank R --world W --init FILE [--direct]
 
+``IPC_NAME`` ``-``: kvcached's default (``kvcached_SGLang_<process group>``), which the ranks of one
+process group share.
+
 What runs is what an SGLang scheduler process runs with ``ENABLE_KVCACHED=1``: the broker's
 ``.pth`` hook (at interpreter start) and kvcached's autopatch (imported first, as kvcached's own
 ``.pth`` does) patch SGLang 0.5.23's real modules; the pool is kvcached's real
@@ -343,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     from kvcached_broker.tools.kvcached_sim import kvcached_cpu
 
     kvcached_cpu.install(args.usage, args.total, args.ipc)
+    if args.ipc == "-":  # kvcached's default name: per process group, shared by the server's ranks
+        del os.environ["KVCACHED_IPC_NAME"]
     import torch
 
     torch.cuda.memory_reserved = lambda device=None: args.weights
@@ -367,7 +372,9 @@ def main(argv: list[str] | None = None) -> None:
 
         limits.set_factory(None)  # the hazard: limits applied on the governors' thread
     rank = Rank(args)
-    reply({"ready": True, "pid": os.getpid()})
+    from kvcached.utils import DEFAULT_IPC_NAME
+
+    reply({"ready": True, "pid": os.getpid(), "ipc_name": DEFAULT_IPC_NAME})
     for line in sys.stdin:
         request = json.loads(line)
         op = request.pop("op")

@@ -8,8 +8,11 @@ iterations.  Both ranks always get the same requests, as SGLang's broadcast give
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from conftest import POOL_PAGE_BYTES, SESSION_PAGE_BYTES, on_all, session_pages
-from helpers import MIB, wait_for
+from helpers import MIB, python_env, wait_for
 
 from kvcached_broker.client import BrokerClient
 
@@ -31,6 +34,12 @@ def fill(group, pages: int, rounds: int = 400) -> int:
     raise AssertionError(f"could not fill {pages} pages: {done}")
 
 
+def assert_one_shared_segment(group, built) -> None:
+    """The ranks' pools share one kvcached segment (kvcached's default name, per process group)."""
+    names = {b["pools"][0]["ipc_name"] for b in built}
+    assert names == {group[0].ipc_name} == {p.ipc_name for p in group}, names
+
+
 def assert_agreed_at_every_sync(group) -> int:
     logs = [process.request("records")["records"] for process in group]
     assert logs[0] and len(logs[0]) == len(logs[1])
@@ -42,7 +51,7 @@ def assert_agreed_at_every_sync(group) -> int:
     return len(logs[0])
 
 
-def test_tp_pair_sizes_alike_agrees_at_every_sync_and_gives_back_together(gpu_broker, ranks):
+def test_tp_pair_sizes_alike_agrees_at_every_sync_and_gives_back_together(gpu_broker, ranks, sampler):
     b0, b1 = gpu_broker(0), gpu_broker(1)
     with b1.admin() as admin:
         admin.limit("model-tp", max_bytes=900 * MIB)  # rank 1's broker could never give it more
@@ -55,11 +64,20 @@ def test_tp_pair_sizes_alike_agrees_at_every_sync_and_gives_back_together(gpu_br
     assert sized[0]["held_bytes"] == sized[1]["held_bytes"] == 0
     assert [s["ever_bytes"] for s in sized] == [1 << 30, 900 * MIB]
 
+    with sampler([(group[0], b0), (group[1], b1)]) as samples:
+        pressure_moves_both_ranks_together(group, b0, b1, samples)
+    samples.check()
+    assert min(samples.peak_mapped.values()) >= 40 * POOL_PAGE_BYTES  # the samples saw the pools full
+
+
+def pressure_moves_both_ranks_together(group, b0, b1, samples) -> None:
     built = on_all(group, "build")
     assert {b["pool"] for b in built} == {"ElasticMHATokenToKVPool"}
     assert all(b["pools"][0]["governed"] for b in built)
+    assert_one_shared_segment(group, built)
 
     used = fill(group, 40)  # 640 MiB of KV on each rank: grants grow as the limits agree
+    samples.observe()
     before = on_all(group, "status")
     limit = before[0]["limit_pages"]
     assert limit == before[1]["limit_pages"] >= used + 1
@@ -99,26 +117,63 @@ def test_tp_pair_sizes_alike_agrees_at_every_sync_and_gives_back_together(gpu_br
     finally:
         neighbour.close()
     assert assert_agreed_at_every_sync(group) > 100
-    assert not any(s["errors"] for s in on_all(group, "status"))
+    final = on_all(group, "status")
+    assert not any(s["errors"] for s in final)
+    assert [s["pools"][0]["operator_cap_bytes"] for s in final] == [None, None]  # a peer's write is no cap
 
 
-def test_a_rank_without_a_broker_takes_part_and_the_governed_rank_bounds_both(gpu_broker, ranks):
+def test_a_rank_without_a_broker_takes_part_and_the_governed_rank_bounds_both(gpu_broker, ranks, sampler):
     b0 = gpu_broker(0)
     with b0.admin() as admin:
         admin.limit("model-tp", max_bytes=320 * MIB)  # rank 0 can hold at most ~18 pool pages
     group = ranks([b0.endpoint, "off"])
     sized = on_all(group, "profile", free_bytes=1 << 30, pre_model_load_bytes=1 << 30)
     assert sized[0]["kv_bytes"] == sized[1]["kv_bytes"]  # the unprotected rank still joined the min-reduce
-    built = on_all(group, "build")
-    assert [b["pools"][0]["governed"] for b in built] == [True, False]
-    on_all(group, "step", n=5)  # no deadlock: the unprotected rank offers no constraint
-    for _ in range(60):
-        done = on_all(group, "allocate", requests=4, tokens=TOKENS_PER_PAGE)
-        assert done[0]["allocated"] == done[1]["allocated"]
-        on_all(group, "step", n=20)
+    with sampler([(group[0], b0)]) as samples:  # the governed rank's bound
+        built = on_all(group, "build")
+        assert [b["pools"][0]["governed"] for b in built] == [True, False]
+        assert_one_shared_segment(group, built)
+        on_all(group, "step", n=5)  # no deadlock: the unprotected rank offers no constraint
+        for _ in range(60):
+            done = on_all(group, "allocate", requests=4, tokens=TOKENS_PER_PAGE)
+            assert done[0]["allocated"] == done[1]["allocated"]
+            on_all(group, "step", n=20)
+        samples.observe()
+    samples.check()
     status = on_all(group, "status")
     assert status[0]["limit_pages"] == status[1]["limit_pages"]  # the governed rank bounds both
     assert status[1]["limit_pages"] * POOL_PAGE_BYTES <= 320 * MIB
     assert status[0]["inuse_pages"] == status[1]["inuse_pages"]
     assert not status[0]["errors"] and not status[1]["errors"]
+    assert_agreed_at_every_sync(group)
+
+
+def test_a_kvctl_write_on_the_ranks_shared_segment_caps_both_ranks_alike(gpu_broker, ranks, sampler):
+    b0, b1 = gpu_broker(0), gpu_broker(1)
+    group = ranks([b0.endpoint, b1.endpoint])
+    with sampler([(group[0], b0), (group[1], b1)]) as samples:
+        built = on_all(group, "build")
+        assert_one_shared_segment(group, built)
+        fill(group, 16)
+        inuse = on_all(group, "status")[0]["inuse_pages"]
+        grown = on_all(group, "step", limit_at_least=inuse + 2)  # the ranks grew ahead of need, together
+        assert grown[0]["record"] == grown[1]["record"]
+        cap = inuse + 1  # below the ranks' limit, above what they use
+        done = subprocess.run([sys.executable, "-m", "kvcached.cli.kvctl", "limit", group[0].ipc_name,
+                               f"{cap * POOL_PAGE_BYTES}"], capture_output=True, text=True, timeout=60, env=python_env())
+        assert done.returncode == 0, done.stderr
+        after = on_all(group, "step", limit_at_most=cap)  # both ranks lower to it at the same sync
+        assert after[0]["record"] == after[1]["record"]
+        status = on_all(group, "status")
+        assert [s["pools"][0]["operator_cap_bytes"] for s in status] == [cap * POOL_PAGE_BYTES] * 2
+        assert status[0]["limit_pages"] == status[1]["limit_pages"] <= cap
+        for _ in range(10):  # full at the cap: scheduling misses, never growth past it, never an exception
+            done = on_all(group, "allocate", requests=4, tokens=TOKENS_PER_PAGE)
+            assert done[0]["allocated"] == done[1]["allocated"] and not done[0]["errors"] and not done[1]["errors"]
+            on_all(group, "step", n=20)
+        status = on_all(group, "status")
+        assert status[0]["limit_pages"] == status[1]["limit_pages"] <= cap
+        assert status[0]["inuse_pages"] == status[1]["inuse_pages"] <= cap
+        samples.observe()
+    samples.check()
     assert_agreed_at_every_sync(group)
