@@ -1,19 +1,35 @@
-"""kvcached mode's broadcast pieces alone: the board's records and the worker's map gate.
+"""kvcached mode's broadcast pieces alone: the board's records and lifetime, the worker's map gate,
+its grant holder's registration, and EngineCore's board grants.
 
 The gate stands in front of kvcached's listener functions (``map_gate.py``); here the "real"
 functions are recorders, so the counting rules are checked without kvcached: a map beyond the
 bound is refused whole and maps nothing, unmaps and committed unmaps lower the count and are
 never refused, an aborted unmap changes nothing, and nothing is bounded unless an engine governs.
+Boards live in a temporary directory; "another process" is a real child process (liveness is a
+pid with its start time).  kvcached's modules, where registration reads them, are stubs.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from types import ModuleType
 
 import pytest
 
+from kvcached_broker.adapters import patching
 from kvcached_broker.adapters.kvcached import board as board_mod
+from kvcached_broker.adapters.kvcached import map_gate, worker_grants
+from kvcached_broker.adapters.kvcached.board_grants import BoardGrants
+from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
 from kvcached_broker.adapters.kvcached.map_gate import MapGate, MapRefused
+from kvcached_broker.adapters.worker import WorkerIdentity
+
+GEOMETRY = PoolGeometry(num_layers=4, page_size=2 << 20, num_kv_buffers=2, virtual_pages=64, group_id=0, world_size=2)
 
 
 @pytest.fixture
@@ -123,3 +139,209 @@ def test_without_a_governing_engine_or_a_bound_maps_pass_as_kvcached_alone():
     assert gate.map(vmm.map, [0, 1, 2], 0)[0] and gate.mapped_pages() == 3
     gate.engine_governs, gate.bound_pages = (lambda: True), None  # a worker without a broker
     assert gate.map(vmm.map, [3, 4], 0)[0] and gate.mapped_pages() == 5
+
+
+def test_wrapping_the_listener_twice_gates_it_once():
+    module = ModuleType("tp_ipc_util")
+    module._map_to_kv_tensors_with_result = Recorder().map
+    real = module._map_to_kv_tensors_with_result
+    map_gate.install(module)
+    gated = module._map_to_kv_tensors_with_result
+    map_gate.install(module)
+    assert module._map_to_kv_tensors_with_result is gated and getattr(gated, patching.WRAPPED)
+    assert gated.__wrapped__ == real and not hasattr(module, "unmap_from_kv_tensors")  # absent stays absent
+
+
+# ------------------------------------------------------------------ the board's lifetime
+@pytest.fixture
+def other_process():
+    """A live process other than this one: (pid, start ticks); it ends when the test does."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    ticks = None
+    while ticks is None:  # /proc/PID/stat exists once the child is forked
+        ticks = board_mod.start_ticks(child.pid)
+
+    def end() -> None:
+        child.stdin.close()
+        child.wait(timeout=30)
+
+    yield child.pid, ticks, end
+    if child.poll() is None:
+        end()
+
+
+def claim_slot(index: int):
+    pid, ticks = board_mod.own_identity()
+    return lambda b: b.write_slot(index, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED)
+
+
+def test_a_leaving_process_never_removes_a_board_another_live_process_writes_on(tmp_path, other_process):
+    pid, ticks, end = other_process
+    path = str(tmp_path / "kvcached-broker-tp-g0.board")
+    mine = board_mod.Board.join(path, claim_slot(0))
+    reader = board_mod.Board(path)
+    reader.write_slot(1, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED, granted_pages=7)
+
+    assert mine.leave() is False and os.path.exists(path) and mine.closed
+    assert reader.slot(0).pid == 0 and reader.slot(0).state == board_mod.SLOT_EMPTY  # its own record cleared
+    assert reader.slot(1).granted_pages == 7  # the other's untouched
+
+    again = board_mod.Board.join(path, claim_slot(0))  # joins the same board while the other runs
+    assert reader.same_file() and again.slot(1).granted_pages == 7
+    end()
+    assert again.leave() is True and not os.path.exists(path)  # the last one out removes it
+
+
+def test_the_next_join_sweeps_boards_whose_every_writer_died(tmp_path, other_process):
+    pid, ticks, end = other_process
+    dead = board_mod.Board(str(tmp_path / "kvcached-broker-a-g0.board"))
+    dead.write_engine(pid=pid, start_ticks=ticks, state=board_mod.ENGINE_GOVERNING)
+    dead.write_slot(0, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED)
+    live = board_mod.Board(str(tmp_path / "kvcached-broker-b-g0.board"))
+    live.write_slot(0, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED)  # one dies, one runs
+    live.write_slot(1, pid=os.getpid(), start_ticks=board_mod.own_identity()[1], state=board_mod.SLOT_GOVERNED)
+    unwritten = board_mod.Board(str(tmp_path / "kvcached-broker-c-g0.board"))
+    busy = board_mod.Board(str(tmp_path / "kvcached-broker-d-g0.board"))
+    busy.write_slot(0, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED)
+    (tmp_path / "unrelated.board").write_bytes(b"")
+    end()  # SIGKILL-like: nobody left the boards
+
+    with busy.locked():  # someone joins, leaves or sweeps it right now: not touched
+        joined = board_mod.Board.join(str(tmp_path / "kvcached-broker-e-g0.board"), claim_slot(0))
+
+    assert not dead.same_file() and live.same_file() and unwritten.same_file() and busy.same_file()
+    assert (tmp_path / "unrelated.board").exists()
+    assert board_mod.sweep(str(tmp_path)) == [busy.path]  # once nobody holds it
+    joined.leave()
+    for board in (dead, live, unwritten, busy):
+        board.close()
+
+
+def test_a_closed_board_reads_empty_and_drops_writes(tmp_path):
+    board = board_mod.Board(str(tmp_path / "kvcached-broker-f-g0.board"))
+    board.write_slot(0, granted_pages=3)
+    board.close()
+    board.write_slot(0, granted_pages=4)  # a thread still holding it after its process left
+    assert board.slot(0) == board_mod.SlotRecord() and board.snapshot(1) is not None and board.closed
+
+
+def test_a_forked_child_does_not_keep_its_parents_doorbell():
+    code = textwrap.dedent("""
+        import os, sys
+        from kvcached_broker.adapters.kvcached import doorbell
+        assert doorbell.start()
+        name = "@" + doorbell.address(os.getpid())[1:]
+        inode = next(line.split()[6] for line in open("/proc/net/unix") if line.split()[-1] == name)
+        child = os.fork()
+        if child == 0:
+            held = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    held.append(os.readlink(f"/proc/self/fd/{fd}"))
+                except OSError:
+                    pass
+            os._exit(3 if f"socket:[{inode}]" in held else 0)
+        sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+# ------------------------------------------------------------------ the worker's grant holder
+def test_a_worker_bounds_its_maps_from_registration_before_any_grant(tmp_path):
+    board = board_mod.Board(str(tmp_path / "kvcached-broker-g-g0.board"))
+    pid, ticks = board_mod.own_identity()
+    board.write_engine(pid=pid, start_ticks=ticks, state=board_mod.ENGINE_GOVERNING)  # EngineCore governs
+    gate, vmm = MapGate(0), Recorder()
+    worker_grants.WorkerGrants(board, 1, WorkerIdentity("vllm", 0, tp_rank=1, tp_size=2), GEOMETRY, gate)
+    with pytest.raises(MapRefused):
+        gate.map(vmm.map, [0], 0)  # registered, no broker session yet: at its grant, 0
+    assert vmm.mapped == set() and board.slot(1).refused_maps == 1
+    board.close()
+
+
+class KvcachedStubs:
+    """What registration reads of kvcached in a TP worker: its listener, its vLLM integration's
+    state, PAGE_SIZE and the TP socket directory."""
+
+    def __init__(self, monkeypatch, tmp_path):
+        listener = ModuleType("kvcached.tp_ipc_util")
+        listener._listeners = {(1, 0): object()}  # TP rank 1, PP rank 0
+        interfaces = ModuleType("kvcached.integration.vllm.interfaces")
+        interfaces._is_worker, interfaces._world_size, interfaces._kvcached_device = True, 2, "cuda:0"
+        utils = ModuleType("kvcached.utils")
+        utils.PAGE_SIZE = 2 << 20
+        utils.get_tp_socket_dir = lambda: str(tmp_path / "kvcached-tp-stub")
+        for name, module in (("kvcached", ModuleType("kvcached")), ("kvcached.utils", utils),
+                             ("kvcached.tp_ipc_util", listener),
+                             ("kvcached.integration.vllm.interfaces", interfaces)):
+            monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.setattr(board_mod, "SHM_DIR", str(tmp_path))
+        monkeypatch.setattr(worker_grants, "_holders", {})
+        monkeypatch.setattr(map_gate, "_gates", {})
+
+
+def test_registering_again_keeps_the_holder_its_slot_and_the_board(monkeypatch, tmp_path):
+    KvcachedStubs(monkeypatch, tmp_path)
+    first = worker_grants.register(0, 4, 2)
+    try:
+        board = first.board
+        first.gate.bound_pages = 6  # as if granted 6 pages
+        board.write_slot(first.slot, state=board_mod.SLOT_GOVERNED, granted_pages=6)
+        handlers = atexit._ncallbacks()
+
+        again = worker_grants.register(0, 4, 2)  # kvcached creates group 0's tensors a second time
+
+        assert again is first and not first.closed and first.board is board and board.same_file()
+        assert first.gate.bound_pages == 6 and board.slot(1).granted_pages == 6
+        assert board.slot(1).state == board_mod.SLOT_GOVERNED and atexit._ncallbacks() == handlers
+    finally:
+        first.close()
+    assert not os.path.exists(board.path)  # nobody else on it: the last one out removed it
+
+
+def test_a_worker_registers_before_kvcached_creates_its_tensors(monkeypatch):
+    order = []
+    module = ModuleType("interfaces")
+    module.create_kv_tensors = lambda *args, **kwargs: order.append("tensors") or ["kv"]
+    monkeypatch.setattr(worker_grants, "register", lambda *args: order.append("registered"))
+    worker_grants.patch_vllm_interfaces(module)
+    wrapped = module.create_kv_tensors
+    worker_grants.patch_vllm_interfaces(module)
+    assert module.create_kv_tensors is wrapped and getattr(wrapped, patching.WRAPPED)  # wrapped once
+    assert module.create_kv_tensors(1, 2, "cuda:0", 4) == ["kv"] and order == ["registered", "tensors"]
+
+
+# ------------------------------------------------------------------ EngineCore's board grants
+class Allocator:
+    """kvcached's PageAllocator as BoardGrants reads it: its size is the pool's limit."""
+
+    def __init__(self, pages: int):
+        self.pages = pages
+
+    def get_num_total_pages(self) -> int:
+        return self.pages
+
+
+def test_engine_core_gives_back_when_a_counted_worker_holds_less_than_its_limit(tmp_path):
+    board = board_mod.Board(str(tmp_path / "kvcached-broker-h-g0.board"))
+    pid, ticks = board_mod.own_identity()
+    board.write_engine(pid=pid, start_ticks=ticks, state=board_mod.ENGINE_GOVERNING)
+    board.write_slot(0, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED, granted_pages=10)
+    real = Allocator(10)
+    grants = BoardGrants(board, GEOMETRY, 2, real)
+    grants.wanted = 10
+    grants.sized()
+    assert grants.pages == 10 and grants.poll() == 0
+
+    board.write_slot(1, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED)  # a worker registers late
+    assert grants.pages == 0 and grants.poll() == 10  # the limit comes down through the give-back
+    real.pages = 1  # the governor lowered it to its floor (kvcached's null block)
+    assert grants.poll() == 0  # asked once for this level: no deferred limit stacked on another
+
+    board.write_slot(1, state=board_mod.SLOT_GOVERNED, granted_pages=6)  # its broker granted it 6
+    real.pages = 6
+    assert grants.poll() == 0
+    board.write_slot(1, granted_pages=4)  # below the limit again
+    assert grants.poll() == 2 and board.engine().limit_pages == 6
+    board.close()

@@ -14,16 +14,27 @@ sequence moved, so it never acts on a torn record.  :meth:`Board.snapshot` reads
 with every sequence unchanged across the read, so a snapshot is one instant of the whole board.
 
 Units: pool pages (kvcached page ids: one compound page each) unless a name says bytes.
+
+Lifetime.  A process takes part with :meth:`Board.join` and its record, written under the
+file's ``flock`` (so a process leaving or sweeping never races it), and stops with
+:meth:`Board.leave`: it clears its own records and unlinks the file only if no other writer
+still runs (the last one out removes it, never one another live process still maps).  Every
+board this process joined is left at exit.  A board whose every writer died without leaving
+(SIGKILL) is removed by the next :meth:`Board.join` on the host (:func:`sweep`).
 """
 
 from __future__ import annotations
 
+import atexit
+import fcntl
 import mmap
 import os
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass, fields
+from typing import Callable
 
 FIELD = struct.Struct("<q")
 RECORD_FIELDS = 16  # every record is 16 int64 fields (128 bytes), the unused ones zero
@@ -31,6 +42,8 @@ RECORD_BYTES = RECORD_FIELDS * FIELD.size
 MAX_SLOTS = 64
 BOARD_BYTES = RECORD_BYTES * (1 + MAX_SLOTS)
 SHM_DIR = "/dev/shm"
+BOARD_PREFIX = "kvcached-broker-"
+BOARD_SUFFIX = ".board"
 #: A reader gives up on a record that never stays still this many times (a writer that died
 #: between its two sequence bumps); it then returns what it read last, flagged ``torn``.
 READ_ATTEMPTS = 1000
@@ -89,7 +102,8 @@ def board_path(group_id: int, socket_dir: str | None = None) -> str:
         from kvcached.utils import get_tp_socket_dir
 
         socket_dir = get_tp_socket_dir()
-    return os.path.join(SHM_DIR, f"kvcached-broker-{os.path.basename(socket_dir.rstrip('/'))}-g{group_id}.board")
+    name = f"{BOARD_PREFIX}{os.path.basename(socket_dir.rstrip('/'))}-g{group_id}{BOARD_SUFFIX}"
+    return os.path.join(SHM_DIR, name)
 
 
 def start_ticks(pid: int) -> int | None:
@@ -120,19 +134,108 @@ def own_identity() -> tuple[int, int]:
 
 
 class Board:
-    """One board, mapped in this process.  Writes to one record are serialized in the process."""
+    """One board, mapped in this process.  Writes to one record are serialized in the process.
 
-    def __init__(self, path: str):
+    ``Board(path)`` maps the file (made if absent) without taking part: a reader.  A process
+    that writes records joins with :meth:`join` and stops with :meth:`leave`.  Once closed,
+    reads see an empty board and writes are dropped (a thread still holding the board after
+    its process left it never touches unmapped memory).
+    """
+
+    def __init__(self, path: str, *, create: bool = True):
         self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            if os.fstat(fd).st_size < BOARD_BYTES:
-                os.ftruncate(fd, BOARD_BYTES)
-            self._identity = os.fstat(fd)
-            self._mm = mmap.mmap(fd, BOARD_BYTES)
-        finally:
-            os.close(fd)
         self._write_lock = threading.Lock()
+        self._fd, self._identity = _open_locked(path, create)
+        try:
+            if self._identity.st_size < BOARD_BYTES:
+                os.ftruncate(self._fd, BOARD_BYTES)
+            self._mm: mmap.mmap | None = mmap.mmap(self._fd, BOARD_BYTES)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        finally:
+            _unlock(self._fd)
+        self.joined = False
+
+    # ------------------------------------------------------------------ taking part
+    @classmethod
+    def join(cls, path: str, claim: Callable[["Board"], None]) -> "Board":
+        """Take part in the board at ``path``: ``claim(board)`` writes this process's record under
+        the file's lock (no leaver or sweeper can remove the file meanwhile).  Boards left behind
+        by processes that all died are swept first."""
+        sweep(os.path.dirname(path) or ".")
+        board = cls(path)
+        with board.locked():
+            if not board.same_file():  # the last leaver removed it between open and lock: again
+                board.close()
+                return cls.join(path, claim)
+            claim(board)
+            board.joined = True
+        with _joined_lock:
+            _joined.add(board)
+        return board
+
+    def leave(self) -> bool:
+        """Stop taking part: clear this process's records and remove the file if no other writer
+        runs (then nobody maps it but stale readers); close.  True if the file was removed."""
+        if self._mm is None:
+            return False
+        removed = False
+        with self.locked():
+            pid, ticks = own_identity()
+            engine = self.engine()
+            if engine.pid == pid and engine.start_ticks == ticks:
+                self.write_engine(pid=0, start_ticks=0, state=ENGINE_NONE, wanted_pages=0, floor_pages=0,
+                                  limit_pages=0)
+            for index in range(MAX_SLOTS):
+                slot = self.slot(index)
+                if slot.pid == pid and slot.start_ticks == ticks:
+                    self.write_slot(index, **{name: 0 for name in SLOT_FIELDS if name != "seq"})
+            if not self.live_writers() and self.same_file():
+                os.unlink(self.path)
+                removed = True
+        self.joined = False
+        with _joined_lock:
+            _joined.discard(self)
+        self.close()
+        return removed
+
+    def live_writers(self) -> list[int]:
+        """Pids of the processes with a record here that still run (the engine's, then slots')."""
+        engine = self.engine()
+        found = [engine.pid] if alive(engine.pid, engine.start_ticks) else []
+        for index in range(MAX_SLOTS):
+            slot = self.slot(index)
+            if slot.pid and alive(slot.pid, slot.start_ticks):
+                found.append(slot.pid)
+        return found
+
+    def recorded_writers(self) -> int:
+        """How many records name a process at all (dead or alive)."""
+        return int(self.engine().pid > 0) + sum(1 for i in range(MAX_SLOTS) if self.slot(i).pid > 0)
+
+    def same_file(self) -> bool:
+        """True while ``path`` still names the file this process mapped (not removed, not a newer one)."""
+        try:
+            return os.path.samestat(os.stat(self.path), self._identity)
+        except FileNotFoundError:
+            return False
+
+    class _Locked:
+        def __init__(self, board: "Board"):
+            self.board = board
+
+        def __enter__(self) -> None:
+            if self.board._fd >= 0:
+                fcntl.flock(self.board._fd, fcntl.LOCK_EX)
+
+        def __exit__(self, *exc) -> None:
+            if self.board._fd >= 0:
+                _unlock(self.board._fd)
+
+    def locked(self) -> "Board._Locked":
+        """The file's lock (``flock``), held while records are claimed, cleared or swept."""
+        return Board._Locked(self)
 
     # ------------------------------------------------------------------ records
     @staticmethod
@@ -144,11 +247,22 @@ class Board:
         return RECORD_BYTES * (1 + slot)
 
     def _get(self, base: int, index: int) -> int:
-        return FIELD.unpack_from(self._mm, base + index * FIELD.size)[0]
+        mm = self._mm
+        if mm is None:
+            return 0
+        try:
+            return FIELD.unpack_from(mm, base + index * FIELD.size)[0]
+        except ValueError:  # closed by another thread meanwhile
+            return 0
 
     def _put(self, base: int, index: int, value: int) -> None:
-        FIELD.pack_into(self._mm, base + index * FIELD.size, int(value))
-
+        mm = self._mm
+        if mm is None:
+            return
+        try:
+            FIELD.pack_into(mm, base + index * FIELD.size, int(value))
+        except ValueError:
+            pass
     def _write(self, base: int, names: list[str], changes: dict[str, int]) -> None:
         unknown = set(changes) - set(names) - {"seq"}
         if unknown:
@@ -201,15 +315,132 @@ class Board:
 
     # ------------------------------------------------------------------ lifetime
     def unlink(self) -> None:
-        """Remove the board's file if it is still the one this process mapped (not a newer board)."""
+        """Remove the board's file if it is still the one this process mapped (not a newer board),
+        whoever else maps it; :meth:`leave` is what a taking-part process calls."""
         try:
-            if os.path.samestat(os.stat(self.path), self._identity):
+            if self.same_file():
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
 
     def close(self) -> None:
+        """Unmap the board and close its file (records untouched); reads then see an empty board."""
+        mm, self._mm = self._mm, None
+        fd, self._fd = self._fd, -1
+        if mm is not None:
+            try:
+                mm.close()
+            except (BufferError, ValueError):
+                pass
+        if fd >= 0:
+            os.close(fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+
+def _open_locked(path: str, create: bool) -> tuple[int, os.stat_result]:
+    """An fd on ``path`` with its ``flock`` held, and the file's identity; the file is the one
+    ``path`` names once locked (a file removed between open and lock is opened again)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    while True:
+        fd = os.open(path, flags, 0o600)
         try:
-            self._mm.close()
-        except (BufferError, ValueError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            identity = os.fstat(fd)
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                current = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if current is not None and os.path.samestat(current, identity):
+            return fd, identity
+        os.close(fd)
+        if not create:
+            raise FileNotFoundError(path)
+
+
+def _unlock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        pass
+
+
+def sweep(directory: str = SHM_DIR) -> list[str]:
+    """Remove the boards in ``directory`` whose every writer died (SIGKILL: nobody left them);
+    the paths removed.  A board being joined, left or swept by someone else (its lock held) is
+    skipped, and so is one no process ever wrote a record on."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(BOARD_PREFIX) and n.endswith(BOARD_SUFFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # in use right now: not stale
+            try:
+                if not os.path.samestat(os.stat(path), os.fstat(fd)) or os.fstat(fd).st_size < BOARD_BYTES:
+                    continue
+            except FileNotFoundError:
+                continue
+            with mmap.mmap(fd, BOARD_BYTES, prot=mmap.PROT_READ) as mm:
+                pids = _writers(mm)
+            if pids and not any(alive(pid, ticks) for pid, ticks in pids):
+                os.unlink(path)
+                removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _writers(mm: mmap.mmap) -> list[tuple[int, int]]:
+    """``(pid, start_ticks)`` of every record that names a process (engine header, then slots)."""
+    found = []
+    pid_index, ticks_index = ENGINE_FIELDS.index("pid"), ENGINE_FIELDS.index("start_ticks")
+    slot_pid, slot_ticks = SLOT_FIELDS.index("pid"), SLOT_FIELDS.index("start_ticks")
+    for record in range(1 + MAX_SLOTS):
+        base = RECORD_BYTES * record
+        pi, ti = (pid_index, ticks_index) if record == 0 else (slot_pid, slot_ticks)
+        pid = FIELD.unpack_from(mm, base + pi * FIELD.size)[0]
+        if pid > 0:
+            found.append((pid, FIELD.unpack_from(mm, base + ti * FIELD.size)[0]))
+    return found
+
+
+# ------------------------------------------------------------------ this process's boards
+_joined: "weakref.WeakSet[Board]" = weakref.WeakSet()
+_joined_lock = threading.Lock()
+
+
+def _leave_all() -> None:
+    """At exit: leave every board this process still takes part in."""
+    with _joined_lock:
+        boards = list(_joined)
+    for board in boards:
+        try:
+            board.leave()
+        except OSError:
             pass
+
+
+def _forget_in_child() -> None:
+    """A forked child takes part in nothing its parent joined (its records name the parent)."""
+    global _joined_lock
+    _joined_lock = threading.Lock()
+    _joined.clear()
+
+
+atexit.register(_leave_all)
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -14,8 +14,17 @@ holds its own GPU's grant (:mod:`.worker_grants`), bounded where the pages are m
   that got more give the surplus back;
 * :meth:`release` lowers the wanted level (the workers release down to ``max(wanted, mapped)``,
   only what kvcached unmapped); :meth:`poll` returns the pressure the workers posted (the most
-  any one asked: a page id given back frees it on every worker);
-* :meth:`report` / :meth:`forget` do nothing: EngineCore maps nothing, the workers report.
+  any one asked: a page id given back frees it on every worker), or, if more, how far the
+  limit stands above :attr:`pages` (a worker counted with less than the limit: one that
+  registered late, at 0 until its broker grants it more), asked once per drop, so the governor
+  lowers the limit through its give-back path (free pages, the prefix cache, a deferred limit);
+* :meth:`report` only publishes the limit (the governor reports after a round that changed it):
+  EngineCore maps nothing, the workers report; :meth:`forget`
+  (the pool shut down) sets the wanted level to 0 and leaves the board.
+
+EngineCore leaves the board (:meth:`.board.Board.leave`: its record cleared, the file removed
+if no worker still runs) when its pool shuts down, when it finds no worker to count (the pool
+then runs as kvcached alone), and at exit.
 
 A worker is *counted* while its slot is registered or governed and its process runs.  An
 unprotected worker (no broker) constrains nobody; when no worker is left to count, the pool is
@@ -26,7 +35,9 @@ kvcached's null-block wait then polls its own counters without IPC, where a broa
 gates refuse would be retried every 10 ms.
 
 Invariant: ``limit_pages`` published <= ``wanted`` <= every counted worker's grant, except a
-worker that was refused, which bounds :attr:`pages` and so the limit.
+worker that was refused, which bounds :attr:`pages` and so the limit, and a worker counted with
+less than the limit (registered late): until the governor's give-back brought the limit down to
+it (:meth:`poll`), the limit is above that worker's grant, and its gate refuses the maps beyond it.
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ class BoardGrants:
         self._ask_seq = board.engine().ask_seq
         self._pressure_seen: dict[int, int] = {}  # slot -> its pressure total when last polled
         self._published: tuple | None = None
+        self._shortfall_asked: int | None = None  # pages the limit was last asked down to (a worker below it)
         self._sized = False  # kvcached's allocator was sized to the first grant (nothing maps before)
 
     # ------------------------------------------------------------ opening
@@ -75,16 +87,15 @@ class BoardGrants:
         slots = expected_slots(geometry)
         if slots > board_mod.MAX_SLOTS:
             return None, f"{slots} ranks, more than the board's {board_mod.MAX_SLOTS} slots"
-        board = board_mod.Board(board_mod.board_path(geometry.group_id))
         pid, ticks = board_mod.own_identity()
-        board.write_engine(pid=pid, start_ticks=ticks, state=board_mod.ENGINE_NONE, wanted_pages=0, floor_pages=0,
-                           limit_pages=0, expected_slots=slots)
+        board = board_mod.Board.join(board_mod.board_path(geometry.group_id), lambda b: b.write_engine(
+            pid=pid, start_ticks=ticks, state=board_mod.ENGINE_NONE, wanted_pages=0, floor_pages=0, limit_pages=0,
+            expected_slots=slots))
         doorbell.start()
         grants = cls(board, geometry, slots, real)
         registered = grants._wait_for(lambda: grants._registered() >= slots, REGISTER_WAIT_S)
         if not grants._counted() and not grants._unprotected_slots():
-            board.write_engine(state=board_mod.ENGINE_UNGOVERNED)
-            board.unlink()
+            board.leave()
             return None, f"no TP worker registered on the board within {REGISTER_WAIT_S:g}s"
         if not registered:
             log.warning("event=kvcached_board_partial registered=%d expected=%d detail=governing_with_those_registered",
@@ -126,9 +137,11 @@ class BoardGrants:
         self._publish()
 
     def _unprotected(self) -> None:
-        """No worker holds a grant any more (none has a broker): the pool runs as kvcached alone."""
+        """No worker holds a grant any more (none has a broker): the pool runs as kvcached alone
+        (for good: its governor stops), so EngineCore leaves the board."""
         self.board.write_engine(state=board_mod.ENGINE_UNGOVERNED)
         self._ring_workers()
+        self.board.leave()
         return None
 
     def release(self, pages: int) -> bool:
@@ -138,7 +151,10 @@ class BoardGrants:
         return True
 
     def report(self, key: str, pools: dict[str, int], **_: Any) -> bool:
-        return True  # the workers report what they map (their zero pages included)
+        """The workers report what they map (their zero pages included); the governor reports after
+        every round that changed its limit, so the limit is published here, without waiting a round."""
+        self._publish()
+        return True
 
     def forget(self, key: str) -> None:
         """The pool shut down: the workers keep only what is mapped, and the board goes."""
@@ -146,17 +162,36 @@ class BoardGrants:
         self._publish()
         self.board.write_engine(state=board_mod.ENGINE_NONE)
         self._ring_workers()
-        self.board.unlink()
+        self.board.leave()
 
     def poll(self) -> int:
-        """Pool pages the workers' brokers asked back since the last call (the most any one asked)."""
+        """Pool pages to give back now: the most any worker's broker asked back since the last call,
+        or, if more, the limit's height above :attr:`pages` (a counted worker granted less)."""
         self._publish()  # the limit as it stands now (a deferred limit may have finished)
         asked = 0
         for index, slot in self._live_slots():
             seen = self._pressure_seen.setdefault(index, slot.pressure_pages_total)  # new: from now on
             asked = max(asked, slot.pressure_pages_total - seen)
             self._pressure_seen[index] = slot.pressure_pages_total
-        return max(0, asked)
+        return max(0, asked, self._shortfall())
+
+    def _shortfall(self) -> int:
+        """How far the limit stands above what every counted worker holds, once per drop of
+        :attr:`pages` (the governor's give-back then runs to completion or defers; asking again
+        for the same level would only stack deferred limits)."""
+        if not self._sized:
+            return 0
+        pages = self.pages
+        above = int(self.real.get_num_total_pages()) - pages
+        if above <= 0:
+            self._shortfall_asked = None
+            return 0
+        if self._shortfall_asked is not None and pages >= self._shortfall_asked:
+            return 0
+        self._shortfall_asked = pages
+        log.info("event=kvcached_board_shortfall limit_pages=%d worker_pages=%d detail=lowering_the_limit",
+                 pages + above, pages)
+        return above
 
     # ------------------------------------------------------------ the board
     def _publish(self, **extra: int) -> None:

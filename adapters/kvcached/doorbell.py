@@ -2,7 +2,8 @@
 
 Board writes (:mod:`.board`) are plain memory; a doorbell tells the other side to look.  Each
 process that takes part binds one abstract-namespace Unix datagram socket named after its pid
-(no file to clean up, gone with the process).  :func:`ring` sends one byte to a pid's doorbell
+(no file to clean up, gone with the process; close-on-exec, and closed in a forked child, so
+no other process keeps it bound).  :func:`ring` sends one byte to a pid's doorbell
 and never blocks or raises: a peer that is gone, or whose queue is full, simply is not woken
 (every reader also wakes on its own bounded timeout).  A ring wakes the governors' thread
 (:func:`runner.wake`) and anyone in :func:`wait`.
@@ -25,6 +26,7 @@ _lock = threading.Lock()
 _cond = threading.Condition()
 _rings = 0
 _bound_pid = 0
+_server: socket.socket | None = None
 _sender: socket.socket | None = None
 
 
@@ -34,7 +36,7 @@ def address(pid: int) -> str:
 
 def start() -> bool:
     """Bind this process's doorbell and serve it (idempotent; again after a fork); False if it cannot."""
-    global _bound_pid
+    global _bound_pid, _server
     with _lock:
         if _bound_pid == os.getpid():
             return True
@@ -46,6 +48,7 @@ def start() -> bool:
             log.warning("event=kvcached_doorbell_unavailable error=%r detail=peers_poll_instead", str(exc))
             return False
         _bound_pid = os.getpid()
+        _server = sock
     threading.Thread(target=_serve, args=(sock,), name="kvcached-broker-doorbell", daemon=True).start()
     return True
 
@@ -61,6 +64,24 @@ def _serve(sock: socket.socket) -> None:
             _rings += 1
             _cond.notify_all()
         runner.wake()
+
+
+def _close_in_child() -> None:
+    """After a fork: the child's copies of the parent's doorbell and sender are closed (the child
+    neither serves the parent's doorbell nor keeps it bound once the parent is gone); the child
+    binds its own on its first :func:`start`."""
+    global _lock, _cond, _rings, _bound_pid, _server, _sender
+    for sock in (_server, _sender):
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+    _lock, _cond = threading.Lock(), threading.Condition()
+    _rings, _bound_pid, _server, _sender = 0, 0, None, None
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def ring(pid: int) -> None:

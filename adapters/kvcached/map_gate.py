@@ -32,6 +32,7 @@ import threading
 from types import ModuleType
 from typing import Any, Callable
 
+from ..patching import wrap_once
 from . import board as board_mod
 from . import runner
 
@@ -137,11 +138,6 @@ def existing(group_id: int) -> MapGate | None:
 
 
 # ------------------------------------------------------------------ the patch
-_NAMES = ("_map_to_kv_tensors_with_result", "unmap_from_kv_tensors", "prepare_unmap_from_kv_tensors",
-          "commit_unmap_from_kv_tensors", "abort_unmap_from_kv_tensors")
-REAL_ATTR = "__kvcached_broker_real__"
-
-
 def _gated_map(real):
     def _map_to_kv_tensors_with_result(offsets: list[int], group_id: int) -> tuple[bool, list[int]]:
         found = existing(group_id)
@@ -171,7 +167,6 @@ def _gated_transaction(real, method: str):
         if found is None:
             return real(transaction_id, group_id=group_id)
         return getattr(found, method)(real, transaction_id, group_id)
-    transaction.__name__ = f"{method}_unmap_from_kv_tensors"
     return transaction
 
 
@@ -185,14 +180,11 @@ _WRAPPERS: dict[str, Callable[[Any], Any]] = {
 
 
 def install(module: ModuleType) -> None:
-    """Gate ``kvcached.tp_ipc_util``'s listener functions (idempotent; absent ones stay absent)."""
-    for name in _NAMES:
+    """Gate ``kvcached.tp_ipc_util``'s listener functions (once: ``wrap_once``; absent ones stay absent)."""
+    for name, wrap in _WRAPPERS.items():
         real = getattr(module, name, None)
-        if real is None or getattr(real, REAL_ATTR, None) is not None:
-            continue
-        wrapped = _WRAPPERS[name](real)
-        setattr(wrapped, REAL_ATTR, real)
-        setattr(module, name, wrapped)
+        if real is not None:
+            setattr(module, name, wrap_once(real, wrap(real)))
 
 
 def engine_governs(board: "board_mod.Board") -> Callable[[], bool]:

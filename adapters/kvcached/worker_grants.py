@@ -19,21 +19,30 @@ Each step:
 * **publish** what it holds, maps and answered, and ring EngineCore's doorbell.
 
 Invariant, with the gate: ``mapped <= gate bound <= pages the session holds for this pool``.
-A broker that is unreachable, refuses the session or fails while serving makes the worker
-unprotected: its gate lets maps through (kvcached alone) and its slot says so, so EngineCore
-stops counting it.  Nothing here raises into kvcached's listener or the runtime.
+The gate is bounded from the moment the worker registers (at 0, before kvcached's tensors
+exist): a worker that registers after EngineCore started governing maps nothing until its
+broker granted it.  A broker that is unreachable, refuses the session or fails while serving
+makes the worker unprotected: its gate lets maps through (kvcached alone) and its slot says
+so, so EngineCore stops counting it.  Nothing here raises into kvcached's listener or the
+runtime.
+
+Registering again (kvcached creating a group's tensors a second time) keeps the holder: its
+slot, its grant, its gate's bound and the board EngineCore maps.  A holder leaves the board
+when it closes (at exit): its slot cleared, the file removed only if no other writer runs.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 from typing import Any
 
 from ...client import BudgetExceeded, SessionEvicted
 from .. import worker
+from ..patching import wrap_once
 from ..worker import WorkerIdentity
 from . import board as board_mod
 from . import doorbell, identity, map_gate, pressure, runner
@@ -76,8 +85,10 @@ class WorkerGrants:
         self._published: tuple | None = None
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
                          "pressure_asks": 0, "pressure_posted": 0}
-        gate.engine_governs = map_gate.engine_governs(board)
-        gate.on_change = self._gate_changed
+        with gate.lock:  # bounded from registration: nothing is mapped here beyond a grant
+            gate.bound_pages = 0
+            gate.engine_governs = map_gate.engine_governs(board)
+            gate.on_change = self._gate_changed
 
     # ------------------------------------------------------------ any thread
     def ask_back(self, pages: int) -> None:
@@ -218,7 +229,8 @@ class WorkerGrants:
         log.warning("event=kvcached_pool_ungoverned pool=%s reason=%r detail=runs_as_kvcached_alone", self.key, why)
 
     def close(self) -> None:
-        """Give the grant back (the process is going away; what is mapped goes with it)."""
+        """Give the grant back and leave the board (the process is going away; what is mapped
+        goes with it)."""
         if self.closed:
             return
         self.closed = True
@@ -226,7 +238,7 @@ class WorkerGrants:
             with self.gate.lock:
                 self.gate.bound_pages = None
             self.grants.release(self.grants.pages)
-        self.board.unlink()
+        self.board.leave()
 
     def status(self) -> dict[str, Any] | None:
         """None until a governing engine appeared (a worker whose pool maps in-process, as with
@@ -247,11 +259,15 @@ class WorkerGrants:
 # ------------------------------------------------------------------ registration
 _holders: dict[int, WorkerGrants] = {}
 _lock = threading.Lock()
+_atexit_registered = False
 
 
 def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrants | None:
-    """A worker created a group's KV tensors: put it on the board (holding nothing until a
-    governing engine appears) and gate its listener's maps.  None outside a TP worker."""
+    """A worker creates a group's KV tensors: put it on the board (holding nothing until a
+    governing engine appears) and gate its listener's maps, bounded at 0 until granted.  A
+    group registered already keeps its holder (slot, grant, bound, board).  None outside a
+    TP worker."""
+    global _atexit_registered
     listener = _listener()
     interfaces = sys.modules.get("kvcached.integration.vllm.interfaces")
     if listener is None or interfaces is None or not getattr(interfaces, "_is_worker", False):
@@ -269,22 +285,57 @@ def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrant
     who = _identity(geometry, rank, tp_size, getattr(interfaces, "_kvcached_device", None))
     if who is None:
         return None
+    path = board_mod.board_path(group_id)
     with _lock:
-        previous = _holders.pop(group_id, None)
-        if previous is not None:
+        previous = _holders.get(group_id)
+        if previous is not None and not previous.closed and previous.board.path == path and previous.slot == slot:
+            if previous.geometry != geometry:
+                log.warning("event=kvcached_worker_reregistered group=%d slot=%d detail=geometry_changed_"
+                            "holder_kept_in_its_first_geometry", group_id, slot)
+            log.info("event=kvcached_worker_reregistered group=%d slot=%d board=%s detail=holder_kept",
+                     group_id, slot, path)
+            return previous
+        if previous is not None:  # another board or slot: the old one is left (removed only if unused)
+            del _holders[group_id]
             previous.close()
-        board = board_mod.Board(board_mod.board_path(group_id))
         pid, ticks = board_mod.own_identity()
-        board.write_slot(slot, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED, granted_pages=0,
-                         mapped_pages=0, answered_seq=0, pressure_pages_total=0, refused_maps=0,
-                         page_bytes=geometry.page_bytes)
-        holder = _holders[group_id] = WorkerGrants(board, slot, who, geometry, map_gate.gate(group_id))
+        gate = map_gate.gate(group_id)
+        with gate.lock:  # bounded before the slot is counted: no map lands unbounded meanwhile
+            gate.bound_pages = 0
+            board = board_mod.Board.join(path, lambda b: b.write_slot(
+                slot, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED, granted_pages=0,
+                mapped_pages=gate.mapped_pages(), answered_seq=0, pressure_pages_total=0, refused_maps=0,
+                page_bytes=geometry.page_bytes))
+            holder = _holders[group_id] = WorkerGrants(board, slot, who, geometry, gate)
+        if not _atexit_registered:
+            atexit.register(_close_all)
+            _atexit_registered = True
     doorbell.start()
     doorbell.ring(board.engine().pid)
     runner.enlist(holder)
-    atexit.register(holder.close)
     log.info("event=kvcached_worker_registered group=%d slot=%d board=%s", group_id, slot, board.path)
     return holder
+
+
+def _close_all() -> None:
+    """At exit: every holder gives its grant back and leaves its board."""
+    with _lock:
+        holders = list(_holders.values())
+    for found in holders:
+        try:
+            found.close()
+        except Exception as exc:  # noqa: BLE001 - exiting: what is left goes with the process
+            log.warning("event=kvcached_worker_close_failed pool=%s error=%r", found.key, str(exc))
+
+
+def _forget_in_child() -> None:
+    """A forked child holds nothing its parent registered (the grants and slots are the parent's)."""
+    global _lock
+    _lock = threading.Lock()
+    _holders.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def holder(group_id: int) -> WorkerGrants | None:
@@ -308,23 +359,20 @@ def _identity(geometry: PoolGeometry, rank: int, tp_size: int, device: Any) -> W
 
 
 def wrap_create_kv_tensors(real):
-    """``kvcached.integration.vllm.interfaces.create_kv_tensors``: after the tensors exist, register."""
+    """``kvcached.integration.vllm.interfaces.create_kv_tensors``: register (the gate bounded at 0)
+    before the tensors exist, so EngineCore cannot map here before the gate counts and bounds it."""
     def create_kv_tensors(size, dtype_size, dev_str, num_layers, num_kv_buffers=2, group_id=0, **kwargs):
-        tensors = real(size, dtype_size, dev_str, num_layers, num_kv_buffers=num_kv_buffers, group_id=group_id,
-                       **kwargs)
         try:
             register(group_id, num_layers, num_kv_buffers)
         except Exception as exc:  # noqa: BLE001 - a worker that cannot register runs as kvcached alone
             log.warning("event=kvcached_worker_unregistered group=%d error=%r detail=runs_as_kvcached_alone",
                         group_id, str(exc))
-        return tensors
+        return real(size, dtype_size, dev_str, num_layers, num_kv_buffers=num_kv_buffers, group_id=group_id,
+                    **kwargs)
 
-    create_kv_tensors.__kvcached_broker_real__ = real  # type: ignore[attr-defined]
-    return create_kv_tensors
+    return wrap_once(real, create_kv_tensors)
 
 
 def patch_vllm_interfaces(module) -> None:
-    """Register a TP worker on the board once kvcached created its KV tensors (vLLM integration)."""
-    real = module.create_kv_tensors
-    if getattr(real, "__kvcached_broker_real__", None) is None:
-        module.create_kv_tensors = wrap_create_kv_tensors(real)
+    """Register a TP worker on the board when kvcached creates its KV tensors (vLLM integration)."""
+    module.create_kv_tensors = wrap_create_kv_tensors(module.create_kv_tensors)

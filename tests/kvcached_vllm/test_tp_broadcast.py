@@ -117,3 +117,69 @@ def test_a_worker_without_a_broker_runs_unprotected_and_caps_nobody(gpus, proces
     sampler.check()
     worker1.stop()
     assert processes.stderr("worker1").count("event=unprotected") == 1
+
+
+def test_a_worker_that_creates_its_kv_tensors_again_keeps_its_slot_its_grant_and_the_board(gpus, processes):
+    gpu0, gpu1 = gpus(2)
+    board = processes.board()
+    with Sampler([gpu0, gpu1], board, slots=2) as sampler:
+        engine, workers = start_tp([gpu0, gpu1], processes)
+        assert engine.request("fill", blocks=20 * BLOCKS_PER_PAGE)["got"] == 20 * BLOCKS_PER_PAGE
+        sampler.observe()
+        before = workers[1].request("status")
+
+        again = workers[1].request("recreate")  # kvcached creates group 0's tensors a second time
+
+        after = workers[1].request("status")
+        assert again["holder_id"] == before["holder_id"]  # the same holder: its slot, grant and bound
+        assert after["board"] == before["board"] and board.same_file()  # the board EngineCore maps, not a new one
+        assert after["holder"]["governed"] and after["holder"]["granted_bytes"] == before["holder"]["granted_bytes"]
+        assert after["gate"]["bound_pages"] == before["gate"]["bound_pages"] >= after["gate"]["mapped_pages"]
+        # the pool keeps growing within every worker's grant
+        assert engine.request("fill", blocks=10 * BLOCKS_PER_PAGE)["got"] == 10 * BLOCKS_PER_PAGE
+        sampler.observe()
+        grown = workers[1].request("status")
+        assert grown["holder"]["granted_bytes"] >= grown["holder"]["mapped_bytes"] >= 31 * POOL_PAGE_BYTES
+        assert engine.request("status")["limit_pages"] * POOL_PAGE_BYTES <= grown["holder"]["granted_bytes"]
+    sampler.check()
+    assert workers[1].request("status")["pools"][0]["key"] == before["holder"]["key"]  # one holder stepped
+    assert len(workers[1].request("status")["pools"]) == 1
+
+
+def test_a_worker_that_registers_after_engine_core_governs_maps_nothing_until_granted_and_lowers_its_limit(
+        gpus, processes):
+    gpu0, gpu1 = gpus(2)
+    with gpu1.broker.admin() as admin:  # worker 1's GPU gives this instance its zero page and 4 pages
+        admin.limit("vllm-tp", max_bytes=5 * POOL_PAGE_BYTES)
+    worker0 = processes.worker(gpu0, 0, 2)
+    worker1 = processes.worker(gpu1, 1, 2, KVB_TEST_DEFER_TENSORS="1", KVB_TEST_HOLD_ACTIVATE="1")
+    assert not worker1.ready["registered"]
+    board = processes.board()
+    # EngineCore stops waiting for worker 1 and governs with worker 0 alone (its limit: worker 0's grant)
+    engine = processes.engine(2, wait=False, KVB_TEST_REGISTER_WAIT_S="0.2")
+    wait_for(lambda: (lambda s: s and s[0].state == board_mod.ENGINE_GOVERNING and s[0].limit_pages >= 5)(
+        board.snapshot(2)), what="EngineCore to govern with worker 0")
+
+    assert worker1.request("create")["registered"]  # registers late; its broker session is not open yet
+    # EngineCore maps its null block and reserve on every worker once every worker has tensors: worker 1's
+    # gate refuses them whole (bounded at 0 from registration), nothing is mapped there
+    late = wait_for(lambda: (lambda s: s if s["gate"]["refused_maps"] >= 1 or s["vmm_mapped_bytes"] else None)(
+        worker1.request("status")), what="EngineCore to map on worker 1")
+    assert late["vmm_mapped_bytes"] == 0 and late["gate"]["bound_pages"] == 0 and late["gate"]["mapped_pages"] == 0
+
+    worker1.request("activate")  # its broker grants it 4 pages, less than EngineCore's limit
+    assert engine.wait_ready()["post_init"]
+    # EngineCore lowers its limit to what worker 1 was granted, through its give-back (the board shows it)
+    lowered = wait_for(lambda: (lambda s: s if s and s[1][1].state == board_mod.SLOT_GOVERNED
+                                and s[0].limit_pages <= s[1][1].granted_pages else None)(board.snapshot(2)),
+                       what="EngineCore's limit to come down to worker 1's grant")
+    assert 0 < lowered[1][1].granted_pages <= 4 and lowered[1][0].granted_pages >= 5
+    assert engine.request("status")["pools"][0]["pressure_asks"] >= 1  # the give-back path ran
+    with Sampler([gpu0, gpu1], board, slots=2) as sampler:
+        sampler.observe()
+        filled = engine.request("fill", blocks=8 * BLOCKS_PER_PAGE, misses=5)
+        assert 0 < filled["got"] < 8 * BLOCKS_PER_PAGE  # served within worker 1's grant, then misses
+        sampler.observe()
+    sampler.check()
+    assert worker0.request("status")["holder"]["governed"]
+    assert "Traceback" not in processes.stderr("engine")

@@ -29,6 +29,9 @@ and gets one JSON line back:
   the governor asks it), then a prefill runs: its ``schedule()`` runs the queued eviction;
 * ``{"op": "status"}``: the pool governor's status, the board, the eviction hook, the pool;
 * ``{"op": "exit"}``.
+
+``KVB_TEST_REGISTER_WAIT_S`` shortens how long EngineCore waits for its workers to register
+before it governs with those that did (a worker then registers late).
 """
 
 from __future__ import annotations
@@ -156,6 +159,10 @@ def main(argv: list[str]) -> None:
     from kvcached_broker.tools.kvcached_sim import kvcached_cpu
 
     kvcached_cpu.install(usage_dir, total_bytes, os.environ["KVCACHED_IPC_NAME"])
+    if os.environ.get("KVB_TEST_REGISTER_WAIT_S"):  # how long EngineCore waits for its workers to register
+        from kvcached_broker.adapters.kvcached import board_grants
+
+        board_grants.REGISTER_WAIT_S = float(os.environ["KVB_TEST_REGISTER_WAIT_S"])
     import kvcached.autopatch  # noqa: F401  (what kvcached's own .pth does)
     import vllm  # noqa: F401  (kvcached's hook patches vLLM here)
     from vllm.sampling_params import SamplingParams

@@ -81,10 +81,16 @@ class Gpu:
 class Process:
     """A driver process answering one JSON line per request line."""
 
-    def __init__(self, proc: subprocess.Popen, name: str):
+    def __init__(self, proc: subprocess.Popen, name: str, wait: bool = True):
         self.proc = proc
         self.name = name
-        self.ready = self.receive()
+        self.ready = self.receive() if wait else None
+
+    def wait_ready(self) -> dict:
+        """The ready line of a process started with ``wait=False``."""
+        if self.ready is None:
+            self.ready = self.receive()
+        return self.ready
 
     def request(self, op: str, **args) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
@@ -141,11 +147,11 @@ class Processes:
         env.update(extra)
         return env
 
-    def _start(self, name: str, args: list[str], env: dict[str, str]) -> Process:
+    def _start(self, name: str, args: list[str], env: dict[str, str], wait: bool = True) -> Process:
         err = open(self.root / f"{name}.err", "w")
         proc = subprocess.Popen([sys.executable, str(HERE / args[0]), *args[1:]], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        process = Process(proc, name)
+        process = Process(proc, name, wait)
         self.started.append(process)
         return process
 
@@ -158,24 +164,31 @@ class Processes:
         return self._start(f"worker{rank}", ["tp_worker.py", str(usage), str(total_bytes), str(rank),
                                              str(world_size)], env)
 
-    def engine(self, world_size: int, gpu: Gpu | None = None, **env: str) -> Process:
+    def engine(self, world_size: int, gpu: Gpu | None = None, wait: bool = True, **env: str) -> Process:
         """EngineCore; with TP workers elsewhere it maps nothing (its "device" only answers
-        cudaMemGetInfo); with ``world_size`` 1 its worker is in-process, on ``gpu``."""
+        cudaMemGetInfo); with ``world_size`` 1 its worker is in-process, on ``gpu``.  With ``wait``
+        False it returns at once (``wait_ready()`` later: it is ready once its pool's null block is
+        mapped on every worker)."""
         if gpu is None:
             usage, total, endpoint = self.root / "engine-usage", 64 * GIB, None
         else:
             usage, total, endpoint = gpu.usage, GIB, gpu.endpoint
         return self._start("engine", ["tp_engine.py", str(usage), str(total), str(world_size)],
-                           self.env(endpoint, **env))
+                           self.env(endpoint, **env), wait)
 
     def stderr(self, name: str) -> str:
         path = self.root / f"{name}.err"
         return path.read_text() if path.exists() else ""
 
-    def board(self) -> board_mod.Board:
+    def board_path(self, group_id: int = 0) -> str:
         from kvcached.utils import get_tp_socket_dir
 
-        return board_mod.Board(board_mod.board_path(0, get_tp_socket_dir(self.ipc_name)))
+        return board_mod.board_path(group_id, get_tp_socket_dir(self.ipc_name))
+
+    def board(self) -> board_mod.Board:
+        """The board, mapped here as a reader (made if absent; this process writes no record, so
+        the engine's and workers' leaving removes it as usual)."""
+        return board_mod.Board(self.board_path())
 
     def stop_all(self) -> None:
         for stop in reversed(self._stops):

@@ -12,10 +12,15 @@ broker is ``KVCACHED_BROKER``; the instance ``KVCACHED_BROKER_INSTANCE`` (set by
 
 Requests are JSON lines, one JSON line back each:
 
-* ``{"op": "status"}``: this worker's bytes on its GPU, what the vmm double has mapped, and its
-  grant holder's status;
+* ``{"op": "status"}``: this worker's bytes on its GPU, what the vmm double has mapped, its
+  grant holder's status (the group's holder now), its gate and its board file;
 * ``{"op": "pin_bound", "pages": N}``: set the gate's bound to N pages (a worker whose grant is
   below what EngineCore may map: a race the design excludes, forced to check the rollback);
+* ``{"op": "recreate"}``: kvcached creates the group's KV tensors again (the same call);
+* ``{"op": "create"}``: with ``KVB_TEST_DEFER_TENSORS=1`` the KV tensors are created only now (a
+  worker that registers late, after EngineCore started governing);
+* ``{"op": "activate"}``: with ``KVB_TEST_HOLD_ACTIVATE=1`` the grant holder's first step with a
+  governing engine (opening its broker session) waits until now;
 * ``{"op": "exit"}``.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 4, 8, 128, 16
@@ -55,24 +61,63 @@ def main(argv: list[str]) -> None:
     from kvcached_broker.adapters import kvcached as kvmode
     from kvcached_broker.adapters.kvcached import map_gate, runner, worker_grants
 
+    activation = threading.Event()
+    if os.environ.get("KVB_TEST_HOLD_ACTIVATE") == "1":
+        activate = worker_grants.WorkerGrants._activate
+
+        def held_activate(self):
+            activation.wait()
+            return activate(self)
+
+        worker_grants.WorkerGrants._activate = held_activate
+    created: list = []  # the create_kv_tensors calls (args, kwargs), to replay one
+    create_kv_tensors = interfaces.create_kv_tensors  # the broker's wrapper around kvcached's
+
+    def recording_create(*args, **kwargs):
+        created.append((args, kwargs))
+        return create_kv_tensors(*args, **kwargs)
+
+    interfaces.create_kv_tensors = recording_create
     interfaces.init_kvcached(tp_rank=rank, world_size=world_size, pp_rank=0, is_worker=True, device="cuda:0")
     virtual_blocks = 4096
-    interfaces.alloc_kv_cache((2, virtual_blocks, BLOCK_TOKENS, HEADS, HEAD_DIM), BLOCK_TOKENS, torch.float16,
-                              "cuda:0", LAYERS)
-    holder = worker_grants.holder(0)
-    reply({"ready": True, "pid": os.getpid(), "registered": holder is not None})
+
+    def create() -> None:
+        interfaces.alloc_kv_cache((2, virtual_blocks, BLOCK_TOKENS, HEADS, HEAD_DIM), BLOCK_TOKENS, torch.float16,
+                                  "cuda:0", LAYERS)
+
+    if os.environ.get("KVB_TEST_DEFER_TENSORS") != "1":
+        create()
+    reply({"ready": True, "pid": os.getpid(), "registered": worker_grants.holder(0) is not None})
     for line in sys.stdin:
         request = json.loads(line)
         op = request["op"]
+        holder = worker_grants.holder(0)
         if op == "status":
+            gate = map_gate.existing(0)
+            board = holder.board if holder is not None else None
             reply({"pid": os.getpid(), "device_bytes": gpu.mine_bytes(), "vmm_mapped_bytes": vmm_ops.mapped_bytes(0),
-                   "holder": holder.status() if holder is not None else None, "pools": kvmode.status()})
+                   "holder": holder.status() if holder is not None else None, "holder_id": id(holder),
+                   "gate": None if gate is None else {"bound_pages": gate.bound_pages,
+                                                      "mapped_pages": gate.mapped_pages(),
+                                                      "refused_maps": gate.refused_maps},
+                   "board": None if board is None else {"path": board.path, "inode": board._identity.st_ino},
+                   "pools": kvmode.status()})
         elif op == "pin_bound":
             gate = map_gate.gate(0)
             with gate.lock:
                 gate.bound_pages = int(request["pages"])
             holder.governed = False  # stop following the engine, so the pinned bound stays
             reply({"bound_pages": gate.bound_pages})
+        elif op == "recreate":
+            args, kwargs = created[-1]
+            interfaces.create_kv_tensors(*args, **kwargs)
+            reply({"holder_id": id(worker_grants.holder(0))})
+        elif op == "create":
+            create()
+            reply({"registered": worker_grants.holder(0) is not None})
+        elif op == "activate":
+            activation.set()
+            reply({"activated": True})
         elif op == "settle":
             reply({"settled": runner.settle()})
         elif op == "exit":
