@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
-from ..patching import PatchError, wrap_once
+from ..patching import PatchError, class_with, wrap_methods, wrap_once
 from ..tensors import storage_bytes
 from ..worker import WorkerIdentity
 from . import kv_budget, kv_config, kvcached_mode, parallel
@@ -119,39 +119,40 @@ def wrap_allocate_uniform(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def apply_uniform_kv_caches(module: Any) -> None:
     """``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (a staticmethod, 0.19)."""
-    mixin = getattr(module, "KVConnectorModelRunnerMixin", None)
-    found = vars(mixin).get("allocate_uniform_kv_caches") if mixin is not None else None
+    mixin = class_with(module, "KVConnectorModelRunnerMixin", ["allocate_uniform_kv_caches"])
+    found = vars(mixin)["allocate_uniform_kv_caches"]
     if not isinstance(found, staticmethod):
-        raise PatchError(f"{module.__name__} has no KVConnectorModelRunnerMixin.allocate_uniform_kv_caches")
+        raise PatchError(f"{module.__name__}.KVConnectorModelRunnerMixin.allocate_uniform_kv_caches is not a staticmethod")
     mixin.allocate_uniform_kv_caches = staticmethod(wrap_allocate_uniform(found.__func__))
 
 
-def _wrap_attribute(owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
-    if name not in vars(owner):
-        return False
-    setattr(owner, name, wrap(getattr(owner, name)))
-    return True
+def _wrap_functions(module: Any, names: tuple[str, ...]) -> list[str]:
+    """Wrap each of ``names`` the module binds (defines or imports) with :func:`wrap_allocate_function`,
+    once; the names wrapped."""
+    found = [name for name in names if callable(vars(module).get(name))]
+    for name in found:
+        setattr(module, name, wrap_allocate_function(vars(module)[name]))
+    return found
 
 
 def apply_allocate_kv_cache(module: Any) -> None:
     """Patch a module that defines or imports ``allocate_kv_cache`` (vLLM 0.33)."""
-    if not _wrap_attribute(module, "allocate_kv_cache", wrap_allocate_function):
+    if not _wrap_functions(module, ("allocate_kv_cache",)):
         raise PatchError(f"{module.__name__} has no allocate_kv_cache")
 
 
 def apply_gpu_model_runner(module: Any) -> None:
     """``allocate_kv_cache`` bound in the module (0.33), or the runner's method (0.19)."""
-    patched = _wrap_attribute(module, "allocate_kv_cache", wrap_allocate_function)
-    runner = getattr(module, "GPUModelRunner", None)
-    if runner is not None:
-        patched = _wrap_attribute(runner, "_allocate_kv_cache_tensors", wrap_allocate_method) or patched
-    if not patched:
-        raise PatchError(f"{module.__name__} has neither allocate_kv_cache nor GPUModelRunner._allocate_kv_cache_tensors")
+    wrapped = _wrap_functions(module, ("allocate_kv_cache",))
+    try:
+        wrap_methods(module, "GPUModelRunner", {"_allocate_kv_cache_tensors": wrap_allocate_method})
+    except PatchError as exc:  # the runner has no such method of its own (0.33): the function is enough
+        if not wrapped:
+            raise PatchError(f"{module.__name__} has neither allocate_kv_cache nor "
+                             f"GPUModelRunner._allocate_kv_cache_tensors ({exc})") from exc
 
 
 def apply_attn_utils(module: Any) -> None:
     """``allocate_kv_cache`` bound in the module (0.33), or its own ``_allocate_kv_cache`` (0.19)."""
-    patched = _wrap_attribute(module, "allocate_kv_cache", wrap_allocate_function)
-    patched = _wrap_attribute(module, "_allocate_kv_cache", wrap_allocate_function) or patched
-    if not patched:
+    if not _wrap_functions(module, ("allocate_kv_cache", "_allocate_kv_cache")):
         raise PatchError(f"{module.__name__} has neither allocate_kv_cache nor _allocate_kv_cache")

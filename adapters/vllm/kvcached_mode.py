@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from ..patching import PatchError, wrap_once
+from ..patching import wrap_methods, wrap_once
 
 _local = threading.local()
 
@@ -54,13 +54,9 @@ def outermost(call: Callable[[], Any], passthrough: Callable[[], Any]) -> Any:
         _local.depth = 0
 
 
-def apply_kvcached_patches(module: Any) -> None:
-    """``kvcached.integration.vllm.patches``: put the broker's sizing cap outside kvcached's."""
-    patch_class = getattr(module, "GPUWorkerPatch", None)
-    original = getattr(patch_class, "patch_worker_determine_available_memory", None)
-    if original is None:
-        raise PatchError(f"{module.__name__} has no GPUWorkerPatch.patch_worker_determine_available_memory")
-
+def wrap_patch_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPUWorkerPatch.patch_worker_determine_available_memory``: once kvcached replaced the method,
+    put the broker's cap around what it put in place."""
     def patch_worker_determine_available_memory(self: Any, gpuworker_mod: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, gpuworker_mod, *args, **kwargs)
         from . import kv_sizing
@@ -68,4 +64,10 @@ def apply_kvcached_patches(module: Any) -> None:
         kv_sizing.apply_gpu_worker(gpuworker_mod)  # wraps whatever kvcached put in place
         return result
 
-    patch_class.patch_worker_determine_available_memory = wrap_once(original, patch_worker_determine_available_memory)
+    return wrap_once(original, patch_worker_determine_available_memory)
+
+
+def apply_kvcached_patches(module: Any) -> None:
+    """``kvcached.integration.vllm.patches``: put the broker's sizing cap outside kvcached's."""
+    wrap_methods(module, "GPUWorkerPatch",
+                 {"patch_worker_determine_available_memory": wrap_patch_determine_available_memory})

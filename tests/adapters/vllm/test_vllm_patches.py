@@ -102,3 +102,46 @@ def test_enable_kvcached_patches_every_binding_at_import(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True] * 5
+
+
+def test_the_kvcached_sizing_patch_wraps_only_kvcacheds_own_method_once():
+    """``GPUWorkerPatch.patch_worker_determine_available_memory`` must be the class's own (a patch
+    of an inherited one would change its base class); wrapped twice, it is wrapped once."""
+    from kvcached_broker.adapters.vllm import kvcached_mode
+
+    class Base:
+        def patch_worker_determine_available_memory(self, gpuworker_mod):
+            return True
+
+    inherited = ModuleType("kvcached.integration.vllm.patches")
+    inherited.GPUWorkerPatch = type("GPUWorkerPatch", (Base,), {})
+    with pytest.raises(PatchError, match="lacks patch_worker_determine_available_memory"):
+        kvcached_mode.apply_kvcached_patches(inherited)
+    assert "patch_worker_determine_available_memory" not in vars(inherited.GPUWorkerPatch)
+
+    own = ModuleType("kvcached.integration.vllm.patches")
+    own.GPUWorkerPatch = type("GPUWorkerPatch", (), {"patch_worker_determine_available_memory":
+                                                     Base.patch_worker_determine_available_memory})
+    kvcached_mode.apply_kvcached_patches(own)
+    wrapped = own.GPUWorkerPatch.patch_worker_determine_available_memory
+    kvcached_mode.apply_kvcached_patches(own)
+    assert own.GPUWorkerPatch.patch_worker_determine_available_memory is wrapped
+    assert getattr(wrapped, patching.WRAPPED)
+
+
+def test_the_kv_allocation_patches_need_the_runners_own_method_when_the_module_binds_no_function():
+    from kvcached_broker.adapters.vllm import kv_reservation
+
+    class Base:
+        def _allocate_kv_cache_tensors(self, kv_cache_config):
+            return {}
+
+    module = ModuleType("vllm.v1.worker.gpu_model_runner")
+    module.GPUModelRunner = type("GPUModelRunner", (Base,), {})
+    with pytest.raises(PatchError, match="GPUModelRunner lacks _allocate_kv_cache_tensors"):
+        kv_reservation.apply_gpu_model_runner(module)
+    module.GPUModelRunner = type("GPUModelRunner", (), {"_allocate_kv_cache_tensors": Base._allocate_kv_cache_tensors})
+    kv_reservation.apply_gpu_model_runner(module)
+    kv_reservation.apply_gpu_model_runner(module)
+    method = module.GPUModelRunner._allocate_kv_cache_tensors
+    assert getattr(method, patching.WRAPPED) and method.__wrapped__ is Base._allocate_kv_cache_tensors
