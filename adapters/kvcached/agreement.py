@@ -18,6 +18,12 @@ Invariants:
   finishes on a ``free``, the scheduler's thread, identically on every rank);
 * the agreed limit of a pool is at most every governed rank's grant (a rank without a broker
   offers no constraint, so nothing deadlocks and the governed ranks still bound the group);
+* **an offer is a reservation.**  The grant a rank offers stays held until that sync applied
+  the agreed limit: a release on the governor's thread (pressure, a limit its peers lowered, a
+  deferred limit finishing) that lands while the scheduler is inside the collective waits,
+  bounded, for the sync to end and then gives back only what is above the limit it applied
+  (never what the sync is using: :meth:`Agreement.release`).  So the limit a sync applies is
+  never above the rank's grant, on every rank alike;
 * every rank takes part in every sync with the same vector length, whatever happened to its
   broker: a failure reading a proposal offers no constraint instead of skipping the collective;
 * a deferred limit (below what is in use) keeps asking for prefix-cache eviction of the pages
@@ -62,6 +68,9 @@ class PoolState:
     want_seq: int = 0  # the sequence number of that want
     evict_pages: int = 0  # prefix-cache eviction asked since the last sync
     agreed_pages: int | None = None  # the limit the last sync applied
+    offered: int | None = None  # the grant offered into the sync in flight: held until it ends
+    releasing: int = 0  # pages the governor's thread is giving back right now
+    release_waits: int = 0  # releases that waited for a sync to end (status, tests)
 
 
 @dataclass
@@ -116,12 +125,26 @@ class Agreement:
     # ------------------------------------------------------------ the scheduler's thread
     def sync(self, reduce: Reduce | None, evict: Evict | None) -> SyncRecord | None:
         """One sync point: agree, evict, apply.  Every rank calls it at the same points; None
-        (and no collective) when this process has no kvcached pool, on every rank alike."""
+        (and no collective) when this process has no kvcached pool, on every rank alike.  With
+        pools, ``reduce`` is called exactly once, whatever fails before it."""
         pools = ordered_pools()
         if not pools:
             return None
-        offer, served = self._offer(pools, [_deferred_overage(governor, manager) for governor, manager in pools])
-        agreed = reduce(offer) if reduce is not None else offer
+        try:
+            try:
+                offer, served = self._offer(pools, [_deferred_overage(governor, manager) for governor, manager in pools])
+            except Exception as exc:  # noqa: BLE001 - take part all the same, constraining nothing
+                log.warning("event=kvcached_agreement_offer_failed error=%r", str(exc))
+                self._unpin(pools)
+                offer, served = [_NO_CONSTRAINT, 0] * len(pools), 0
+            agreed = reduce(offer) if reduce is not None else offer
+            return self._settle(pools, agreed, served, evict)
+        finally:
+            self._unpin(pools)
+
+    def _settle(self, pools: list[tuple[Any, Any]], agreed: Sequence[int], served: int,
+                evict: Evict | None) -> SyncRecord:
+        """After the collective: evict the agreed amount and apply the agreed limits."""
         record = SyncRecord(self.syncs + 1)
         lowered = False
         evictions = []
@@ -133,10 +156,10 @@ class Agreement:
         if evictions and evict is not None:
             _guarded("evict", lambda: evict(evictions))
         for i, (governor, manager) in enumerate(pools):
-            before = governor.real.get_num_total_pages()
+            before = _size(governor)
             previous = self._states[manager].agreed_pages
             _guarded("apply", lambda: self._apply(governor, manager, record.agreed_pages[i]))
-            after = governor.real.get_num_total_pages()
+            after = _size(governor)
             record.limit_pages.append(after)
             if previous is not None and record.agreed_pages[i] < previous:
                 governor.release_standing()
@@ -152,18 +175,62 @@ class Agreement:
         return record
 
     def _offer(self, pools: list[tuple[Any, Any]], overages: list[int]) -> tuple[list[int], int]:
-        """``[min(wanted, granted), -evict_pages]`` per pool, and the newest want offered."""
+        """``[min(wanted, granted), -evict_pages]`` per pool, and the newest want offered; each
+        governed pool's offer is held (:attr:`PoolState.offered`) until the sync ends."""
         offer: list[int] = []
         with self._lock:
             served = self._seq
             for (governor, manager), overage in zip(pools, overages):
                 state = self._states.setdefault(manager, PoolState())
-                offer += [_proposal(governor, state), -max(state.evict_pages, overage)]
+                proposal = _proposal(governor, state)
+                if _governed(governor):
+                    if not _holds_offers(governor):  # no reservation possible yet: nothing above its size
+                        proposal = min(proposal, governor.real.get_num_total_pages())
+                    state.offered = proposal
+                offer += [proposal, -max(state.evict_pages, overage)]
                 state.evict_pages = 0
         return offer, served
 
+    def _unpin(self, pools: list[tuple[Any, Any]]) -> None:
+        with self._lock:
+            for _governor, manager in pools:
+                state = self._states.get(manager)
+                if state is not None:
+                    state.offered = None
+            self._lock.notify_all()
+
+    def release(self, governor: Any, manager: Any, release: Callable[[int], bool], pages: int,
+                wait_s: float = WAIT_S) -> bool:
+        """The governor gives back ``pages`` of ``manager``'s grant (its thread).  While a sync
+        holds the pool's offer, wait (at most ``wait_s``) for it to end; then give back only what
+        is above both the offer still held and kvcached's size (the limit the sync applied)."""
+        with self._lock:
+            state = self._states.setdefault(manager, PoolState())
+            if state.offered is not None:
+                state.release_waits += 1
+                self._lock.notify_all()
+                self._lock.wait_for(lambda: state.offered is None, timeout=wait_s)
+            floor = max(state.offered or 0, governor.real.get_num_total_pages())
+            allowed = max(0, min(int(pages), governor.grants.pages - floor))
+            state.releasing += allowed
+        try:
+            done = release(allowed) if allowed > 0 else True
+        finally:
+            with self._lock:
+                state.releasing -= allowed
+        if allowed < pages:
+            log.info("event=kvcached_agreement_release_held pool=%s asked_pages=%d released_pages=%d "
+                     "detail=the rest is what the sync point's limit uses", getattr(governor, "key", "?"),
+                     pages, allowed)
+        return done
+
     def _apply(self, governor: Any, manager: Any, pages: int) -> None:
         state = self._states.setdefault(manager, PoolState())
+        if _governed(governor) and pages > governor.grants.pages:  # the offer is held: cannot happen
+            log.error("event=kvcached_agreement_above_grant pool=%s agreed_pages=%d granted_pages=%d "
+                      "detail=applying the grant (this rank's limit differs from its peers' until the next sync)",
+                      getattr(governor, "key", "?"), pages, governor.grants.pages)
+            pages = governor.grants.pages
         limit = manager.memory_limit_state()
         unchanged = state.agreed_pages == pages
         finishing = limit.get("status") == "deferred" and governor.real.get_num_inuse_pages() <= pages
@@ -183,18 +250,62 @@ class Agreement:
             return self._seq - self._served_seq
 
 
+#: An offer that constrains nothing (a failed offer still takes part in the collective).
+_NO_CONSTRAINT = 1 << 40
+
+
+def _governed(governor: Any) -> bool:
+    return bool(governor.governed) and governor.grants is not None
+
+
 def _proposal(governor: Any, state: PoolState) -> int:
-    """What this rank offers for a pool: the limit it wants, at most its grant; a rank without
-    a broker offers no constraint (the pool's whole virtual range)."""
+    """What this rank offers for a pool: the limit it wants, at most its grant (less what the
+    governor is giving back right now); a rank without a broker offers no constraint (the
+    pool's whole virtual range)."""
     try:
         virtual = governor.geometry.virtual_pages
-        if not governor.governed or governor.grants is None:
+        if not _governed(governor):
             return virtual
         wanted = state.wanted_pages if state.wanted_pages is not None else governor.real.get_num_total_pages()
-        return max(0, min(wanted, governor.grants.pages, virtual))
+        return max(0, min(wanted, governor.grants.pages - state.releasing, virtual))
     except Exception as exc:  # noqa: BLE001 - still take part in the collective, constraining nothing
         log.warning("event=kvcached_agreement_offer_failed pool=%s error=%r", getattr(governor, "key", "?"), str(exc))
-        return getattr(getattr(governor, "geometry", None), "virtual_pages", 1 << 40)
+        return getattr(getattr(governor, "geometry", None), "virtual_pages", _NO_CONSTRAINT)
+
+
+def _holds_offers(governor: Any) -> bool:
+    """True once the pool's grant gives back only through :meth:`Agreement.release`."""
+    return bool(getattr(getattr(governor.grants, "release", None), _HOLDS_OFFERS, False))
+
+
+_HOLDS_OFFERS = "__kvcached_broker_holds_offers__"
+
+
+def hold_offers(agreement: "Agreement", governor: Any, manager: Any) -> None:
+    """Route the pool's give-backs through :meth:`Agreement.release` (once; on the governor's
+    thread, the one that gives back, so no release is in flight while this is done)."""
+    grants = governor.grants
+    if grants is None or _holds_offers(governor):
+        return
+    release = grants.release
+    manager_ref = weakref.ref(manager)
+
+    def release_outside_syncs(pages: int) -> bool:
+        pool = manager_ref()
+        if pool is None:
+            return release(pages)
+        return agreement.release(governor, pool, release, pages)
+
+    setattr(release_outside_syncs, _HOLDS_OFFERS, True)
+    grants.release = release_outside_syncs
+
+
+def _size(governor: Any) -> int:
+    """kvcached's allocator size (-1 if it cannot be read)."""
+    try:
+        return int(governor.real.get_num_total_pages())
+    except Exception:  # noqa: BLE001 - a record without it rather than a sync that raises
+        return -1
 
 
 def _deferred_overage(governor: Any, manager: Any) -> int:
@@ -246,6 +357,7 @@ class AgreedLimits:
 
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> dict:
         governor = manager.page_allocator.governor
+        hold_offers(self.agreement, governor, manager)
         pages = governor.geometry.pages_of(limit_bytes)
         if governor.governed and governor.grants is not None:
             pages = min(pages, governor.grants.pages)  # never want more than this rank holds

@@ -75,30 +75,55 @@ def _kvcached_device() -> str:
 
 # ---------------------------------------------------------------------------- the sync point
 class _Steps:
-    """Per scheduler: how many iterations it ran (the deterministic sync schedule)."""
+    """Per scheduler: how many iterations it ran (the deterministic sync schedule), and the
+    group it syncs over (resolved once: SGLang's groups exist before its event loop starts, and
+    do not change)."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.group: parallel.RankGroup | None = None
 
 
 _steps: dict[int, _Steps] = {}
 
 
 def after_ingest(scheduler: Any) -> agreement.SyncRecord | None:
-    """The scheduler received this iteration's requests: sync if the schedule says so."""
-    steps = _steps.setdefault(id(scheduler), _Steps())
-    steps.count += 1
-    if steps.count % SYNC_EVERY:
+    """The scheduler received this iteration's requests: sync if the schedule says so.
+
+    Never raises into SGLang.  Every step that can fail before the collective is contained so
+    that the collective itself still runs, once per sync point, on every rank: the prefix-cache
+    hook and the pipeline warning are guarded, the group is resolved once per scheduler, and
+    :meth:`~..kvcached.agreement.Agreement.sync` calls its reduce exactly once whatever fails
+    before it.  A failure that leaves a rank unable to take part (no group at its first sync)
+    is logged as such."""
+    try:
+        steps = _steps.setdefault(id(scheduler), _Steps())
+        steps.count += 1
+        if steps.count % SYNC_EVERY:
+            return None
+        _guarded("pipeline_warning", _say_pipeline_once)
+        _guarded("prefix_cache_hook", lambda: _hook_prefix_cache(scheduler))
+        if steps.group is None:
+            steps.group = parallel.scheduling_group()
+        group = steps.group
+    except Exception as exc:  # noqa: BLE001 - only resolving the group can fail here
+        log.error("event=kvcached_sync_skipped error=%r detail=no scheduling group: this rank cannot take part "
+                  "in this sync point", str(exc))
         return None
-    _say_pipeline_once()
-    _hook_prefix_cache(scheduler)
-    group = parallel.scheduling_group()
     reduce = group.reduce_min_each if group.size > 1 else None
     try:
         return agreement.AGREEMENT.sync(reduce, lambda asks: evict_prefix_cache(scheduler, asks))
     except Exception as exc:  # noqa: BLE001 - a failed collective (a peer gone) must not stop this rank here
         log.warning("event=kvcached_sync_failed error=%r", str(exc))
         return None
+
+
+def _guarded(action: str, call: Callable[[], None]) -> None:
+    """Work before the collective: a failure is logged, and the sync point goes on."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the collective must still run on this rank
+        log.warning("event=kvcached_sync_step_failed action=%s error=%r", action, str(exc))
 
 
 def _say_pipeline_once() -> None:

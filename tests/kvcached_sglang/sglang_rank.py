@@ -23,7 +23,9 @@ Requests (``op``): ``profile`` (SGLang's real ``_profile_available_bytes``), ``b
 ``limit_at_least``), ``admit`` / ``alloc_admitted`` / ``allocate`` (admission, then SGLang's
 allocation; a ``RuntimeError`` from it is reported, never raised), ``finish`` (requests end, their
 tokens stay in the radix cache), ``free``, ``wait_want`` (the governor asked for a lower limit),
-``status``, ``build_dsv4``, ``charge``, ``exit``.
+``status``, ``want_raise`` / ``pressure_inside_next_collective`` / ``race_result`` (pressure
+while the scheduler is inside a sync point's collective), ``break_before_sync``,
+``build_dsv4``, ``charge``, ``exit``.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Rank:
         self.sync_log: list[dict] = []
         self.dsv4 = None
         self.dsv4_allocators: tuple = ()
+        self.race: dict = {}
 
     # ------------------------------------------------------------ start-up
     def profile(self, free_bytes: int, pre_model_load_bytes: int) -> dict:
@@ -223,6 +226,77 @@ class Rank:
             time.sleep(0.005)
         return {"wanted": False, **self.status()}
 
+    # ------------------------------------------------------------ races at a sync point
+    def want_raise(self, timeout_s: float = 60.0) -> dict:
+        """Wait until this rank's governor wants a limit above kvcached's size (a raise waiting
+        for the next sync point), then until its thread is free again: no iteration runs
+        meanwhile, so its bounded wait for the sync times out and the raise stays wanted."""
+        import time
+
+        from kvcached_broker.adapters.kvcached import agreement, runner
+
+        manager = self.pool.kvcached_allocator
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = agreement.AGREEMENT.state_of(manager)
+            total = manager.page_allocator.get_num_total_pages()
+            if state is not None and (state.wanted_pages or 0) > total and agreement.AGREEMENT.pending_wants() > 0:
+                break
+            if time.monotonic() > deadline:
+                return {"wanted": False, **self.status()}
+            time.sleep(0.005)
+        assert runner.settle(2, timeout_s=30.0), "the governors' thread did not come back"
+        return {"wanted": True, "wanted_pages": state.wanted_pages, **self.status()}
+
+    def pressure_inside_next_collective(self, pages: int) -> dict:
+        """Inside the next collective this rank enters (the sync point's all-reduce, after this
+        rank made its offer): the broker's pressure for ``pages`` pool pages reaches this rank's
+        governor (as the client's pressure fan-out delivers it), and the all-reduce goes on only
+        once the governor acted on it: gave grant back, or waits for the sync to end."""
+        import time
+
+        import torch.distributed as dist
+
+        from kvcached_broker.adapters.kvcached import agreement, runner
+
+        manager = self.pool.kvcached_allocator
+        governor = manager.page_allocator.governor
+        real = dist.all_reduce
+        self.race = {}
+
+        def all_reduce(*args, **kwargs):
+            dist.all_reduce = real
+            state = agreement.AGREEMENT.state_of(manager)
+            released, waits = governor.counters["pages_released"], getattr(state, "release_waits", 0)
+            self.race["granted_before"] = governor.grants.pages
+            governor.ask_back(pages)
+            runner.wake()
+            deadline = time.monotonic() + 30.0
+            while (governor.counters["pages_released"] == released and getattr(state, "release_waits", 0) == waits
+                   and time.monotonic() < deadline):
+                time.sleep(0.001)
+            self.race.update(granted_inside=governor.grants.pages, released_inside=governor.counters["pages_released"]
+                             - released, waited=getattr(state, "release_waits", 0) - waits)
+            return real(*args, **kwargs)
+
+        dist.all_reduce = all_reduce
+        return {}
+
+    def race_result(self) -> dict:
+        return self.race
+
+    def break_before_sync(self) -> dict:
+        """What runs before the collective fails on this rank from now on: the radix cache
+        (asked whether it shares prefixes) and SGLang's parallel state (asked for the group)."""
+        from kvcached_broker.adapters.sglang import parallel
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("broken on purpose")
+
+        self.tree.supports_prefix_sharing = broken
+        parallel.scheduling_group = broken
+        return {}
+
     # ------------------------------------------------------------ DeepSeek-V4
     def build_dsv4(self) -> dict:
         """A DeepSeek-V4 pool and the allocators SGLang builds for it, with kvcached mode on."""
@@ -361,7 +435,11 @@ def main(argv: list[str] | None = None) -> None:
     assert autopatch.hook_installed(), "the broker's .pth hook did not run (ENABLE_KVCACHED=1?)"
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=args.world)
+    import datetime
+
+    # A collective a peer never joins fails after a minute instead of hanging the test.
+    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=args.world,
+                            timeout=datetime.timedelta(seconds=60))
     import sglang  # noqa: F401  - kvcached's patches apply now (wrapt hook on sglang)
     import sglang.srt.managers.scheduler  # noqa: F401  - the sync-point patch
     import sglang.srt.mem_cache.kv_cache_configurator  # noqa: F401  - kvcached's sizing patch, then the broker's
