@@ -94,6 +94,14 @@ def wrap_once(original: Callable[..., Any], wrapper: Callable[..., Any]) -> Call
     already one of ours: then ``original``, so a patch applied twice wraps once."""
     if getattr(original, WRAPPED, False):
         return original
+    return mark_wrapper(original, wrapper)
+
+
+def mark_wrapper(original: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper`` given ``original``'s name and docstring and marked as one of ours, whatever
+    ``original`` is: for a caller that must wrap a function carrying our mark that is not ours
+    (a wrapper someone else made over one of ours with ``functools.wraps``, which copies the
+    mark) and so tells its own wrappers by identity."""
     functools.update_wrapper(wrapper, original)
     setattr(wrapper, WRAPPED, True)
     return wrapper

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..patching import wrap_once
+from ..patching import PatchError, wrap_methods, wrap_once
 from .kvcached_fallback import is_kvcached_class
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
@@ -60,7 +60,15 @@ def wrap_descs(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def apply_memory_pool(module: Any) -> None:
     """Wrap ``MHATokenToKVPool._build_kv_buffer_descs`` in ``sglang.srt.mem_cache.memory_pool``
-    where the release has it (a release without it needs nothing)."""
+    where the release has it (0.5.23); a release without it (0.5.12, 0.5.13) checks no rows and
+    needs nothing, and kvcached's class in its place is left alone."""
     cls = getattr(module, "MHATokenToKVPool", None)
-    if isinstance(cls, type) and not is_kvcached_class(cls) and METHOD in vars(cls):
-        setattr(cls, METHOD, wrap_descs(vars(cls)[METHOD]))
+    if isinstance(cls, type) and is_kvcached_class(cls):
+        return
+    try:
+        wrap_methods(module, "MHATokenToKVPool", {METHOD: wrap_descs})
+    except PatchError:
+        if cls is None:
+            raise  # no pool class at all: the patch says so
+        log.info("event=kvcached_buffers_unneeded detail=%s.MHATokenToKVPool has no %s of its own: no row check "
+                 "to meet", module.__name__, METHOD)

@@ -20,14 +20,13 @@ never run.  Hence:
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..patching import WRAPPED
+from ..patching import mark_wrapper, wrap_methods, wrap_once
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -42,7 +41,11 @@ _local = threading.local()
 
 
 def outer_profile(original: Callable[..., int], cap: Cap) -> Callable[..., int]:
-    """``original`` wrapped so its figure goes through ``cap`` (``original`` if already ours)."""
+    """``original`` wrapped so its figure goes through ``cap`` (``original`` if already ours).
+
+    Ours are told by identity, not by :func:`~..patching.wrap_once`'s mark: kvcached's capacity
+    wrapper is made with ``functools.wraps`` over ours, which copies the mark onto it, and it
+    must be wrapped again (:func:`ensure_outermost`)."""
     if original in _ours:
         return original
 
@@ -58,9 +61,7 @@ def outer_profile(original: Callable[..., int], cap: Cap) -> Callable[..., int]:
             _local.active = False
         return cap(self, runtime_bytes, elastic)
 
-    functools.update_wrapper(_profile_available_bytes, original)
-    setattr(_profile_available_bytes, WRAPPED, True)
-    _ours.add(_profile_available_bytes)
+    _ours.add(mark_wrapper(original, _profile_available_bytes))
     return _profile_available_bytes
 
 
@@ -92,19 +93,11 @@ def dsv4_model(owner: Any) -> bool:
 CAPACITY_PATCH_CLASS = "_SGLangVirtualKVCapacityPatchBase"
 
 
-def apply_kvcached_patches(module: Any) -> None:
-    """Patch kvcached's own SGLang patch module (``kvcached.integration.sglang.patches``): right
-    after kvcached wraps ``_profile_available_bytes``, the broker's cap is put back outside it.
-    (``ensure_outermost`` at ``_resolve_memory_pool_config`` covers a kvcached without this
-    class.)"""
+def wrap_capacity_patch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """kvcached's ``patch_profile_available_bytes``, then the broker's cap put back outside what
+    it wrapped."""
     from . import kv_sizing
 
-    base = getattr(module, CAPACITY_PATCH_CLASS, None)
-    original = vars(base).get("patch_profile_available_bytes") if isinstance(base, type) else None
-    if original is None or getattr(original, WRAPPED, False):
-        return
-
-    @functools.wraps(original)
     def patch_profile_available_bytes(self: Any, target_module: Any) -> Any:
         result = original(self, target_module)
         target = getattr(target_module, getattr(self, "target_class", "") or "", None)
@@ -112,5 +105,12 @@ def apply_kvcached_patches(module: Any) -> None:
             ensure_outermost(target, kv_sizing.wrap_profile)
         return result
 
-    setattr(patch_profile_available_bytes, WRAPPED, True)
-    base.patch_profile_available_bytes = patch_profile_available_bytes
+    return wrap_once(original, patch_profile_available_bytes)
+
+
+def apply_kvcached_patches(module: Any) -> None:
+    """Patch kvcached's own SGLang patch module (``kvcached.integration.sglang.patches``): right
+    after kvcached wraps ``_profile_available_bytes``, the broker's cap is put back outside it.
+    A kvcached without this class (or whose class inherits the method) is reported by the
+    patch, which is optional: ``ensure_outermost`` at ``_resolve_memory_pool_config`` covers it."""
+    wrap_methods(module, CAPACITY_PATCH_CLASS, {"patch_profile_available_bytes": wrap_capacity_patch})

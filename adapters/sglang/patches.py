@@ -50,8 +50,9 @@ _MEM = "sglang.srt.mem_cache"
 _MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
 
 
-def _patch(name: str, module: str, apply, minimum: str = MINIMUM, below: str = BELOW) -> Patch:
-    return Patch(name, "sglang", module, apply, minimum=minimum, below=below)
+def _patch(name: str, module: str, apply, minimum: str = MINIMUM, below: str = BELOW, *,
+           required: bool = True) -> Patch:
+    return Patch(name, "sglang", module, apply, minimum=minimum, below=below, required=required)
 
 
 ALL_PATCHES: list[Patch] = [
@@ -73,7 +74,7 @@ ALL_PATCHES: list[Patch] = [
     _patch("sglang_kvcached_sync", "sglang.srt.managers.scheduler", kvcached_sync.apply_scheduler),
     _patch("sglang_kvcached_buffers", f"{_MEM}.memory_pool", kvcached_buffers.apply_memory_pool),
     _patch("sglang_kvcached_sizing_order", "kvcached.integration.sglang.patches",
-           kvcached_sizing.apply_kvcached_patches),
+           kvcached_sizing.apply_kvcached_patches, required=False),  # ensure_outermost covers it
     _patch("sglang_memory_occupation", "sglang.srt.managers.scheduler_components.weight_updater",
            memory_release.apply_weight_updater, minimum=PACKAGE_LAYOUT),
     _patch("sglang_memory_occupation_legacy", "sglang.srt.managers.scheduler_update_weights_mixin",

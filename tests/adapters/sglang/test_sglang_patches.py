@@ -15,7 +15,7 @@ import sglang_cpu
 
 from kvcached_broker.adapters import autopatch, patching
 from kvcached_broker.adapters.patching import PatchError, apply_patch
-from kvcached_broker.adapters.sglang import dsv4_reservation, patches
+from kvcached_broker.adapters.sglang import dsv4_reservation, kvcached_buffers, kvcached_sizing, patches
 
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 
@@ -89,6 +89,74 @@ def test_a_patch_that_cannot_apply_fails_loudly_only_under_require(monkeypatch):
     monkeypatch.setenv("KVCACHED_REQUIRE", "1")
     with pytest.raises(PatchError, match=r"sglang_dsv4_pool_reservation .* has no DeepSeekV4TokenToKVPool"):
         apply_patch(patch, broken)
+
+
+def test_the_kvcached_sizing_order_patch_says_when_kvcached_lacks_its_capacity_class(monkeypatch):
+    """Optional (the cap is put back outside kvcached's at the pool config too), so said, never an error."""
+    monkeypatch.setenv("KVCACHED_REQUIRE", "1")
+    patch = next(p for p in patches.ALL_PATCHES if p.name == "sglang_kvcached_sizing_order")
+    missing = types.ModuleType("kvcached.integration.sglang.patches")
+    result = apply_patch(patch, missing)
+    assert result.outcome == "failed" and "has no _SGLangVirtualKVCapacityPatchBase" in result.reason
+
+    class Base:
+        def patch_profile_available_bytes(self, target_module):
+            return True
+
+    inherits = types.ModuleType("kvcached.integration.sglang.patches")
+    inherits._SGLangVirtualKVCapacityPatchBase = type("_SGLangVirtualKVCapacityPatchBase", (Base,), {})
+    result = apply_patch(patch, inherits)
+    assert result.outcome == "failed" and "lacks patch_profile_available_bytes" in result.reason
+    assert not getattr(Base.patch_profile_available_bytes, patching.WRAPPED, False)  # the base is left alone
+
+    own = types.ModuleType("kvcached.integration.sglang.patches")
+    own._SGLangVirtualKVCapacityPatchBase = type("_SGLangVirtualKVCapacityPatchBase", (Base,),
+                                                 {"patch_profile_available_bytes": lambda self, module: True})
+    assert apply_patch(patch, own).outcome == "applied"
+    wrapped = vars(own._SGLangVirtualKVCapacityPatchBase)["patch_profile_available_bytes"]
+    kvcached_sizing.apply_kvcached_patches(own)
+    assert vars(own._SGLangVirtualKVCapacityPatchBase)["patch_profile_available_bytes"] is wrapped  # once
+
+
+def test_the_kvcached_buffers_patch_wraps_the_pools_own_method_once(monkeypatch):
+    patch = next(p for p in patches.ALL_PATCHES if p.name == "sglang_kvcached_buffers")
+
+    def pool_module(**methods):
+        module = types.ModuleType("sglang.srt.mem_cache.memory_pool")
+        module.MHATokenToKVPool = type("MHATokenToKVPool", (), methods)
+        return module
+
+    module = pool_module(_build_kv_buffer_descs=lambda self: "descs")
+    assert apply_patch(patch, module).outcome == "applied"
+    wrapped = vars(module.MHATokenToKVPool)["_build_kv_buffer_descs"]
+    assert getattr(wrapped, patching.WRAPPED) and wrapped(object()) == "descs"
+    kvcached_buffers.apply_memory_pool(module)
+    assert vars(module.MHATokenToKVPool)["_build_kv_buffer_descs"] is wrapped
+    older = pool_module()  # 0.5.12 and 0.5.13 build no descriptors: nothing to wrap, nothing wrong
+    assert apply_patch(patch, older).outcome == "applied" and not vars(older.MHATokenToKVPool).keys() & {
+        "_build_kv_buffer_descs"}
+    result = apply_patch(patch, types.ModuleType("sglang.srt.mem_cache.memory_pool"))  # no pool class at all
+    assert result.outcome == "failed" and "has no MHATokenToKVPool" in result.reason
+
+
+def test_the_sizing_cap_goes_back_outside_a_wrapper_that_copied_our_mark():
+    """kvcached wraps SGLang's profile over ours with ``functools.wraps``, which copies our mark."""
+    import functools
+
+    def profile(self, pre_model_load_memory):
+        return 100
+
+    ours = kvcached_sizing.outer_profile(profile, lambda owner, runtime_bytes, elastic: runtime_bytes // 2)
+
+    @functools.wraps(ours)
+    def theirs(self, pre_model_load_memory):
+        return ours(self, pre_model_load_memory)
+
+    assert getattr(theirs, patching.WRAPPED)  # copied: the mark alone cannot tell ours
+    outer = kvcached_sizing.outer_profile(theirs, lambda owner, runtime_bytes, elastic: runtime_bytes // 2)
+    assert outer is not theirs and getattr(outer, patching.WRAPPED) and outer.__name__ == "profile"
+    assert kvcached_sizing.outer_profile(outer, lambda *a: 0) is outer
+    assert outer(object(), 0) == 50  # one cap, outside: the inner wrapper passes straight through
 
 
 def test_the_kv_pool_bridge_is_refused(monkeypatch):
