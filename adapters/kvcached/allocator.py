@@ -12,7 +12,10 @@ It forwards everything to the real allocator except :meth:`get_resize_target`: k
 ``_alloc`` re-applies the kvctl watcher's last target on every call (sticky), which would
 let an operator's ``kvctl limit`` map beyond the grant.  While the pool is governed the
 target is hidden (-1) and the governor reads the segment itself, taking a foreign value as
-an operator cap; ungoverned (no broker), kvcached sees its watcher as it would alone.
+an operator cap.  Ungoverned (no broker, an eviction), kvcached sees its watcher as it would
+alone, except a target the governor's own segment writes made (a stale broker limit, or the
+lift to the virtual size that a limit channel applies where TP ranks agree):
+:meth:`~.governor.PoolGovernor.resize_target`.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ class GovernedPageAllocator:
         return self._kvcached_broker_governor
 
     def get_resize_target(self) -> int:
-        if self._kvcached_broker_governor.governed:
+        governor = self._kvcached_broker_governor
+        if governor.governed:
             return -1
-        return self._kvcached_broker_real.get_resize_target()
+        return governor.resize_target(self._kvcached_broker_real.get_resize_target())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._kvcached_broker_real, name)

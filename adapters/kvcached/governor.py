@@ -12,25 +12,36 @@ at every moment:
   once kvcached's allocator size is below the grant (a deferred limit is released as blocks
   are freed);
 * kvctl: a foreign ``total_size`` in the pool's segment is an operator cap (the limit is at
-  most it), never more than the grant (:mod:`.segment`, :mod:`.allocator`).
+  most it), never more than the grant (:mod:`.segment`, :mod:`.allocator`); so is a
+  ``set_memory_limit`` from outside the broker (``kvcached.control.set_instance_memory_limit``,
+  an operator's script): :meth:`PoolGovernor.outside_limit`, and the governor's own revisions
+  are always newer than any it saw;
+* a broker restart whose re-assertion came back short (the client books held pages the broker
+  no longer charges as *uncharged*): the pools of that session are asked for them back as
+  under pressure, and the engine's allocations miss until they were asked (:mod:`.pressure`);
+* shutdown: only what kvcached unmapped goes back; a page still mapped stays granted.
 
 **Threads.**  Every broker round trip and every limit change happens on the governor's thread
 (:mod:`.runner`), never on the engine's allocation path: the engine's ``alloc``/``free`` only
 read two counters and wake that thread when the pool runs short or holds too much, and a
 pressure ask from the broker only records how much is wanted.  kvcached's manager lock is
-made real (an ``RLock`` where synchronous scheduling left a no-op), so a limit change never
-races the engine's own calls.
+made real at construction, before the engine can call the manager (an ``RLock`` where
+synchronous scheduling left a no-op; :func:`.patches.install_real_lock`), so a limit change
+never races the engine's own calls.
 
 **Failing safe.**  A refusal leaves the pool as it is (the engine's allocation misses, as when
 kvcached finds no physical memory, and is retried); a broker failure turns the process
-unprotected (``worker.guard``) and the pool runs as kvcached alone would (its limit lifted,
-kvctl's watcher seen again), said once.  Nothing here raises into the runtime.
+unprotected (``worker.guard``), and an eviction ends the governing: the pool then runs as
+kvcached alone would (:meth:`PoolGovernor._ungovern`: its limit lifted to the virtual size,
+through its limit channel, the segment showing it, and no limit the governor wrote re-applied
+by kvctl's sticky watcher target), said once.  Nothing here raises into the runtime.
 
 Units: pool pages (kvcached compound pages, :class:`PoolGeometry`) unless a name says bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -40,7 +51,7 @@ import weakref
 from typing import Any
 
 from ...client import BudgetExceeded, SessionEvicted
-from . import eviction, segment
+from . import eviction, pressure, runner, segment
 from .geometry import PoolGeometry
 from .grants import SessionGrants
 from .limits import DirectLimits, LimitChannel
@@ -71,13 +82,16 @@ class PoolGovernor:
         self.key = f"kvcached:g{geometry.group_id}:{self.sequence}"
         self.pool_name = ""
         self._manager: "weakref.ref[Any] | None" = None
-        self._revision = 0
-        self._lock_installed = False
+        self._revision = 0  # the last revision this governor applied (always above any it saw)
+        self._outside_revision = -1  # the newest revision of an outside set_memory_limit
+        self._outside_cap: int | None = None  # an outside set_memory_limit's cap, for the next round
+        self._own_targets: set[int] = set()  # kvctl watcher targets the governor's segment writes made
         self._synced = False
         self._seen_limit_pages = 0  # kvcached's allocator size when the last round ended
         self._standing_due = False  # a limit channel lowered the limit below what this pool wanted
         self.operator_cap_pages: int | None = None
         self._segment_bytes: int | None = None  # total_size the governor last wrote
+        self._segment_seq: int | None = None  # the segment's cap sequence last taken (None: not shown yet)
         self.pending_limit: int | None = None  # a deferred limit, waiting for frees
         self.blocked = ""  # why the pool could not give back what was asked, if it could not
         self._asks = threading.Lock()  # guards the two fields below (set from other threads)
@@ -93,6 +107,7 @@ class PoolGovernor:
         self._zero_reported = False
         self._zero_refusals = 0
         self.closed = False
+        self._forgotten = False  # a closed pool's grant and reports are all given back
 
     # ------------------------------------------------------------ birth (constructing thread)
     def start(self) -> None:
@@ -121,9 +136,8 @@ class PoolGovernor:
         self.pool_name = str(getattr(manager, "pool_name", "") or "")
         if self.pool_name:
             self.key = f"kvcached:{self.pool_name}:g{self.geometry.group_id}:{self.key.rsplit(':', 1)[1]}"
-        if self.governed and self.real.get_num_total_pages() >= 1:
-            self._install_real_lock(manager)  # see _install_real_lock: never before a page exists
         self._write_segment()
+        self._note_segment()
 
     # ------------------------------------------------------------ engine path (any thread)
     def note_alloc(self, need_blocks: int, result: Any, block_mem_size: int) -> bool:
@@ -142,6 +156,51 @@ class PoolGovernor:
         """After ``free``: True if the governor's thread should run (too much free, or deferred)."""
         return self.governed and (self.pending_limit is not None or self._free_pages() > self.marks.high_pages)
 
+    def charge_unsettled(self) -> bool:
+        """Before ``alloc``: True while the broker charges this pool's session for fewer pages
+        than its pools hold and the governors have not yet asked them back (a broker restart
+        whose re-assertion came back short); the allocation then misses, so nothing is mapped
+        on pages the broker does not charge.  Reads two numbers: no broker round trip."""
+        client = getattr(self.grants, "client", None) if self.governed else None
+        return client is not None and pressure.unasked_shortfall(client) > 0
+
+    def resize_target(self, target: int) -> int:
+        """What kvcached's ``_alloc`` may apply of its kvctl watcher's sticky ``target`` (per-layer
+        bytes; -1: nothing).  Governed: nothing (the governor reads the segment itself and takes a
+        foreign value as an operator cap).  Ungoverned: the watcher's target as kvcached alone
+        would apply it, unless it is one the governor's own segment writes made (a stale broker
+        limit, or the lift itself, which a limit channel applies where the TP ranks agree), or the
+        pool's limits change only where its TP ranks agree (``at_sync_points``, SGLang): the
+        segment is shared by the ranks, so the target may be a governed peer's limit, and a
+        resize on this rank alone would leave the ranks' capacities unequal."""
+        if self.governed or target in self._own_targets or getattr(self.limits, "at_sync_points", False):
+            return -1
+        return target
+
+    def outside_limit(self, manager: Any, limit_bytes: int, revision: int) -> dict:
+        """A ``set_memory_limit`` from outside the broker on this governed pool
+        (``kvcached.control.set_instance_memory_limit``, an operator's script), on the caller's
+        thread.  Taken as an operator cap, as a kvctl write is: the limit becomes at most it and
+        at most the grant, on the governor's thread and through its limit channel (so TP ranks
+        stay in agreement).  Its revision is remembered, so the governor's next one is newer.
+        Returns kvcached's limit state: ``applied`` when the cap is at or above the limit (the
+        grant binds, nothing changes), ``deferred`` when the governor will lower the limit to it,
+        ``stale`` for a revision older than the last outside one."""
+        with self._asks:
+            if revision < self._outside_revision:
+                return {**manager.memory_limit_state(), "status": "stale"}
+            self._outside_revision = revision
+            self._outside_cap = self.geometry.pages_of(limit_bytes)
+            cap = self._outside_cap
+        runner.wake()
+        state = manager.memory_limit_state()
+        lowers = cap < self._limit_pages()
+        log.info("event=kvcached_operator_cap pool=%s source=set_memory_limit cap_bytes=%d revision=%d detail=%s",
+                 self.key, limit_bytes, revision,
+                 "the governor lowers the limit to it" if lowers else "the grant bounds the pool, not the cap")
+        return {**state, "status": "deferred" if lowers else "applied",
+                "reason": "kvcached_broker_operator_cap", "operator_cap_bytes": self.geometry.limit_bytes(cap)}
+
     def ask_back(self, pages: int) -> None:
         """The broker wants ``pages`` pool pages back (recorded; the governor's thread acts)."""
         with self._asks:
@@ -159,41 +218,49 @@ class PoolGovernor:
     # ------------------------------------------------------------ the governor's thread
     def step(self, now_s: float) -> None:
         """One round: kvctl, a deferred limit, pressure, then grow or give back."""
+        if self.closed:
+            self._release_unmapped()
+            return
         manager = self.manager()
-        if manager is None or self.closed or not self.governed:
+        if manager is None or not self.governed:
             return
-        if not manager._post_init_done.is_set():
-            self._grow_before_post_init(now_s)
-            return
-        self._install_real_lock(manager)
+        try:
+            if not manager._post_init_done.is_set():
+                self._grow_before_post_init(manager, now_s)
+                return
+            self._round(manager, now_s)
+        except SessionEvicted as exc:
+            log.error("event=kvcached_pool_evicted pool=%s detail=%s", self.key, exc)
+            self._ungovern(f"evicted: {exc}")
+
+    def _round(self, manager: Any, now_s: float) -> None:
         if not self._synced:
             self._set_limit(manager, self.real.get_num_total_pages())
             self._synced = True
-        try:
-            self._read_operator_cap()
-            if self.pending_limit is not None:
-                self._finish_deferred(manager)
-            self._adopt_lowered_limit(now_s)
-            polled = self.grants.poll() if self.grants is not None else 0
-            with self._asks:
-                pressure, self._pressure_pages = self._pressure_pages + polled, 0
-                short, self._short_pages = self._short_pages, 0
-                if polled:  # pressure that came through the grants object (a broadcast pool's board)
-                    self.counters["pressure_asks"] += 1
-            if pressure:
-                self._quiet_until_s = now_s + PRESSURE_QUIET_S
-                pressure -= self._release_above_limit(pressure)  # a grant held above the limit first
-            if pressure > 0:
-                self._give_back(manager, pressure, evict=True)
-            if self.pending_limit is None:
-                self._follow_policy(manager, short, now_s)
-            self._write_segment()
-            self._publish()
-            self._seen_limit_pages = self._limit_pages()
-        except SessionEvicted as exc:
-            self.governed = False
-            self.why_ungoverned = f"evicted: {exc}"
-            log.error("event=kvcached_pool_evicted pool=%s detail=%s", self.key, exc)
+        self._read_operator_cap()
+        with self._asks:
+            if self._outside_cap is not None:  # an outside set_memory_limit: an operator cap
+                self.operator_cap_pages, self._outside_cap = self._outside_cap, None
+        if self.pending_limit is not None:
+            self._finish_deferred(manager)
+        self._adopt_lowered_limit(now_s)
+        polled = self.grants.poll() if self.grants is not None else 0
+        with self._asks:
+            asked, self._pressure_pages = self._pressure_pages + polled, 0
+            short, self._short_pages = self._short_pages, 0
+            if polled:  # pressure that came through the grants object (a broadcast pool's board)
+                self.counters["pressure_asks"] += 1
+        if asked:
+            self._quiet_until_s = now_s + PRESSURE_QUIET_S
+            asked -= self._release_above_limit(asked)  # a grant held above the limit first
+        if asked > 0:
+            self._give_back(manager, asked, evict=True)
+        if self.pending_limit is None:
+            self._follow_policy(manager, short, now_s)
+        self._write_segment()
+        self._note_segment()
+        self._publish()
+        self._seen_limit_pages = self._limit_pages()
 
     def _follow_policy(self, manager: Any, short_pages: int, now_s: float) -> None:
         pages = self.pages()
@@ -239,7 +306,7 @@ class PoolGovernor:
         self._next_grow_s = 0.0
         self._set_limit(manager, min(self.grants.pages, self.pages().ceiling))
 
-    def _grow_before_post_init(self, now_s: float) -> None:
+    def _grow_before_post_init(self, manager: Any, now_s: float) -> None:
         """A pool that started with no page: its null block waits; grow the allocator itself."""
         if self.real.get_num_total_pages() >= 1 or now_s < self._next_grow_s or self.grants is None:
             return
@@ -251,8 +318,29 @@ class PoolGovernor:
             self._next_grow_s = now_s + self._grow_wait_s
             self._grow_wait_s = min(GROW_RETRY_S[1], 2 * self._grow_wait_s)
         else:
-            self.real.resize(self.geometry.allocator_size(got))
+            self.resize_before_post_init(manager, got)
             self._count_grant(got)
+            log.info("event=kvcached_pool_started pool=%s granted_pages=%d detail=its_null_block_can_be_reserved",
+                     self.key, got)
+
+    def resize_before_post_init(self, manager: Any, pages: int) -> None:
+        """Resize kvcached's allocator before its post-init, keeping page 0 first.
+
+        kvcached's allocator shrinks by moving its highest free ids to a reclaimed list and grows
+        by taking them back from that list's front, so a pool shrunk to 0 at birth would hand out
+        its highest page id first when it grows; kvcached's null block must be block 0
+        (``_reserve_null_block`` raises otherwise).  While nothing is mapped, the allocator is
+        therefore grown to its whole virtual size, its free list sorted (as kvcached's ``clear()``
+        does) and shrunk to ``pages`` (which reclaims the highest ids again).  All of it under the
+        manager's lock (real since construction), which the post-init thread takes to reserve the
+        null block: it sees every step or none, and the transient size maps nothing."""
+        real, size = self.real, self.geometry.allocator_size(pages)
+        lock = getattr(manager, "_lock", None) if manager is not None else None
+        with lock if lock is not None else contextlib.nullcontext():
+            if real.get_num_inuse_pages() == 0 and real.get_num_reserved_pages() == 0:
+                real.resize(self.geometry.allocator_size(self.geometry.virtual_pages))
+                real.reset_free_page_order()
+            real.resize(size)
 
     # ------------------------------------------------------------ giving back
     def _give_back(self, manager: Any, wanted: int, *, evict: bool) -> None:
@@ -355,8 +443,10 @@ class PoolGovernor:
 
     # ------------------------------------------------------------ kvcached's limit
     def _set_limit(self, manager: Any, limit_pages: int) -> dict:
-        """``set_memory_limit`` with the next revision; the state kvcached reports."""
-        self._revision += 1
+        """``set_memory_limit`` with a revision newer than any the pool has seen (its own, an
+        outside caller's, kvcached's current one); the state kvcached reports."""
+        current = getattr(manager, "_memory_limit_revision", -1)
+        self._revision = max(self._revision, self._outside_revision, current if isinstance(current, int) else -1) + 1
         try:
             return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), self._revision)
         except Exception as exc:  # noqa: BLE001 - a limit kvcached cannot take changes nothing
@@ -376,24 +466,66 @@ class PoolGovernor:
 
     # ------------------------------------------------------------ kvctl
     def _read_operator_cap(self) -> None:
-        info = segment.read(self.geometry.ipc_name)
-        if info is None or self._segment_bytes is None or info.total_bytes == self._segment_bytes:
+        """An operator's cap from the segment: a ``total_size`` no governor wrote (``kvctl
+        limit``).  The segment may be shared (an SGLang server's TP ranks, pools of servers
+        started in one process group): :func:`.segment.exchange` tells the governors' writes
+        from an operator's and keeps the cap for every pool on it."""
+        if self._segment_seq is None:
+            return  # nothing shown yet: the segment holds kvcached's own start-up value
+        self._take_operator_cap(segment.exchange(self.geometry.ipc_name))
+
+    def _take_operator_cap(self, shared: "segment.Shared | None") -> None:
+        if shared is None or shared.seq == self._segment_seq:
             return
-        cap = self.geometry.pages_of(info.total_bytes)
+        self._segment_seq = shared.seq
+        self._segment_bytes = None  # show the broker's limit again
+        cap = None if shared.cap_bytes is None else self.geometry.pages_of(shared.cap_bytes)
+        if cap == self.operator_cap_pages:
+            return
         self.operator_cap_pages = cap
         granted = self.grants.pages if self.grants else 0
+        if cap is None:
+            log.info("event=kvcached_operator_cap pool=%s cap_bytes=none detail=the cap was the start-up write "
+                     "of a pool sharing the segment", self.key)
+            return
         log.info("event=kvcached_operator_cap pool=%s cap_bytes=%d granted_bytes=%d detail=%s", self.key,
-                 info.total_bytes, self.geometry.limit_bytes(granted),
+                 shared.cap_bytes, self.geometry.limit_bytes(granted),
                  "a cap below the grant lowers the limit" if cap < granted else "the grant bounds the pool, not the cap")
-        self._segment_bytes = None  # rewrite it with the broker's limit
 
     def _write_segment(self) -> None:
         shown = self.pending_limit if self.pending_limit is not None else self._limit_pages()
         if not self.governed:
             return
         size = self.geometry.limit_bytes(shown)
-        if size != self._segment_bytes and segment.write_limit(self.geometry.ipc_name, size):
-            self._segment_bytes = size
+        if size == self._segment_bytes:
+            return
+        joining = self._segment_seq is None
+        own_start = (lambda total: self.geometry.pages_of(total) == self.geometry.virtual_pages) if joining else None
+        shared = segment.exchange(self.geometry.ipc_name, size, own_start=own_start)
+        if shared is None:
+            return
+        self._segment_bytes = size
+        if joining:
+            self._segment_seq = -1  # take whatever cap the segment's governors hold
+        self._take_operator_cap(shared)
+
+    def _note_segment(self) -> None:
+        """Remember the kvctl watcher target a segment write of ours makes: kvcached's watcher turns
+        any change of ``total_size`` into a sticky resize target (per-layer bytes), which must
+        never be applied once the pool is ungoverned (:meth:`resize_target`)."""
+        if self._segment_bytes is not None:
+            self._own_targets.add(self._segment_bytes // (self.geometry.num_layers * self.geometry.num_kv_buffers))
+
+    def _write_lifted_segment(self) -> None:
+        """Ungoverned: the segment shows kvcached alone's limit, the pool's virtual size (as a
+        governor's write, so the governors of pools sharing the segment take it for no cap)."""
+        size = self.geometry.limit_bytes(self.geometry.virtual_pages)
+        try:
+            if segment.exchange(self.geometry.ipc_name, size) is not None:
+                self._segment_bytes = size
+                self._note_segment()
+        except OSError as exc:
+            log.warning("event=kvcached_segment_unwritten pool=%s error=%r", self.key, str(exc))
 
     # ------------------------------------------------------------ the broker's view
     def _report_zero_page(self) -> None:
@@ -411,6 +543,9 @@ class PoolGovernor:
     def _publish(self) -> None:
         """Show the pool's limit and pending give-back in status (usage views, never charged)."""
         assert self.grants is not None
+        client = getattr(self.grants, "client", None)
+        if client is not None and pressure.uncharged_pages(client):
+            return  # the broker charges less than the pools hold: views above its charge are refused
         if not self._zero_reported:
             self._report_zero_page()
             if not self._zero_reported:
@@ -440,45 +575,90 @@ class PoolGovernor:
     def _refused(self) -> None:
         self.counters["refusals"] += 1
 
-    def _install_real_lock(self, manager: Any) -> None:
-        """A real ``RLock`` for kvcached's no-op one (synchronous scheduling), so the governor's
-        limit changes never race the engine.  Only once a page exists: with none, kvcached's
-        null-block wait runs under the manager lock, and an early ``alloc`` waiting for it
-        under a real lock would never let it finish."""
-        if self._lock_installed:
-            return
-        from kvcached.locks import NoOpLock
-
-        if isinstance(manager._lock, NoOpLock):
-            manager._lock = threading.RLock()
-        self._lock_installed = True
-
     def _ungovern(self, why: str) -> None:
-        """No broker: run as kvcached alone would (limit lifted, kvctl's watcher seen again)."""
+        """No broker (or an eviction): run as kvcached alone would.  The limit is lifted to the
+        virtual size through the limit channel (where TP ranks agree, for a channel that applies
+        there), the segment shows it, and kvctl's watcher targets that the governor's own
+        segment writes made are never applied (:meth:`resize_target`); a later kvctl write is,
+        as kvcached alone applies it.  Before kvcached's post-init (no manager call is possible
+        yet: its null block may be waiting for a grant) the allocator itself is resized."""
         if not self.governed:
             return
         self.governed = False
         self.why_ungoverned = why
+        self.pending_limit = None
+        self.operator_cap_pages = None
         manager = self.manager()
         if manager is not None and manager._post_init_done.is_set():
             self._set_limit(manager, self.geometry.virtual_pages)
         else:
-            self.real.resize(self.geometry.allocator_size(self.geometry.virtual_pages))
+            self.resize_before_post_init(manager, self.geometry.virtual_pages)
+        self._write_lifted_segment()
         log.warning("event=kvcached_pool_ungoverned pool=%s reason=%r detail=runs_as_kvcached_alone", self.key, why)
+
+    def abandon(self) -> None:
+        """A start that failed midway: give back what was granted (best effort) and govern nothing."""
+        grants, self.grants, self.governed = self.grants, None, False
+        try:
+            if grants is not None and grants.pages:
+                grants.release(grants.pages)
+        except Exception as exc:  # noqa: BLE001 - an evicted or failed session frees it itself
+            log.warning("event=kvcached_grant_unreleased pool=%s error=%r", self.key, str(exc))
+
+    def _kvctl_target_bytes(self) -> int | None:
+        """kvcached's kvctl watcher's sticky target, in pool bytes (what kvcached alone would
+        resize to on its next allocation); None when it has none."""
+        try:
+            target = int(self.real.get_resize_target())
+        except Exception:  # noqa: BLE001 - status only
+            return None
+        return None if target < 0 else target // self.geometry.page_size * self.geometry.page_bytes
 
     def manager(self) -> Any:
         return self._manager() if self._manager is not None else None
 
     def close(self) -> None:
-        """The pool shut down: give its grant back."""
+        """The pool shut down (kvcached stopped its prealloc thread): its reserve is unmapped and
+        the grant goes back, except the pages still mapped (blocks the engine has not freed, which
+        stay mapped until they are freed or the process exits).  Those go back on the governors'
+        thread as kvcached unmaps them; the zero page's report goes with the last of them."""
         if self.closed:
             return
         self.closed = True
-        if self.governed and self.grants is not None:
-            held = self.grants.pages
-            if held and self.grants.release(held):
-                self.counters["pages_released"] += held
-            self.grants.forget(self.key)
+        if not (self.governed and self.grants is not None):
+            return
+        self._release_unmapped()
+        runner.wake()
+
+    def _release_unmapped(self) -> None:
+        """A closed pool: unmap its reserve (blocks freed after shutdown land there), shrink
+        kvcached's allocator to what is in use (so nothing more can be mapped), give back the
+        grant above it, and forget the pool once nothing is mapped.  A broadcast pool's grant goes
+        at once: its workers keep what they map, and unmap their own."""
+        grants = self.grants
+        if not self.governed or grants is None or self._forgotten:
+            return
+        try:
+            if isinstance(grants, SessionGrants):
+                try:
+                    if self.real.get_num_reserved_pages():
+                        self.real.trim()
+                    inuse = self.real.get_num_inuse_pages()
+                    if self.real.get_num_total_pages() > inuse:
+                        self.real.resize(self.geometry.allocator_size(inuse))
+                except Exception as exc:  # noqa: BLE001 - what stays mapped stays granted
+                    log.warning("event=kvcached_close_shrink_failed pool=%s error=%r", self.key, str(exc))
+            mapped = self.real.get_num_inuse_pages() + self.real.get_num_reserved_pages()
+            bound = max(mapped, self.real.get_num_total_pages()) if isinstance(grants, SessionGrants) else mapped
+            surplus = grants.pages - bound
+            if surplus > 0 and grants.release(surplus):
+                self.counters["pages_released"] += surplus
+            if grants.pages <= 0 or not isinstance(grants, SessionGrants):
+                self._forgotten = True
+                grants.forget(self.key)
+        except SessionEvicted as exc:
+            self._forgotten = True
+            log.error("event=kvcached_pool_evicted pool=%s detail=%s", self.key, exc)
 
     def status(self) -> dict[str, Any]:
         """This pool as the governor sees it (bytes, and pool pages where named)."""
@@ -493,7 +673,8 @@ class PoolGovernor:
             "reserve_pages": reserved, "virtual_bytes": g.limit_bytes(g.virtual_pages),
             "operator_cap_bytes": None if self.operator_cap_pages is None else g.limit_bytes(self.operator_cap_pages),
             "pending_limit_bytes": None if self.pending_limit is None else g.limit_bytes(self.pending_limit),
-            "blocked": self.blocked, "revision": self._revision, **self.counters,
+            "blocked": self.blocked, "revision": self._revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
+            **self.counters,
         }
 
 

@@ -16,6 +16,12 @@ A channel's :meth:`apply` returns kvcached's limit state (``{"status": "applied"
 returns, the governor releases grants only above the allocator's size that kvcached reports
 (``PageAllocator.get_num_total_pages``), so a channel that applies late or not at all can
 delay a give-back but never overbook.
+
+A channel calls ``KVCacheManager.set_memory_limit`` from a module of this package
+(``kvcached_broker.adapters.kvcached.*``, as :class:`DirectLimits` and :mod:`.agreement` do):
+on a governed pool, a call from anywhere else is an outside limit, taken as an operator cap
+(:meth:`.governor.PoolGovernor.outside_limit`).  The ungoverning lift to the virtual size goes
+through the channel too (:meth:`.governor.PoolGovernor._ungovern`).
 """
 
 from __future__ import annotations

@@ -6,10 +6,19 @@ One patch, applied right after ``kvcached.kv_cache_manager`` is imported (kvcach
 
 * the module global ``PageAllocator``, which ``KVCacheManager.__init__`` calls, builds
   kvcached's real allocator and hands back a :class:`GovernedPageAllocator` sized to the
-  broker's first grant (:mod:`.allocator`, :mod:`.governor`);
-* ``KVCacheManager.__init__`` then attaches the governor to the manager and wraps the
-  instance's ``alloc`` and ``free`` to wake the governors' thread when the pool runs short or
-  holds too much; ``shutdown`` gives the grant back.
+  broker's first grant (:mod:`.allocator`, :mod:`.governor`).  Nothing raises into
+  ``KVCacheManager.__init__``: a governor that cannot start (a resolver error, a refused
+  runtime base, an eviction) leaves the pool ungoverned with one warning, and only under
+  ``KVCACHED_REQUIRE=1`` is it a start-up error (:class:`~..worker.BrokerRequired`);
+* ``KVCacheManager.__init__`` then makes a governed manager's lock real (:func:`install_real_lock`),
+  attaches the governor and wraps the instance's ``alloc`` and ``free`` to wake the governors'
+  thread when the pool runs short or holds too much;
+* ``KVCacheManager.set_memory_limit`` from outside the broker's own code, on a governed pool,
+  is an operator cap (:meth:`~.governor.PoolGovernor.outside_limit`), never a licence to map
+  beyond the grant;
+* ``shutdown`` gives back the grant above what kvcached still maps.
+
+Every wrapper goes on once (:func:`..patching.wrap_once`, :func:`..patching.wrap_methods`).
 
 A pool in broadcast mode (``world_size > 1``, or vLLM's EngineCore, whose pages are mapped in
 the workers) is governed with every worker's grant (:mod:`.board_grants`): each TP worker holds
@@ -21,11 +30,15 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 from types import ModuleType
 from typing import Any
 
 from ...client.units import parse_size
-from ..patching import Patch
+from .. import flags
+from ..patching import Patch, wrap_methods, wrap_once
+from ..worker import BrokerRequired
 from . import board_grants, identity, limits, map_gate, pressure, runner, worker_grants
 from .allocator import GovernedPageAllocator
 from .geometry import PoolGeometry
@@ -93,10 +106,19 @@ def new_governor(geometry: PoolGeometry, real: Any) -> PoolGovernor:
     if grants is None:
         return _ungoverned(geometry, real, marks, why)
     governor = PoolGovernor(geometry, real, grants, marks, limits=limits.channel_for(geometry))
-    governor.start()
+    _start(governor)
     if governor.governed:
         pressure.enlist(grants.client, governor)
     return governor
+
+
+def _start(governor: PoolGovernor) -> None:
+    """Take the first grant; a start that fails midway gives back what it was granted."""
+    try:
+        governor.start()
+    except BaseException:
+        governor.abandon()
+        raise
 
 
 def _board_governor(geometry: PoolGeometry, real: Any, marks: Watermarks) -> PoolGovernor:
@@ -105,7 +127,7 @@ def _board_governor(geometry: PoolGeometry, real: Any, marks: Watermarks) -> Poo
     if grants is None:
         return _ungoverned(geometry, real, marks, f"broadcast mode: {why}")
     governor = PoolGovernor(geometry, real, grants, marks, limits=limits.channel_for(geometry))
-    governor.start()
+    _start(governor)
     grants.sized()
     return governor
 
@@ -113,16 +135,69 @@ def _board_governor(geometry: PoolGeometry, real: Any, marks: Watermarks) -> Poo
 def _ungoverned(geometry: PoolGeometry, real: Any, marks: Watermarks, why: str) -> PoolGovernor:
     log.warning("event=kvcached_pool_ungoverned group=%d ipc=%s reason=%r detail=runs_as_kvcached_alone",
                 geometry.group_id, geometry.ipc_name, why)
-    return PoolGovernor(geometry, real, None, marks, why_ungoverned=why)
+    # Its channel too: a runtime whose limits change only where its TP ranks agree (SGLang) keeps
+    # an ungoverned pool's kvctl watcher from resizing it on this rank alone (resize_target).
+    return PoolGovernor(geometry, real, None, marks, limits=limits.channel_for(geometry), why_ungoverned=why)
 
 
 def _allocator_factory(real_class: type):
     def build(*args: Any, **kwargs: Any) -> GovernedPageAllocator:
         real = real_class(*args, **kwargs)
-        return GovernedPageAllocator(real, new_governor(geometry_of(args, kwargs), real))
+        geometry = geometry_of(args, kwargs)
+        return GovernedPageAllocator(real, _governor_or_ungoverned(geometry, real))
 
-    build.__kvcached_broker_real__ = real_class  # type: ignore[attr-defined]
     return build
+
+
+def _governor_or_ungoverned(geometry: PoolGeometry, real: Any) -> PoolGovernor:
+    """:func:`new_governor`, failing safe: whatever it raises leaves the pool to kvcached alone
+    (its allocator at its whole virtual size, one warning), or, under ``KVCACHED_REQUIRE=1``,
+    is a start-up error.  kvcached's allocator maps nothing yet, so resizing it cannot fail."""
+    try:
+        return new_governor(geometry, real)
+    except BrokerRequired:
+        raise
+    except Exception as exc:  # noqa: BLE001 - nothing raises into KVCacheManager.__init__
+        why = f"governor failed at pool start ({type(exc).__name__}: {exc})"
+        if flags.required():
+            raise BrokerRequired(f"kvcached-broker is required (KVCACHED_REQUIRE=1) but cannot govern the kvcached "
+                                 f"pool of group {geometry.group_id} ({geometry.ipc_name}): {why}") from exc
+        governor = _ungoverned(geometry, real, Watermarks.for_page_bytes(geometry.page_bytes, batch_bytes()), why)
+        governor.resize_before_post_init(None, geometry.virtual_pages)  # whatever a failed start left
+        return governor
+
+
+def install_real_lock(manager: Any) -> None:
+    """A governed manager's lock, real from construction (before the engine can call it).
+
+    kvcached uses a no-op lock under synchronous scheduling; the governor's thread changes the
+    limit while the engine allocates, so the lock must be real, and swapping it while the engine
+    is inside a call would not exclude that call.  One hazard of a real lock: kvcached's
+    ``alloc``/``free``/``resize`` wait for its post-init (the null block, which may wait for a
+    grant) while holding it, and the post-init thread needs it to reserve the null block.  So a
+    governed manager's ``_wait_post_init`` releases the lock while it waits and takes it back
+    after, as a condition variable does: every caller waits before it reads any state."""
+    from kvcached.locks import NoOpLock
+
+    if isinstance(manager._lock, NoOpLock):
+        manager._lock = threading.RLock()
+    lock, done = manager._lock, manager._post_init_done
+    if not all(hasattr(lock, name) for name in ("_is_owned", "_release_save", "_acquire_restore")):
+        return
+
+    def _wait_post_init() -> None:
+        if done.is_set():
+            return
+        if not lock._is_owned():
+            done.wait()
+            return
+        state = lock._release_save()
+        try:
+            done.wait()
+        finally:
+            lock._acquire_restore(state)
+
+    manager._wait_post_init = _wait_post_init
 
 
 def _wrap_engine_calls(manager: Any, governor: PoolGovernor) -> None:
@@ -130,6 +205,9 @@ def _wrap_engine_calls(manager: Any, governor: PoolGovernor) -> None:
     alloc, free = manager.alloc, manager.free
 
     def governed_alloc(need_size: int):
+        if governor.charge_unsettled():  # a short re-assertion not yet asked back: a miss
+            runner.wake()
+            return None
         result = alloc(need_size)
         if governor.note_alloc(need_size, result, manager.block_mem_size):
             runner.wake()
@@ -145,23 +223,30 @@ def _wrap_engine_calls(manager: Any, governor: PoolGovernor) -> None:
     manager.free = governed_free
 
 
-def patch_kv_cache_manager(module: ModuleType) -> None:
-    real_class = module.PageAllocator
-    if getattr(real_class, "__kvcached_broker_real__", None) is not None:
-        return
-    module.PageAllocator = _allocator_factory(real_class)
-    cls = module.KVCacheManager
-    init, shutdown = cls.__init__, cls.shutdown
-
+def _wrap_init(init):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         allocator = self.page_allocator
-        if isinstance(allocator, GovernedPageAllocator):
-            allocator.governor.attach(self)
-            if allocator.governor.governed:
-                _wrap_engine_calls(self, allocator.governor)
-            runner.enlist(allocator.governor)  # an ungoverned pool only shows in status(), saying why
+        if not isinstance(allocator, GovernedPageAllocator):
+            return
+        governor = allocator.governor
+        try:
+            if governor.governed:
+                install_real_lock(self)
+            governor.attach(self)
+            if governor.governed:
+                _wrap_engine_calls(self, governor)
+            runner.enlist(governor)  # an ungoverned pool only shows in status(), saying why
+        except Exception as exc:  # noqa: BLE001 - nothing raises into KVCacheManager.__init__
+            if flags.required():
+                raise BrokerRequired(f"kvcached-broker is required (KVCACHED_REQUIRE=1) but cannot govern the "
+                                     f"kvcached pool {governor.key}: {type(exc).__name__}: {exc}") from exc
+            governor._ungovern(f"governor failed at pool start ({type(exc).__name__}: {exc})")
 
+    return wrap_once(init, __init__)
+
+
+def _wrap_shutdown(shutdown):
     def governed_shutdown(self) -> bool:
         done = shutdown(self)
         allocator = self.page_allocator
@@ -169,9 +254,35 @@ def patch_kv_cache_manager(module: ModuleType) -> None:
             allocator.governor.close()
         return done
 
-    __init__.__wrapped__ = init  # type: ignore[attr-defined]
-    cls.__init__ = __init__
-    cls.shutdown = governed_shutdown
+    return wrap_once(shutdown, governed_shutdown)
+
+
+#: The modules whose ``set_memory_limit`` calls are the governor's own (its limit channels).
+_OWN_CALLERS = __name__.rpartition(".")[0] + "."
+
+
+def _wrap_set_memory_limit(set_memory_limit):
+    def governed_set_memory_limit(self, limit_bytes: int, *, revision: int):
+        allocator = getattr(self, "page_allocator", None)
+        governor = allocator.governor if isinstance(allocator, GovernedPageAllocator) else None
+        if governor is None or not governor.governed or _own_call():
+            return set_memory_limit(self, limit_bytes, revision=revision)
+        return governor.outside_limit(self, int(limit_bytes), int(revision))
+
+    return wrap_once(set_memory_limit, governed_set_memory_limit)
+
+
+def _own_call() -> bool:
+    """True if ``set_memory_limit``'s caller is the broker's kvcached-mode code (a governor's
+    limit channel: :mod:`.limits`, :mod:`.agreement`), not kvcached's control API or an operator."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller.startswith(_OWN_CALLERS)
+
+
+def patch_kv_cache_manager(module: ModuleType) -> None:
+    module.PageAllocator = wrap_once(module.PageAllocator, _allocator_factory(module.PageAllocator))
+    wrap_methods(module, "KVCacheManager", {"__init__": _wrap_init, "shutdown": _wrap_shutdown,
+                                            "set_memory_limit": _wrap_set_memory_limit})
 
 
 PATCHES = [

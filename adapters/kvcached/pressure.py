@@ -7,18 +7,30 @@ and the governors' thread is woken.  The callback returns 0 at once: the pages g
 governors' thread as kvcached unmaps them, and the broker counts what a session releases
 after an ask as returned.  So the client's background thread never waits on kvcached, and no
 lock is taken inside another (a nested client lock and manager lock could deadlock).
+
+**Uncharged pages.**  A broker that restarted and could not grant a session back everything
+it held (its re-assertion came back short) charges fewer pages than the session's pools hold;
+the client books the difference as ``uncharged_pages`` and gives those back first, with no
+request, on its next releases.  :func:`check_shortfalls` (the governors' thread, every round)
+asks the client's pools for them exactly as for a pressure ask (:func:`split`), once per
+shortfall, and :func:`unasked_shortfall` lets the engine's allocation path miss until they
+were asked, so no page is mapped that the broker does not charge.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import weakref
 
 from . import runner
 
+log = logging.getLogger("kvcached_broker.adapters")
+
 _lock = threading.Lock()
 _pools: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> WeakSet of governors
+_short_asked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> uncharged pages asked back
 
 
 def enlist(client, governor) -> None:
@@ -54,3 +66,43 @@ def split(governors, session_pages: int) -> dict[object, int]:
         asked[governor] = pages
         left -= pages * governor.grants.ratio
     return asked
+
+
+def uncharged_pages(client) -> int:
+    """Session pages ``client`` holds that its broker does not charge (a re-assertion that came
+    back short).  The client books them (``ClientCore.uncharged_pages``); a client without that
+    book has none."""
+    found = getattr(client, "uncharged_pages", None)
+    if found is None:
+        found = getattr(getattr(client, "_core", None), "uncharged_pages", 0)
+    try:
+        return max(0, int(found or 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def unasked_shortfall(client) -> int:
+    """Uncharged session pages of ``client`` not yet asked of its pools (the engine's path: no
+    lock, no round trip)."""
+    return uncharged_pages(client) - _short_asked.get(client, 0)
+
+
+def check_shortfalls() -> None:
+    """Ask each client's pools for the pages its broker no longer charges (the governors' thread).
+
+    Each shortfall is asked once, split as a pressure ask is (most idle pool first): a pool
+    lowers its limit over free pages and releases at once, evicts its prefix cache and defers
+    the rest.  The client gives uncharged pages back first, without a request, so what the
+    pools release settles the shortfall, and the asked figure follows it down."""
+    with _lock:
+        clients = [(client, list(pools)) for client, pools in _pools.items()]
+    for client, pools in clients:
+        uncharged = uncharged_pages(client)
+        asked = min(_short_asked.get(client, 0), uncharged)
+        if uncharged > asked:
+            split(pools, uncharged - asked)
+            log.warning("event=kvcached_uncharged_pages session=%s session_pages=%d detail=the broker charges fewer "
+                        "pages than the pools hold (a short re-assertion); asked back from the pools",
+                        getattr(client, "session_id", None), uncharged - asked)
+            asked = uncharged
+        _short_asked[client] = asked

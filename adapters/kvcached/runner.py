@@ -1,8 +1,10 @@
 """The governors' thread: one per process, where every broker round trip and limit change runs.
 
 It wakes when an engine call or a pressure ask says a pool needs attention (:func:`wake`),
-and every ``TICK_S`` otherwise (idle give-back, kvctl writes, deferred limits that finished).
-A failure in one pool's step is logged and never stops the others, nor reaches the runtime.
+and every ``TICK_S`` otherwise (idle give-back, kvctl writes, deferred limits that finished,
+pages a restarted broker no longer charges: :func:`.pressure.check_shortfalls`, first in
+every round).  A failure in one pool's step is logged and never stops the others, nor
+reaches the runtime.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def _loop() -> None:
         _wake.wait(TICK_S)
         _wake.clear()
         now = time.monotonic()
+        try:
+            from . import pressure
+
+            pressure.check_shortfalls()
+        except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
+            log.warning("event=kvcached_shortfall_check_failed error=%r", str(exc))
         for governor in governors():
             try:
                 governor.step(now)

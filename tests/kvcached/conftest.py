@@ -55,3 +55,12 @@ def sampler_for():
         return Sampler(broker, usage)
 
     return make
+
+
+@pytest.fixture
+def inproc_pools(short_tmp, monkeypatch, inproc_factory):
+    """Governed pools in this process (inproc_pool.py): the broker's kvcached patch applied, and
+    undone after the test; an in-process 2 GiB broker; this process's adapter session."""
+    from inproc_pool import inproc_pools as body
+
+    yield from body(short_tmp, monkeypatch, inproc_factory)

@@ -28,11 +28,14 @@ class PoolProcess(SimPool):
     """A pool process (kvcached_broker.tools.kvcached_sim.pool_process): one kvcached pool."""
 
     @classmethod
-    def start(cls, broker, usage: Path, total_bytes: int, instance: str, extra_env: dict | None = None) -> "PoolProcess":
+    def start(cls, broker, usage: Path, total_bytes: int, instance: str, extra_env: dict | None = None,
+              wait: bool = True) -> "PoolProcess":
         env = python_env()
+        for flag in ("ENABLE_KVCACHED", "KVCACHED_AUTOPATCH", "KVCACHED_REQUIRE"):
+            env.pop(flag, None)  # the patch is applied explicitly unless a test asks for the .pth hook
         env.update(extra_env or {})
         return super().start(broker.endpoint, usage, total_bytes, instance, env=env,
-                             stderr=usage.parent / f"{instance}.err")
+                             stderr=usage.parent / f"{instance}.err", wait=wait)
 
 
 class Sampler:

@@ -8,6 +8,7 @@ at most what the broker granted it and that the device's sum is within the budge
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from types import SimpleNamespace
@@ -100,10 +101,16 @@ def test_a_kvctl_write_above_the_grant_is_an_operator_cap_not_a_licence(shared_g
         # a cap below the grant lowers the limit: deferred while blocks are in use, released as they are freed
         assert kvctl("limit", a.ipc_name, "128M").returncode == 0
         wait_for(lambda: a.pool()["operator_cap_bytes"] == 128 * MIB, what="the lower cap")
+        deferred = wait_for(lambda: (lambda p: p if p["pending_limit_bytes"] is not None else None)(a.pool()),
+                            what="the lower limit to be deferred")
+        # the record of why it could not give back at once (no prefix-cache hook is asked for a cap)
+        assert deferred["blocked"].startswith("deferred: ") and "pages in use by blocks still allocated" \
+            in deferred["blocked"] and deferred["deferred"] >= 1
         a.request("free", blocks=capped["held_blocks"])
         pool = wait_for(lambda: (lambda p: p if p["granted_bytes"] <= 128 * MIB else None)(a.pool()),
                         what="the pool to give back down to the cap")
         assert pool["limit_bytes"] <= 128 * MIB and pool["pages_released"] > 0
+        assert wait_for(lambda: a.pool()["blocked"] == "" or None, what="the deferred limit to apply")
     sampler.check()
 
 
@@ -129,6 +136,81 @@ def test_the_pools_keep_within_their_grants_across_a_broker_restart(shared_gpu, 
         assert status["broker"]["pid"] != first_pid  # a new broker, from the old one's journal
         assert sampler.samples > before
     sampler.check()
+
+
+def test_a_pool_whose_first_grant_is_refused_or_small_starts_within_its_grant(shared_gpu, pools, sampler_for):
+    """The first grant refused: the pool starts empty, its null block waits, and the governor's
+    retries grow the allocator itself (before kvcached's post-init); then a grant smaller than
+    the null block's page and kvcached's 5-page reserve.  Mapped <= granted from the start."""
+    broker, usage = shared_gpu("2GiB")
+    with broker.admin() as admin:
+        admin.limit("model-a", max_bytes=0)
+    with sampler_for(broker, usage) as sampler:
+        a = pools(broker, usage, 2 * GIB, "model-a", wait=False)
+        err = usage.parent / "model-a.err"
+        wait_for(lambda: "event=kvcached_pool_refused" in err.read_text(), what="the first grant to be refused")
+        assert sampler.samples > 0
+        with broker.admin() as admin:
+            admin.limit("model-a", max_bytes=4 * POOL_PAGE_BYTES)  # the zero page and three pages at most
+        ready = a.wait_ready()
+        pool = ready["pools"][0]
+        assert pool["governed"] and 1 <= pool["granted_bytes"] // POOL_PAGE_BYTES < 1 + 5
+        assert ready["page_state"]["inuse_pages"] == 1  # the null block, on page 0
+        assert (ready["page_state"]["inuse_pages"] + ready["page_state"]["reserved_pages"]) * POOL_PAGE_BYTES \
+            <= pool["granted_bytes"]
+        with broker.admin() as admin:
+            admin.limit("model-a", max_bytes=None)
+        assert a.request("fill", blocks=1000)["held_blocks"] == 1000  # grows as usual from there
+        assert "Traceback" not in err.read_text()
+    sampler.check()
+
+
+def test_a_pool_process_patched_by_the_pth_hook_is_governed(shared_gpu, pools, sampler_for):
+    """``ENABLE_KVCACHED=1`` alone: the package's ``.pth`` hook registers the patch at interpreter
+    start, and kvcached's integration is then patched on import, with no explicit call."""
+    broker, usage = shared_gpu("2GiB")
+    with sampler_for(broker, usage) as sampler:
+        a = pools(broker, usage, 2 * GIB, "model-a", extra_env={"ENABLE_KVCACHED": "1"})
+        assert a.request("fill", blocks=1000)["held_blocks"] == 1000
+        pool = a.pool()
+        assert pool["governed"] and pool["granted_bytes"] >= pages_of(1000) * POOL_PAGE_BYTES
+        err = (usage.parent / "model-a.err").read_text()
+        assert "event=adapter_active" in err and "hook=pth" in err and "hook=explicit" not in err
+    sampler.check()
+
+
+def test_pages_a_restarted_broker_no_longer_charges_go_back_and_are_never_mapped(shared_gpu, pools):
+    """The broker restarts without its state, its budget now about what the pool's process uses:
+    the pool's re-assertion comes back short (the client books the rest as uncharged).  The pool
+    gives those pages back and maps nothing beyond what the broker charges, although the device
+    has room, and its grant ends up what the broker charges."""
+    broker, usage = shared_gpu("2GiB")
+    a = pools(broker, usage, 2 * GIB, "model-a")
+    assert a.request("fill", blocks=1000)["held_blocks"] == 1000
+    assert a.request("settle")["settled"]
+    before = a.request("status")
+    granted = before["pools"][0]["granted_bytes"]
+    assert granted >= before["device_bytes"] + 8 * POOL_PAGE_BYTES  # grown ahead of need
+    broker.kill()
+    shutil.rmtree(broker.state_dir)  # its state is lost: the session must be re-asserted
+    broker.extra_args[broker.extra_args.index("--headroom") + 1] = str(2 * GIB - before["device_bytes"])
+    broker.start()
+
+    def charged() -> int:
+        return session_of(broker.status(), "model-a")["granted_pages"] * (2 << 20)
+
+    lowered = wait_for(lambda: (lambda p: p if p["pressure_asks"] and p["limit_bytes"] <= charged() else None)(a.pool()),
+                       what="the pool to give back what the restarted broker does not charge")
+    assert lowered["granted_bytes"] < granted
+    more = a.request("fill", blocks=2000, stall_s=1.0)  # the device has room; the broker does not
+    assert more["held_blocks"] < 2000 and more["misses"] > 0
+    assert a.pool()["mapped_bytes"] <= charged()
+    a.request("free", blocks=more["held_blocks"])
+    status = wait_for(lambda: _books_agree(broker, {"model-a": a}),
+                      what="the pool to hold what the restarted broker charges")
+    assert session_of(status, "model-a")["granted_pages"] * (2 << 20) < granted
+    err = (usage.parent / "model-a.err").read_text()
+    assert "event=kvcached_uncharged_pages" in err and "event=unprotected" not in err
 
 
 def test_without_a_broker_the_pool_runs_as_kvcached_alone(short_tmp, pools):

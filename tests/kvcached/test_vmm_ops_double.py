@@ -26,7 +26,9 @@ def kvcached_alone(short_tmp, monkeypatch):
     from kvcached.integration.sglang import interfaces
     import kvcached.kv_cache_manager as kvm
 
-    assert not hasattr(kvm.PageAllocator, "__kvcached_broker_real__"), "these tests need kvcached unpatched"
+    from kvcached_broker.adapters.patching import WRAPPED
+
+    assert not getattr(kvm.PageAllocator, WRAPPED, False), "these tests need kvcached unpatched"
     managers = []
 
     def make(num_blocks: int = 1 << 17):

@@ -4,7 +4,8 @@
         [--layers 4] [--virtual-tokens 4194304] [--evict all|oldest]
 
 It does what an SGLang rank does with kvcached mode on: the broker adapter's kvcached patch
-is applied, then kvcached's own SGLang integration builds the pool (``init_kvcached``,
+is applied (by the ``.pth`` hook when ``ENABLE_KVCACHED=1`` is in its environment, as on a
+server; explicitly otherwise), then kvcached's own SGLang integration builds the pool (``init_kvcached``,
 ``get_kv_cache_manager``, ``alloc_kv_cache``) on the shared simulated GPU (only
 ``kvcached.vmm_ops`` is a double, :mod:`.kvcached_cpu`).  With ``KVCACHED_BROKER=off`` in its
 environment the pool runs as kvcached alone.  The model has ``--layers`` layers of 8 KV heads of
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     from ...adapters.kvcached import runner
 
     worker.client_factory = connect_to(args.endpoint)
-    autopatch.apply(["kvcached"])
+    if not autopatch.hook_installed():  # with ENABLE_KVCACHED=1 the .pth hook registered it at start
+        autopatch.apply(["kvcached"])
     from kvcached.integration.sglang import interfaces
 
     interfaces.init_kvcached(device="cuda:0")
