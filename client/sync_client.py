@@ -101,6 +101,12 @@ class BrokerClient:
         return self._core.credit.held_pages
 
     @property
+    def uncharged_pages(self) -> int:
+        """Held pages the broker does not charge (it lost this session's state and could not
+        grant them again); they are given back first, with no request, as the caller releases."""
+        return self._core.uncharged_pages
+
+    @property
     def reserve_pages(self) -> int:
         return self._core.credit.reserve_pages
 

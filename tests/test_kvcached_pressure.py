@@ -26,10 +26,16 @@ class Pool:
 
 
 class Client:
+    """The part of a ``BrokerClient`` pressure uses: its uncharged-page book and callback."""
+
     def __init__(self):
         self._core = SimpleNamespace(uncharged_pages=0)
         self.session_id = "s-test"
         self.callback = None
+
+    @property
+    def uncharged_pages(self) -> int:
+        return self._core.uncharged_pages
 
     def on_pressure(self, callback) -> None:
         self.callback = callback

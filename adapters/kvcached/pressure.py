@@ -70,11 +70,9 @@ def split(governors, session_pages: int) -> dict[object, int]:
 
 def uncharged_pages(client) -> int:
     """Session pages ``client`` holds that its broker does not charge (a re-assertion that came
-    back short).  The client books them (``ClientCore.uncharged_pages``); a client without that
+    back short).  The client books them (``BrokerClient.uncharged_pages``); a client without that
     book has none."""
-    found = getattr(client, "uncharged_pages", None)
-    if found is None:
-        found = getattr(getattr(client, "_core", None), "uncharged_pages", 0)
+    found = getattr(client, "uncharged_pages", 0)
     try:
         return max(0, int(found or 0))
     except (TypeError, ValueError):

@@ -229,15 +229,21 @@ class WorkerGrants:
         log.warning("event=kvcached_pool_ungoverned pool=%s reason=%r detail=runs_as_kvcached_alone", self.key, why)
 
     def close(self) -> None:
-        """Give the grant back and leave the board (the process is going away; what is mapped
-        goes with it)."""
+        """Stop mapping, give back the grant above what is still mapped, and leave the board.
+
+        What is mapped stays granted: it goes back as the listener unmaps it, or with the
+        process when it exits (the broker reclaims a dead process's sessions), never while the
+        memory is still in use."""
         if self.closed:
             return
         self.closed = True
         if self.governed and self.grants is not None and self.grants.pages:
             with self.gate.lock:
-                self.gate.bound_pages = None
-            self.grants.release(self.grants.pages)
+                mapped = self.gate.mapped_pages()
+                self.gate.bound_pages = mapped  # nothing more is mapped from here on
+            surplus = self.grants.pages - mapped
+            if surplus > 0:
+                self.grants.release(surplus)
         self.board.leave()
 
     def status(self) -> dict[str, Any] | None:
