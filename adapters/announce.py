@@ -71,11 +71,6 @@ def once(key: str, level: int, event: str, **fields: object) -> bool:
     return True
 
 
-def said(key: str) -> bool:
-    with _lock:
-        return key in _said
-
-
 def reset() -> None:
     """Forget what was said (tests)."""
     with _lock:

@@ -85,6 +85,8 @@ class WorkerIdentity:
 
 #: The pool the broker sets to what a process already used when it pinned its base.
 RUNTIME_BASE_POOL = "runtime_base"
+#: The hold KV sizing takes (memory promised between sizing and allocating the KV cache).
+KV_SIZING_HOLD = "kv_sizing_hold"
 
 
 @dataclass
@@ -185,11 +187,6 @@ def session(identity: WorkerIdentity) -> BrokerClient | None:
         return client
 
 
-def protected(identity: WorkerIdentity) -> bool:
-    """True while this device's session is usable (opening it on first use)."""
-    return session(identity) is not None
-
-
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return text if isinstance(exc, BrokerError) else f"{type(exc).__name__}: {text}"
@@ -210,23 +207,6 @@ def _mark_unprotected(key: str, why: str) -> None:
         _unprotected[key] = why
     announce.once("unprotected", logging.WARNING, "unprotected", pid=os.getpid(), device=key, reason=why,
                   detail="this process's GPU memory is not arbitrated by kvcached-broker")
-
-
-def serving_failure(identity: WorkerIdentity, action: str, exc: BrokerError) -> bool:
-    """A broker failure while serving; True if the caller should go on without the broker.
-
-    An eviction is raised (fatal).  Under ``KVCACHED_REQUIRE=1`` the worker stays with its
-    broker and the caller treats the failure as a refusal (False); otherwise the worker turns
-    unprotected (said once) and the caller goes on without the broker (True).
-    """
-    if exc.fatal:
-        raise exc
-    if flags.required():
-        log.warning("event=broker_failure action=%s error=%r detail=treated_as_a_refusal(KVCACHED_REQUIRE=1)",
-                    action, str(exc))
-        return False
-    _mark_unprotected(str(identity.device), f"{action}: {exc}")
-    return True
 
 
 def open_identities() -> list[WorkerIdentity]:
@@ -430,13 +410,6 @@ def _merge(by_reporter: dict[str, dict[str, int]]) -> dict[str, int]:
         for name, size in pools.items():
             merged[name] = merged.get(name, 0) + size
     return merged
-
-
-def reporters(identity: WorkerIdentity) -> list[str]:
-    """The reporters in this device's book."""
-    with _lock:
-        entry = _sessions.get(str(identity.device))
-        return sorted(entry.book) if entry is not None else []
 
 
 def held_bytes(identity: WorkerIdentity, name: str | None = None) -> int:

@@ -65,7 +65,6 @@ class PoolState:
     """What one pool's governor asked the sync points for."""
 
     wanted_pages: int | None = None  # the limit it wants (None: not asked yet)
-    want_seq: int = 0  # the sequence number of that want
     evict_pages: int = 0  # prefix-cache eviction asked since the last sync
     agreed_pages: int | None = None  # the limit the last sync applied
     offered: int | None = None  # the grant offered into the sync in flight: held until it ends
@@ -103,7 +102,7 @@ class Agreement:
             if state.wanted_pages == pages:
                 return 0
             self._seq += 1
-            state.wanted_pages, state.want_seq = pages, self._seq
+            state.wanted_pages = pages
             return self._seq
 
     def wait(self, seq: int, timeout_s: float = WAIT_S) -> bool:
@@ -372,8 +371,3 @@ AGREEMENT = Agreement()
 def channel_factory(agreement: Agreement = AGREEMENT) -> Callable[[PoolGeometry], AgreedLimits]:
     """A ``limits.set_factory`` factory: every new pool's limits go through ``agreement``."""
     return lambda geometry: AgreedLimits(agreement)
-
-
-def split_offer(values: Sequence[int]) -> list[tuple[int, int]]:
-    """``[(limit pages, evict pages), ...]`` of a reduced offer (tests, logs)."""
-    return [(values[i], max(0, -values[i + 1])) for i in range(0, len(values), 2)]

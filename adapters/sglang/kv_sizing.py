@@ -6,7 +6,7 @@ co-located models both see the same free memory.  This module patches, on
 ``KVCacheConfigurator`` (0.5.16+) or ``ModelRunnerKVCacheMixin`` (0.5.12-0.5.15):
 
 * ``_profile_available_bytes``: the figure is capped at what the broker can grant this
-  worker now (``kv_budget.BrokerRoom.grantable_bytes``), held at once as the broker *hold*
+  worker now (``room.Room.grantable_bytes``, its own earlier hold included), held at once as the broker *hold*
   ``kv_sizing_hold`` (with the process's runtime base pinned in the same request, so what it
   already uses cannot absorb the hold; docs/accounting.md) so no other instance can take it
   before the pools exist, and min-reduced over SGLang's world group so every rank sizes
@@ -27,7 +27,7 @@ In kvcached mode (kvcached's capacity patch under this one, ``kvcached_sizing``)
 kvcached's *virtual* budget (``total_memory x mem_fraction_static``, MIN-reduced over the world
 group by kvcached itself): kvcached maps nothing at sizing time, and its pools take their
 memory page by page from the broker later (``adapters/kvcached``).  So the figure is capped at
-what the broker could *ever* give the instance (``kv_budget.BrokerRoom.ever_bytes``), no hold
+what the broker could *ever* give the instance (``room.Room.ever_bytes``), no hold
 is taken, and every rank still takes part in the same world min-reduce.  A pool kvcached does
 not manage (DeepSeek-V4: ``kvcached_fallback``) is static, and sized as above, with a hold.
 All sizes are bytes.
@@ -45,8 +45,9 @@ from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker
 from ..patching import wrap_methods, wrap_once
+from ..room import Room
 from . import (dsv4_reservation, kv_budget, kvcached_fallback, kvcached_sizing, kvcached_sync, parallel, pool_bytes,
-               reporting, session, speculative, startup)
+               reporting, speculative, startup)
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
 
@@ -57,7 +58,7 @@ _HOLD_ATTEMPTS = 3
 class SizingDecision:
     runtime_bytes: int  # what SGLang's own profile said
     capped_bytes: int  # what it was given
-    room: kv_budget.BrokerRoom | None  # the broker's view when deciding (None: unprotected)
+    room: Room | None  # the broker's view when deciding (None: unprotected)
 
     @property
     def lowered(self) -> bool:
@@ -85,7 +86,7 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     identity = parallel.identity(device, gpu_id)
     room, local_bytes, failure = None, int(runtime_bytes), None
     try:
-        if session.client_for(identity) is not None:
+        if worker.session(identity) is not None:
             found = (_ever_what_fits if elastic else _hold_what_fits)(identity, int(runtime_bytes))
             if found is not None:
                 room, local_bytes = found
@@ -109,30 +110,27 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     return agreed_bytes
 
 
-def _ever_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[kv_budget.BrokerRoom, int] | None:
+def _ever_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[Room, int] | None:
     """kvcached mode: ``min(virtual budget, what the broker could ever give)``; no hold.
     None when the worker is, or turns, unprotected."""
-    client = session.client_for(identity)
-    instance = identity.instance_name()
-    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client, instance))
+    client = worker.session(identity)
+    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(identity, client))
     if room is None:
         return None
     return room, max(0, min(runtime_bytes, room.ever_bytes))
 
 
-def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[kv_budget.BrokerRoom, int] | None:
+def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[Room, int] | None:
     """Measure the room and hold ``min(runtime, room)``; retried if another instance raced us.
 
     None when the worker is, or turns, unprotected.
     """
-    client = session.client_for(identity)
-    instance = identity.instance_name()
+    client = worker.session(identity)
     for _ in range(_HOLD_ATTEMPTS):
-        room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client, instance))
+        room = worker.guard(identity, "status", lambda: kv_budget.measure_room(identity, client))
         if room is None:
             return None
-        limit = room.grantable_bytes + reporting.held_bytes(identity)  # an earlier hold is replaced
-        capped = max(0, min(runtime_bytes, limit))
+        capped = max(0, min(runtime_bytes, room.grantable_bytes))  # an earlier hold counts: it is replaced
         if capped <= 0:
             return room, capped
         try:
@@ -141,7 +139,7 @@ def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tupl
             return room, capped
         except BudgetExceeded:
             continue
-    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client, instance))
+    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(identity, client))
     return None if room is None else (room, 0)
 
 
@@ -180,7 +178,7 @@ def _charge(identity: worker.WorkerIdentity, pool: Any, extra: tuple, last: bool
 
 
 def _drop_hold(identity: worker.WorkerIdentity) -> None:
-    if session.client_for(identity) is not None:
+    if worker.session(identity) is not None:
         reporting.release_hold(identity)
 
 

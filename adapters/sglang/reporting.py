@@ -29,12 +29,9 @@ from typing import Any
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
 from .. import background, worker
-from . import kv_budget, session
+from . import kv_budget
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
-
-#: The broker hold KV sizing takes (a hold, charged on top of measured usage; never a pool).
-HOLD = "kv_sizing_hold"
 
 _lock = threading.RLock()
 _counter = itertools.count(1)
@@ -89,7 +86,7 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
     (naming the broker, the budget and the other instances) if the broker has no room, which
     stops the worker at startup.  Any other broker failure leaves the worker unprotected.
     """
-    client = session.client_for(identity)
+    client = worker.session(identity)
     if client is None:
         return False
     key = reporter_key(pool, kind)
@@ -119,7 +116,7 @@ def _hold_after(identity: worker.WorkerIdentity, growth_bytes: int, last: bool) 
     held = held_bytes(identity)
     if not held:
         return None
-    return {HOLD: 0 if last else max(0, held - max(0, growth_bytes))}
+    return {worker.KV_SIZING_HOLD: 0 if last else max(0, held - max(0, growth_bytes))}
 
 
 def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
@@ -128,7 +125,7 @@ def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
     The base is pinned with the first hold.  False if the worker runs unprotected;
     ``BudgetExceeded`` if the broker has no room.
     """
-    if worker.hold(identity, HOLD, size_bytes) is None:
+    if worker.hold(identity, worker.KV_SIZING_HOLD, size_bytes) is None:
         return False
     with _lock:
         _holders[str(identity.device)] = identity
@@ -138,7 +135,7 @@ def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
 def release_hold(identity: worker.WorkerIdentity) -> None:
     """Drop whatever is left of the sizing hold (every pool of the start-up is built)."""
     if held_bytes(identity):
-        worker.hold(identity, HOLD, 0)
+        worker.hold(identity, worker.KV_SIZING_HOLD, 0)
 
 
 def release_all_holds() -> None:
@@ -171,14 +168,8 @@ def kv_reporters_by_device() -> list[tuple[worker.WorkerIdentity, list[str]]]:
     return [(identity, sorted(keys)) for identity, keys in by_device.values()]
 
 
-def totals_of(keys: list[str]) -> int:
-    """Bytes the reporters ``keys`` last reported."""
-    with _lock:
-        return sum(_totals.get(key, 0) for key in keys)
-
-
 def held_bytes(identity: worker.WorkerIdentity) -> int:
-    return worker.held_bytes(identity, HOLD)
+    return worker.held_bytes(identity, worker.KV_SIZING_HOLD)
 
 
 def reset() -> None:

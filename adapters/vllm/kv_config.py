@@ -48,12 +48,6 @@ def buffer_bytes(kv_cache_config: Any) -> int:
     return max(sizes) if shares_one_buffer(kv_cache_config) else sum(sizes)
 
 
-def bytes_per_block(kv_cache_config: Any) -> int:
-    """Device bytes one block id costs across every group and layer (rounded up)."""
-    blocks = int(kv_cache_config.num_blocks)
-    return -(-buffer_bytes(kv_cache_config) // blocks) if blocks > 0 else 0
-
-
 def layer_specs(kv_cache_config: Any) -> Iterator[tuple[int, str, Any]]:
     """``(group_index, layer_name, per_layer_spec)`` for every layer of every group."""
     for index, group in enumerate(kv_cache_config.kv_cache_groups):

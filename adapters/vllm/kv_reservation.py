@@ -70,7 +70,7 @@ def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, w
     usage = kv_config.within(kv_config.usage_breakdown(kv_cache_config), buffer_bytes)
     try:
         worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage,
-                      holds={kv_budget.HOLD: 0}, allocated=allocated)
+                      holds={worker.KV_SIZING_HOLD: 0}, allocated=allocated)
     except BudgetExceeded as exc:
         client = worker.session(identity)
         if client is None:

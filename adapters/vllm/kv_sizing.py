@@ -43,11 +43,11 @@ def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
     client = worker.session(identity)
     if client is None:
         return available_bytes
-    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(client))
+    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(identity, client))
     if room is None:  # the broker failed: unprotected, vLLM's own figure
         return available_bytes
     elastic = kvcached_mode.active()
-    limit = room.ceiling_bytes if elastic else room.grantable_bytes
+    limit = room.ever_bytes if elastic else room.grantable_bytes
     explicit = getattr(vllm_worker.cache_config, "kv_cache_memory_bytes", None)
     if explicit and explicit > limit:
         raise kv_budget.refusal(identity, room, int(explicit), "kv_cache_memory_bytes")
