@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -236,7 +237,17 @@ class Agreement:
         if unchanged and not finishing:
             return
         revision = int(limit.get("revision") or 0) + 1
-        manager.set_memory_limit(governor.geometry.limit_bytes(pages), revision=revision)
+        applied = manager.set_memory_limit(governor.geometry.limit_bytes(pages), revision=revision)
+        for _ in range(_PREALLOC_RETRIES):
+            if applied.get("status") != "deferred" or governor.real.get_num_inuse_pages() > pages:
+                break
+            # Nothing in use keeps the pool above the limit: kvcached's page preallocation was
+            # mapping pages outside its allocator's lock (not free, not yet reserved), so the
+            # shrink failed.  Those maps take moments; deferring would leave this rank's capacity
+            # unlike its peers' until blocks are freed.
+            time.sleep(_PREALLOC_RETRY_S)
+            revision += 1
+            applied = manager.set_memory_limit(governor.geometry.limit_bytes(pages), revision=revision)
         state.agreed_pages = pages
 
     def state_of(self, manager: Any) -> PoolState | None:
@@ -248,6 +259,11 @@ class Agreement:
         with self._lock:
             return self._seq - self._served_seq
 
+
+#: A limit kvcached deferred only because its page preallocation was mid-map is applied again,
+#: at most this many times, this far apart (on the scheduler's thread, inside the sync point).
+_PREALLOC_RETRIES = 20
+_PREALLOC_RETRY_S = 0.002
 
 #: An offer that constrains nothing (a failed offer still takes part in the collective).
 _NO_CONSTRAINT = 1 << 40

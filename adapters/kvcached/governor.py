@@ -224,6 +224,13 @@ class PoolGovernor:
         manager = self.manager()
         if manager is None or not self.governed:
             return
+        lost = getattr(self.grants, "lost", None)
+        why = lost() if lost is not None else None
+        if why is not None:
+            # Whatever call of the process found the broker unusable (a report, another pool's
+            # grow), this pool is no longer arbitrated: it runs as kvcached alone from now on.
+            self._ungovern(f"unprotected ({why})")
+            return
         try:
             if not manager._post_init_done.is_set():
                 self._grow_before_post_init(manager, now_s)

@@ -9,7 +9,7 @@ Invariant: :attr:`pages` is what this pool holds from the broker; the session ho
 ``pages * ratio`` session pages (other reporters may hold more on the same session).
 
 A governor uses any object with this interface (``pages``, ``acquire``, ``release``,
-``report``, ``forget``, ``poll``): :class:`SessionGrants` when the pool's memory is mapped in
+``report``, ``forget``, ``poll``, optionally ``lost``): :class:`SessionGrants` when the pool's memory is mapped in
 this process, ``board.BoardGrants`` when it is mapped in tensor-parallel workers that hold
 the grants themselves.
 """
@@ -47,6 +47,11 @@ class SessionGrants:
         if worker.pin_base(identity) is None:
             return None, f"unprotected ({worker.unprotected_reason(identity) or 'no broker'})"
         return cls(identity, client, ratio), ""
+
+    def lost(self) -> str | None:
+        """Why this pool's session can no longer be used (the process turned unprotected: a
+        failure of any reporter of the process counts), or None while it can."""
+        return worker.unprotected_reason(self.identity)
 
     def acquire(self, pages: int, min_pages: int) -> int | None:
         """Pool pages granted (between ``min_pages`` and ``pages``, or 0); None if unprotected."""

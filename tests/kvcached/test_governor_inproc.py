@@ -59,6 +59,71 @@ def test_an_ungoverned_pool_runs_as_kvcached_alone_without_a_stale_limit(inproc_
     manager.free(held)
 
 
+def test_a_broker_failure_anywhere_in_the_process_ungoverns_the_pool(inproc_pools):
+    """The broker stops answering and another reporter of the process finds out first (here a
+    report; on a loaded machine it was the pool's own usage views, before any grow): the pool
+    is no longer arbitrated, so it runs as kvcached alone at its next round, without needing a
+    miss of its own to ask the broker again."""
+    from kvcached_broker.adapters import worker
+
+    pools = inproc_pools
+    manager = pools.make()
+    governor = governor_of(manager)
+    _settle()
+    assert governor.governed
+    pools.broker.server.stop()
+    pools.broker.thread.join(timeout=30)
+    assert not pools.broker.thread.is_alive()
+    assert worker.report(pools.identity_of(), "another-reporter", {"side_pool": MIB}) is None  # now unprotected
+    _settle()
+    status = governor.status()
+    assert not status["governed"] and "unprotected" in status["why_ungoverned"]
+    assert status["limit_bytes"] == status["virtual_bytes"]
+    assert segment.read(manager.ipc_name).total_bytes == status["virtual_bytes"]
+
+
+def test_a_limit_agreed_while_kvcached_preallocates_applies_at_that_sync(inproc_pools):
+    """kvcached's page preallocation maps pages outside its allocator's lock: they are neither
+    free nor reserved meanwhile, so a shrink at that moment fails and kvcached defers it, with
+    nothing in use above the limit.  The sync point applies its agreed limit all the same (a
+    deferred limit would leave this rank's capacity unlike its TP peers' until blocks are freed)."""
+    from kvcached_broker.adapters.kvcached import agreement
+
+    pools = inproc_pools
+    manager = pools.make()
+    _settle()
+    allocator = governor_of(manager).real
+    agreed = agreement.Agreement()
+    agreed.sync(None, None)
+
+    pause = Pause(f"kvcached-prealloc-g{allocator.group_id}")
+    allocator._map_pages = pause.hook(allocator._map_pages)
+    allocator.trim()  # its reserved pages go back to the free list...
+    allocator._trigger_preallocation()  # ...and the preallocation takes some of them to map
+    assert pause.inside.wait(60), "kvcached's preallocation never started mapping"
+    in_use, total = allocator.get_num_inuse_pages(), allocator.get_num_total_pages()
+    limit = in_use + 1
+    assert allocator._in_flight >= 2 and limit < total
+
+    shrinks = []
+    real_resize = allocator.resize
+
+    def resize(size):
+        done = real_resize(size)
+        shrinks.append(done)
+        if not done:  # the shrink met the maps in flight: let them land
+            pause.go.set()
+            wait_for(lambda: allocator._in_flight == 0, what="the preallocation to finish its maps")
+        return done
+
+    allocator.resize = resize
+    agreed.want(manager, limit)
+    record = agreed.sync(None, None)
+    assert shrinks[0] is False  # kvcached deferred the first attempt
+    assert record.agreed_pages == [limit] and record.limit_pages == [limit]
+    pause.go.set()
+
+
 def test_an_ungoverned_pool_with_a_limit_channel_is_lifted_only_through_the_channel(inproc_pools):
     """SGLang's ranks agree on limits at sync points: the lift is a limit the channel applies
     there, and neither the stale target nor the lift's own segment write changes this rank's
