@@ -49,7 +49,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from ..client import BrokerClient, BrokerError, BudgetExceeded
+from ..client import BadRequest, BrokerClient, BrokerError, BudgetExceeded
 from ..client.endpoint import broker_disabled
 from . import announce, autopatch, flags, instance, patching, versions
 
@@ -399,8 +399,21 @@ def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: 
 
 def _reserve(client: BrokerClient, pools: dict[str, int], usage: dict[str, int],
              plan: _Plan) -> tuple[dict[str, int], int]:
-    """The reserve request and the runtime base its answer gives (read inside :func:`guard`)."""
-    result = client.reserve(pools, usage=usage, holds=dict(plan.holds), measured_base=plan.pin_base)
+    """The reserve request and the runtime base its answer gives (read inside :func:`guard`).
+
+    Usage views are never charged, so a view the broker finds larger than what the session
+    holds (its charge not caught up yet: a short broker restart, a grant in flight) does not
+    cost the worker its protection: the request goes again without views, and the views go
+    with a later report."""
+    holds = dict(plan.holds)
+    try:
+        result = client.reserve(pools, usage=usage, holds=holds, measured_base=plan.pin_base)
+    except BadRequest as exc:
+        if not usage or "view" not in exc.details:
+            raise
+        announce.once("views_dropped", logging.INFO, "usage_views_dropped", view=exc.details.get("view"),
+                      detail="larger than the session's charge for now; reported without views")
+        result = client.reserve(pools, usage={}, holds=holds, measured_base=plan.pin_base)
     return result, int(result.get(RUNTIME_BASE_POOL, 0))
 
 

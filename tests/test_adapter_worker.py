@@ -36,3 +36,19 @@ def test_unreachable_broker_is_a_warning_or_under_require_an_error(monkeypatch, 
         worker.session(ident)
     worker.reset()
 
+
+
+def test_a_usage_view_above_the_sessions_charge_is_dropped_not_a_reason_to_turn_unprotected(adapter_broker):
+    """Views are never charged: one larger than what the session holds (its charge not caught up
+    yet, as after a short broker restart) is left out of that report, the pools are reported,
+    and the worker keeps its broker; the views go with a later report once they fit."""
+    ident = worker.WorkerIdentity("sglang", 0, instance="views")
+    assert worker.report(ident, "pool", {"kv_static": GIB}, usage={"kv_static.layer0": 4 * GIB}) is not None
+    assert worker.unprotected_reason(ident) is None and worker.session(ident) is not None
+    (inst,) = adapter_broker.status()["instances"]
+    assert inst["pools"] == {"kv_static": GIB}
+    (session,) = inst["sessions"]
+    assert session["usage_breakdown"] == {}
+    worker.report(ident, "pool", {"kv_static": 8 * GIB}, usage={"kv_static.layer0": 4 * GIB})
+    (session,) = adapter_broker.status()["instances"][0]["sessions"]
+    assert session["usage_breakdown"] == {"kv_static.layer0": 4 * GIB}
