@@ -18,6 +18,7 @@ from typing import Any, Callable
 from .core import ClientCore, package_version, prepare
 from .errors import BrokerError
 from .operations import BACKGROUND_TICK_S, BackgroundHealth, Invoke, Op, Operations, Resume, Send
+from .session_view import SessionView
 from .transport import CurveKeys, SyncTransport, Timeouts
 from .trust import endpoint_guard
 
@@ -27,7 +28,7 @@ from .trust import endpoint_guard
 PressureCallback = Callable[[int], int]
 
 
-class BrokerClient:
+class BrokerClient(SessionView):
     """A session with one GPU's broker.  Create it with :meth:`connect`."""
 
     def __init__(self, core: ClientCore, transport: SyncTransport):
@@ -80,47 +81,6 @@ class BrokerClient:
             self._thread = threading.Thread(target=self._run_background, name=f"kvcached-broker-{instance}", daemon=True)
             self._thread.start()
         return self
-
-    # ------------------------------------------------------------ properties
-    @property
-    def session_id(self) -> str | None:
-        return self._core.session_id
-
-    @property
-    def endpoint(self) -> str:
-        return self._transport.endpoint
-
-    @property
-    def page_bytes(self) -> int:
-        """The size of one page of this session, in bytes."""
-        return self._core.page_bytes
-
-    @property
-    def held_pages(self) -> int:
-        """Pages handed to the caller and not yet released."""
-        return self._core.credit.held_pages
-
-    @property
-    def uncharged_pages(self) -> int:
-        """Held pages the broker does not charge (it lost this session's state and could not
-        grant them again); they are given back first, with no request, as the caller releases."""
-        return self._core.uncharged_pages
-
-    @property
-    def reserve_pages(self) -> int:
-        return self._core.credit.reserve_pages
-
-    @property
-    def pools(self) -> dict[str, int]:
-        return dict(self._core.pools)
-
-    @property
-    def holds(self) -> dict[str, int]:
-        return dict(self._core.holds)
-
-    @property
-    def lease_s(self) -> float:
-        return self._core.lease_s
 
     # -------------------------------------------------------------- the API
     def reserve(
