@@ -54,6 +54,24 @@ class Invoke:
 Action = Send | Resume | Invoke
 Op = Generator[Action, Any, Any]
 
+def drive(op: Op, do: Callable[[Action], Any]) -> Any:
+    """Carry out ``op``'s actions with ``do`` until it returns (or raises): what each action
+    gave, or raised, goes back into the operation, which decides (in doubt, refused, ...).
+    The synchronous drivers' loop; the asyncio client awaits ``do`` in the same loop."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            action = op.throw(error) if error is not None else op.send(value)
+        except StopIteration as done:
+            return done.value
+        value, error = None, None
+        try:
+            value = do(action)
+        except BaseException as exc:  # the operation decides
+            error = exc
+
+
 #: What an exchange returns for a request that a lost session made moot.
 MOOT = object()
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from .core import ClientCore, package_version, prepare
 from .errors import BrokerError
-from .operations import BACKGROUND_TICK_S, BackgroundHealth, Invoke, Op, Operations, Resume, Send
+from .operations import BACKGROUND_TICK_S, BackgroundHealth, Invoke, Op, Operations, Resume, Send, drive
 from .session_view import SessionView
 from .transport import CurveKeys, SyncTransport, Timeouts
 from .trust import endpoint_guard
@@ -168,18 +168,7 @@ class BrokerClient(SessionView):
     # ------------------------------------------------------------ the driver
     def _run(self, op: Op) -> Any:
         """Carry out an operation's actions until it returns (or raises)."""
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                action = op.throw(error) if error is not None else op.send(value)
-            except StopIteration as done:
-                return done.value
-            value, error = None, None
-            try:
-                value = self._do(action)
-            except BaseException as exc:  # the operation decides: in doubt, refused, ...
-                error = exc
+        return drive(op, self._do)
 
     def _do(self, action: Send | Resume | Invoke) -> Any:
         if type(action) is Send:

@@ -17,7 +17,7 @@ import pytest
 from kvcached_broker.client import protocol as proto
 from kvcached_broker.client.core import ClientCore
 from kvcached_broker.client.errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted
-from kvcached_broker.client.operations import Invoke, Operations, Resume, Send
+from kvcached_broker.client.operations import Invoke, Operations, Resume, Send, drive
 
 PAGE_BYTES = 1 << 20
 
@@ -135,18 +135,7 @@ class Script:
         self.sent.clear()
 
     def run(self, op) -> Any:
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                action = op.throw(error) if error is not None else op.send(value)
-            except StopIteration as done:
-                return done.value
-            value, error = None, None
-            try:
-                value = self.do(action)
-            except BaseException as exc:
-                error = exc
+        return drive(op, self.do)
 
     def do(self, action: Send | Resume | Invoke) -> Any:
         if isinstance(action, Send):
