@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -216,3 +218,19 @@ def adapter_broker(inproc_factory):
     worker.reset()
     worker.client_factory = None
 
+
+@pytest.fixture
+def children():
+    """Start idle child processes (each runs until its stdin closes); killed and reaped at the end."""
+    started: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        started.append(child)
+        return child
+
+    yield start
+    for child in started:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=60)

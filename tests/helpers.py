@@ -75,6 +75,48 @@ def require_runtime(dist: str) -> str:
     return found
 
 
+def require_kvcached_mode(dist: str, label: str) -> str:
+    """:func:`require_runtime` for a kvcached+RUNTIME overlay, with kvcached at the version
+    ``KVCACHED_BROKER_TEST_KVCACHED`` names (a missing one fails inside the overlay; outside
+    it, no kvcached skips).  ``label`` names the runtime in the skip message."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import pytest
+
+    found = require_runtime(dist)
+    expected = os.environ.get("KVCACHED_BROKER_TEST_KVCACHED", "")
+    try:
+        kvcached = version("kvcached")
+    except PackageNotFoundError:
+        kvcached = None
+    if expected:
+        assert kvcached == expected.split("-", 1)[1], f"overlay expects {expected}, found kvcached {kvcached}"
+    elif kvcached is None:
+        pytest.skip(f"kvcached mode for {label} runs in the kvcached+{dist} overlay (make test-adapters)")
+    return found
+
+
+def device_and_status(usage_dir: Path, admin) -> tuple[dict[int, int], dict]:
+    """The shared device's bytes by pid and the broker's status, read together under the
+    device's allocation lock: nobody maps or unmaps between the two readings."""
+    from kvcached_broker.broker.device import read_shared_usage
+    from kvcached_broker.tools.shared_gpu import allocation_lock
+
+    usage_dir.mkdir(parents=True, exist_ok=True)
+    with allocation_lock(usage_dir):
+        return read_shared_usage(usage_dir), admin.status()
+
+
+def granted_bytes_by_pid(status: dict) -> dict[int, int]:
+    """Bytes of pages the broker granted, per process holding a session."""
+    granted: dict[int, int] = {}
+    for instance in status["instances"]:
+        for session in instance["sessions"]:
+            pid = session["pid"]
+            granted[pid] = granted.get(pid, 0) + session["granted_pages"] * session["page_bytes"]
+    return granted
+
+
 class FakeProcesses:
     """``ProcessOps`` for driving the request core without processes: every pid is alive unless
     listed in ``dead``, and started at tick 1 unless ``ticks`` says otherwise (the core reads

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -19,26 +18,6 @@ from kvcached_broker.broker.device import SimulatedDevice, read_shared_usage, ru
 from kvcached_broker.tools.shared_gpu import SharedGpu
 
 from helpers import CLI, GIB, wait_for
-
-IDLE_CHILD = [sys.executable, "-c", "import sys; sys.stdin.read()"]  # runs until its stdin closes
-
-
-@pytest.fixture
-def children():
-    """Idle child processes a test started: killed and reaped at the end."""
-    started: list[subprocess.Popen] = []
-
-    def start() -> subprocess.Popen:
-        child = subprocess.Popen(IDLE_CHILD, stdin=subprocess.PIPE)
-        started.append(child)
-        return child
-
-    yield start
-    for child in started:
-        if child.poll() is None:
-            child.kill()
-        child.wait(timeout=30)
-
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)

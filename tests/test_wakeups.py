@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import zmq
@@ -52,22 +50,6 @@ def router():
     r = Router()
     yield r
     r.close()
-
-
-@pytest.fixture
-def children():
-    started: list[subprocess.Popen] = []
-
-    def start() -> subprocess.Popen:
-        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-        started.append(child)
-        return child
-
-    yield start
-    for child in started:
-        if child.poll() is None:
-            child.kill()
-        child.wait(timeout=60)
 
 
 def receive(router, wakeups: WakeupThread) -> bytes:

@@ -72,7 +72,13 @@ class SharedGpu:
         os.replace(tmp, path)
 
     def _locked(self):
-        return _Flock(self.usage_dir / ".lock")
+        return allocation_lock(self.usage_dir)
+
+
+def allocation_lock(usage_dir: Path) -> "_Flock":
+    """The shared device's allocation lock (a context manager): while it is held no process
+    allocates or frees, so a reader can compare what the device holds with the broker's view."""
+    return _Flock(Path(usage_dir) / ".lock")
 
 
 class _Flock:

@@ -7,16 +7,13 @@
 
 from __future__ import annotations
 
-import fcntl
-import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from helpers import GIB, MIB, python_env  # noqa: F401
+from helpers import GIB, MIB, device_and_status, granted_bytes_by_pid, python_env  # noqa: F401
 
-from kvcached_broker.broker.device import read_shared_usage
 from kvcached_broker.client import BrokerUnavailable
 from kvcached_broker.tools.kvcached_sim.pools import PoolProcess as SimPool
 
@@ -81,25 +78,14 @@ class Sampler:
             admin.close()
 
     def sample(self, admin) -> None:
-        fd = os.open(self.usage / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # SharedGpu's allocation lock: nobody maps or unmaps now
-            usage = read_shared_usage(self.usage)
-            status = admin.status()
-        finally:
-            os.close(fd)
+        usage, status = device_and_status(self.usage, admin)
         self.samples += 1
-        sessions: dict[int, list[dict]] = {}
-        for inst in status["instances"]:
-            for s in inst["sessions"]:
-                sessions.setdefault(s["pid"], []).append(s)
+        granted = granted_bytes_by_pid(status)
         for pid, used in usage.items():
-            mine = sessions.get(pid, [])
-            granted = sum(s["granted_pages"] * s["page_bytes"] for s in mine)
             mapped = used - POOL_PAGE_BYTES  # every worker has one pool, with one zero page
             self.peak_mapped[pid] = max(self.peak_mapped.get(pid, 0), mapped)
-            if mine and mapped > granted:
-                self.violations.append(f"pid {pid}: {mapped} bytes of KV pages mapped, {granted} granted")
+            if pid in granted and mapped > granted[pid]:
+                self.violations.append(f"pid {pid}: {mapped} bytes of KV pages mapped, {granted[pid]} granted")
         if sum(usage.values()) > status["budget_bytes"]:
             self.violations.append(f"{sum(usage.values())} bytes on the device, budget {status['budget_bytes']}")
 

@@ -10,9 +10,7 @@ after the process group when ``KVCACHED_IPC_NAME`` is unset).
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -21,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import python_env, require_runtime
+from helpers import device_and_status, granted_bytes_by_pid, python_env, require_kvcached_mode
 
 from kvcached_broker.adapters.kvcached import segment
-from kvcached_broker.broker.device import read_shared_usage
 
 HERE = Path(__file__).resolve().parent
 RANK = HERE / "sglang_rank.py"
@@ -37,19 +34,7 @@ SESSION_PAGE_BYTES = 2 << 20
 @pytest.fixture(scope="session", autouse=True)
 def overlay() -> str:
     """SGLang and kvcached at the overlay's versions (a missing one fails inside the overlay)."""
-    found = require_runtime("sglang")
-    expected = os.environ.get("KVCACHED_BROKER_TEST_KVCACHED", "")
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        kvcached = version("kvcached")
-    except PackageNotFoundError:
-        kvcached = None
-    if expected:
-        assert kvcached == expected.split("-", 1)[1], f"overlay expects {expected}, found kvcached {kvcached}"
-    elif kvcached is None:
-        pytest.skip("kvcached mode for SGLang runs in the kvcached+sglang overlay (make test-adapters)")
-    return found
+    return require_kvcached_mode("sglang", "SGLang")
 
 
 @dataclass
@@ -200,16 +185,9 @@ class Sampler:
                 admin.close()
 
     def sample(self, rank: RankProcess, admin) -> None:
-        rank.usage.mkdir(parents=True, exist_ok=True)
-        fd = os.open(rank.usage / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # the GPU's allocation lock: nobody maps or unmaps now
-            used = read_shared_usage(rank.usage).get(rank.proc.pid, 0)
-            status = admin.status()
-        finally:
-            os.close(fd)
-        granted = sum(s["granted_pages"] * s["page_bytes"] for inst in status["instances"]
-                      for s in inst["sessions"] if s["pid"] == rank.proc.pid)
+        usage, status = device_and_status(rank.usage, admin)
+        used = usage.get(rank.proc.pid, 0)
+        granted = granted_bytes_by_pid(status).get(rank.proc.pid, 0)
         mapped = max(0, used - self.zero_page_bytes)
         self.peak_mapped[rank.name] = max(self.peak_mapped.get(rank.name, 0), mapped)
         if mapped > granted:

@@ -8,12 +8,11 @@ worker is its own process, each worker on its own simulated GPU with its own rea
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import require_runtime
+from helpers import require_kvcached_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -23,19 +22,7 @@ from tp_harness import Broker, Gpu, Processes  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def overlay() -> str:
     """vLLM and kvcached at the overlay's versions (a missing one fails inside the overlay)."""
-    found = require_runtime("vllm")
-    expected = os.environ.get("KVCACHED_BROKER_TEST_KVCACHED", "")
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        kvcached = version("kvcached")
-    except PackageNotFoundError:
-        kvcached = None
-    if expected:
-        assert kvcached == expected.split("-", 1)[1], f"overlay expects {expected}, found kvcached {kvcached}"
-    elif kvcached is None:
-        pytest.skip("kvcached mode for vLLM runs in the kvcached+vllm overlay (make test-adapters)")
-    return found
+    return require_kvcached_mode("vllm", "vLLM")
 
 
 @pytest.fixture

@@ -14,9 +14,7 @@ promises for a broadcast-mode pool:
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -24,10 +22,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from helpers import python_env
+from helpers import device_and_status, granted_bytes_by_pid, python_env
 
 from kvcached_broker.adapters.kvcached import board as board_mod
-from kvcached_broker.broker.device import read_shared_usage
 from kvcached_broker.client import BrokerUnavailable
 from kvcached_broker.client.admin import AdminClient
 from kvcached_broker.tools.launch import BrokerLauncher
@@ -249,26 +246,14 @@ class Sampler:
             admin.close()
 
     def sample_gpu(self, gpu: Gpu, admin) -> None:
-        gpu.usage.mkdir(parents=True, exist_ok=True)
-        fd = os.open(gpu.usage / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # the device's allocation lock: nobody maps or unmaps now
-            usage = read_shared_usage(gpu.usage)
-            status = admin.status()
-        finally:
-            os.close(fd)
+        usage, status = device_and_status(gpu.usage, admin)
         self.samples += 1
-        sessions: dict[int, list[dict]] = {}
-        for inst in status["instances"]:
-            for session in inst["sessions"]:
-                sessions.setdefault(session["pid"], []).append(session)
+        granted = granted_bytes_by_pid(status)
         for pid, used in usage.items():
-            mine = sessions.get(pid, [])
-            granted = sum(s["granted_pages"] * s["page_bytes"] for s in mine)
             mapped = used - self.zero_page_bytes
             self.peak_mapped[pid] = max(self.peak_mapped.get(pid, 0), mapped)
-            if mine and mapped > granted:
-                self.violations.append(f"pid {pid}: {mapped} bytes of KV pages mapped, {granted} granted")
+            if pid in granted and mapped > granted[pid]:
+                self.violations.append(f"pid {pid}: {mapped} bytes of KV pages mapped, {granted[pid]} granted")
         if sum(usage.values()) > status["budget_bytes"]:
             self.violations.append(f"{sum(usage.values())} bytes on the device, budget {status['budget_bytes']}")
 

@@ -19,7 +19,6 @@ that each process's mapped pages are within its grant.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import sys
@@ -167,15 +166,12 @@ def read_frame(t_s: float, admin, usage: Path, pools: list) -> Frame:
     """Segments, device bytes and the broker's status, with the shared device's allocation lock held."""
     from ...adapters.kvcached import segment
     from ...broker.device import read_shared_usage
+    from ..shared_gpu import allocation_lock
 
-    fd = os.open(usage / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # SharedGpu's allocation lock: nobody maps or unmaps now
+    with allocation_lock(usage):  # nobody maps or unmaps now
         device = read_shared_usage(usage)
         segments = {pool.instance: segment.read(pool.ipc_name) for pool in pools}
         status = admin.status()
-    finally:
-        os.close(fd)
     figures, violations = {}, []
     for pool in pools:
         seg = segments[pool.instance]
