@@ -81,26 +81,27 @@ def settle(identity: worker.WorkerIdentity, tags: set[str]) -> None:
 
 
 # ------------------------------------------------------------------------ worker side
+def _followed(device: Any, tags: set[str], free: Callable[[], None]) -> None:
+    """vLLM frees ``tags`` (``free``), with the base pinned before and the charge dropped after;
+    a failure to pin is raised only once vLLM's own release has run."""
+    identity = parallel.identity(device)
+    failure = before_release(identity, tags)
+    free()
+    if failure is not None:
+        raise failure
+    after_release(identity, tags)
+
+
 def wrap_sleep(original: Callable[..., None]) -> Callable[..., None]:
     def sleep(self: Any, level: int = 1, *args: Any, **kwargs: Any) -> None:
-        identity = parallel.identity(self.device)
-        failure = before_release(identity, set(SLEEP_TAGS))
-        original(self, level, *args, **kwargs)
-        if failure is not None:
-            raise failure
-        after_release(identity, set(SLEEP_TAGS))
+        _followed(self.device, set(SLEEP_TAGS), lambda: original(self, level, *args, **kwargs))
 
     return wrap_once(original, sleep)
 
 
 def wrap_discard(original: Callable[..., None]) -> Callable[..., None]:
     def discard(self: Any, tags: tuple[str, ...], *args: Any, **kwargs: Any) -> None:
-        identity = parallel.identity(self.device)
-        failure = before_release(identity, set(tags))
-        original(self, tags, *args, **kwargs)
-        if failure is not None:
-            raise failure
-        after_release(identity, set(tags))
+        _followed(self.device, set(tags), lambda: original(self, tags, *args, **kwargs))
 
     return wrap_once(original, discard)
 
