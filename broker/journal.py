@@ -9,7 +9,9 @@ replies go out).  It also owns
   the next durable write.  Losing it in a crash over-charges until the worker re-asserts what
   it holds, which is safe;
 * **no-op rounds**: a session that ends a round where its latest record left it (a page out
-  and back) is not written at all;
+  and back) is not written at all, and a session that grows back to its latest *written*
+  record while a decrease of it is deferred drops that decrease unwritten (pages released and
+  taken again within the grace: what is on disk is right again);
 * **snapshots** (when the journal passes its size limit, and at a clean stop);
 * **replay** at start-up (:meth:`Journal.restore`), with the damage it found.
 
@@ -115,7 +117,10 @@ class Journal:
         # Sessions whose full record is on disk, each with the holdings its latest record
         # carries (None: not known here, so the next change is written in full).
         self._on_disk: dict[str, Holdings | None] = {}
-        self._deferred: list[JournalRecord] = []  # decrease-only records not yet written
+        # Decrease-only records not yet written, the latest per session (each supersedes the
+        # one before), and the holdings each of those sessions' latest written record carries.
+        self._deferred: dict[str, HoldRecord] = {}
+        self._written_before: dict[str, Holdings | None] = {}
         self._defer_until_s = 0.0
 
     # ------------------------------------------------------------- writing
@@ -126,6 +131,7 @@ class Journal:
     def rewrite(self, session_id: str) -> None:
         """Write this session's whole record with its next change (its identity changed)."""
         self._on_disk.pop(session_id, None)
+        self._written_before.pop(session_id, None)
 
     def commit(self, now_s: float) -> None:
         """Write what the ledger changed this round; call before the round's replies go out."""
@@ -150,20 +156,33 @@ class Journal:
             return
         if not self._deferred:
             self._defer_until_s = now_s + DEFER_S
-        self._deferred.extend(records)
+        for record in records:  # decrease-only rounds carry hold records alone
+            assert isinstance(record, HoldRecord)
+            self._deferred[record.session_id] = record
 
     def _session_records(self, session_ids: set[str], records: list[JournalRecord]) -> bool:
         """Append a record per changed session; True if one of them is a whole new record."""
         whole = False
         on_disk = self._on_disk
+        written_before = self._written_before
+        deferred = self._deferred
         sessions = self._ledger.sessions
         for session_id in session_ids:
             session = sessions[session_id]
             last = on_disk.get(session_id)
             if last is not None and last.still(session):
                 continue  # back to what the journal already says (say, one page out and back)
+            written = written_before.get(session_id)
+            if written is not None and written.still(session):
+                del deferred[session_id]  # back to what is written: its decrease is moot
+                del written_before[session_id]
+                on_disk[session_id] = written
+                continue
             holdings = Holdings.of(session)
+            if deferred:
+                deferred.pop(session_id, None)  # this round's record supersedes it
             if session_id in on_disk:  # the rest of its record is already on disk
+                written_before.setdefault(session_id, last)
                 records.append(holdings.record(session_id))
             else:
                 records.append(self._session_record(session_id))
@@ -182,8 +201,9 @@ class Journal:
         self._write([])
 
     def _write(self, records: list[JournalRecord]) -> None:
-        batch = self._deferred + records
-        self._deferred = []
+        batch = [*self._deferred.values(), *records]
+        self._deferred = {}
+        self._written_before.clear()
         if not batch:
             return
         self.store.append(batch)
@@ -193,6 +213,7 @@ class Journal:
     def write_snapshot(self) -> None:
         self.store.write_snapshot(self._snapshot())
         self._on_disk = dict.fromkeys(self._ledger.sessions)
+        self._written_before.clear()
 
     def started(self) -> None:
         """After a restore: what it rebuilt is the new snapshot, and the journal starts empty."""

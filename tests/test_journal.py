@@ -98,6 +98,60 @@ def test_a_session_that_ends_the_round_where_its_record_is_writes_nothing(short_
     assert journal_records(_journal(short_tmp))[-1]["granted_pages"] == 5
 
 
+def test_a_deferred_decrease_taken_back_before_its_grace_is_never_written(short_tmp):
+    core = restarted_core(short_tmp, 8 * GIB)
+    c = CoreSession(core, "w", page_bytes=GIB)
+    c.acquire(4)
+    core.journal.commit(0.0)
+    written = journal_records(_journal(short_tmp))
+    for round_s in (1.0, 1.001, 1.002):  # a page out and back in separate rounds, as in a ping-pong
+        c.result("release", pages=1)
+        core.journal.commit(round_s)
+        c.acquire(1)
+        core.journal.commit(round_s)  # a growth round, yet back at the written record: no write
+    assert journal_records(_journal(short_tmp)) == written
+    assert not core.journal.flush_due(2.0)  # and nothing is left waiting
+    core.journal.store.close()  # a crash here: the disk says what the session holds
+    assert restarted_core(short_tmp, 8 * GIB).ledger.sessions[c.session_id].granted_pages == 4
+
+
+def test_a_deferred_decrease_supersedes_the_one_before_and_partial_growth_is_written(short_tmp):
+    core = restarted_core(short_tmp, 8 * GIB)
+    c, other = CoreSession(core, "w", page_bytes=GIB), CoreSession(core, "v", page_bytes=GIB)
+    c.acquire(4)
+    other.acquire(2)
+    core.journal.commit(0.0)
+    written = journal_records(_journal(short_tmp))
+    c.result("release", pages=1)
+    core.journal.commit(1.0)
+    c.result("release", pages=1)
+    other.result("release", pages=1)
+    core.journal.commit(1.001)  # two decreases of c, one of other: all deferred
+    assert journal_records(_journal(short_tmp)) == written
+    c.acquire(1)  # c grows to 3: not its written 4, so written, with other's decrease and not c's
+    core.journal.commit(1.002)
+    new = journal_records(_journal(short_tmp))[len(written):]
+    assert [(r["session_id"], r["granted_pages"]) for r in new] == [(other.session_id, 1), (c.session_id, 3)]
+    assert not core.journal.flush_due(2.0)
+    core.journal.store.close()
+    restored = restarted_core(short_tmp, 8 * GIB).ledger.sessions
+    assert restored[c.session_id].granted_pages == 3 and restored[other.session_id].granted_pages == 1
+
+
+def test_a_resumed_session_with_a_deferred_decrease_is_written_whole(short_tmp):
+    core = restarted_core(short_tmp, 8 * GIB)
+    c = CoreSession(core, "w", page_bytes=GIB)
+    c.acquire(2)
+    core.journal.commit(0.0)
+    c.result("release", pages=1)
+    core.journal.commit(1.0)  # deferred
+    again = CoreConnection(core).hello("nonce-resumed-2", instance="w", page_bytes=GIB, resume=c.token)
+    assert again["ok"]
+    core.journal.commit(1.001)  # a new nonce: the whole record, with what it holds now
+    last = journal_records(_journal(short_tmp))[-1]
+    assert last["kind"] == "session" and last["nonce"] == "nonce-resumed-2" and last["granted_pages"] == 1
+
+
 def test_closes_limits_and_fences_are_written_at_once(short_tmp):
     core = restarted_core(short_tmp, 8 * GIB, is_admin=lambda peer: True)
     a, b = CoreSession(core, "a", page_bytes=GIB), CoreSession(core, "b", page_bytes=GIB)
