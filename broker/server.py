@@ -67,6 +67,11 @@ _POLLIN = int(zmq.POLLIN)
 #: for SERVER/RADIO sockets (docs/performance.md has what it saves).
 _raw_send = zmq.backend.Socket.send
 _POLL_TIMEOUT_MS = 100
+#: A first receive that took longer than this waited for its message: the queue was empty,
+#: so unless the round before was a batch, the round does not ask whether more wait behind it
+#: (a ``ZMQ_EVENTS`` read is about a tenth of a ping-pong's instructions, docs/performance.md);
+#: the next round takes any.
+_WAITED_S = 20e-6
 _MAX_PEERS = 16384
 _NOT_A_PEER = object()  # the wake-up thread's messages: never a request
 
@@ -114,10 +119,11 @@ class BrokerServer:
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._auth = None
-        self._stop = threading.Event()
+        self._stopping = False
         self._wakeups: WakeupThread | None = None
         self._wakeup_rid = b""  # the wake-up thread's routing id on the ROUTER socket
         self._rcvtimeo_ms = -1
+        self._batching = False  # the last round read more than one request
         self.ready = threading.Event()
         self._snapshot_requests: list[dict[str, Any]] = []
         self._timers_due_s = 0.0
@@ -240,7 +246,7 @@ class BrokerServer:
 
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return (thread- and signal-safe)."""
-        self._stop.set()
+        self._stopping = True
         wakeups = self._wakeups
         if wakeups is not None:
             wakeups.wake()
@@ -279,7 +285,7 @@ class BrokerServer:
             self._timers.append(_Timer(5.0, lambda now: self.notifier.status(self._summary())))
             if self.notifier.watchdog_interval_s:
                 self._timers.append(_Timer(self.notifier.watchdog_interval_s, lambda now: self.notifier.watchdog()))
-            while not self._stop.is_set():
+            while not self._stopping:
                 self.run_round()
         finally:
             log.info("event=stopping sessions=%d", len(self.table))
@@ -314,6 +320,7 @@ class BrokerServer:
         if timeout_ms != self._rcvtimeo_ms:
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._rcvtimeo_ms = timeout_ms
+        waiting_from = time.perf_counter()
         try:
             rid = sock.recv()  # the first message's routing id frame
         except zmq.Again:
@@ -321,7 +328,8 @@ class BrokerServer:
         started = time.perf_counter()
         now = self.clock()
         if rid is not None:
-            self._read_requests(rid, now, replies)
+            ask_for_more = self._batching or started - waiting_from < _WAITED_S
+            self._batching = self._read_requests(rid, now, replies, ask_for_more) > 1
         if now >= self._timers_due_s:
             # The every-round jobs run at most once a millisecond: one check per round, not five calls.
             self._timers_due_s = now + 0.001
@@ -342,8 +350,9 @@ class BrokerServer:
             box["status"] = status
             box["done"].set()
 
-    def _read_requests(self, rid: bytes, now: float, replies: list[tuple[bytes, bytes]]) -> None:
-        """Handle the message ``rid`` starts and those waiting behind it, up to ``max_batch``."""
+    def _read_requests(self, rid: bytes, now: float, replies: list[tuple[bytes, bytes]], ask_for_more: bool) -> int:
+        """Handle the message ``rid`` starts and, if ``ask_for_more``, those waiting behind it,
+        up to ``max_batch``; returns how many requests it read."""
         sock = self._sock
         assert sock is not None
         recv = sock.recv
@@ -377,15 +386,17 @@ class BrokerServer:
                     replies.append((rid, reply))
             if count >= max_batch:
                 break
-            # Most rounds carry one request: ask whether more are waiting rather than fail a
-            # receive (docs/performance.md).  Past the first, read on until Again.
-            if count <= 1 and not sock.get(_EVENTS) & _POLLIN:
+            # A round whose receive waited, after a round of one, takes one request; otherwise
+            # ask whether more are waiting rather than fail a receive (docs/performance.md).
+            # Past the first, read on until Again.
+            if count <= 1 and not (ask_for_more and sock.get(_EVENTS) & _POLLIN):
                 break
             try:
                 rid = recv(_NOBLOCK)
             except zmq.Again:
                 break
         counters.requests += count
+        return count
 
     def _on_wakeup(self, body: bytes) -> None:
         pid = parse_wakeup(body)
