@@ -45,6 +45,19 @@ log = logging.getLogger("kvcached_broker.client")
 RESUME_CODES = frozenset({"not_owner", "unknown_session"})
 
 
+class _ThisProcess:
+    """This process's pid, kept current across ``fork`` so a request needs no ``getpid`` call."""
+
+    pid = os.getpid()
+
+    @classmethod
+    def forked(cls) -> None:
+        cls.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_ThisProcess.forked)
+
+
 @dataclass
 class Outstanding:
     """A request that changes holdings and has no answer yet."""
@@ -276,7 +289,7 @@ class ClientCore:
             raise SessionEvicted(f"session {self.session_id} was evicted; its memory has been given away")
         if self.closed:
             raise BrokerError("this broker client is closed", code="bad_request")
-        if os.getpid() != self.pid:
+        if _ThisProcess.pid != self.pid:
             raise BrokerError(
                 "this broker client belongs to the parent process; create a new client after fork",
                 code="not_owner",

@@ -273,7 +273,8 @@ class Operations:
         """
         core = self.core
         core.check_usable()
-        yield from self.settle_in_doubt(total_s)
+        if core.outstanding:
+            yield from self.settle_in_doubt(total_s)
         request_id = core.next_id()
         payload = proto.encode(build(request_id))
         booked = bool(track and track.get("booked"))

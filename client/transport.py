@@ -139,8 +139,9 @@ class SyncTransport:
         while True:
             if not self._send(payload, deadline):
                 raise _unreachable(self.endpoint, timeouts, self._why_unreachable())
-            attempt_end = min(deadline, time.monotonic() + timeouts.attempt_s)
-            self._set_recv_timeout(min(timeouts.attempt_s, attempt_end - time.monotonic()), timeouts.attempt_s)
+            attempt_start = time.monotonic()
+            attempt_end = min(deadline, attempt_start + timeouts.attempt_s)
+            self._set_recv_timeout(attempt_end - attempt_start, timeouts.attempt_s)
             while True:
                 try:
                     frame = sock.recv()
