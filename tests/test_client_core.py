@@ -165,6 +165,27 @@ def test_usable_until_evicted_closed_or_forked():
     assert info.value.code == "not_owner"
 
 
+def test_a_real_fork_makes_the_parents_core_unusable_in_the_child():
+    core = _opened()
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its copy of the parent's core must refuse
+        verdict = b"usable"
+        try:
+            core.check_usable()
+        except BrokerError as exc:
+            verdict = exc.code.encode()
+        finally:
+            os.write(write_end, verdict)
+            os._exit(0)
+    os.close(write_end)
+    verdict = os.read(read_end, 64)
+    os.close(read_end)
+    os.waitpid(child, 0)
+    assert verdict == b"not_owner"
+    core.check_usable()  # still usable in the parent
+
+
 def test_other_errors_leave_the_session_usable():
     core = _opened()
     err = core.error_of(_reply_error("budget_exceeded"))
