@@ -6,7 +6,8 @@ next to the same loop with one of the broker shell's choices added, and with all
 * ``opts``: ROUTER_MANDATORY, MAXMSGSIZE, LINGER 0 and the broker's high-water marks;
 * ``timeo``: a receive timeout (the shell's blocking ``recv`` wakes for its timers);
 * ``frame``: the body received as a ``Frame`` (its properties carry the peer's credentials),
-  then ``ZMQ_EVENTS`` asked, as the shell does after a round's first message;
+  then ``ZMQ_EVENTS`` asked, as the shell did after every round's first message (it now asks
+  only when that round's receive did not wait, or the round before was a batch);
 * ``write``: one ``write()`` of a journal record per round;
 * ``rawsend``: replies through pyzmq's compiled ``Socket.send``;
 * ``inproc``: a second, idle pipe into the ROUTER (the wake-up thread's ``inproc`` DEALER).
