@@ -406,6 +406,8 @@ def _adapter_info(adapter: dict[str, Any] | None) -> proto.AdapterInfo | None:
 
 
 def check_pages(name: str, value: Any, *, minimum: int) -> int:
+    if type(value) is int and minimum <= value <= proto.MAX_PAGES:
+        return value  # the common case, in one test
     _check_int(name, value, minimum=minimum)
     if value > proto.MAX_PAGES:
         raise BadRequest(f"{name} must be at most {proto.MAX_PAGES}, got {value}")
