@@ -314,10 +314,10 @@ class Operations:
         raise core.error_of(reply)
 
     def settle_in_doubt(self, total_s: float | None) -> Op:
-        """Send every request a caller gave up on again, before anything else, and book its answer."""
+        """Send every request a caller gave up on again, before anything else, and book its answer.
+
+        Callers skip it when nothing is outstanding (no generator to build on the hot path)."""
         core = self.core
-        if not core.outstanding:
-            return
         for request_id, outstanding in core.in_doubt():
             if core.outstanding.get(request_id) is not outstanding:
                 continue  # a lost session dropped it meanwhile
