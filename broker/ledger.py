@@ -443,7 +443,6 @@ class Ledger:
         self._add_pages(session, fit_pages)
         if session.reassert_allowance_bytes:
             self._use_allowance(session, fit_pages * session.page_bytes)
-        self._changed(session)
         return SMALL_GRANTS[fit_pages] if fit_pages < len(SMALL_GRANTS) else Grant(fit_pages)
 
     def release(self, session_id: str, pages: int) -> int:
@@ -459,7 +458,6 @@ class Ledger:
         self._add_pages(session, -pages)
         if session.reserve_pages > session.granted_pages:
             session.reserve_pages = session.granted_pages
-        self._changed(session)
         return session.granted_pages
 
     # ----------------------------------------------------------------- limits
@@ -617,14 +615,17 @@ class Ledger:
         self._recharge(self._account_for(session), reported_delta=reserved_delta - held_delta + granted_delta)
 
     def _add_pages(self, session: Session, pages: int) -> None:
-        """``_apply`` for a change of granted pages only: the grant path, kept short."""
+        """``_apply`` for a change of granted pages only, recorded as a change: the grant
+        path, kept short."""
         delta = pages * session.page_bytes
         inst = self._instances[session.instance]
         limits = self.limits.get(session.instance) if self.limits else None
         floor = limits.min_bytes if limits is not None else 0
         unfilled_before = max(0, floor - inst.charge_bytes) if floor else 0
+        changes = self._changes
+        changes.sessions.add(session.id)
         if pages > 0:
-            self._changes.grew = True
+            changes.grew = True
         session.granted_pages += pages
         inst.granted_bytes += delta
         self._granted_total += delta
@@ -712,23 +713,23 @@ class Ledger:
         if charged > budget:
             return 0, "overcommitted", 0
         if self.growth_hold is None:
-            return self._pages_within(session, pages, budget, charged)
+            if not self._unfilled_floor_total and session.instance not in self.limits and not session.account.measured_bytes:
+                fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
+                return fit, (None if fit == pages else "budget_exceeded"), budget - charged
+            return self._pages_within(session, pages)
         account = session.account
         assert account is not None
         exempt_bytes = max(self._reassertion_left_bytes(session), account.excess_bytes)
         exempt_pages = min(pages, exempt_bytes // session.page_bytes)
         if not exempt_pages:
             return 0, "held", 0
-        fit, code, room_bytes = self._pages_within(session, exempt_pages, budget, charged)
+        fit, code, room_bytes = self._pages_within(session, exempt_pages)
         if code is None and exempt_pages < pages:
             return fit, "held", 0
         return fit, code, room_bytes
 
-    def _pages_within(self, session: Session, pages: int, budget: int, charged: int) -> tuple[int, str | None, int]:
+    def _pages_within(self, session: Session, pages: int) -> tuple[int, str | None, int]:
         """``_pages_that_fit`` against the budget, floors and caps alone."""
-        if not self._unfilled_floor_total and session.instance not in self.limits and not session.account.measured_bytes:
-            fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
-            return fit, (None if fit == pages else "budget_exceeded"), budget - charged
         device_room, cap_room, _ = self._growth_room(session)
         device_fit = max(0, device_room) // session.page_bytes
         cap_fit = device_fit if cap_room is None else max(0, cap_room) // session.page_bytes
