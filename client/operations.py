@@ -33,19 +33,21 @@ from .errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted, 
 log = logging.getLogger("kvcached_broker.client")
 
 
-@dataclass(frozen=True, slots=True)
+# The actions are not frozen: one is built per request, and a frozen dataclass's __init__
+# costs three times a plain one's (docs/performance.md).  Nothing changes one once yielded.
+@dataclass(slots=True)
 class Send:
     request_id: int
     payload: bytes
     total_s: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Resume:
     token: str | None  # the token the failed request used: a resume already done since is enough
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Invoke:
     fn: Callable[..., Any]
     args: tuple
