@@ -154,7 +154,6 @@ class LedgerChanges:
     sessions: set[str] = field(default_factory=set)
     closed: set[str] = field(default_factory=set)
     limits: set[str] = field(default_factory=set)
-    grew: bool = False  # some charge increased: the change must be durable before it is answered
 
     def __bool__(self) -> bool:
         return bool(self.sessions or self.closed or self.limits)

@@ -1,17 +1,19 @@
 """The journal: what the ledger and the session table must not forget, on disk (no I/O elsewhere).
 
 ``Journal`` owns the state store (``checkpoint``) and the rule that keeps a restarted broker
-from handing memory out twice: every change that adds a charge is written before the round
-that made it is answered (group commit: :meth:`Journal.commit` once per round, before the
-replies go out).  It also owns
+from handing memory out twice: a session that ends a round charged more than its last
+*written* record says is written before the round is answered (group commit:
+:meth:`Journal.commit` once per round, before the replies go out).  It also owns
 
-* **deferral**: a round whose changes only *decrease* charges may wait up to ``DEFER_S`` for
-  the next durable write.  Losing it in a crash over-charges until the worker re-asserts what
-  it holds, which is safe;
+* **deferral**: a session that ends a round charged no more than its written record (it
+  released pages, or took some back short of what the disk says) waits up to ``DEFER_S``;
+  losing that record in a crash over-charges until the worker re-asserts what it holds, which
+  is safe.  A write of other sessions does not take waiting records along: a session that
+  grew back to what it held would need writing again, so under page churn each session is
+  written about once per grace rather than in nearly every round;
 * **no-op rounds**: a session that ends a round where its latest record left it (a page out
-  and back) is not written at all, and a session that grows back to its latest *written*
-  record while a decrease of it is deferred drops that decrease unwritten (pages released and
-  taken again within the grace: what is on disk is right again);
+  and back) is not written at all, and a session that returns to its written record while a
+  record of it waits drops that record unwritten (what is on disk is right again);
 * **snapshots** (when the journal passes its size limit, and at a clean stop);
 * **replay** at start-up (:meth:`Journal.restore`), with the damage it found.
 
@@ -65,6 +67,14 @@ class Holdings(NamedTuple):
     def still(self, session: Session) -> bool:
         """Whether ``session`` holds exactly this (compared in place, without copying)."""
         return self == (session.granted_pages, session.reserve_pages, session.pools, session.usage, session.holds)
+
+    def charged_below(self, session: Session) -> bool:
+        """Whether ``session`` is charged more than these holdings say: in all (pools, holds
+        and pages), or in holds alone (a hold is charged in full).  Only then must a record of
+        it be on disk before it is answered; a disk that says more over-charges, which is safe."""
+        held_bytes = sum(self.holds.values())
+        bytes_here = sum(self.pools.values()) + held_bytes + self.granted_pages * session.page_bytes
+        return session.reported_bytes > bytes_here or session.held_bytes > held_bytes
 
     def record(self, session_id: str) -> HoldRecord:
         return HoldRecord(session_id=session_id, pools=self.pools, granted_pages=self.granted_pages,
@@ -134,35 +144,33 @@ class Journal:
         self._written_before.pop(session_id, None)
 
     def commit(self, now_s: float) -> None:
-        """Write what the ledger changed this round; call before the round's replies go out."""
+        """Write what the ledger changed this round; call before the round's replies go out.
+
+        What must be durable now (a session charged more than its last written record says, a
+        new session, closes, limits, fences) is written with one ``write()``.  A session now
+        charged no more than its written record waits; so do other sessions' records already
+        waiting (written along, a later return to what they held would need writing again).
+        """
         changes = self._ledger.drain_changes()
         if changes is None and not self._pending:
             return
-        records, self._pending = self._pending, []
-        durable_now = bool(records)  # fences
+        records, self._pending = self._pending, []  # fences
         if changes is not None:
-            durable_now |= changes.grew or bool(changes.closed or changes.limits)
-            durable_now |= self._session_records(changes.sessions, records)
+            deferred_before = len(self._deferred)
+            self._session_records(changes.sessions, records)
+            if self._deferred and not deferred_before:
+                self._defer_until_s = now_s + DEFER_S
             for session_id in changes.closed:
+                self._forget(session_id)
                 records.append(CloseRecord(session_id=session_id))
-                self._on_disk.pop(session_id, None)
             for instance in changes.limits:
                 limits = self._ledger.limits.get(instance)
                 records.append(limit_record(instance, limits) if limits else UnlimitRecord(instance=instance))
-        if not records:
-            return
-        if durable_now:
+        if records:
             self._write(records)
-            return
-        if not self._deferred:
-            self._defer_until_s = now_s + DEFER_S
-        for record in records:  # decrease-only rounds carry hold records alone
-            assert isinstance(record, HoldRecord)
-            self._deferred[record.session_id] = record
 
-    def _session_records(self, session_ids: set[str], records: list[JournalRecord]) -> bool:
-        """Append a record per changed session; True if one of them is a whole new record."""
-        whole = False
+    def _session_records(self, session_ids: set[str], records: list[JournalRecord]) -> None:
+        """Append a record per changed session that must be durable now; defer the others'."""
         on_disk = self._on_disk
         written_before = self._written_before
         deferred = self._deferred
@@ -172,47 +180,62 @@ class Journal:
             last = on_disk.get(session_id)
             if last is not None and last.still(session):
                 continue  # back to what the journal already says (say, one page out and back)
-            written = written_before.get(session_id)
-            if written is not None and written.still(session):
+            waiting = session_id in written_before
+            written = written_before[session_id] if waiting else last
+            if waiting and written is not None and written.still(session):
                 del deferred[session_id]  # back to what is written: its decrease is moot
                 del written_before[session_id]
                 on_disk[session_id] = written
                 continue
             holdings = Holdings.of(session)
-            if deferred:
-                deferred.pop(session_id, None)  # this round's record supersedes it
-            if session_id in on_disk:  # the rest of its record is already on disk
-                written_before.setdefault(session_id, last)
-                records.append(holdings.record(session_id))
-            else:
+            if session_id not in on_disk:  # new, or its identity changed: the whole record, now
                 records.append(self._session_record(session_id))
-                whole = True
+                self._written(session_id)
+            elif written is None or written.charged_below(session):
+                records.append(holdings.record(session_id))
+                self._written(session_id)
+            else:  # charged no more than its written record: it waits, replacing any that waits
+                written_before[session_id] = written
+                deferred[session_id] = holdings.record(session_id)
             on_disk[session_id] = holdings
-        return whole
+
+    def _written(self, session_id: str) -> None:
+        """A record of this session goes to disk now: nothing of it waits any more."""
+        if self._deferred:
+            self._deferred.pop(session_id, None)
+            self._written_before.pop(session_id, None)
+
+    def _forget(self, session_id: str) -> None:
+        """The session closed: a record of it that waits is moot."""
+        self._on_disk.pop(session_id, None)
+        self._written(session_id)
 
     def flush_due(self, now_s: float) -> bool:
-        """Write deferred records whose grace has passed; True if it wrote."""
+        """Write the records that wait once their grace has passed; True if it wrote."""
         if self._deferred and now_s >= self._defer_until_s:
-            self._write([])
+            self.flush()
             return True
         return False
 
     def flush(self) -> None:
-        self._write([])
-
-    def _write(self, records: list[JournalRecord]) -> None:
-        batch = [*self._deferred.values(), *records]
+        """Write every record that waits."""
+        waiting = list(self._deferred.values())
         self._deferred = {}
         self._written_before.clear()
-        if not batch:
+        self._write(waiting)
+
+    def _write(self, records: list[JournalRecord]) -> None:
+        if not records:
             return
-        self.store.append(batch)
+        self.store.append(records)
         if self.store.needs_compaction():
             self.write_snapshot()
 
     def write_snapshot(self) -> None:
+        """The whole state as it is now: records that wait are older, so they are dropped."""
         self.store.write_snapshot(self._snapshot())
         self._on_disk = dict.fromkeys(self._ledger.sessions)
+        self._deferred = {}
         self._written_before.clear()
 
     def started(self) -> None:

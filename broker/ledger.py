@@ -599,8 +599,6 @@ class Ledger:
         granted_delta = (granted_pages - session.granted_pages) * session.page_bytes
         inst = self._instances[session.instance]
         old_unfilled = self.unfilled_floor_bytes(session.instance)
-        if reserved_delta + granted_delta > 0 or held_delta > 0:
-            self._changes.grew = True
         session.pools = dict(pools)
         session.holds = dict(holds)
         session.reserved_bytes += reserved_delta
@@ -622,10 +620,7 @@ class Ledger:
         limits = self.limits.get(session.instance) if self.limits else None
         floor = limits.min_bytes if limits is not None else 0
         unfilled_before = max(0, floor - inst.charge_bytes) if floor else 0
-        changes = self._changes
-        changes.sessions.add(session.id)
-        if pages > 0:
-            changes.grew = True
+        self._changes.sessions.add(session.id)
         session.granted_pages += pages
         inst.granted_bytes += delta
         self._granted_total += delta

@@ -58,7 +58,7 @@ def test_growth_is_on_disk_when_commit_returns(short_tmp):
     assert not core.journal.flush_due(5.0)  # nothing left waiting
 
 
-def test_a_decrease_only_round_waits_for_its_grace_or_the_next_durable_write(short_tmp):
+def test_a_decrease_waits_for_its_grace_even_past_another_sessions_durable_write(short_tmp):
     core = restarted_core(short_tmp, 8 * GIB)
     c = CoreSession(core, "w", page_bytes=GIB)
     c.acquire(4)
@@ -75,10 +75,13 @@ def test_a_decrease_only_round_waits_for_its_grace_or_the_next_durable_write(sho
     c.result("release", pages=1)
     core.journal.commit(20.0)  # deferred again
     other = CoreSession(core, "v", page_bytes=GIB)
-    core.journal.commit(20.0)  # a new session is durable now, and takes the deferred record along
+    core.journal.commit(20.0 + DEFER_S / 2)  # a new session is durable now; the decrease still waits
     records = journal_records(_journal(short_tmp))
-    assert [r["kind"] for r in records[-2:]] == ["hold", "session"]
-    assert records[-2]["granted_pages"] == 2 and records[-1]["id"] == other.session_id
+    assert records[-1]["kind"] == "session" and records[-1]["id"] == other.session_id
+    assert records[-2]["granted_pages"] == 3
+    assert not core.journal.flush_due(20.0 + DEFER_S / 2)
+    assert core.journal.flush_due(20.0 + DEFER_S)  # the grace of its first deferral
+    assert journal_records(_journal(short_tmp))[-1]["granted_pages"] == 2
     assert not core.journal.flush_due(30.0)
 
 
@@ -115,7 +118,7 @@ def test_a_deferred_decrease_taken_back_before_its_grace_is_never_written(short_
     assert restarted_core(short_tmp, 8 * GIB).ledger.sessions[c.session_id].granted_pages == 4
 
 
-def test_a_deferred_decrease_supersedes_the_one_before_and_partial_growth_is_written(short_tmp):
+def test_a_waiting_decrease_is_replaced_by_newer_ones_and_only_growth_past_the_written_record_is_written(short_tmp):
     core = restarted_core(short_tmp, 8 * GIB)
     c, other = CoreSession(core, "w", page_bytes=GIB), CoreSession(core, "v", page_bytes=GIB)
     c.acquire(4)
@@ -126,16 +129,108 @@ def test_a_deferred_decrease_supersedes_the_one_before_and_partial_growth_is_wri
     core.journal.commit(1.0)
     c.result("release", pages=1)
     other.result("release", pages=1)
-    core.journal.commit(1.001)  # two decreases of c, one of other: all deferred
-    assert journal_records(_journal(short_tmp)) == written
-    c.acquire(1)  # c grows to 3: not its written 4, so written, with other's decrease and not c's
+    core.journal.commit(1.001)  # two decreases of c, one of other: all wait
+    c.acquire(1)  # c back up to 3: still below its written 4, so it waits (replacing its 2)
     core.journal.commit(1.002)
+    assert journal_records(_journal(short_tmp)) == written
+    c.acquire(2)  # c at 5: past its written 4, so written now; other's decrease still waits
+    core.journal.commit(1.003)
     new = journal_records(_journal(short_tmp))[len(written):]
-    assert [(r["session_id"], r["granted_pages"]) for r in new] == [(other.session_id, 1), (c.session_id, 3)]
-    assert not core.journal.flush_due(2.0)
+    assert [(r["session_id"], r["granted_pages"]) for r in new] == [(c.session_id, 5)]
+    assert core.journal.flush_due(2.0)
+    new = journal_records(_journal(short_tmp))[len(written):]
+    assert [(r["session_id"], r["granted_pages"]) for r in new] == [(c.session_id, 5), (other.session_id, 1)]
+    assert not core.journal.flush_due(3.0)
     core.journal.store.close()
     restored = restarted_core(short_tmp, 8 * GIB).ledger.sessions
-    assert restored[c.session_id].granted_pages == 3 and restored[other.session_id].granted_pages == 1
+    assert restored[c.session_id].granted_pages == 5 and restored[other.session_id].granted_pages == 1
+
+
+def test_a_round_that_grows_and_shrinks_a_session_below_its_record_is_not_urgent(short_tmp):
+    core = restarted_core(short_tmp, 8 * GIB)
+    c = CoreSession(core, "w", page_bytes=GIB)
+    c.acquire(3)
+    core.journal.commit(0.0)
+    written = journal_records(_journal(short_tmp))
+    c.acquire(1)
+    c.result("release", pages=2)  # up to 4, then down to 2 in one round: answered at 2
+    core.journal.commit(1.0)
+    assert journal_records(_journal(short_tmp)) == written  # the disk's 3 over-charges: safe
+    assert core.journal.flush_due(1.0 + DEFER_S)
+    assert journal_records(_journal(short_tmp))[-1]["granted_pages"] == 2
+
+
+def test_a_hold_past_the_written_one_is_urgent_even_when_pages_pay_for_it(short_tmp):
+    core = restarted_core(short_tmp, 8 * GIB)
+    c = CoreSession(core, "w", page_bytes=GIB)
+    c.acquire(2)
+    core.journal.commit(0.0)
+    c.result("release", pages=1)
+    c.result("reserve", pools={}, holds={"swa": GIB})  # same bytes in all, but a hold is charged in full
+    core.journal.commit(1.0)
+    last = journal_records(_journal(short_tmp))[-1]
+    assert last["granted_pages"] == 1 and last["holds"] == {"swa": GIB}
+
+
+def test_sessions_that_churn_pages_write_once_per_grace_not_once_per_round(short_tmp):
+    """Four sessions each take a page and give it back across rounds, out of step: a growth
+    of one must not write the others' waiting decreases, or each of them, grown back, would
+    be written again (a chain of writes in nearly every round)."""
+    core = restarted_core(short_tmp, 64 * GIB)
+    sessions = [CoreSession(core, f"w{i}", page_bytes=GIB) for i in range(4)]
+    for s in sessions:
+        s.acquire(4)
+    core.journal.commit(0.0)
+    written = len(journal_records(_journal(short_tmp)))
+    now_s = 1.0
+    for round_index in range(40):  # 40 rounds inside one grace
+        for i, s in enumerate(sessions):
+            if (round_index + i) % 2:
+                s.result("release", pages=1)
+            else:
+                s.acquire(1)
+        now_s += DEFER_S / 100
+        core.journal.commit(now_s)
+    churn = journal_records(_journal(short_tmp))[written:]
+    assert len(churn) <= 4  # each session's first growth above its record, once
+    core.journal.flush()
+    core.journal.store.close()  # a crash: what is on disk is what each session holds, or more
+    restored = restarted_core(short_tmp, 64 * GIB).ledger.sessions
+    assert all(restored[s.session_id].granted_pages == core.ledger.sessions[s.session_id].granted_pages
+               for s in sessions)
+
+
+def test_a_closed_session_s_waiting_decrease_is_never_written_after_its_close(short_tmp):
+    core = restarted_core(short_tmp, 8 * GIB)
+    c = CoreSession(core, "w", page_bytes=GIB)
+    c.acquire(2)
+    core.journal.commit(0.0)
+    c.result("release", pages=1)
+    core.journal.commit(1.0)  # waits
+    c.result("close")
+    core.journal.commit(1.001)
+    assert not core.journal.flush_due(2.0)  # nothing of it waits any more
+    assert [r["kind"] for r in journal_records(_journal(short_tmp))] == ["session", "close"]
+    core.journal.store.close()
+    assert c.session_id not in restarted_core(short_tmp, 8 * GIB).ledger.sessions
+
+
+def test_a_snapshot_drops_waiting_decreases_it_already_holds(short_tmp):
+    core = restarted_core(short_tmp, 8 * GIB)
+    store: StateStore = core.journal.store
+    c, other = CoreSession(core, "w", page_bytes=GIB), CoreSession(core, "v", page_bytes=GIB)
+    c.acquire(3)
+    core.journal.commit(0.0)
+    c.result("release", pages=1)
+    core.journal.commit(1.0)  # c's decrease waits
+    store.compact_after_bytes = store.journal_bytes + 1  # the next write passes it
+    other.acquire(1)
+    core.journal.commit(1.001)  # other's growth is written, then compacted into a snapshot
+    assert _journal(short_tmp).stat().st_size == 0
+    assert not core.journal.flush_due(2.0)  # c's decrease is in the snapshot; nothing waits
+    core.journal.store.close()
+    restored = restarted_core(short_tmp, 8 * GIB).ledger.sessions
+    assert restored[c.session_id].granted_pages == 2 and restored[other.session_id].granted_pages == 1
 
 
 def test_a_resumed_session_with_a_deferred_decrease_is_written_whole(short_tmp):
