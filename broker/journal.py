@@ -8,9 +8,11 @@ from handing memory out twice: a session that ends a round charged more than its
 * **deferral**: a session that ends a round charged no more than its written record (it
   released pages, or took some back short of what the disk says) waits up to ``DEFER_S``;
   losing that record in a crash over-charges until the worker re-asserts what it holds, which
-  is safe.  A write of other sessions does not take waiting records along: a session that
-  grew back to what it held would need writing again, so under page churn each session is
-  written about once per grace rather than in nearly every round;
+  is safe.  A write of other sessions takes waiting records along only when what is on disk
+  would otherwise no longer fit the budget or a cap (a growth took the room a waiting
+  decrease freed: a restart would charge it twice).  Otherwise they keep waiting: a session
+  that grew back to what it held would need writing again, so under page churn each session
+  is written about once per grace rather than in nearly every round;
 * **no-op rounds**: a session that ends a round where its latest record left it (a page out
   and back) is not written at all, and a session that returns to its written record while a
   record of it waits drops that record unwritten (what is on disk is right again);
@@ -68,13 +70,16 @@ class Holdings(NamedTuple):
         """Whether ``session`` holds exactly this (compared in place, without copying)."""
         return self == (session.granted_pages, session.reserve_pages, session.pools, session.usage, session.holds)
 
+    def reported_bytes(self, page_bytes: int) -> int:
+        """What these holdings charge in all: pools, holds and pages."""
+        return sum(self.pools.values()) + sum(self.holds.values()) + self.granted_pages * page_bytes
+
     def charged_below(self, session: Session) -> bool:
-        """Whether ``session`` is charged more than these holdings say: in all (pools, holds
-        and pages), or in holds alone (a hold is charged in full).  Only then must a record of
-        it be on disk before it is answered; a disk that says more over-charges, which is safe."""
-        held_bytes = sum(self.holds.values())
-        bytes_here = sum(self.pools.values()) + held_bytes + self.granted_pages * session.page_bytes
-        return session.reported_bytes > bytes_here or session.held_bytes > held_bytes
+        """Whether ``session`` is charged more than these holdings say: in all, or in holds
+        alone (a hold is charged in full).  Only then must a record of it be on disk before it
+        is answered; a disk that says more over-charges, which is safe on its own."""
+        return (session.reported_bytes > self.reported_bytes(session.page_bytes)
+                or session.held_bytes > sum(self.holds.values()))
 
     def record(self, session_id: str) -> HoldRecord:
         return HoldRecord(session_id=session_id, pools=self.pools, granted_pages=self.granted_pages,
@@ -149,7 +154,7 @@ class Journal:
         What must be durable now (a session charged more than its last written record says, a
         new session, closes, limits, fences) is written with one ``write()``.  A session now
         charged no more than its written record waits; so do other sessions' records already
-        waiting (written along, a later return to what they held would need writing again).
+        waiting, unless the disk without them would not fit (:meth:`_waiting_fits`).
         """
         changes = self._ledger.drain_changes()
         if changes is None and not self._pending:
@@ -167,7 +172,38 @@ class Journal:
                 limits = self._ledger.limits.get(instance)
                 records.append(limit_record(instance, limits) if limits else UnlimitRecord(instance=instance))
         if records:
+            if self._deferred and not self._waiting_fits():
+                records = [*self._take_waiting(), *records]
             self._write(records)
+
+    def _waiting_fits(self) -> bool:
+        """Whether what is on disk, with the records that wait left out, still fits the budget
+        and every cap.  A waiting decrease may have freed the room that a growth written now
+        took; a restart that read both would charge that room twice, so then they go along."""
+        ledger = self._ledger
+        extra_bytes = 0
+        extra_by_instance: dict[str, int] = {}
+        for session_id in self._deferred:
+            written, session = self._written_before.get(session_id), ledger.sessions.get(session_id)
+            if written is None or session is None:
+                return False  # what it waits against is not known here
+            extra = written.reported_bytes(session.page_bytes) - session.reported_bytes
+            extra_bytes += extra
+            extra_by_instance[session.instance] = extra_by_instance.get(session.instance, 0) + extra
+        if ledger.charged_bytes + extra_bytes > ledger.budget_bytes:
+            return False
+        for instance, extra in extra_by_instance.items():
+            limits = ledger.limits.get(instance)
+            if limits is not None and limits.max_bytes is not None:
+                if ledger.instance_charge_bytes(instance) + extra > limits.max_bytes:
+                    return False
+        return True
+
+    def _take_waiting(self) -> list[JournalRecord]:
+        waiting: list[JournalRecord] = list(self._deferred.values())
+        self._deferred = {}
+        self._written_before.clear()
+        return waiting
 
     def _session_records(self, session_ids: set[str], records: list[JournalRecord]) -> None:
         """Append a record per changed session that must be durable now; defer the others'."""
@@ -219,10 +255,7 @@ class Journal:
 
     def flush(self) -> None:
         """Write every record that waits."""
-        waiting = list(self._deferred.values())
-        self._deferred = {}
-        self._written_before.clear()
-        self._write(waiting)
+        self._write(self._take_waiting())
 
     def _write(self, records: list[JournalRecord]) -> None:
         if not records:

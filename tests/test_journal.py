@@ -200,6 +200,42 @@ def test_sessions_that_churn_pages_write_once_per_grace_not_once_per_round(short
                for s in sessions)
 
 
+def test_a_decrease_whose_room_another_session_took_is_written_with_that_growth(short_tmp):
+    """Left waiting, the decrease and the growth into the room it freed would both be on disk:
+    a restart would charge that room twice (overbooked with no outside usage)."""
+    core = restarted_core(short_tmp, 8 * GIB)
+    a, b = CoreSession(core, "a", page_bytes=GIB), CoreSession(core, "b", page_bytes=GIB)
+    full_pages = core.ledger.budget_bytes // GIB
+    assert a.acquire(full_pages) == full_pages
+    core.journal.commit(0.0)
+    a.result("release", pages=2)
+    core.journal.commit(1.0)  # waits: nobody needs its room yet
+    assert b.acquire(2) == 2  # the room a freed
+    core.journal.commit(1.001)
+    last_two = journal_records(_journal(short_tmp))[-2:]
+    assert [(r["session_id"], r["granted_pages"]) for r in last_two] == [(a.session_id, full_pages - 2),
+                                                                         (b.session_id, 2)]
+    core.journal.store.close()
+    restored = restarted_core(short_tmp, 8 * GIB).ledger
+    assert restored.charged_bytes <= restored.budget_bytes and not restored.overcommitted
+
+
+def test_a_decrease_whose_room_under_its_instance_cap_a_sibling_took_is_written_with_it(short_tmp):
+    core = restarted_core(short_tmp, 8 * GIB, is_admin=lambda peer: True)
+    assert CoreConnection(core).ask({"op": "limit", "id": 1, "instance": "w", "max_bytes": 4 * GIB})["ok"]
+    a, b = CoreSession(core, "w", page_bytes=GIB), CoreSession(core, "w", page_bytes=GIB)
+    assert a.acquire(4) == 4
+    core.journal.commit(0.0)
+    a.result("release", pages=1)
+    core.journal.commit(1.0)  # waits
+    assert b.acquire(1) == 1  # the room under the cap a freed
+    core.journal.commit(1.001)
+    assert not core.journal.flush_due(1.001 + DEFER_S)  # a's decrease went with b's growth
+    core.journal.store.close()
+    restored = restarted_core(short_tmp, 8 * GIB).ledger
+    assert restored.instance_charge_bytes("w") <= 4 * GIB
+
+
 def test_a_closed_session_s_waiting_decrease_is_never_written_after_its_close(short_tmp):
     core = restarted_core(short_tmp, 8 * GIB)
     c = CoreSession(core, "w", page_bytes=GIB)
