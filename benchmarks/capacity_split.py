@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import tempfile
@@ -35,14 +34,10 @@ SERVERS = ["raw", "echo", "core", "broker"]
 
 def _thread_cpu_s(pid: int) -> tuple[float, float]:
     """(main threads, ZeroMQ I/O threads) CPU seconds of process ``pid`` so far."""
+    from harness import cpu_s_by_thread
+
     main = io = 0.0
-    tick_s = 1 / os.sysconf("SC_CLK_TCK")
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            text = f.read()
-        name = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        cpu_s = (int(fields[11]) + int(fields[12])) * tick_s
+    for name, cpu_s in cpu_s_by_thread(pid).items():
         if name.startswith("ZMQbg/IO"):
             io += cpu_s
         elif not name.startswith("ZMQbg"):

@@ -24,6 +24,20 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def cpu_s_by_thread(pid: int) -> dict[str, float]:
+    """CPU seconds (user and system) process ``pid`` has used so far, summed by thread name
+    (``ZMQbg/IO/0`` is a ZeroMQ I/O thread; the main thread carries the program's name)."""
+    tick_s = 1 / os.sysconf("SC_CLK_TCK")
+    by_name: dict[str, float] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            text = f.read()
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) * tick_s
+    return by_name
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

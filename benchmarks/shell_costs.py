@@ -32,6 +32,7 @@ import time
 
 import msgpack
 import zmq
+from harness import cpu_s_by_thread
 
 ALL = "opts+timeo+frame+write+rawsend+inproc"
 VARIANTS = ["plain", "opts", "timeo", "frame", "write", "rawsend", "inproc", ALL]
@@ -78,12 +79,7 @@ def _serve(endpoint: str, ready, variant: str, journal_path: str) -> None:
 
 
 def _cpu_s(pid: int) -> float:
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_s_by_thread(pid).values())
 
 
 def measure(variant: str, requests: int, workdir: str) -> tuple[float, float]:
