@@ -130,12 +130,12 @@ class Journal:
         self._table = table
         self._pending: list[JournalRecord] = []  # written with the next commit (fences)
         # Sessions whose full record is on disk, each with the holdings its latest record
-        # carries (None: not known here, so the next change is written in full).
+        # carries, written or waiting (None: not known here, so the next change is written in
+        # full).
         self._on_disk: dict[str, Holdings | None] = {}
-        # Decrease-only records not yet written, the latest per session (each supersedes the
-        # one before), and the holdings each of those sessions' latest written record carries.
-        self._deferred: dict[str, HoldRecord] = {}
-        self._written_before: dict[str, Holdings | None] = {}
+        # Sessions whose latest record waits (what ``_on_disk`` says, not yet written), each
+        # with the holdings its latest *written* record carries.
+        self._waiting: dict[str, Holdings] = {}
         self._defer_until_s = 0.0
 
     # ------------------------------------------------------------- writing
@@ -146,7 +146,6 @@ class Journal:
     def rewrite(self, session_id: str) -> None:
         """Write this session's whole record with its next change (its identity changed)."""
         self._on_disk.pop(session_id, None)
-        self._written_before.pop(session_id, None)
 
     def commit(self, now_s: float) -> None:
         """Write what the ledger changed this round; call before the round's replies go out.
@@ -161,9 +160,9 @@ class Journal:
             return
         records, self._pending = self._pending, []  # fences
         if changes is not None:
-            deferred_before = len(self._deferred)
+            waiting_before = len(self._waiting)
             self._session_records(changes.sessions, records)
-            if self._deferred and not deferred_before:
+            if self._waiting and not waiting_before:
                 self._defer_until_s = now_s + DEFER_S
             for session_id in changes.closed:
                 self._forget(session_id)
@@ -172,7 +171,7 @@ class Journal:
                 limits = self._ledger.limits.get(instance)
                 records.append(limit_record(instance, limits) if limits else UnlimitRecord(instance=instance))
         if records:
-            if self._deferred and not self._waiting_fits():
+            if self._waiting and not self._waiting_fits():
                 records = [*self._take_waiting(), *records]
             self._write(records)
 
@@ -183,10 +182,8 @@ class Journal:
         ledger = self._ledger
         extra_bytes = 0
         extra_by_instance: dict[str, int] = {}
-        for session_id in self._deferred:
-            written, session = self._written_before.get(session_id), ledger.sessions.get(session_id)
-            if written is None or session is None:
-                return False  # what it waits against is not known here
+        for session_id, written in self._waiting.items():
+            session = ledger.sessions[session_id]
             extra = written.reported_bytes(session.page_bytes) - session.reported_bytes
             extra_bytes += extra
             extra_by_instance[session.instance] = extra_by_instance.get(session.instance, 0) + extra
@@ -200,55 +197,54 @@ class Journal:
         return True
 
     def _take_waiting(self) -> list[JournalRecord]:
-        waiting: list[JournalRecord] = list(self._deferred.values())
-        self._deferred = {}
-        self._written_before.clear()
-        return waiting
+        """The records that wait, to be written now.  A session rewritten this round has none
+        to give: its whole record comes with the change that follows (leaving its decrease
+        unwritten meanwhile only over-charges)."""
+        on_disk = self._on_disk
+        records: list[JournalRecord] = []
+        for session_id in self._waiting:
+            holdings = on_disk.get(session_id)
+            if holdings is not None:
+                records.append(holdings.record(session_id))
+        self._waiting.clear()
+        return records
 
     def _session_records(self, session_ids: set[str], records: list[JournalRecord]) -> None:
         """Append a record per changed session that must be durable now; defer the others'."""
         on_disk = self._on_disk
-        written_before = self._written_before
-        deferred = self._deferred
+        waiting = self._waiting
         sessions = self._ledger.sessions
         for session_id in session_ids:
             session = sessions[session_id]
             last = on_disk.get(session_id)
             if last is not None and last.still(session):
                 continue  # back to what the journal already says (say, one page out and back)
-            waiting = session_id in written_before
-            written = written_before[session_id] if waiting else last
-            if waiting and written is not None and written.still(session):
-                del deferred[session_id]  # back to what is written: its decrease is moot
-                del written_before[session_id]
-                on_disk[session_id] = written
-                continue
-            holdings = Holdings.of(session)
             if session_id not in on_disk:  # new, or its identity changed: the whole record, now
                 records.append(self._session_record(session_id))
-                self._written(session_id)
-            elif written is None or written.charged_below(session):
+                waiting.pop(session_id, None)
+                on_disk[session_id] = Holdings.of(session)
+                continue
+            was_waiting = session_id in waiting
+            written = waiting[session_id] if was_waiting else last
+            if was_waiting and written.still(session):
+                del waiting[session_id]  # back to what is written: the record that waits is moot
+                on_disk[session_id] = written
+                continue
+            holdings = on_disk[session_id] = Holdings.of(session)
+            if written is None or written.charged_below(session):
                 records.append(holdings.record(session_id))
-                self._written(session_id)
+                waiting.pop(session_id, None)
             else:  # charged no more than its written record: it waits, replacing any that waits
-                written_before[session_id] = written
-                deferred[session_id] = holdings.record(session_id)
-            on_disk[session_id] = holdings
-
-    def _written(self, session_id: str) -> None:
-        """A record of this session goes to disk now: nothing of it waits any more."""
-        if self._deferred:
-            self._deferred.pop(session_id, None)
-            self._written_before.pop(session_id, None)
+                waiting[session_id] = written
 
     def _forget(self, session_id: str) -> None:
         """The session closed: a record of it that waits is moot."""
         self._on_disk.pop(session_id, None)
-        self._written(session_id)
+        self._waiting.pop(session_id, None)
 
     def flush_due(self, now_s: float) -> bool:
         """Write the records that wait once their grace has passed; True if it wrote."""
-        if self._deferred and now_s >= self._defer_until_s:
+        if self._waiting and now_s >= self._defer_until_s:
             self.flush()
             return True
         return False
@@ -268,8 +264,7 @@ class Journal:
         """The whole state as it is now: records that wait are older, so they are dropped."""
         self.store.write_snapshot(self._snapshot())
         self._on_disk = dict.fromkeys(self._ledger.sessions)
-        self._deferred = {}
-        self._written_before.clear()
+        self._waiting.clear()
 
     def started(self) -> None:
         """After a restore: what it rebuilt is the new snapshot, and the journal starts empty."""

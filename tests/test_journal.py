@@ -33,6 +33,12 @@ def _kinds(state_dir) -> list[str]:
     return [r["kind"] for r in journal_records(_journal(state_dir))]
 
 
+def _ledger_after_a_crash(core, state_dir, total_bytes: int = 8 * GIB):
+    """The broker dies here, its files as they are, and a new one restarts from them: its ledger."""
+    core.journal.store.close()
+    return restarted_core(state_dir, total_bytes).ledger
+
+
 def test_a_new_session_is_written_whole_and_its_changes_as_holdings(short_tmp):
     core = restarted_core(short_tmp, 8 * GIB)
     c = CoreSession(core, "w", page_bytes=GIB)
@@ -114,8 +120,8 @@ def test_a_deferred_decrease_taken_back_before_its_grace_is_never_written(short_
         core.journal.commit(round_s)  # a growth round, yet back at the written record: no write
     assert journal_records(_journal(short_tmp)) == written
     assert not core.journal.flush_due(2.0)  # and nothing is left waiting
-    core.journal.store.close()  # a crash here: the disk says what the session holds
-    assert restarted_core(short_tmp, 8 * GIB).ledger.sessions[c.session_id].granted_pages == 4
+    # a crash here: the disk says what the session holds
+    assert _ledger_after_a_crash(core, short_tmp).sessions[c.session_id].granted_pages == 4
 
 
 def test_a_waiting_decrease_is_replaced_by_newer_ones_and_only_growth_past_the_written_record_is_written(short_tmp):
@@ -141,8 +147,7 @@ def test_a_waiting_decrease_is_replaced_by_newer_ones_and_only_growth_past_the_w
     new = journal_records(_journal(short_tmp))[len(written):]
     assert [(r["session_id"], r["granted_pages"]) for r in new] == [(c.session_id, 5), (other.session_id, 1)]
     assert not core.journal.flush_due(3.0)
-    core.journal.store.close()
-    restored = restarted_core(short_tmp, 8 * GIB).ledger.sessions
+    restored = _ledger_after_a_crash(core, short_tmp).sessions
     assert restored[c.session_id].granted_pages == 5 and restored[other.session_id].granted_pages == 1
 
 
@@ -194,8 +199,7 @@ def test_sessions_that_churn_pages_write_once_per_grace_not_once_per_round(short
     churn = journal_records(_journal(short_tmp))[written:]
     assert len(churn) <= 4  # each session's first growth above its record, once
     core.journal.flush()
-    core.journal.store.close()  # a crash: what is on disk is what each session holds, or more
-    restored = restarted_core(short_tmp, 64 * GIB).ledger.sessions
+    restored = _ledger_after_a_crash(core, short_tmp, 64 * GIB).sessions  # flushed: what each holds
     assert all(restored[s.session_id].granted_pages == core.ledger.sessions[s.session_id].granted_pages
                for s in sessions)
 
@@ -215,8 +219,7 @@ def test_a_decrease_whose_room_another_session_took_is_written_with_that_growth(
     last_two = journal_records(_journal(short_tmp))[-2:]
     assert [(r["session_id"], r["granted_pages"]) for r in last_two] == [(a.session_id, full_pages - 2),
                                                                          (b.session_id, 2)]
-    core.journal.store.close()
-    restored = restarted_core(short_tmp, 8 * GIB).ledger
+    restored = _ledger_after_a_crash(core, short_tmp)
     assert restored.charged_bytes <= restored.budget_bytes and not restored.overcommitted
 
 
@@ -231,8 +234,7 @@ def test_a_decrease_whose_room_under_its_instance_cap_a_sibling_took_is_written_
     assert b.acquire(1) == 1  # the room under the cap a freed
     core.journal.commit(1.001)
     assert not core.journal.flush_due(1.001 + DEFER_S)  # a's decrease went with b's growth
-    core.journal.store.close()
-    restored = restarted_core(short_tmp, 8 * GIB).ledger
+    restored = _ledger_after_a_crash(core, short_tmp)
     assert restored.instance_charge_bytes("w") <= 4 * GIB
 
 
@@ -247,8 +249,7 @@ def test_a_closed_session_s_waiting_decrease_is_never_written_after_its_close(sh
     core.journal.commit(1.001)
     assert not core.journal.flush_due(2.0)  # nothing of it waits any more
     assert [r["kind"] for r in journal_records(_journal(short_tmp))] == ["session", "close"]
-    core.journal.store.close()
-    assert c.session_id not in restarted_core(short_tmp, 8 * GIB).ledger.sessions
+    assert c.session_id not in _ledger_after_a_crash(core, short_tmp).sessions
 
 
 def test_a_snapshot_drops_waiting_decreases_it_already_holds(short_tmp):
@@ -264,8 +265,7 @@ def test_a_snapshot_drops_waiting_decreases_it_already_holds(short_tmp):
     core.journal.commit(1.001)  # other's growth is written, then compacted into a snapshot
     assert _journal(short_tmp).stat().st_size == 0
     assert not core.journal.flush_due(2.0)  # c's decrease is in the snapshot; nothing waits
-    core.journal.store.close()
-    restored = restarted_core(short_tmp, 8 * GIB).ledger.sessions
+    restored = _ledger_after_a_crash(core, short_tmp).sessions
     assert restored[c.session_id].granted_pages == 2 and restored[other.session_id].granted_pages == 1
 
 
@@ -281,6 +281,24 @@ def test_a_resumed_session_with_a_deferred_decrease_is_written_whole(short_tmp):
     core.journal.commit(1.001)  # a new nonce: the whole record, with what it holds now
     last = journal_records(_journal(short_tmp))[-1]
     assert last["kind"] == "session" and last["nonce"] == "nonce-resumed-2" and last["granted_pages"] == 1
+
+
+def test_a_grace_that_ends_between_a_resume_and_its_commit_leaves_the_whole_record_to_the_commit(short_tmp):
+    """The server runs its timers (the grace's flush) after a round's requests and before its
+    commit: a resume in that round has dropped what the journal knew of the session's record."""
+    core = restarted_core(short_tmp, 8 * GIB)
+    c = CoreSession(core, "w", page_bytes=GIB)
+    c.acquire(2)
+    core.journal.commit(0.0)
+    c.result("release", pages=1)
+    core.journal.commit(1.0)  # waits
+    assert CoreConnection(core).hello("nonce-resumed-3", instance="w", page_bytes=GIB, resume=c.token)["ok"]
+    core.journal.flush_due(1.0 + DEFER_S)
+    core.journal.commit(1.0 + DEFER_S)
+    assert _kinds(short_tmp) == ["session", "session"]  # no record of the old identity in between
+    last = journal_records(_journal(short_tmp))[-1]
+    assert last["nonce"] == "nonce-resumed-3" and last["granted_pages"] == 1
+    assert not core.journal.flush_due(2.0)
 
 
 def test_closes_limits_and_fences_are_written_at_once(short_tmp):
