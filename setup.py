@@ -1,10 +1,20 @@
-"""Ships ``kvcached_broker_autopatch.pth`` at the root of site-packages, in regular *and*
-editable installs.  kvcached's ``.pth`` silently went missing from editable installs (#470):
-setuptools' editable wheels carry only packages, so for them the file is added to the
-finished wheel (and to its RECORD) here.  Everything else is in pyproject.toml."""
+"""Two things pyproject.toml cannot say.
+
+* Ships ``kvcached_broker_autopatch.pth`` at the root of site-packages, in regular *and*
+  editable installs.  kvcached's ``.pth`` silently went missing from editable installs (#470):
+  setuptools' editable wheels carry only packages, so for them the file is added to the
+  finished wheel (and to its RECORD) here.
+* With ``KVCACHED_BROKER_COMPILE=1`` in the environment of a (non-editable) install, compiles
+  the broker's request core with mypyc: the same modules, as C extensions
+  (docs/design.md, "The compiled request core").  pip then fetches mypy for the build.
+
+Everything else is in pyproject.toml."""
 
 import base64
 import hashlib
+import os
+import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -50,4 +60,50 @@ def _add_to_wheel(wheel: Path, name: str, data: bytes) -> None:
     tmp.replace(wheel)
 
 
-setup(cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth})
+#: The request path, compiled by ``KVCACHED_BROKER_COMPILE=1``: pure modules with exact
+#: annotations.  msgspec schemas (client/protocol.py, broker/state_records.py) and modules
+#: that subclass built-in exceptions stay interpreted; mypyc cannot compile them.
+COMPILED_MODULES = [
+    "broker/accounts.py", "broker/admin_ops.py", "broker/counters.py", "broker/device_monitor.py",
+    "broker/histogram.py", "broker/journal.py", "broker/ledger.py", "broker/lifecycle.py",
+    "broker/policy.py", "broker/refusals.py", "broker/request_core.py", "broker/session_opener.py",
+    "broker/sessions.py", "broker/status.py", "client/credit.py", "client/units.py",
+]
+#: What the compiled build needs at build time: mypy (with mypyc), and the libraries whose
+#: types the compiled modules use, so that mypy checks them against their real signatures.
+BUILD_REQUIREMENTS = ["mypy>=1.13,<3", "msgspec>=0.18,<0.24", "pyzmq>=25,<28"]
+
+
+def compile_requested() -> bool:
+    value = os.environ.get("KVCACHED_BROKER_COMPILE", "").strip()
+    if value not in ("", "0", "1"):
+        sys.exit(f"KVCACHED_BROKER_COMPILE must be 1 (compile the request core) or 0, not {value!r}")
+    return value == "1"
+
+
+def compiled_extensions() -> list:
+    """mypyc's extensions for ``COMPILED_MODULES``."""
+    try:
+        from mypyc.build import mypycify
+    except ImportError:  # pip's first pass, which asks for setup_requires before mypy is there
+        print(f"KVCACHED_BROKER_COMPILE=1 needs {BUILD_REQUIREMENTS[0]}; building without it", file=sys.stderr)
+        return []
+    # mypyc names a module by its path, so the sources are staged under their installed names
+    # (the repository keeps broker/ and client/ at its root).
+    root = Path(__file__).parent
+    staged = root / "build" / "mypyc-src"
+    shutil.rmtree(staged, ignore_errors=True)
+    for package in ("broker", "client"):
+        shutil.copytree(root / package, staged / "kvcached_broker" / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    (staged / "kvcached_broker" / "__init__.py").write_text("")
+    paths = [str(staged / "kvcached_broker" / module) for module in COMPILED_MODULES]
+    return mypycify(["--ignore-missing-imports", *paths], opt_level="3", target_dir=str(root / "build" / "mypyc"))
+
+
+COMPILE = compile_requested()
+setup(
+    cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
+    ext_modules=compiled_extensions() if COMPILE else [],
+    setup_requires=BUILD_REQUIREMENTS if COMPILE else [],
+)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..client.errors import BrokerError
 
@@ -26,6 +26,9 @@ class DeviceInfo:
     name: str
     simulated: bool
 
+#: Who set an instance's limits.
+LimitSource = Literal["admin", "config", "hello"]
+
 
 @dataclass
 class Limits:
@@ -40,7 +43,7 @@ class Limits:
     min_bytes: int = 0
     weight: float = 1.0
     revision: int = 0
-    source: str = "admin"
+    source: LimitSource = "admin"
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,

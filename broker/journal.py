@@ -224,12 +224,13 @@ class Journal:
                 waiting.pop(session_id, None)
                 on_disk[session_id] = Holdings.of(session)
                 continue
-            was_waiting = session_id in waiting
-            written = waiting[session_id] if was_waiting else last
-            if was_waiting and written.still(session):
+            written = waiting.get(session_id)
+            if written is not None and written.still(session):
                 del waiting[session_id]  # back to what is written: the record that waits is moot
                 on_disk[session_id] = written
                 continue
+            if written is None:
+                written = last  # nothing waits: what is on disk is written
             holdings = on_disk[session_id] = Holdings.of(session)
             if written is None or written.charged_below(session):
                 records.append(holdings.record(session_id))
@@ -371,7 +372,7 @@ def replay(
     sessions = {r.id: r for r in snap.sessions} if snap else {}
     limits = {r.instance: r for r in snap.limits} if snap else {}
     fenced = {r.token: r.session_id for r in snap.fenced} if snap else {}
-    apply: dict[type, Callable[[Any], None]] = {
+    apply: dict[type, Callable[[Any], object]] = {
         SessionRecord: lambda r: sessions.__setitem__(r.id, r),
         HoldRecord: lambda r: _apply_hold(sessions, r),
         CloseRecord: lambda r: sessions.pop(r.session_id, None),

@@ -46,6 +46,7 @@ from .accounts import (
     InstanceAccount,
     LedgerChanges,
     Limits,
+    LimitSource,
     ProcessAccount,
     Session,
     SessionState,
@@ -465,11 +466,11 @@ class Ledger:
         self,
         instance: str,
         *,
-        max_bytes: int | None = KEEP,
-        min_bytes: int = KEEP,
-        weight: float = KEEP,
+        max_bytes: Any = KEEP,  # int | None, or KEEP
+        min_bytes: Any = KEEP,  # int, or KEEP
+        weight: Any = KEEP,  # float, or KEEP
         revision: int | None = None,
-        source: str = "admin",
+        source: LimitSource = "admin",
     ) -> Limits:
         """Change an instance's limits (the instance need not be registered yet).
 
@@ -707,8 +708,10 @@ class Ledger:
         charged = self._reserved_total + self._granted_total + self._excess_total
         if charged > budget:
             return 0, "overcommitted", 0
+        account = session.account
+        assert account is not None  # bound at open_session
         if self.growth_hold is None:
-            if not self._unfilled_floor_total and session.instance not in self.limits and not session.account.measured_bytes:
+            if not self._unfilled_floor_total and session.instance not in self.limits and not account.measured_bytes:
                 fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
                 return fit, (None if fit == pages else "budget_exceeded"), budget - charged
             return self._pages_within(session, pages)

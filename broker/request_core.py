@@ -89,7 +89,7 @@ class RequestCore:
         self._hold_until_s = 0.0  # growth held (damaged state) until then at the latest
         self._pushes: list[tuple[bytes, bytes]] = []
         self._body = b""  # the frame being handled: the reply cache fingerprints it
-        self._handlers = {
+        self._handlers: dict[type, Callable[[Any, bytes, Peer, float], bytes | None]] = {
             proto.Hello: self.opener.hello,
             proto.Reserve: self._reserve,
             proto.Acquire: self._acquire,

@@ -97,7 +97,7 @@ def is_admin(peer: Peer, admin_gid: int | None) -> bool:
         return False
     if peer.gid == admin_gid:
         return True
-    return bool(peer.pid) and admin_gid in supplementary_groups(peer.pid)
+    return peer.pid is not None and peer.pid > 0 and admin_gid in supplementary_groups(peer.pid)
 
 
 def prepare_socket_dir(socket_path: Path, group_gid: int | None) -> None:

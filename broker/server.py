@@ -165,9 +165,9 @@ class BrokerServer:
             self.core.lifecycle.watch(pid)
         self.device.observe(self.ledger, self.clock())
         log.info(
-            "event=ready endpoint=%s device=%d uuid=%s total=%s budget=%s lease_s=%s state_dir=%s",
+            "event=ready endpoint=%s device=%d uuid=%s total=%s budget=%s lease_s=%s state_dir=%s request_core=%s",
             cfg.endpoint, cfg.device_index, self.ledger.device.uuid, format_bytes(self.ledger.total_bytes),
-            format_bytes(self.ledger.budget_bytes), cfg.lease_s, cfg.state_dir,
+            format_bytes(self.ledger.budget_bytes), cfg.lease_s, cfg.state_dir, _package.request_core_build(),
         )
         self.ready.set()
 

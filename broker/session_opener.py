@@ -124,7 +124,7 @@ class SessionOpener:
             raise RateLimited("too many hellos from this peer; retry shortly")
         if len(self.table) >= quotas.max_sessions:
             raise RateLimited(f"the broker already serves {quotas.max_sessions} sessions")
-        if peer.pid_known and self.table.count_for_pid(peer.pid) >= quotas.max_sessions_per_pid:
+        if peer.pid and self.table.count_for_pid(peer.pid) >= quotas.max_sessions_per_pid:
             raise RateLimited(f"pid {peer.pid} already has {quotas.max_sessions_per_pid} sessions")
         if peer.uid is not None and self.table.count_for_uid(peer.uid) >= quotas.max_sessions_per_uid:
             raise RateLimited(f"uid {peer.uid} already has {quotas.max_sessions_per_uid} sessions")

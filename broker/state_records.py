@@ -16,11 +16,12 @@ Units: ``*_bytes`` ints of bytes, ``*_pages`` ints of pages.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Union
 
 from msgspec import Meta, Struct
 
 from ..client import protocol as proto
+from .accounts import LimitSource
 
 Ticks = Annotated[int, Meta(ge=0)]
 Uid = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
@@ -72,7 +73,7 @@ class LimitRecord(Record, tag="limit", kw_only=True):
     min_bytes: proto.Bytes = 0
     weight: proto.Weight = 1.0
     revision: Annotated[int, Meta(ge=0)] = 0
-    source: Literal["admin", "config", "hello"] = "admin"
+    source: LimitSource = "admin"
 
 
 class UnlimitRecord(Record, tag="unlimit", kw_only=True):

@@ -159,6 +159,7 @@ class AsyncBrokerClient(SessionView):
             if self._core.token == action.token:
                 await self._resume_once()
             return None
+        assert isinstance(action, Invoke)
         result = action.fn(*action.args)
         if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
             result = await result

@@ -36,7 +36,7 @@ ERROR_CODES = (
 class BrokerError(Exception):
     """An error reported by the broker, or by the client about the broker."""
 
-    code: ClassVar[str] = "internal"
+    code: str = "internal"  # a class attribute; an instance keeps an unknown code from a newer broker
     retryable: ClassVar[bool] = False
     fatal: ClassVar[bool] = False
 

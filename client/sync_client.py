@@ -180,6 +180,7 @@ class BrokerClient(SessionView):
             if self._core.token == action.token:
                 self._run(self._ops.open(resume=True))
             return None
+        assert isinstance(action, Invoke)
         return action.fn(*action.args)
 
     # ------------------------------------------------------- the background

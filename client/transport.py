@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import zmq
@@ -24,6 +24,9 @@ import zmq.backend
 from . import protocol as proto
 from .endpoint import ipc_path
 from .errors import BrokerUnavailable
+
+if TYPE_CHECKING:
+    import asyncio  # imported when an AsyncTransport is made, not by every sync client
 
 
 #: The compiled send underneath pyzmq's Python wrapper, which only adds routing_id/group
@@ -127,7 +130,7 @@ class SyncTransport:
         self.timeouts = timeouts
         self.pushes: list[proto.Pressure] = []
         curve = curve or CurveKeys.from_env(endpoint)
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         _configure(self._sock, timeouts.attempt_s, curve)
         self._recv_timeout_ms = max(1, int(timeouts.attempt_s * 1000))
         self._sock.connect(endpoint)
@@ -213,8 +216,8 @@ class AsyncTransport:
         self._sock.setsockopt(zmq.IMMEDIATE, 0)
         self._sock.connect(endpoint)
         self._waiting: dict[int, Any] = {}
-        self._reader = None
-        self.on_push = None
+        self._reader: asyncio.Task[None] | None = None
+        self.on_push: Callable[[proto.Pressure], None] | None = None
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():

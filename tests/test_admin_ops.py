@@ -18,7 +18,7 @@ from kvcached_broker.broker.security import Peer
 from kvcached_broker.client import protocol as proto
 from kvcached_broker.client.errors import BadRequest, Forbidden, StaleRevision, UnknownSession
 
-from helpers import GIB, CoreSession, FakeProcesses, ledger_fingerprint, local_peer, make_core
+from helpers import GIB, CoreSession, FakeProcesses, ledger_fingerprint, local_peer, make_core, restarted_core
 
 ROOT = local_peer(pid=1, uid=0, gid=0)
 WORKER_UID = 1000
@@ -83,14 +83,15 @@ def test_set_limit_with_an_old_revision_is_refused_and_changes_nothing():
     assert core.ledger.limits["w"].max_bytes == 4 * GIB
 
 
-def test_evict_fences_the_token_journals_the_fence_and_frees_the_session():
-    core, processes = _core()
+def test_evict_fences_the_token_journals_the_fence_and_frees_the_session(tmp_path):
+    processes = FakeProcesses()
+    core = restarted_core(tmp_path, 16 * GIB, processes=processes, is_admin=lambda peer: True)
     c = _worker(core, pages=3)
-    fences = []
-    core.admin.journal.fence = lambda token, session_id: fences.append((token, session_id))
     result = _result(core.admin.evict(proto.Evict(id=1, session_id=c.session_id), b"r", ROOT, 0.0))
+    core.journal.commit(0.0)
     assert result == {"evicted": c.session_id, "killed": False, "freed_bytes": 3 * GIB}
-    assert core.table.fenced == {c.token: c.session_id} and fences == [(c.token, c.session_id)]
+    assert core.table.fenced == {c.token: c.session_id}
+    assert restarted_core(tmp_path, 16 * GIB).table.fenced == {c.token: c.session_id}  # the fence is on disk
     assert c.session_id not in core.ledger.sessions and core.counters.reclaims == {"evicted": 1}
     assert processes.killed == []
     assert c.error("heartbeat")["code"] == "evicted"
