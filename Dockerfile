@@ -2,6 +2,18 @@
 #   docker build -t kvcached-broker .
 #   docker run -d --gpus device=0 -v kvcached-run:/run/kvcached -v kvcached-state:/var/lib/kvcached-broker \
 #       kvcached-broker --device 0
+
+# The wheel, with the request core compiled by mypyc (docs/design.md, "The compiled request
+# core"); this stage has the C compiler, the image below does not need one.
+FROM python:3.11 AS wheel
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY broker ./broker
+COPY client ./client
+COPY adapters ./adapters
+COPY tools ./tools
+RUN KVCACHED_BROKER_COMPILE=1 pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
 FROM python:3.11-slim
 
 ARG UID=10001
@@ -11,12 +23,8 @@ RUN groupadd --system --gid ${UID} kvcached \
  && chown kvcached:kvcached /run/kvcached /var/lib/kvcached-broker \
  && chmod 0750 /run/kvcached && chmod 0700 /var/lib/kvcached-broker
 
-WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY broker ./broker
-COPY client ./client
-COPY adapters ./adapters
-RUN pip install --no-cache-dir '.[metrics]' && rm -rf /src
+COPY --from=wheel /wheels /wheels
+RUN pip install --no-cache-dir "$(ls /wheels/*.whl)[metrics]" && rm -rf /wheels
 
 ENV KVCACHED_BROKER_RUNTIME_DIR=/run/kvcached \
     KVCACHED_BROKER_STATE_DIR=/var/lib/kvcached-broker \

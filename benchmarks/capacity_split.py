@@ -53,17 +53,30 @@ def _serve_with_echo_core(argv: list[str]) -> int:
     import msgpack
 
     from kvcached_broker.broker import cli
-    from kvcached_broker.broker.request_core import RequestCore
+    from kvcached_broker.broker.server import BrokerServer
 
-    real_handle = RequestCore.handle
+    class EchoCore:
+        """The server's request core with ``handle`` replaced (a compiled core cannot be patched)."""
 
-    def echo(self, rid, peer, body, now):
-        message = msgpack.unpackb(body)
-        if message.get("op") == "hello":
-            return real_handle(self, rid, peer, body, now)
-        return msgpack.packb({"type": "reply", "id": message["id"], "ok": True, "result": {"granted": 1}})
+        def __init__(self, core):
+            self._core = core
 
-    RequestCore.handle = echo
+        def __getattr__(self, name):
+            return getattr(self._core, name)
+
+        def handle(self, rid, peer, body, now):
+            message = msgpack.unpackb(body)
+            if message.get("op") == "hello":
+                return self._core.handle(rid, peer, body, now)
+            return msgpack.packb({"type": "reply", "id": message["id"], "ok": True, "result": {"granted": 1}})
+
+    real_init = BrokerServer.__init__
+
+    def init_with_echo(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.core = EchoCore(self.core)
+
+    BrokerServer.__init__ = init_with_echo
     return cli.main(argv[argv.index("kvcached_broker.broker.cli") + 1 :])
 
 

@@ -46,10 +46,32 @@ def test_kubernetes_manifests_wire_the_socket_and_pids():
     assert "/run/kvcached" in paths
 
 
+def _dockerfile_stages() -> list[list[str]]:
+    """The Dockerfile's instructions, one list per ``FROM``."""
+    stages: list[list[str]] = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("FROM"):
+            stages.append([])
+        stages[-1].append(line)
+    return stages
+
+
+def test_dockerfile_builds_the_wheel_from_every_package_directory():
+    tomllib = pytest.importorskip("tomllib")
+    build = _dockerfile_stages()[0]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    copied = {source for l in build if l.startswith("COPY") for source in l.split()[1:-1]}
+    needed = set(pyproject["tool"]["setuptools"]["package-dir"].values()) | {"pyproject.toml", "setup.py", "README.md"}
+    assert needed <= copied, f"the wheel stage does not copy {sorted(needed - copied)}"
+    assert any(l.startswith("RUN KVCACHED_BROKER_COMPILE=1 pip wheel") for l in build)
+
+
 def test_dockerfile_runs_the_broker_as_non_root_with_a_healthcheck():
-    lines = [l.strip() for l in (ROOT / "Dockerfile").read_text().splitlines() if l.strip() and not l.startswith("#")]
-    instructions = [l.split()[0] for l in lines if l.split()[0].isupper()]
-    assert instructions[0] == "FROM" and "slim" in lines[0]
+    *_, lines = _dockerfile_stages()
+    assert "slim" in lines[0] and any(l.startswith("COPY --from=") for l in lines)  # the wheel, no compiler
     user = next(l for l in lines if l.startswith("USER"))
     assert user.split()[1] not in ("root", "0")
     assert any(l.startswith("HEALTHCHECK") for l in lines) and any("kvcached-broker status" in l for l in lines)
