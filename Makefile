@@ -20,6 +20,19 @@ CPY := $(CVENV)/bin/python
 CSTAMP := $(CVENV)/.installed
 WHEELS := build/compiled-wheel
 
+# `make bench CORE=compiled` and `make chaos CORE=compiled` run against the compiled request core
+# (the hand-over benchmark needs torch, which only .venv has: there it is skipped).
+CORE ?= interpreted
+ifeq ($(CORE),compiled)
+BENCH_STAMP := $(CSTAMP)
+BENCH_PY := $(CPY)
+else ifeq ($(CORE),interpreted)
+BENCH_STAMP := $(STAMP)
+BENCH_PY := $(PY)
+else
+$(error CORE must be interpreted or compiled, not '$(CORE)')
+endif
+
 .PHONY: demo test test-core test-compiled test-adapters adapter-envs bench chaos replay clean
 
 $(STAMP): pyproject.toml
@@ -72,17 +85,17 @@ adapter-envs: $(STAMP)
 test-adapters: adapter-envs
 	bash scripts/test-adapters.sh $(PY) $(ENVS)
 
-bench: $(STAMP)
-	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
+bench: $(BENCH_STAMP)
+	$(BENCH_PY) -m pip install --quiet 'matplotlib>=3.7,<4'
 	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over benchmark (see $(SIM_LOG))"
 	mkdir -p bench-results
-	$(PY) benchmarks/suite.py --out bench-results
+	$(BENCH_PY) benchmarks/suite.py --out bench-results
 
 # Randomized worker and broker kills, stops, evictions and limit changes (about 6 minutes on
 # 2 cores); prints the figures, writes bench-results/chaos.json, exits 1 on any mismatch.
-chaos: $(STAMP)
+chaos: $(BENCH_STAMP)
 	mkdir -p bench-results
-	$(PY) benchmarks/chaos.py $(CHAOS_ARGS) --json bench-results/chaos.json
+	$(BENCH_PY) benchmarks/chaos.py $(CHAOS_ARGS) --json bench-results/chaos.json
 
 replay: $(STAMP)
 	$(PY) -m pip install --quiet 'matplotlib>=3.7,<4'
