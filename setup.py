@@ -81,13 +81,22 @@ def compile_requested() -> bool:
     return value == "1"
 
 
+#: The setuptools commands that build extensions (pip's metadata steps need none).
+BUILD_COMMANDS = {"bdist_wheel", "build", "build_ext", "install"}
+
+
 def compiled_extensions() -> list:
-    """mypyc's extensions for ``COMPILED_MODULES``."""
+    """mypyc's extensions for ``COMPILED_MODULES``, when setuptools is about to build them."""
+    if {"editable_wheel", "develop"} & set(sys.argv[1:]):
+        sys.exit("KVCACHED_BROKER_COMPILE=1 does not apply to an editable install (its extensions would "
+                 "shadow edited sources); install with 'pip install .' or leave the variable unset")
+    if not BUILD_COMMANDS & set(sys.argv[1:]):
+        return []
     try:
         from mypyc.build import mypycify
-    except ImportError:  # pip's first pass, which asks for setup_requires before mypy is there
-        print(f"KVCACHED_BROKER_COMPILE=1 needs {BUILD_REQUIREMENTS[0]}; building without it", file=sys.stderr)
-        return []
+    except ImportError:
+        sys.exit(f"KVCACHED_BROKER_COMPILE=1 needs {BUILD_REQUIREMENTS[0]} in the build environment "
+                 "(pip installs it; with --no-build-isolation, install it first)")
     # mypyc names a module by its path, so the sources are staged under their installed names
     # (the repository keeps broker/ and client/ at its root).
     root = Path(__file__).parent
