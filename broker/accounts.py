@@ -26,6 +26,7 @@ class DeviceInfo:
     name: str
     simulated: bool
 
+
 #: Who set an instance's limits.
 LimitSource = Literal["admin", "config", "hello"]
 
