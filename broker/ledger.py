@@ -715,8 +715,6 @@ class Ledger:
                 fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
                 return fit, (None if fit == pages else "budget_exceeded"), budget - charged
             return self._pages_within(session, pages)
-        account = session.account
-        assert account is not None
         exempt_bytes = max(self._reassertion_left_bytes(session), account.excess_bytes)
         exempt_pages = min(pages, exempt_bytes // session.page_bytes)
         if not exempt_pages:
