@@ -72,7 +72,7 @@ class Holdings(NamedTuple):
 
     def reported_bytes(self, page_bytes: int) -> int:
         """What these holdings charge in all: pools, holds and pages."""
-        return sum(self.pools.values()) + sum(self.holds.values()) + self.granted_pages * page_bytes
+        return _charged_bytes(self.pools, self.holds, self.granted_pages, page_bytes)
 
     def charged_below(self, session: Session) -> bool:
         """Whether ``session`` is charged more than these holdings say: in all, or in holds
@@ -357,7 +357,12 @@ def restore_session(ledger: Ledger, table: SessionTable, record: SessionRecord, 
 
 
 def record_bytes(record: SessionRecord) -> int:
-    return sum(record.pools.values()) + sum(record.holds.values()) + record.granted_pages * record.page_bytes
+    return _charged_bytes(record.pools, record.holds, record.granted_pages, record.page_bytes)
+
+
+def _charged_bytes(pools: dict[str, int], holds: dict[str, int], granted_pages: int, page_bytes: int) -> int:
+    """What a journal record's holdings charge: pools, holds and granted pages."""
+    return sum(pools.values()) + sum(holds.values()) + granted_pages * page_bytes
 
 
 def limit_record(instance: str, limits: Limits) -> LimitRecord:
