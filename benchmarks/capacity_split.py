@@ -21,7 +21,6 @@ rows are what each layer adds.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -82,17 +81,12 @@ def _serve_with_echo_core(argv: list[str]) -> int:
 
 def _start(server: str, workdir: Path, stack: ExitStack) -> tuple[str, int, bool]:
     """Start ``server``; returns its endpoint, its pid and whether clients open sessions."""
-    from harness import _raw_router
+    from harness import raw_router
 
     from kvcached_broker.tools.launch import BrokerLauncher
 
     if server == "raw":
-        endpoint = f"ipc://{workdir}/raw.sock"
-        ready = mp.Event()
-        proc = mp.Process(target=_raw_router, args=(endpoint, ready), daemon=True)
-        proc.start()
-        ready.wait(10)
-        stack.callback(proc.kill)
+        endpoint, proc = stack.enter_context(raw_router(workdir))
         return endpoint, proc.pid, False
     launcher = BrokerLauncher(
         f"ipc://{workdir}/{server}.sock",

@@ -74,14 +74,15 @@ def _raw_router(endpoint: str, ready) -> None:
 
 
 @contextmanager
-def raw_router(workdir: Path) -> Iterator[str]:
+def raw_router(workdir: Path) -> Iterator[tuple[str, mp.Process]]:
+    """The raw loop in a process of its own: its endpoint and the process (as ``broker``)."""
     endpoint = f"ipc://{workdir}/raw.sock"
     ready = mp.Event()
     proc = mp.Process(target=_raw_router, args=(endpoint, ready), daemon=True)
     proc.start()
     ready.wait(10)
     try:
-        yield endpoint
+        yield endpoint, proc
     finally:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

@@ -86,7 +86,7 @@ def client_round_trips(endpoint: str, n: int) -> tuple[list[float], list[float]]
 def bench_round_trip(workdir: Path, n: int) -> None:
     # Interleave baseline and broker runs so that drift in machine load hits both alike.
     raw, acq, rel = [], [], []
-    with raw_router(workdir) as raw_endpoint, broker(workdir) as (endpoint, _):
+    with raw_router(workdir) as (raw_endpoint, _), broker(workdir) as (endpoint, _):
         for _ in range(3):
             raw += raw_round_trips(raw_endpoint, n // 3)
             a, r = client_round_trips(endpoint, n // 3)
@@ -108,7 +108,7 @@ def bench_capacity(workdir: Path, seconds: float) -> None:
     # the figure is the median window of each and the ratio the median of the paired windows.
     windows = max(3, round(seconds))
     raws, ours = [], []
-    with raw_router(workdir) as raw_endpoint, broker(workdir) as (endpoint, _):
+    with raw_router(workdir) as (raw_endpoint, _), broker(workdir) as (endpoint, _):
         for _ in range(windows):
             raws.append(pipelined_rate(raw_endpoint, processes=4, in_flight_each=8, seconds=1.0, session=False))
             ours.append(pipelined_rate(endpoint, processes=4, in_flight_each=8, seconds=1.0, session=True))
