@@ -117,8 +117,15 @@ def test_two_kvcached_pools_hand_over_with_mapped_within_granted_at_every_sample
     assert f["peak_mapped_bytes"] >= f["a_fill_bytes"]  # the samples saw A full
     assert f["trials"] >= 1 and f["trials_complete"] == f["trials"]
     assert f["handover_p50_s"] is not None and f["a_unmapped_bytes_p50"] > 0  # A gave B pages through the broker
+    # The hand-over's time, split: B's grants after its refusal, B's allocations, A's releases.
+    assert f["trial1_b_acquire_calls"] >= 1 and f["trial1_b_alloc_calls"] >= 1 and f["a_release_p50_s"] > 0
+    assert f["trial1_b_acquire_s"] + f["trial1_b_alloc_s"] + f["trial1_b_waiting_s"] >= f["trial1_handover_s"] - 1e-6
     names = {c["name"]: c["ok"] for c in p["checks"]}
     assert names["mapped <= granted at every sample (kvcached's count)"] is True
+    pages = simulated[1]["parts"]["vmm_pages"]["figures"]
+    derived = simulated[1]["derived"]  # the hand-over against the per-page cost of the pages it moved
+    assert derived["handover_pages_moved"] == f["a_unmapped_bytes_p50"] // pages["page_bytes"]
+    assert derived["handover_floor_s"] > 0
 
 
 def test_the_co_located_part_is_skipped_until_issue_25_lands(simulated):
@@ -141,17 +148,16 @@ def test_a_part_that_cannot_run_is_an_error_and_the_next_part_still_runs(tmp_pat
     assert doc["ok"] is False
 
 
-def test_a_part_past_its_limit_is_stopped_with_everything_it_started(tmp_path):
-    pid_file = tmp_path / "grandchild.pid"
-    script = f"import subprocess, sys, time; p = subprocess.Popen(['sleep', '600']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)"
-    timed_out = runner.run_limited([sys.executable, "-c", script], tmp_path / "part.log", limit_s=2.0)
-    assert timed_out
-    grandchild = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the grandchild's pid"))
-    wait_for(lambda: not _running(grandchild), what="the part's own child to be stopped too")
+def test_a_part_past_its_limit_is_stopped(tmp_path):
+    assert runner.run_limited(["sleep", "600"], tmp_path / "part.log", limit_s=1.0) is True
 
 
-def test_a_part_within_its_limit_is_not_stopped(tmp_path):
-    assert runner.run_limited([sys.executable, "-c", "pass"], tmp_path / "part.log", limit_s=60.0) is False
+def test_what_a_part_leaves_running_is_stopped_with_it(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess; p = subprocess.Popen(['sleep', '600']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid))")  # then exits, leaving its child behind
+    assert runner.run_limited([sys.executable, "-c", script], tmp_path / "part.log", limit_s=60.0) is False
+    wait_for(lambda: not _running(int(pid_file.read_text())), what="the part's child to be stopped too")
 
 
 def test_with_too_little_budget_left_a_part_is_skipped_not_started(tmp_path):

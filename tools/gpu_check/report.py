@@ -123,6 +123,9 @@ def render(doc: dict[str, Any]) -> str:
     if doc.get("derived"):
         lines.append("")
         lines.append("together (kvcached_pools with vmm_pages): the hand-over against the driver's floor")
+        if doc["mode"] == "simulate":
+            lines.append("    (simulated: kvcached's test double charges a whole pool page in one call, so this floor is "
+                         "only the arithmetic, not a floor)")
         for key, value in doc["derived"].items():
             lines.append(f"    {key:<44} {shown(key, value):>16}")
     if doc["mode"] == "gpu":
