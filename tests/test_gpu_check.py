@@ -321,3 +321,51 @@ def test_the_source_digest_follows_the_sources_and_ignores_bytecode(tmp_path):
     assert carried.source_digest(root) == before
     (root / "broker" / "mod.py").write_text("x = 2\n")
     assert carried.source_digest(root) != before
+
+
+# ----------------------------------------------------------------------------- kvcached's build (GPU runs)
+def fake_kvcached_sdist(folder: Path, setup_fails: bool) -> Path:
+    """An sdist named as kvcached 0.1.6's, whose ``kvcached._C`` is a plain module (or whose build fails)."""
+    import tarfile
+
+    src = folder / "src" / "kvcached-0.1.6"
+    (src / "kvcached").mkdir(parents=True)
+    (src / "kvcached" / "__init__.py").write_text("")
+    (src / "kvcached" / "_C.py").write_text("BUILT = True\n")
+    (src / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n'
+                                        '[project]\nname = "kvcached"\nversion = "0.1.6"\n')
+    (src / "setup.py").write_text("raise SystemExit('Unable to determine GPU backend')\n" if setup_fails
+                                  else "from setuptools import setup\nsetup(packages=['kvcached'])\n")
+    sdist = folder / "kvcached-0.1.6.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(src, arcname="kvcached-0.1.6")
+    return sdist
+
+
+def test_kvcached_is_built_from_its_sdist_without_the_network_and_checked_by_importing_its_extension(tmp_path):
+    from kvcached_broker.tools.gpu_check.kvcached_build import KvcachedBuild
+
+    build = KvcachedBuild(fake_kvcached_sdist(tmp_path, setup_fails=False), tmp_path / "site", tmp_path).start()
+    result = build.wait(300)
+    assert result.ok, result.log_tail[-2000:]
+    assert (tmp_path / "site" / "kvcached" / "_C.py").exists() and result.why == ""
+
+
+def test_a_failed_kvcached_build_is_one_line_with_the_log_kept(tmp_path):
+    from kvcached_broker.tools.gpu_check.kvcached_build import KvcachedBuild
+
+    result = KvcachedBuild(fake_kvcached_sdist(tmp_path, setup_fails=True), tmp_path / "site", tmp_path).start().wait(300)
+    assert not result.ok and result.why == "pip install of kvcached-0.1.6.tar.gz exited with 1"
+    assert "Unable to determine GPU backend" in result.log_tail
+
+
+def test_the_link_finds_cuda_stubs_before_the_driver(tmp_path):
+    from kvcached_broker.tools.gpu_check.kvcached_build import libcuda_link_dir
+
+    stubs = tmp_path / "cuda" / "lib64" / "stubs"
+    stubs.mkdir(parents=True)
+    (stubs / "libcuda.so.1").write_bytes(b"")
+    found = libcuda_link_dir(tmp_path / "work", tmp_path / "cuda")
+    assert found is not None and (found / "libcuda.so").exists()  # a link to a libcuda.so.1 where only that exists
+    (stubs / "libcuda.so").write_bytes(b"")
+    assert libcuda_link_dir(tmp_path / "work", tmp_path / "cuda") == stubs

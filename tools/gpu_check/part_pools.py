@@ -9,9 +9,11 @@ times: A fills 10 GiB and goes idle (its blocks stay in its prefix cache), B bur
 gets what is missing from A through the broker's pressure.
 
 Measured: each hand-over (B's first refused ask to B holding everything), split into B's broker
-round trips (``acquire``), B's allocations (kvcached's ``alloc``, which maps pages when its
-reserve is empty), A's releases and frees (its unmapping), and the rest (waiting); and what a
-pool process costs on the device besides its pages.
+round trips (``acquire``), B's allocations (kvcached's ``alloc``, which maps pages itself only
+when its reserve is empty; what its prealloc thread maps in the background is not in it: the
+runner sets the pages moved against the driver's cost per page, from part vmm_pages, for that),
+A's releases and frees (its unmapping), and the rest (waiting); and what a pool process costs
+on the device besides its pages.
 
 Checked at every sample (every ``SAMPLE_S``, from the pools' start on), with the broker's status
 read just before and just after the device: what kvcached has mapped (its ``/dev/shm`` segment:
