@@ -117,6 +117,7 @@ class Run:
         when = time.strftime("%Y-%m-%d %H:%M:%S %z")
         if self.args.mode == "gpu" and any(p.needs_kvcached for p in parts) and self.args.kvcached_sdist:
             self.build = KvcachedBuild(self.args.kvcached_sdist, self.workdir / "kvcached-site", self.workdir).start()
+        about = machine(self.args.mode)  # before the parts: importing torch takes seconds of the budget
         results = {}
         try:
             for part in parts:
@@ -127,7 +128,7 @@ class Run:
             if self.build is not None:
                 self.build.stop()
         doc = {"schema": SCHEMA, "mode": self.args.mode, "started": when, "budget_s": self.args.budget_s,
-               "machine": machine(self.args.mode), "install": self.install, "parts": results,
+               "machine": about, "install": self.install, "parts": results,
                "derived": derived(results),
                "differences": differences(results) if self.args.mode == "gpu" else [], "comparison": None}
         doc["ok"] = all(p["status"] in ("ok", "skipped") for p in results.values())
@@ -140,8 +141,9 @@ class Run:
         kvcached_path = None
         if part.needs_kvcached and self.args.mode == "gpu":
             kvcached_path, why = self.kvcached_ready()
-            if kvcached_path is None:
-                return {**base, "status": "skipped", "why": why, "wall_s": time.monotonic() - started}
+            if kvcached_path is None:  # on a GPU machine the build must work: not a skip
+                return {**base, "status": "error", "why": why, "wall_s": time.monotonic() - started,
+                        "log_tail": self.install.get("kvcached_build_log_tail", "")}
         limit = min(part.limit_s, self.left_s() - FINISH_RESERVE_S)
         if limit < MIN_PART_S:
             return {**base, "status": "skipped", "why": f"out of time: {self.left_s():.0f} s of the budget left",
