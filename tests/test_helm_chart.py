@@ -20,27 +20,10 @@ import pytest
 from kvcached_broker.client import BrokerClient
 from kvcached_broker.tools.launch import BrokerLauncher
 
+from chart_render import CHART, NAMESPACE, ROOT, one, render
 from helpers import MIB
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the test extra) renders the chart")
-yaml = pytest.importorskip("yaml")
-
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "deploy/helm/kvcached-broker"
-RELEASE, NAMESPACE = "kvcached-broker", "kube-system"
-
-
-def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The chart's objects for ``values`` (laid over values.yaml), as Helm renders them."""
-    rendered = helm.Chart.load(CHART).render(values=values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    return [doc for name, text in sorted(rendered.items()) if name.endswith(".yaml")
-            for doc in yaml.safe_load_all(text) if doc]
-
-
-def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"{len(found)} {kind} objects"
-    return found[0]
 
 
 def test_the_chart_lints_clean():
