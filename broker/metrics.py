@@ -107,6 +107,16 @@ class StatusCollector:
         floor = family.gauge("kvcached_broker_instance_min_bytes", "Guaranteed floor by instance", ["instance"])
         cap = family.gauge("kvcached_broker_instance_max_bytes", "Cap by instance (absent when unset)", ["instance"])
         sessions = family.gauge("kvcached_broker_sessions", "Sessions by instance and state", ["instance", "state"])
+        share = family.gauge("kvcached_broker_instance_fair_share_bytes",
+                             "What the instance may hold while others want memory (weights, floors, caps)", ["instance"])
+        pending = family.gauge("kvcached_broker_instance_pressure_pending_bytes",
+                               "Bytes the broker has asked the instance to give back and not yet had", ["instance"])
+        pressure = {key: family.counter(f"kvcached_broker_instance_pressure_{key}", doc, ["instance"]) for key, doc in (
+            ("asks", "Pressure asks sent to the instance's sessions"),
+            ("asked_bytes", "Bytes asked back from the instance"),
+            ("returned_bytes", "Asked bytes the instance gave back (released, or freed with a session)"),
+            ("ignored_bytes", "Asked bytes still held when the ask expired"),
+        )}
         for inst in status["instances"]:
             name = inst["name"]
             for pool_name, size in inst["pools"].items():
@@ -121,7 +131,13 @@ class StatusCollector:
                 states[s["state"]] = states.get(s["state"], 0) + 1
             for state, count in states.items():
                 sessions.add([name, state], count)
-        yield from (f.metric for f in (pool, reserved, granted, floor, cap, sessions))
+            if "fair_share_bytes" in inst:
+                share.add([name], inst["fair_share_bytes"])
+            if "pressure" in inst:
+                pending.add([name], inst["pressure"]["pending_bytes"])
+                for key, counter in pressure.items():
+                    counter.add([name], inst["pressure"][key])
+        yield from (f.metric for f in (pool, reserved, granted, floor, cap, sessions, share, pending, *pressure.values()))
 
     @staticmethod
     def _counters(family: _Families, counters: dict[str, Any]) -> Iterator[Any]:

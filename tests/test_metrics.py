@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from kvcached_broker.client import BrokerClient
 from kvcached_broker.tools.launch import BrokerLauncher
 
-from helpers import GIB, MIB, free_port
+from helpers import GIB, MIB, free_port, wait_for
 
 
 def _scrape(port: int) -> tuple[set[str], dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
@@ -98,3 +100,51 @@ def test_metrics_without_the_extra_fail_before_ready(short_tmp):
     assert out.returncode == 1
     assert "event=ready" not in out.stderr + out.stdout
     assert "kvcached-broker[metrics]" in out.stderr
+
+
+HOARDER = r"""
+import sys, threading
+from kvcached_broker.client import BrokerClient
+c = BrokerClient.connect("hoarder", endpoint=sys.argv[1], page_bytes=1 << 30, credit_pages=0)
+c.acquire(int(sys.argv[2]))
+def give_back(n):
+    c.release(n)
+    return n
+c.on_pressure(give_back)
+print("ready", flush=True)
+threading.Event().wait()  # until the test kills it
+"""
+
+
+def test_pressure_and_fair_shares_are_exported_as_status_has_them(short_tmp):
+    """What the broker asked an instance to give back, and what came back, for the dashboard's
+    pressure and reclaim panels: the same numbers as status's per-instance ``pressure``."""
+    endpoint = f"ipc://{short_tmp}/gpu0.sock"
+    port = free_port()
+    with BrokerLauncher(endpoint, simulate="40GiB", args=["--headroom", "0", "--metrics-port", str(port),
+                                                          "--metrics-hostname", "node-a"]) as broker:
+        hoarder = subprocess.Popen([sys.executable, "-c", HOARDER, endpoint, "36"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert hoarder.stdout.readline().strip() == "ready"
+            with BrokerClient.connect("starved", endpoint=endpoint, page_bytes=GIB, credit_pages=0) as starved:
+                assert starved.acquire(16) == 0  # refused: pressure asks the hoarder
+                wait_for(lambda: starved.acquire(16), what="memory moved under pressure")
+
+                def settled():  # every ask answered: nothing changes between the scrape and status
+                    hoarder_view = next(i for i in broker.status()["instances"] if i["name"] == "hoarder")
+                    return hoarder_view["pressure"]["pending_bytes"] == 0
+
+                wait_for(settled, what="the hoarder to answer every ask")
+                _, samples = _scrape(port)
+                by_name = {i["name"]: i for i in broker.status()["instances"]}
+        finally:
+            hoarder.kill()
+            hoarder.wait()
+    asked = by_name["hoarder"]["pressure"]
+    assert asked["asks"] >= 1 and asked["returned_bytes"] >= 12 * GIB
+    for key in ("asks", "asked_bytes", "returned_bytes", "ignored_bytes"):
+        assert samples[_key(f"kvcached_broker_instance_pressure_{key}_total", instance="hoarder")] == asked[key], key
+    assert samples[_key("kvcached_broker_instance_pressure_pending_bytes", instance="hoarder")] == asked["pending_bytes"]
+    for name in ("hoarder", "starved"):
+        share = samples[_key("kvcached_broker_instance_fair_share_bytes", instance=name)]
+        assert share == by_name[name]["fair_share_bytes"] > 0
