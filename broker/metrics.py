@@ -39,7 +39,7 @@ class GpuLabels:
     the broker serves: it depends on which GPUs the broker's container sees, so it is not DCGM
     exporter's ``gpu`` (nor its ``device``, which is ``nvidiaN``) and is no join key.  The host
     is exported twice because DCGM exporter renamed its label: ``Hostname`` in its releases up
-    to 4.5.x, ``hostname`` after (a Kubernetes node name where the chart sets it).
+    to 4.5.3-4.8.2, ``hostname`` after May 2026 (a Kubernetes node name where the chart sets it).
     """
 
     device: str
