@@ -785,9 +785,9 @@ class ChaosRun:
             return
         diff_bytes = session_bytes(session) - stop.charged_bytes
         restarted = self.figures.broker_restarts != stop.restarts_at_stop
-        # A broker restarted meanwhile keeps it recovering at its checkpoint, which may
-        # over-charge (a deferred release) but never under-charge.
-        tolerated = restarted and session["state"] == "recovering" and diff_bytes > 0
+        # A broker restarted meanwhile keeps it at its checkpoint (recovering, then stale once
+        # silent for the lease), which may over-charge (a deferred release) but never under-charge.
+        tolerated = restarted and session["state"] in ("recovering", "stale") and diff_bytes > 0
         if diff_bytes and not tolerated:
             self.figures.stop_failures.append(
                 f"{label}: stopped, its charge moved by {diff_bytes:+d} bytes (state {session['state']}, "

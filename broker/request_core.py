@@ -279,13 +279,19 @@ class RequestCore:
                 )
 
     def lift_growth_hold(self, now: float) -> None:
-        """A hold after damaged state ends once nobody is recovering, or when its time is up."""
-        if self.ledger.growth_hold is not None and (now >= self._hold_until_s or not self.recovering()):
-            log.warning("event=growth_hold_lifted recovering_sessions=%d", self.recovering())
+        """A hold after damaged state ends once no restored session waits for its worker
+        (``recovering``, or ``stale`` without having resumed), or when its time is up."""
+        if self.ledger.growth_hold is not None and (now >= self._hold_until_s or not self.awaiting_workers()):
+            log.warning("event=growth_hold_lifted recovering_sessions=%d awaiting_workers=%d",
+                        self.recovering(), self.awaiting_workers())
             self.ledger.release_growth()
 
     def recovering(self) -> int:
         return sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING)
+
+    def awaiting_workers(self) -> int:
+        """Restored sessions whose worker has not resumed them since the restart."""
+        return sum(1 for s in self.ledger.sessions.values() if s.restored)
 
     # -------------------------------------------------------------- restore
     def restore(self, restored: Restored, now: float) -> None:
