@@ -53,6 +53,8 @@ _non_negative_int = _arg_type(serve_config.OPTIONS["device"][0], "integer")
 _port = _arg_type(serve_config.OPTIONS["metrics_port"][0], "port")
 _positive_float = _arg_type(serve_config.OPTIONS["lease"][0], "number")
 _endpoint = _arg_type(serve_config.OPTIONS["endpoint"][0], "endpoint")
+_group = _arg_type(serve_config.OPTIONS["socket_group"][0], "group")
+_directory = _arg_type(serve_config.OPTIONS["curve_dir"][0], "directory")
 
 
 def _size_or_none(text: str) -> int | None:
@@ -115,10 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, metavar="FILE", help="TOML file with serve options and [limits.INSTANCE]")
     serve.add_argument("--metrics-port", type=_port, metavar="PORT", help="serve Prometheus /metrics on this port")
     serve.add_argument("--metrics-address", metavar="ADDR", help="address for /metrics (default 127.0.0.1)")
-    serve.add_argument("--socket-group", metavar="GROUP", help="group that may connect to the ipc socket")
-    serve.add_argument("--admin-group", metavar="GROUP", help="group allowed to run limit/evict")
+    serve.add_argument("--socket-group", type=_group, metavar="GROUP", help="group that may connect to the ipc socket")
+    serve.add_argument("--admin-group", type=_group, metavar="GROUP", help="group allowed to run limit/evict")
     serve.add_argument("--insecure-tcp", action="store_true", default=None, help="allow tcp on loopback without CURVE")
-    serve.add_argument("--curve-dir", type=Path, metavar="DIR",
+    serve.add_argument("--curve-dir", type=_directory, metavar="DIR",
                        help="CURVE for tcp: DIR/server.key_secret and DIR/authorized/*.key (see `keygen`)")
     serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")

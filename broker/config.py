@@ -136,6 +136,36 @@ def _path(value: Any) -> Path:
     return Path(_text(value))
 
 
+def _directory(value: Any) -> Path:
+    path = _path(value)
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is not a directory")
+    return path
+
+
+#: Longer than any group name a system accepts (glibc's NSS and systemd's userdb abort on
+#: some far longer ones, so the name is checked before it is looked up).
+MAX_GROUP_NAME = 256
+_GID_LIMIT = (1 << 32) - 1  # (gid_t) -1 means "no group"
+
+
+def _group(value: Any) -> str:
+    """A group name or a numeric gid, checked before anything looks it up."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a group name or gid, got {value!r}")
+    if value.isascii() and value.isdigit():
+        if len(value) > 10 or int(value) >= _GID_LIMIT:
+            raise ValueError(f"gid {value[:20]}{'...' if len(value) > 20 else ''} is out of range")
+        return value
+    if len(value) > MAX_GROUP_NAME:
+        raise ValueError(f"a group name of {len(value)} characters is longer than {MAX_GROUP_NAME}")
+    if not value.isprintable() or any(c in value for c in " :/,"):
+        raise ValueError(f"{value!r} is not a group name (no spaces, ':', '/', ',' or control characters)")
+    return value
+
+
 def _endpoint(value: Any) -> str:
     return validate_endpoint(_text(value))
 
@@ -159,10 +189,10 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     "lease": (_positive_float, "KVCACHED_BROKER_LEASE_S", 10.0),
     "metrics_port": (_port, "KVCACHED_BROKER_METRICS_PORT", None),
     "metrics_address": (_text, "KVCACHED_BROKER_METRICS_ADDRESS", "127.0.0.1"),
-    "socket_group": (_text, "KVCACHED_BROKER_SOCKET_GROUP", None),
-    "admin_group": (_text, "KVCACHED_BROKER_ADMIN_GROUP", None),
+    "socket_group": (_group, "KVCACHED_BROKER_SOCKET_GROUP", None),
+    "admin_group": (_group, "KVCACHED_BROKER_ADMIN_GROUP", None),
     "insecure_tcp": (_bool, None, False),
-    "curve_dir": (_path, "KVCACHED_BROKER_CURVE_DIR", None),
+    "curve_dir": (_directory, "KVCACHED_BROKER_CURVE_DIR", None),
     "log_level": (_level, "KVCACHED_BROKER_LOG_LEVEL", "info"),
     "log_json": (_bool, "KVCACHED_BROKER_LOG_JSON", False),
 }
@@ -228,13 +258,28 @@ def _pick(key, cli, env, file_values, path, values, sources):
     return values[key]
 
 
+#: No serve config comes near this; a larger file is refused before it is read.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _load_file(path: Path) -> tuple[dict[str, Any], dict[str, LimitConfig]]:
     try:
-        raw = tomllib.loads(path.read_text())
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"config {path}: cannot read: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config {path}: larger than {MAX_CONFIG_BYTES} bytes; not a config file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config {path}: not valid TOML: {exc}") from None
+        raise ConfigError(f"config {path}: not valid TOML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path}: not valid TOML: arrays or tables nested too deeply") from None
     limits_raw = raw.pop("limits", {})
     unknown = sorted(set(raw) - set(OPTIONS))
     if unknown:

@@ -209,9 +209,9 @@ class BrokerServer:
         sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock = sock  # from here on close() closes it, or the context would never end
         if cfg.curve_dir is not None and sock_path is None:
             self._start_curve(sock, Path(cfg.curve_dir))
-        self._sock = sock
         if sock_path is not None:
             with socket_umask():
                 sock.bind(cfg.endpoint)
