@@ -65,6 +65,8 @@ class StatusCollector:
         over.add_metric([device], 1 if status["overcommitted"] else 0)
         yield over
         yield from self._instances(device, status, GaugeMetricFamily)
+        yield from self._state_writes(device, status["broker"].get("state_writes"), GaugeMetricFamily,
+                                      CounterMetricFamily)
         yield from self._counters(device, status["broker"].get("counters", {}), CounterMetricFamily, HistogramMetricFamily)
 
     @staticmethod
@@ -95,6 +97,19 @@ class StatusCollector:
             for state, count in states.items():
                 sessions.add_metric([device, name, state], count)
         yield from (pool, reserved, granted, floor, cap, sessions)
+
+    @staticmethod
+    def _state_writes(device: str, writes: dict[str, Any] | None, gauge, counter) -> Iterator[Any]:
+        if writes is None:  # --no-state
+            return
+        failing = gauge("kvcached_broker_state_write_failing",
+                        "1 while writes to the state directory fail and the broker serves from memory",
+                        labels=["device"])
+        failing.add_metric([device], 1 if writes["failing"] else 0)
+        failures = counter("kvcached_broker_state_write_failures", "Writes to the state directory that failed",
+                           labels=["device"])
+        failures.add_metric([device], writes["failures"])
+        yield from (failing, failures)
 
     @staticmethod
     def _counters(device: str, counters: dict[str, Any], counter, histogram) -> Iterator[Any]:

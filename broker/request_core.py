@@ -337,6 +337,7 @@ class RequestCore:
             "recovering_sessions": self.recovering(),
             "state_damage": self.state_damage,
             "growth_held": self.ledger.growth_hold,
+            "state_writes": self.journal.write_status(),
             "counters": self.counters.to_dict(),
         }
         shares = fair_shares(self.ledger)

@@ -39,6 +39,7 @@ from ..client import protocol as proto
 from ..client.endpoint import ipc_path, tcp_host
 from ..client.units import format_bytes
 from .device import DeviceProbe
+from .journal import RETRY_WRITE_S
 from .request_core import build_core
 from .sdnotify import Notifier
 from .security import (
@@ -132,6 +133,7 @@ class BrokerServer:
             _Timer(config.probe_interval_s, lambda now: self.device.observe(self.ledger, now)),
             _Timer(0.0, self.core.lift_growth_hold),
             _Timer(0.0, self.journal.flush_due),
+            _Timer(RETRY_WRITE_S, self.journal.retry_failed_write),
             _Timer(0.0, self.core.expire_pressure),
         ]
 
