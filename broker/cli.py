@@ -353,6 +353,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         insecure_tcp=opts.insecure_tcp,
         curve_dir=opts.curve_dir,
         limits=opts.limits,
+        max_connections=opts.max_connections,
+        max_connections_per_uid=opts.max_connections_per_uid,
     )
     if opts.metrics_port:
         from .metrics import missing_package
@@ -370,7 +372,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .metrics import start_metrics_server
 
         try:
-            start_metrics_server(opts.metrics_port, opts.metrics_address, server.snapshot)
+            metrics = start_metrics_server(opts.metrics_port, opts.metrics_address, server.snapshot)
+            server.metrics_view = metrics.view
         except (OSError, RuntimeError) as exc:
             server.close()
             print(f"kvcached-broker serve: cannot serve metrics on {opts.metrics_address}:{opts.metrics_port}: {exc}",

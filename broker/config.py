@@ -56,11 +56,23 @@ class ServeConfig:
     max_sessions_per_uid: int = 1024
     hello_rate_per_s: float = 50.0
     hello_burst: int = 200
+    #: Connections to the socket, in all and per peer (uid over ipc, address over tcp); None:
+    #: every session's plus some for status and admin clients.  Both are lowered to fit the
+    #: open-file limit (broker/connections.py).
+    max_connections: int | None = None
+    max_connections_per_uid: int | None = None
     #: Requests a round answers before it writes the journal and sends its replies.  Small, so
     #: replies keep flowing while later requests wait (a round that swallowed every request in
     #: flight would leave all clients idle until it ends); still enough to share one write.
     max_batch: int = 16
     limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
+
+    def connection_limits(self) -> tuple[int, int]:
+        """``(in all, per peer)`` before the open-file limit has its say."""
+        total = self.max_connections if self.max_connections is not None else self.max_sessions + 256
+        per_peer = (self.max_connections_per_uid if self.max_connections_per_uid is not None
+                    else self.max_sessions_per_uid + 64)
+        return total, per_peer
 
     def quotas(self) -> SessionQuotas:
         from .session_opener import SessionQuotas
@@ -99,6 +111,13 @@ def _non_negative_int(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"expected a non-negative integer, got {value!r}")
     return value
+
+
+def _positive_int(value: Any) -> int:
+    number = _non_negative_int(value)
+    if number == 0 or number > 1 << 24:
+        raise ValueError(f"expected an integer from 1 to {1 << 24}, got {value!r}")
+    return number
 
 
 def _port(value: Any) -> int:
@@ -195,6 +214,9 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     "curve_dir": (_directory, "KVCACHED_BROKER_CURVE_DIR", None),
     "log_level": (_level, "KVCACHED_BROKER_LOG_LEVEL", "info"),
     "log_json": (_bool, "KVCACHED_BROKER_LOG_JSON", False),
+    # No flags: the config file or the environment (defaults derived from the session quotas).
+    "max_connections": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS", None),
+    "max_connections_per_uid": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS_PER_UID", None),
 }
 LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float}
 

@@ -9,6 +9,7 @@ Everything is named ``kvcached_broker_*`` with the unit in the name; counters en
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, Iterator
 
 log = logging.getLogger("kvcached_broker")
@@ -67,6 +68,7 @@ class StatusCollector:
         yield from self._instances(device, status, GaugeMetricFamily)
         yield from self._state_writes(device, status["broker"].get("state_writes"), GaugeMetricFamily,
                                       CounterMetricFamily)
+        yield from self._limits(device, status["broker"].get("limits") or {}, GaugeMetricFamily, CounterMetricFamily)
         yield from self._counters(device, status["broker"].get("counters", {}), CounterMetricFamily, HistogramMetricFamily)
 
     @staticmethod
@@ -112,6 +114,43 @@ class StatusCollector:
         yield from (failing, failures)
 
     @staticmethod
+    def _limits(device: str, limits: dict[str, Any], gauge, counter) -> Iterator[Any]:
+        """Each bound on what peers may hold of the broker (``kvcached_broker_limit{limit}``), and
+        what met it."""
+        bound = gauge("kvcached_broker_limit", "A bound on what peers may hold of the broker (status broker.limits)",
+                      labels=["device", "limit"])
+        open_files = limits.get("open_files")
+        if open_files:
+            bound.add_metric([device, "open_files"], open_files["soft"])
+        connections = limits.get("connections")
+        metrics = limits.get("metrics")
+        if connections:
+            bound.add_metric([device, "connections"], connections["max"])
+            bound.add_metric([device, "connections_per_peer"], connections["max_per_peer"])
+            now = gauge("kvcached_broker_connections", "Connections to the broker's socket it serves",
+                        labels=["device"])
+            now.add_metric([device], connections["admitted"])
+            refused = counter("kvcached_broker_connections_refused",
+                              "Connections closed on arrival, by the bound they met", labels=["device", "bound"])
+            for reason, n in sorted(connections["refused"].items()):
+                refused.add_metric([device, reason], n)
+            cut = counter("kvcached_broker_connections_cut", "Connections the broker closed, by why",
+                          labels=["device", "reason"])
+            for reason, n in sorted(connections["disconnected"].items()):
+                cut.add_metric([device, reason], n)
+            yield from (now, refused, cut)
+        if metrics:
+            bound.add_metric([device, "metrics_threads"], metrics["threads"])
+            bound.add_metric([device, "metrics_queue"], metrics["queue"])
+            bound.add_metric([device, "metrics_timeout_s"], metrics["timeout_s"])
+            refused = counter("kvcached_broker_metrics_connections_refused",
+                              "/metrics connections closed on arrival: every thread busy and the queue full",
+                              labels=["device"])
+            refused.add_metric([device], metrics["refused"])
+            yield refused
+        yield bound
+
+    @staticmethod
     def _counters(device: str, counters: dict[str, Any], counter, histogram) -> Iterator[Any]:
         requests = counter("kvcached_broker_requests", "Requests received", labels=["device"])
         requests.add_metric([device], counters.get("requests", 0))
@@ -135,14 +174,87 @@ class StatusCollector:
             yield h
 
 
-def start_metrics_server(port: int, address: str, snapshot: Callable[[], dict[str, Any] | None]):
-    """Serve ``/metrics`` on ``address:port`` from a daemon thread; returns the HTTP server."""
+#: ``/metrics`` is served by this many threads, with this many connections waiting for one; a
+#: connection past those is closed at once.  Every read and write on a connection times out.
+METRICS_THREADS = 4
+METRICS_QUEUE = 16
+METRICS_TIMEOUT_S = 5.0
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP/1.0 (one request per connection) from a bounded pool of threads.
+
+    Invariant: at most ``threads + queue`` connections are open at once (each one file
+    descriptor), and none is held longer than ``timeout_s`` without a byte moving, so idle
+    connections, open to any local user, cannot take the descriptors the broker's workers
+    need (prometheus_client's own server starts a thread per connection, without a bound)."""
+
+    def __init__(self, address: str, port: int, handler: type, *, threads: int = METRICS_THREADS,
+                 queue_size: int = METRICS_QUEUE, timeout_s: float = METRICS_TIMEOUT_S):
+        import http.server
+        import queue
+        import socket
+
+        self.threads = threads
+        self.queue_size = queue_size
+        self.timeout_s = timeout_s
+        self.served = 0
+        self.refused = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        owner = self
+        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+
+        class _Server(http.server.HTTPServer):
+            address_family = family
+            request_queue_size = queue_size
+
+            def process_request(self, request, client_address):  # called by serve_forever's thread
+                try:
+                    owner._queue.put_nowait((request, client_address))
+                except queue.Full:
+                    owner.refused += 1
+                    self.shutdown_request(request)
+
+        handler_class = type("BoundedMetricsHandler", (handler,), {"timeout": timeout_s})
+        self._server = _Server((address, port), handler_class)
+        self._workers = [threading.Thread(target=self._work, name=f"kvcached-broker-metrics-{i}", daemon=True)
+                         for i in range(threads)]
+        for worker in self._workers:
+            worker.start()
+        self._acceptor = threading.Thread(target=self._server.serve_forever, name="kvcached-broker-metrics",
+                                          daemon=True)
+        self._acceptor.start()
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def _work(self) -> None:
+        while True:
+            request, client_address = self._queue.get()
+            try:
+                self._server.finish_request(request, client_address)
+                self.served += 1
+            except Exception:  # a timeout or a peer that went away: that connection only
+                pass
+            finally:
+                self._server.shutdown_request(request)
+
+    def view(self) -> dict[str, Any]:
+        return {"threads": self.threads, "queue": self.queue_size, "timeout_s": self.timeout_s,
+                "waiting": self._queue.qsize(), "served": self.served, "refused": self.refused}
+
+
+
+def start_metrics_server(port: int, address: str, snapshot: Callable[[], dict[str, Any] | None]) -> MetricsServer:
+    """Serve ``/metrics`` on ``address:port`` from a bounded pool of daemon threads."""
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, MetricsHandler
     except ImportError as exc:
         raise RuntimeError("--metrics-port needs prometheus_client: pip install 'kvcached-broker[metrics]'") from exc
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(snapshot))
-    server, _thread = start_http_server(port, addr=address, registry=registry)
-    log.info("event=metrics address=%s port=%d", address, port)
+    server = MetricsServer(address, port, MetricsHandler.factory(registry))
+    log.info("event=metrics address=%s port=%d threads=%d queue=%d timeout_s=%g", address, port, server.threads,
+             server.queue_size, server.timeout_s)
     return server

@@ -88,6 +88,8 @@ class RequestCore:
         self.state_damage: dict[str, Any] | None = None  # what the restore found damaged
         self._hold_until_s = 0.0  # growth held (damaged state) until then at the latest
         self._pushes: list[tuple[bytes, bytes]] = []
+        #: The shell's bounds and what they met (open files, connections...), for status.
+        self.shell_view: Callable[[], dict[str, Any]] | None = None
         self._body = b""  # the frame being handled: the reply cache fingerprints it
         self._handlers: dict[type, Callable[[Any, bytes, Peer, float], bytes | None]] = {
             proto.Hello: self.opener.hello,
@@ -338,6 +340,7 @@ class RequestCore:
             "state_damage": self.state_damage,
             "growth_held": self.ledger.growth_hold,
             "state_writes": self.journal.write_status(),
+            "limits": self.shell_view() if self.shell_view is not None else None,
             "counters": self.counters.to_dict(),
         }
         shares = fair_shares(self.ledger)

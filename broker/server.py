@@ -38,6 +38,14 @@ from .. import broker as _package
 from ..client import protocol as proto
 from ..client.endpoint import ipc_path, tcp_host
 from ..client.units import format_bytes
+from .connections import (
+    ConnectionBook,
+    ConnectionBounds,
+    ConnectionMonitor,
+    OpenFiles,
+    connection_bounds,
+    raise_open_files_limit,
+)
 from .device import DeviceProbe
 from .journal import RETRY_WRITE_S
 from .request_core import build_core
@@ -116,6 +124,11 @@ class BrokerServer:
         )
         self._peers: dict[bytes, Peer] = {}
         self._locks: list[LockFile] = []
+        self.open_files: OpenFiles | None = None  # RLIMIT_NOFILE, raised at start
+        self._connections: ConnectionMonitor | None = None
+        #: What ``/metrics`` serves with (its pool and what it refused), once it runs.
+        self.metrics_view: Callable[[], dict[str, Any]] | None = None
+        self.core.shell_view = self._limits_view
         self._journal_open = False  # only a journal this broker restored may be written
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -146,6 +159,7 @@ class BrokerServer:
         """Take the locks, restore state, bind.  Raises with a one-line reason on failure."""
         cfg = self.config
         sock_path = ipc_path(cfg.endpoint)
+        self.open_files = raise_open_files_limit()
         try:
             if sock_path is not None:
                 prepare_socket_dir(sock_path, cfg.socket_group)
@@ -212,6 +226,7 @@ class BrokerServer:
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         self._sock = sock  # from here on close() closes it, or the context would never end
+        self._connections = ConnectionMonitor(self._ctx, sock, ConnectionBook(self._connection_bounds()))
         if cfg.curve_dir is not None and sock_path is None:
             self._start_curve(sock, Path(cfg.curve_dir))
         if sock_path is not None:
@@ -225,6 +240,23 @@ class BrokerServer:
         self._wakeups = WakeupThread(self._ctx, inproc)
         self._wakeup_rid = self._wakeups.routing_id
         self.processes.attach(self._wakeups)
+
+    def _connection_bounds(self) -> ConnectionBounds:
+        total, per_peer = self.config.connection_limits()
+        assert self.open_files is not None
+        bounds = connection_bounds(self.open_files.soft, total, per_peer)
+        if bounds.max_total < total:
+            log.warning("event=connections_bounded_by_open_files open_files=%d max_connections=%d configured=%d "
+                        "detail=raise_the_hard_limit_LimitNOFILE_for_more", self.open_files.soft, bounds.max_total, total)
+        return bounds
+
+    def _limits_view(self) -> dict[str, Any]:
+        """The bounds on what peers may hold of the broker, and what they met (status ``broker.limits``)."""
+        return {
+            "open_files": self.open_files.to_dict() if self.open_files is not None else None,
+            "connections": self._connections.view() if self._connections is not None else None,
+            "metrics": self.metrics_view() if self.metrics_view is not None else None,
+        }
 
     def _start_curve(self, sock: zmq.Socket, curve_dir: Path) -> None:
         """CURVE on tcp: the broker's key pair, and only clients whose public key is authorised."""
@@ -259,6 +291,8 @@ class BrokerServer:
             self.journal.close()
         self.processes.close()  # the wake-up thread's socket goes before the context
         self._wakeups = None
+        if self._connections is not None:
+            self._connections.close()  # its monitor socket too
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
