@@ -100,7 +100,6 @@ class ConnectionBook:
         self.admitted = 0
         self.accepted_total = 0
         self.refused: dict[str, int] = {"total": 0, "per_peer": 0}
-        self.disconnected: dict[str, int] = {}  # connections the broker cut, by reason
 
     def accepted(self, fd: int, peer: Hashable) -> str | None:
         """Book a connection libzmq accepted; returns why it must be refused, or None."""
@@ -132,9 +131,6 @@ class ConnectionBook:
         else:
             self._admitted_by_peer.pop(peer, None)
 
-    def cut(self, reason: str) -> None:
-        self.disconnected[reason] = self.disconnected.get(reason, 0) + 1
-
     def view(self) -> dict[str, Any]:
         return {
             "open": len(self._open),
@@ -143,7 +139,6 @@ class ConnectionBook:
             "max_per_peer": self.bounds.max_per_peer,
             "accepted": self.accepted_total,
             "refused": dict(self.refused),
-            "disconnected": dict(self.disconnected),
         }
 
 
@@ -201,12 +196,6 @@ class ConnectionMonitor:
     def view(self) -> dict[str, Any]:
         with self._lock:
             return self.book.view()
-
-    def disconnect(self, fd: int, reason: str) -> None:
-        """Cut a connection the broker will not serve any more (called from the server thread)."""
-        if shut_down(fd):
-            with self._lock:
-                self.book.cut(reason)
 
     def close(self) -> None:
         self._closing = True

@@ -134,11 +134,32 @@ class StatusCollector:
                               "Connections closed on arrival, by the bound they met", labels=["device", "bound"])
             for reason, n in sorted(connections["refused"].items()):
                 refused.add_metric([device, reason], n)
-            cut = counter("kvcached_broker_connections_cut", "Connections the broker closed, by why",
-                          labels=["device", "reason"])
-            for reason, n in sorted(connections["disconnected"].items()):
-                cut.add_metric([device, reason], n)
-            yield from (now, refused, cut)
+            yield from (now, refused)
+        requests, replies, cache = limits.get("requests"), limits.get("replies"), limits.get("reply_cache")
+        if requests:
+            bound.add_metric([device, "request_bytes"], requests["max_bytes"])
+            bound.add_metric([device, "requests_per_connection"], requests["per_connection"])
+        if replies:
+            for key in ("per_connection", "large_bytes", "large_per_connection", "large_bytes_per_peer",
+                        "large_bytes_total"):
+                bound.add_metric([device, f"replies_{key}"], replies[key])
+            waiting = gauge("kvcached_broker_large_replies_waiting_bytes",
+                            "Large replies (status documents) sent and not yet taken by their peers",
+                            labels=["device"])
+            waiting.add_metric([device], replies["large_waiting_bytes"])
+            dropped = counter("kvcached_broker_replies_dropped",
+                              "Replies dropped for a peer that does not read them, by the bound they met",
+                              labels=["device", "bound"])
+            for reason, n in sorted(replies["dropped"].items()):
+                dropped.add_metric([device, reason], n)
+            yield from (waiting, dropped)
+        if cache:
+            bound.add_metric([device, "reply_cache_replies"], cache["replies"])
+            bound.add_metric([device, "reply_cache_bytes"], cache["bytes"])
+            held = gauge("kvcached_broker_reply_cache_bytes", "Replies every session keeps for retried requests",
+                         labels=["device"])
+            held.add_metric([device], cache["held_bytes"])
+            yield held
         if metrics:
             bound.add_metric([device, "metrics_threads"], metrics["threads"])
             bound.add_metric([device, "metrics_queue"], metrics["queue"])

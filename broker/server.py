@@ -24,6 +24,7 @@ synchronous on purpose (zmq.asyncio measured slower; see docs/performance.md).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -47,6 +48,7 @@ from .connections import (
     raise_open_files_limit,
 )
 from .device import DeviceProbe
+from .reply_budget import LARGE_REPLY_BYTES, REPLIES_PER_CONNECTION, ReplyBudget
 from .journal import RETRY_WRITE_S
 from .request_core import build_core
 from .sdnotify import Notifier
@@ -82,6 +84,10 @@ _POLL_TIMEOUT_MS = 100
 #: the next round takes any.
 _WAITED_S = 20e-6
 _MAX_PEERS = 16384
+#: Requests waiting in one connection's queue (the ROUTER's RCVHWM): past it libzmq stops
+#: reading that connection until the broker catches up, so a peer buffers at most this many
+#: requests of at most MAX_REQUEST_BYTES in the broker.
+REQUESTS_PER_CONNECTION = 16
 _NOT_A_PEER = object()  # the wake-up thread's messages: never a request
 
 
@@ -128,6 +134,7 @@ class BrokerServer:
         self._connections: ConnectionMonitor | None = None
         #: What ``/metrics`` serves with (its pool and what it refused), once it runs.
         self.metrics_view: Callable[[], dict[str, Any]] | None = None
+        self.replies = ReplyBudget()
         self.core.shell_view = self._limits_view
         self._journal_open = False  # only a journal this broker restored may be written
         self._ctx: zmq.Context | None = None
@@ -223,8 +230,8 @@ class BrokerServer:
         sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_REQUEST_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, REPLIES_PER_CONNECTION)
+        sock.setsockopt(zmq.RCVHWM, REQUESTS_PER_CONNECTION)
         self._sock = sock  # from here on close() closes it, or the context would never end
         self._connections = ConnectionMonitor(self._ctx, sock, ConnectionBook(self._connection_bounds()))
         if cfg.curve_dir is not None and sock_path is None:
@@ -255,6 +262,9 @@ class BrokerServer:
         return {
             "open_files": self.open_files.to_dict() if self.open_files is not None else None,
             "connections": self._connections.view() if self._connections is not None else None,
+            "requests": {"max_bytes": proto.MAX_REQUEST_BYTES, "per_connection": REQUESTS_PER_CONNECTION},
+            "replies": self.replies.view(),
+            "reply_cache": self.core.table.reply_cache_view(),
             "metrics": self.metrics_view() if self.metrics_view is not None else None,
         }
 
@@ -460,7 +470,26 @@ class BrokerServer:
         send = _raw_send.__get__(sock)
         for rid, reply in replies:
             try:
+                if len(reply) > LARGE_REPLY_BYTES:
+                    self._send_large(send, rid, reply)
+                    continue
                 send(rid, _SNDMORE_NOBLOCK)
                 send(reply, _NOBLOCK)
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: it is not reading
-                log.debug("event=reply_dropped errno=%s", exc.errno)
+                self._dropped(exc)
+
+    def _send_large(self, send: Callable[..., Any], rid: bytes, reply: bytes) -> None:
+        """A large reply (a status document) goes without a copy, within the budget of what may
+        wait unread (broker/reply_budget.py), tracked until libzmq lets go of it."""
+        peer = self._peers.get(rid)
+        key = (peer.uid, None) if peer is not None and peer.uid is not None else (None, peer.address if peer else "")
+        if self.replies.admit(rid, key, len(reply)) is not None:
+            return
+        send(rid, _SNDMORE_NOBLOCK)
+        tracker = send(reply, _NOBLOCK, copy=False, track=True)
+        self.replies.sent(rid, key, len(reply), lambda: tracker.done)
+
+    def _dropped(self, exc: zmq.ZMQError) -> None:
+        if exc.errno == errno.EAGAIN:
+            self.replies.drop("queue_full")
+        log.debug("event=reply_dropped errno=%s", exc.errno)

@@ -53,3 +53,22 @@ def test_metrics_without_the_extra_fail_before_ready(short_tmp):
     assert out.returncode == 1
     assert "event=ready" not in out.stderr + out.stdout
     assert "kvcached-broker[metrics]" in out.stderr
+
+
+def test_metrics_show_every_bound_on_peers_and_what_met_it(inproc):
+    """Each limit in status ``broker.limits`` is a ``kvcached_broker_limit`` sample, with its counters."""
+    from kvcached_broker.broker.metrics import StatusCollector
+
+    samples = {}
+    for family in StatusCollector(inproc.server.snapshot).collect():
+        for sample in family.samples:
+            samples[(sample.name, sample.labels.get("limit") or sample.labels.get("bound"))] = sample.value
+    limits = inproc.status()["broker"]["limits"]
+    assert samples[("kvcached_broker_limit", "open_files")] == limits["open_files"]["soft"]
+    assert samples[("kvcached_broker_limit", "connections")] == limits["connections"]["max"]
+    assert samples[("kvcached_broker_limit", "requests_per_connection")] == 16
+    assert samples[("kvcached_broker_limit", "replies_per_connection")] == 256
+    assert samples[("kvcached_broker_limit", "replies_large_bytes_per_peer")] == 32 << 20
+    assert samples[("kvcached_broker_limit", "reply_cache_bytes")] == 64 << 10
+    assert ("kvcached_broker_connections_refused_total", "per_peer") in samples
+    assert ("kvcached_broker_large_replies_waiting_bytes", None) in samples

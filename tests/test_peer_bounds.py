@@ -15,6 +15,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 
@@ -22,7 +23,7 @@ from kvcached_broker.broker.connections import ConnectionBook, connection_bounds
 from kvcached_broker.client import BrokerClient
 from kvcached_broker.tools.launch import BrokerLauncher
 
-from helpers import GIB, free_port, wait_for
+from helpers import GIB, free_port, raw_dealer, wait_for
 
 needs_prlimit = pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 
@@ -193,3 +194,83 @@ def test_idle_metrics_connections_take_a_bounded_pool_not_the_workers_descriptor
     assert 'kvcached_broker_limit{device="0",limit="metrics_threads"} 4.0' in text
     assert "kvcached_broker_connections_refused_total" in text
     broker.stop()
+
+
+# -------------------------------------------------------------- replies nobody reads
+def _unread_dealer(endpoint: str) -> zmq.Socket:
+    """A DEALER that asks and never reads: its own queue holds one message, its kernel buffer little."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(endpoint)
+    return sock
+
+
+def _rss_bytes(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096
+
+
+def _answered(admin, at_least: int) -> dict | None:
+    status = admin.status()
+    return status if status["broker"]["counters"]["requests"] >= at_least else None
+
+
+def test_status_replies_nobody_reads_are_dropped_past_a_bound_not_kept(short_tmp):
+    """500 unread status requests, each answered with a 300 KB document, held ~150 MB (1,000 of
+    1.5 MB held 1.5 GB in the issue); now a connection has at most 2 such replies waiting."""
+    from kvcached_broker.broker.reply_budget import LARGE_REPLY_BYTES
+    from kvcached_broker.client.admin import AdminClient
+
+    endpoint = f"ipc://{short_tmp}/gpu0.sock"
+    broker = BrokerLauncher(endpoint, simulate="8TiB", args=["--headroom", "0"], log=short_tmp / "broker.log").start()
+    pools = {f"p{k:02d}" + "x" * 61: 1 << 20 for k in range(64)}  # the largest pool map a request may carry
+    clients = [BrokerClient.connect("big", endpoint=endpoint, credit_pages=0, background=False) for _ in range(60)]
+    for c in clients:
+        c.reserve(pools)
+    admin = AdminClient(endpoint, timeout_s=60)
+    try:
+        size = len(msgpack.packb(admin.status()))
+        assert size > 16 * LARGE_REPLY_BYTES
+        asked = admin.status()["broker"]["counters"]["requests"]
+        before = _rss_bytes(broker.proc.pid)
+        sock = _unread_dealer(endpoint)
+        for request_id in range(500):
+            sock.send(msgpack.packb({"op": "status", "id": request_id}))
+        status = wait_for(lambda: _answered(admin, asked + 500), what="the 500 answered")
+        grown = _rss_bytes(broker.proc.pid) - before
+        assert grown < 48 << 20, f"the broker grew {grown >> 20} MiB"
+        replies = status["broker"]["limits"]["replies"]
+        assert replies["dropped"].get("large_per_connection", 0) >= 450, replies
+        assert replies["large_waiting_bytes"] <= 2 * size + 4096
+        sock.close(0)
+    finally:
+        admin.close()
+        for c in clients:
+            c.close()
+        broker.stop()
+
+
+def test_small_replies_nobody_reads_are_dropped_past_the_connection_queue(inproc):
+    """With a queue of 100,000 replies a connection, a peer could keep that many answers waiting."""
+    sock = _unread_dealer(inproc.endpoint)
+    admin = inproc.admin()
+    asked = admin.status()["broker"]["counters"]["requests"]
+    for request_id in range(10_000):
+        sock.send(msgpack.packb({"op": "heartbeat", "id": request_id, "session": "x" * 20}))
+    status = wait_for(lambda: _answered(admin, asked + 10_000), what="the 10,000 answered")
+    assert status["broker"]["limits"]["replies"]["dropped"].get("queue_full", 0) > 0
+    assert status["broker"]["limits"]["requests"] == {"max_bytes": 64 << 10, "per_connection": 16}
+    sock.close(0)
+    admin.close()
+
+
+def test_a_multipart_request_is_refused_and_each_frame_is_bounded(inproc):
+    """libzmq delivers a multipart message whole, so the broker cannot refuse it before it has
+    arrived; it answers ``bad_request`` (protocol.md §1), and ZeroMQ drops a connection whose
+    frame is over 64 KiB before any of it is buffered."""
+    sock = raw_dealer(inproc.endpoint)
+    sock.send_multipart([msgpack.packb({"op": "status", "id": 1}), b"x"])
+    reply = msgpack.unpackb(sock.recv())
+    assert reply["error"]["code"] == "bad_request" and reply["id"] is None
+    sock.close(0)
