@@ -3,13 +3,18 @@
 Each scrape asks the server thread for a status snapshot, so every number matches what
 ``status --json`` says at that moment, and the request path pays nothing for metrics.
 Everything is named ``kvcached_broker_*`` with the unit in the name; counters end in
-``_total``.  Every series carries the ``device`` label (the NVML index).
+``_total``.  Every series carries the GPU's identity (:class:`GpuLabels`): ``device`` (the NVML
+index, as the broker was told it) and the labels by which DCGM exporter names the same GPU
+(``UUID``, ``modelName``, and the host as ``Hostname`` and ``hostname``), so that a PromQL
+``on (UUID)`` join puts the broker's series next to the GPU's own.  The label names are a
+contract (docs/design.md, "Metrics"): they only grow.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 log = logging.getLogger("kvcached_broker")
@@ -26,6 +31,29 @@ DEVICE_GAUGES = {
 }
 
 
+@dataclass(frozen=True)
+class GpuLabels:
+    """The labels every series carries, in :data:`NAMES` order, fixed for the broker's life.
+
+    ``uuid`` is the GPU's NVML UUID (``GPU-...``; ``SIM-GPU-N`` when simulated) and the join key
+    with DCGM exporter, whose ``UUID`` label holds the same string.  ``device`` is the NVML index
+    the broker serves: it depends on which GPUs the broker's container sees, so it is not DCGM
+    exporter's ``gpu`` (nor its ``device``, which is ``nvidiaN``) and is no join key.  The host
+    is exported twice because DCGM exporter renamed its label: ``Hostname`` in its releases up
+    to 4.5.3-4.8.2, ``hostname`` after May 2026 (a Kubernetes node name where the chart sets it).
+    """
+
+    device: str
+    uuid: str
+    model_name: str
+    hostname: str
+
+    NAMES = ("device", "UUID", "modelName", "Hostname", "hostname")
+
+    def values(self) -> list[str]:
+        return [self.device, self.uuid, self.model_name, self.hostname, self.hostname]
+
+
 def missing_package() -> str | None:
     """The package ``/metrics`` needs, if it is not installed (checked before the broker starts)."""
     import importlib.util
@@ -38,10 +66,14 @@ def missing_package() -> str | None:
 
 
 class StatusCollector:
-    """A prometheus_client collector over a ``snapshot()`` callable returning the status document."""
+    """A prometheus_client collector over a ``snapshot()`` callable returning the status document.
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any] | None]):
+    Every sample it yields carries ``gpu``'s labels first (:attr:`GpuLabels.NAMES`), then its own.
+    """
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None], gpu: GpuLabels):
         self._snapshot = snapshot
+        self._gpu = gpu
 
     def describe(self) -> list:
         return []  # unchecked collector: metrics are known only from a snapshot
@@ -49,150 +81,185 @@ class StatusCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+        family = _Families(self._gpu, GaugeMetricFamily, CounterMetricFamily, HistogramMetricFamily)
         status = self._snapshot()
-        up = GaugeMetricFamily("kvcached_broker_up", "1 if the broker answered this scrape", labels=["device"])
+        up = family.gauge("kvcached_broker_up", "1 if the broker answered this scrape")
+        up.add([], 0 if status is None else 1)
+        yield up.metric
         if status is None:
-            up.add_metric(["unknown"], 0)
-            yield up
             return
-        device = str(status["device"]["index"])
-        up.add_metric([device], 1)
-        yield up
         for key, doc in DEVICE_GAUGES.items():
-            g = GaugeMetricFamily(f"kvcached_broker_device_{key}", doc, labels=["device"])
-            g.add_metric([device], status[key])
-            yield g
-        over = GaugeMetricFamily("kvcached_broker_overcommitted", "1 while charges exceed the budget", labels=["device"])
-        over.add_metric([device], 1 if status["overcommitted"] else 0)
-        yield over
-        yield from self._instances(device, status, GaugeMetricFamily)
-        yield from self._state_writes(device, status["broker"].get("state_writes"), GaugeMetricFamily,
-                                      CounterMetricFamily)
-        yield from self._limits(device, status["broker"].get("limits") or {}, GaugeMetricFamily, CounterMetricFamily)
-        yield from self._counters(device, status["broker"].get("counters", {}), CounterMetricFamily, HistogramMetricFamily)
+            g = family.gauge(f"kvcached_broker_device_{key}", doc)
+            g.add([], status[key])
+            yield g.metric
+        over = family.gauge("kvcached_broker_overcommitted", "1 while charges exceed the budget")
+        over.add([], 1 if status["overcommitted"] else 0)
+        yield over.metric
+        yield from self._instances(family, status)
+        yield from self._state_writes(family, status["broker"].get("state_writes"))
+        yield from self._limits(family, status["broker"].get("limits") or {})
+        yield from self._counters(family, status["broker"].get("counters", {}))
 
     @staticmethod
-    def _instances(device: str, status: dict[str, Any], gauge) -> Iterator[Any]:
-        pool = gauge("kvcached_broker_instance_pool_bytes", "Reserved bytes by instance and pool",
-                     labels=["device", "instance", "pool"])
-        reserved = gauge("kvcached_broker_instance_reserved_bytes", "Reserved bytes by instance",
-                         labels=["device", "instance"])
-        granted = gauge("kvcached_broker_instance_granted_bytes", "Granted elastic bytes by instance",
-                        labels=["device", "instance"])
-        floor = gauge("kvcached_broker_instance_min_bytes", "Guaranteed floor by instance", labels=["device", "instance"])
-        cap = gauge("kvcached_broker_instance_max_bytes", "Cap by instance (absent when unset)",
-                    labels=["device", "instance"])
-        sessions = gauge("kvcached_broker_sessions", "Sessions by instance and state",
-                         labels=["device", "instance", "state"])
+    def _instances(family: _Families, status: dict[str, Any]) -> Iterator[Any]:
+        pool = family.gauge("kvcached_broker_instance_pool_bytes", "Reserved bytes by instance and pool",
+                            ["instance", "pool"])
+        reserved = family.gauge("kvcached_broker_instance_reserved_bytes", "Reserved bytes by instance", ["instance"])
+        granted = family.gauge("kvcached_broker_instance_granted_bytes", "Granted elastic bytes by instance",
+                               ["instance"])
+        floor = family.gauge("kvcached_broker_instance_min_bytes", "Guaranteed floor by instance", ["instance"])
+        cap = family.gauge("kvcached_broker_instance_max_bytes", "Cap by instance (absent when unset)", ["instance"])
+        sessions = family.gauge("kvcached_broker_sessions", "Sessions by instance and state", ["instance", "state"])
+        share = family.gauge("kvcached_broker_instance_fair_share_bytes",
+                             "What the instance may hold while others want memory (weights, floors, caps)", ["instance"])
+        pending = family.gauge("kvcached_broker_instance_pressure_pending_bytes",
+                               "Bytes the broker has asked the instance to give back and not yet had", ["instance"])
+        pressure = {key: family.counter(f"kvcached_broker_instance_pressure_{key}", doc, ["instance"]) for key, doc in (
+            ("asks", "Pressure asks sent to the instance's sessions"),
+            ("asked_bytes", "Bytes asked back from the instance"),
+            ("returned_bytes", "Asked bytes the instance gave back (released, or freed with a session)"),
+            ("ignored_bytes", "Asked bytes still held when the ask expired"),
+        )}
         for inst in status["instances"]:
             name = inst["name"]
             for pool_name, size in inst["pools"].items():
-                pool.add_metric([device, name, pool_name], size)
-            reserved.add_metric([device, name], inst["reserved_bytes"])
-            granted.add_metric([device, name], inst["granted_bytes"])
-            floor.add_metric([device, name], inst["min_bytes"])
+                pool.add([name, pool_name], size)
+            reserved.add([name], inst["reserved_bytes"])
+            granted.add([name], inst["granted_bytes"])
+            floor.add([name], inst["min_bytes"])
             if inst["max_bytes"] is not None:
-                cap.add_metric([device, name], inst["max_bytes"])
+                cap.add([name], inst["max_bytes"])
             states: dict[str, int] = {"live": 0, "stale": 0, "recovering": 0}
             for s in inst["sessions"]:
                 states[s["state"]] = states.get(s["state"], 0) + 1
             for state, count in states.items():
-                sessions.add_metric([device, name, state], count)
-        yield from (pool, reserved, granted, floor, cap, sessions)
+                sessions.add([name, state], count)
+            if "fair_share_bytes" in inst:
+                share.add([name], inst["fair_share_bytes"])
+            if "pressure" in inst:
+                pending.add([name], inst["pressure"]["pending_bytes"])
+                for key, counter in pressure.items():
+                    counter.add([name], inst["pressure"][key])
+        yield from (f.metric for f in (pool, reserved, granted, floor, cap, sessions, share, pending, *pressure.values()))
 
     @staticmethod
-    def _state_writes(device: str, writes: dict[str, Any] | None, gauge, counter) -> Iterator[Any]:
+    def _state_writes(family: _Families, writes: dict[str, Any] | None) -> Iterator[Any]:
         if writes is None:  # --no-state
             return
-        failing = gauge("kvcached_broker_state_write_failing",
-                        "1 while writes to the state directory fail and the broker serves from memory",
-                        labels=["device"])
-        failing.add_metric([device], 1 if writes["failing"] else 0)
-        failures = counter("kvcached_broker_state_write_failures", "Writes to the state directory that failed",
-                           labels=["device"])
-        failures.add_metric([device], writes["failures"])
-        yield from (failing, failures)
+        failing = family.gauge("kvcached_broker_state_write_failing",
+                               "1 while writes to the state directory fail and the broker serves from memory")
+        failing.add([], 1 if writes["failing"] else 0)
+        failures = family.counter("kvcached_broker_state_write_failures", "Writes to the state directory that failed")
+        failures.add([], writes["failures"])
+        yield from (failing.metric, failures.metric)
 
     @staticmethod
-    def _limits(device: str, limits: dict[str, Any], gauge, counter) -> Iterator[Any]:
+    def _limits(family: _Families, limits: dict[str, Any]) -> Iterator[Any]:
         """Each bound on what peers may hold of the broker (``kvcached_broker_limit{limit}``), and
         what met it."""
-        bound = gauge("kvcached_broker_limit", "A bound on what peers may hold of the broker (status broker.limits)",
-                      labels=["device", "limit"])
+        bound = family.gauge("kvcached_broker_limit", "A bound on what peers may hold of the broker (status broker.limits)",
+                             ["limit"])
         open_files = limits.get("open_files")
         if open_files:
-            bound.add_metric([device, "open_files"], open_files["soft"])
+            bound.add(["open_files"], open_files["soft"])
         connections = limits.get("connections")
-        metrics = limits.get("metrics")
         if connections:
-            bound.add_metric([device, "connections"], connections["max"])
-            bound.add_metric([device, "connections_per_peer"], connections["max_per_peer"])
-            now = gauge("kvcached_broker_connections", "Connections to the broker's socket it serves",
-                        labels=["device"])
-            now.add_metric([device], connections["admitted"])
-            refused = counter("kvcached_broker_connections_refused",
-                              "Connections closed on arrival, by the bound they met", labels=["device", "bound"])
+            bound.add(["connections"], connections["max"])
+            bound.add(["connections_per_peer"], connections["max_per_peer"])
+            now = family.gauge("kvcached_broker_connections", "Connections to the broker's socket it serves")
+            now.add([], connections["admitted"])
+            refused = family.counter("kvcached_broker_connections_refused",
+                                     "Connections closed on arrival, by the bound they met", ["bound"])
             for reason, n in sorted(connections["refused"].items()):
-                refused.add_metric([device, reason], n)
-            yield from (now, refused)
+                refused.add([reason], n)
+            yield from (now.metric, refused.metric)
         requests, replies, cache = limits.get("requests"), limits.get("replies"), limits.get("reply_cache")
         if requests:
-            bound.add_metric([device, "request_bytes"], requests["max_bytes"])
-            bound.add_metric([device, "requests_per_connection"], requests["per_connection"])
+            bound.add(["request_bytes"], requests["max_bytes"])
+            bound.add(["requests_per_connection"], requests["per_connection"])
         if replies:
             for key in ("per_connection", "large_bytes", "large_per_connection", "large_bytes_per_peer",
                         "large_bytes_total"):
-                bound.add_metric([device, f"replies_{key}"], replies[key])
-            waiting = gauge("kvcached_broker_large_replies_waiting_bytes",
-                            "Large replies (status documents) sent and not yet taken by their peers",
-                            labels=["device"])
-            waiting.add_metric([device], replies["large_waiting_bytes"])
-            dropped = counter("kvcached_broker_replies_dropped",
-                              "Replies dropped for a peer that does not read them, by the bound they met",
-                              labels=["device", "bound"])
+                bound.add([f"replies_{key}"], replies[key])
+            waiting = family.gauge("kvcached_broker_large_replies_waiting_bytes",
+                                   "Large replies (status documents) sent and not yet taken by their peers")
+            waiting.add([], replies["large_waiting_bytes"])
+            dropped = family.counter("kvcached_broker_replies_dropped",
+                                     "Replies dropped for a peer that does not read them, by the bound they met",
+                                     ["bound"])
             for reason, n in sorted(replies["dropped"].items()):
-                dropped.add_metric([device, reason], n)
-            yield from (waiting, dropped)
+                dropped.add([reason], n)
+            yield from (waiting.metric, dropped.metric)
         if cache:
-            bound.add_metric([device, "reply_cache_replies"], cache["replies"])
-            bound.add_metric([device, "reply_cache_bytes"], cache["bytes"])
-            held = gauge("kvcached_broker_reply_cache_bytes", "Replies every session keeps for retried requests",
-                         labels=["device"])
-            held.add_metric([device], cache["held_bytes"])
-            yield held
+            bound.add(["reply_cache_replies"], cache["replies"])
+            bound.add(["reply_cache_bytes"], cache["bytes"])
+            held = family.gauge("kvcached_broker_reply_cache_bytes", "Replies every session keeps for retried requests")
+            held.add([], cache["held_bytes"])
+            yield held.metric
+        metrics = limits.get("metrics")
         if metrics:
-            bound.add_metric([device, "metrics_threads"], metrics["threads"])
-            bound.add_metric([device, "metrics_queue"], metrics["queue"])
-            bound.add_metric([device, "metrics_timeout_s"], metrics["timeout_s"])
-            refused = counter("kvcached_broker_metrics_connections_refused",
-                              "/metrics connections closed on arrival: every thread busy and the queue full",
-                              labels=["device"])
-            refused.add_metric([device], metrics["refused"])
-            yield refused
-        yield bound
+            bound.add(["metrics_threads"], metrics["threads"])
+            bound.add(["metrics_queue"], metrics["queue"])
+            bound.add(["metrics_timeout_s"], metrics["timeout_s"])
+            refused = family.counter("kvcached_broker_metrics_connections_refused",
+                                     "/metrics connections closed on arrival: every thread busy and the queue full")
+            refused.add([], metrics["refused"])
+            yield refused.metric
+        yield bound.metric
 
     @staticmethod
-    def _counters(device: str, counters: dict[str, Any], counter, histogram) -> Iterator[Any]:
-        requests = counter("kvcached_broker_requests", "Requests received", labels=["device"])
-        requests.add_metric([device], counters.get("requests", 0))
-        grants = counter("kvcached_broker_grants", "Elastic grants made", labels=["device"])
-        grants.add_metric([device], counters.get("grants", 0))
-        refusals = counter("kvcached_broker_refusals", "Requests refused, by error code", labels=["device", "code"])
+    def _counters(family: _Families, counters: dict[str, Any]) -> Iterator[Any]:
+        requests = family.counter("kvcached_broker_requests", "Requests received")
+        requests.add([], counters.get("requests", 0))
+        grants = family.counter("kvcached_broker_grants", "Elastic grants made")
+        grants.add([], counters.get("grants", 0))
+        refusals = family.counter("kvcached_broker_refusals", "Requests refused, by error code", ["code"])
         for code, n in sorted(counters.get("refusals", {}).items()):
-            refusals.add_metric([device, code], n)
-        reclaims = counter("kvcached_broker_reclaims", "Sessions ended, by cause", labels=["device", "cause"])
+            refusals.add([code], n)
+        reclaims = family.counter("kvcached_broker_reclaims", "Sessions ended, by cause", ["cause"])
         for cause, n in sorted(counters.get("reclaims", {}).items()):
-            reclaims.add_metric([device, cause], n)
-        bad = counter("kvcached_broker_bad_frames", "Frames that were not valid requests", labels=["device"])
-        bad.add_metric([device], counters.get("bad_frames", 0))
-        yield from (requests, grants, refusals, reclaims, bad)
+            reclaims.add([cause], n)
+        bad = family.counter("kvcached_broker_bad_frames", "Frames that were not valid requests")
+        bad.add([], counters.get("bad_frames", 0))
+        yield from (f.metric for f in (requests, grants, refusals, reclaims, bad))
         hist = counters.get("request_latency")
         if hist:
-            h = histogram("kvcached_broker_request_duration_seconds", "Time to serve a round of requests",
-                          labels=["device"])
+            h = family.histogram("kvcached_broker_request_duration_seconds", "Time to serve a round of requests")
             buckets = [(("+Inf" if b == "+Inf" else repr(float(b))), n) for b, n in hist["buckets"]]
-            h.add_metric([device], buckets, sum_value=hist["sum_s"])
-            yield h
+            h.metric.add_metric(h.gpu_values, buckets, sum_value=hist["sum_s"])
+            yield h.metric
+
+
+class _Family:
+    """One metric family whose samples all start with the GPU's labels."""
+
+    def __init__(self, metric: Any, gpu: GpuLabels):
+        self.metric = metric
+        self.gpu_values = gpu.values()
+
+    def add(self, own_labels: list[str], value: float) -> None:
+        self.metric.add_metric(self.gpu_values + own_labels, value)
+
+
+class _Families:
+    """Makes the families of one scrape, each labelled ``GpuLabels.NAMES`` + its own labels."""
+
+    def __init__(self, gpu: GpuLabels, gauge_type: Any, counter_type: Any, histogram_type: Any):
+        self._gpu = gpu
+        self._types = {"gauge": gauge_type, "counter": counter_type, "histogram": histogram_type}
+
+    def _make(self, kind: str, name: str, doc: str, own: list[str] | None) -> _Family:
+        labels = [*GpuLabels.NAMES, *(own or [])]
+        return _Family(self._types[kind](name, doc, labels=labels), self._gpu)
+
+    def gauge(self, name: str, doc: str, own: list[str] | None = None) -> _Family:
+        return self._make("gauge", name, doc, own)
+
+    def counter(self, name: str, doc: str, own: list[str] | None = None) -> _Family:
+        return self._make("counter", name, doc, own)
+
+    def histogram(self, name: str, doc: str) -> _Family:
+        return self._make("histogram", name, doc, None)
 
 
 #: ``/metrics`` is served by this many threads, with this many connections waiting for one; a
@@ -246,10 +313,6 @@ class MetricsServer:
                                           daemon=True)
         self._acceptor.start()
 
-    @property
-    def port(self) -> int:
-        return self._server.server_address[1]
-
     def _work(self) -> None:
         while True:
             request, client_address = self._queue.get()
@@ -266,16 +329,17 @@ class MetricsServer:
                 "waiting": self._queue.qsize(), "served": self.served, "refused": self.refused}
 
 
-
-def start_metrics_server(port: int, address: str, snapshot: Callable[[], dict[str, Any] | None]) -> MetricsServer:
-    """Serve ``/metrics`` on ``address:port`` from a bounded pool of daemon threads."""
+def start_metrics_server(port: int, address: str, snapshot: Callable[[], dict[str, Any] | None],
+                         gpu: GpuLabels) -> MetricsServer:
+    """Serve ``/metrics`` on ``address:port`` from a bounded pool of daemon threads, every series
+    labelled ``gpu``."""
     try:
         from prometheus_client import CollectorRegistry, MetricsHandler
     except ImportError as exc:
         raise RuntimeError("--metrics-port needs prometheus_client: pip install 'kvcached-broker[metrics]'") from exc
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatusCollector(snapshot))
+    registry.register(StatusCollector(snapshot, gpu))
     server = MetricsServer(address, port, MetricsHandler.factory(registry))
-    log.info("event=metrics address=%s port=%d threads=%d queue=%d timeout_s=%g", address, port, server.threads,
-             server.queue_size, server.timeout_s)
+    log.info("event=metrics address=%s port=%d uuid=%s hostname=%s threads=%d queue=%d timeout_s=%g", address, port,
+             gpu.uuid, gpu.hostname, server.threads, server.queue_size, server.timeout_s)
     return server
