@@ -365,14 +365,15 @@ class Ledger:
         return allowance_bytes
 
     def expire_leases(self, now_s: float, lease_s: float) -> list[Session]:
-        """Mark live sessions silent for longer than ``lease_s`` stale (still charged).
+        """Mark sessions silent for longer than ``lease_s`` stale (still charged).
 
-        A ``recovering`` session stays recovering until its worker reconnects: it has not been
-        heard from since the restart, and that is what the state says already.
+        A ``recovering`` session (restored, its worker not back since the restart) turns stale
+        the same way, ``lease_s`` after the restart, so that an operator sees it as one to
+        evict; it stays ``restored`` until its worker resumes it.
         """
         stale = []
         for session in self.sessions.values():
-            if session.state is SessionState.LIVE and now_s - session.last_seen_s > lease_s:
+            if session.state is not SessionState.STALE and now_s - session.last_seen_s > lease_s:
                 session.state = SessionState.STALE
                 self._changed(session)
                 stale.append(session)
