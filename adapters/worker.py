@@ -105,6 +105,7 @@ class _DeviceSession:
     base_bytes: int | None = None  # the runtime_base the broker pinned; None until pinned
     suspended: set[str] = field(default_factory=set)
     phase: str = ""  # where the worker is in its start-up, as the broker shows it
+    mapped: dict[str, int] = field(default_factory=dict)  # page holder -> session pages it has mapped
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def connect(identity: WorkerIdentity, endpoint: str | None = None) -> BrokerClie
         credit_pages=identity.credit_pages,
         client=f"kvcached-broker-adapter/{identity.runtime}",
         adapter=adapter_info(identity.runtime),
+        report_mapping=True,  # pages are taken by kvcached pools, which say what they have mapped
     )
 
 
@@ -579,6 +581,27 @@ def repin_base(identity: WorkerIdentity, suspend: list[str] | tuple[str, ...] = 
             return None
         entry.suspended |= names
         return entry.base_bytes
+
+
+def report_mapped(identity: WorkerIdentity, holder: str, session_pages: int) -> None:
+    """``holder`` (a kvcached pool) has ``session_pages`` of the session's pages mapped now; the
+    session tells its broker the sum over its holders when it changes (``BrokerClient.mapped``),
+    so a granted page is charged as promised memory until it is mapped.  Never more than the
+    broker charges the session (a re-assertion that came back short books the rest uncharged).
+    A broker failure turns the worker unprotected, as any."""
+    if session(identity) is None:
+        return
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        if session_pages > 0:
+            entry.mapped[holder] = session_pages
+        else:
+            entry.mapped.pop(holder, None)
+        client = entry.client
+        charged = client.held_pages + client.reserve_pages - client.uncharged_pages
+        total = max(0, min(sum(entry.mapped.values()), charged))
+        if total != client.mapped_pages:
+            guard(identity, "report mapped pages", lambda: client.mapped(total))
 
 
 def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:

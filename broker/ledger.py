@@ -510,9 +510,13 @@ class Ledger:
         return pools
 
     # ------------------------------------------------------------------ pages
-    def acquire(self, session_id: str, pages: int, min_pages: int | None = None) -> Grant:
+    def acquire(self, session_id: str, pages: int, min_pages: int | None = None, mapped: bool = False) -> Grant:
         """Grant ``pages``, or with ``min_pages`` the largest k in [min_pages, pages] that fits.
 
+        ``mapped`` (a session that reports mapping): the pages are mapped already (a worker
+        asking a broker that lost its session for what it holds), so they are resident, and
+        usage the device measures beyond the process's reports covers them as any resident
+        growth; otherwise such a session's new pages are promised, charged in full.
         A refusal is ``Grant(0, refusal)``, not an exception; the ledger is then unchanged.
         """
         session = self._session(session_id)
@@ -521,7 +525,8 @@ class Ledger:
         floor_pages = pages if min_pages is None else min_pages
         if not 0 <= floor_pages <= pages:
             raise BadRequest(f"min_pages must be between 0 and pages ({pages}), got {min_pages}")
-        fit_pages, code, room_bytes = self._pages_that_fit(session, pages)
+        resident = mapped or not session.report_mapping
+        fit_pages, code, room_bytes = self._pages_that_fit(session, pages, resident)
         if fit_pages < floor_pages or fit_pages == 0:
             refusal = refusal_for(
                 code or "budget_exceeded",
@@ -533,7 +538,7 @@ class Ledger:
                 details={"pool": "elastic", "asked_pages": pages, "min_pages": min_pages, "fit_pages": fit_pages},
             )
             return Grant(0, refusal)
-        self._add_pages(session, fit_pages)
+        self._add_pages(session, fit_pages, resident)
         if session.reassert_allowance_bytes:
             self._use_allowance(session, fit_pages * session.page_bytes)
         return SMALL_GRANTS[fit_pages] if fit_pages < len(SMALL_GRANTS) else Grant(fit_pages)
@@ -565,7 +570,7 @@ class Ledger:
         else:
             if mapped_pages is not None:
                 raise BadRequest(f"session {session.id} does not report mapping (hello report_mapping)")
-            self._add_pages(session, -pages)
+            self._add_pages(session, -pages, True)
         if session.reserve_pages > session.granted_pages:
             session.reserve_pages = session.granted_pages
         return session.granted_pages
@@ -750,7 +755,7 @@ class Ledger:
         self._unfilled_floor_total += self.unfilled_floor_bytes(session.instance) - old_unfilled
         self._recharge(self._account_for(session), reported_delta=session.resident_bytes - resident_before)
 
-    def _add_pages(self, session: Session, pages: int) -> None:
+    def _add_pages(self, session: Session, pages: int, resident: bool) -> None:
         """``_apply`` for a change of granted pages only, recorded as a change: the grant
         path, kept short."""
         delta = pages * session.page_bytes
@@ -766,21 +771,21 @@ class Ledger:
             self._unfilled_floor_total += max(0, floor - inst.charge_bytes) - unfilled_before
         account = session.account
         assert account is not None  # bound at open_session
-        if session.report_mapping:  # a grant (never a release: see release) is promised, not measured
+        if not resident:  # a grant (never a release: see release) that is promised, not measured yet
             session.unmapped_pages += pages
         elif account.measured_bytes:
             self._recharge(account, reported_delta=delta)
         else:  # nothing measured: no unreported excess can appear or vanish
             account.reported_bytes += delta
 
-    def _growth_room(self, session: Session) -> tuple[int, int | None, int]:
+    def _growth_room(self, session: Session, resident: bool) -> tuple[int, int | None, int]:
         """``(device_room, cap_room, slack)`` in bytes for growing this session's reported bytes.
 
         ``slack`` is measured-but-unreported usage of its process: growth up to it adds no
         charge (it is already charged).
         """
         account = self._accounts[self._account_key(session)]
-        slack = 0 if session.report_mapping else account.excess_bytes  # unmapped pages are charged in full
+        slack = account.excess_bytes if resident else 0  # unmapped pages are charged in full
         others_unfilled = self._unfilled_floor_total - self.unfilled_floor_bytes(session.instance)
         device_room = self.budget_bytes - self.charged_bytes - others_unfilled + slack
         limits = self.limits.get(session.instance)
@@ -846,7 +851,7 @@ class Ledger:
             left_bytes = min(left_bytes, max(0, account.measured_bytes - claimed_bytes))
         return left_bytes
 
-    def _pages_that_fit(self, session: Session, pages: int) -> tuple[int, str | None, int]:
+    def _pages_that_fit(self, session: Session, pages: int, resident: bool) -> tuple[int, str | None, int]:
         """The most pages (≤ ``pages``) that fit, the binding constraint and its room in bytes.
 
         While growth is held, only pages that add no charge (measured usage covers them) or
@@ -862,19 +867,19 @@ class Ledger:
             if not self._unfilled_floor_total and session.instance not in self.limits and not account.measured_bytes:
                 fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
                 return fit, (None if fit == pages else "budget_exceeded"), budget - charged
-            return self._pages_within(session, pages)
-        exempt_bytes = max(self._reassertion_left_bytes(session), 0 if session.report_mapping else account.excess_bytes)
+            return self._pages_within(session, pages, resident)
+        exempt_bytes = max(self._reassertion_left_bytes(session), account.excess_bytes if resident else 0)
         exempt_pages = min(pages, exempt_bytes // session.page_bytes)
         if not exempt_pages:
             return 0, "held", 0
-        fit, code, room_bytes = self._pages_within(session, exempt_pages)
+        fit, code, room_bytes = self._pages_within(session, exempt_pages, resident)
         if code is None and exempt_pages < pages:
             return fit, "held", 0
         return fit, code, room_bytes
 
-    def _pages_within(self, session: Session, pages: int) -> tuple[int, str | None, int]:
+    def _pages_within(self, session: Session, pages: int, resident: bool) -> tuple[int, str | None, int]:
         """``_pages_that_fit`` against the budget, floors and caps alone."""
-        device_room, cap_room, _ = self._growth_room(session)
+        device_room, cap_room, _ = self._growth_room(session, resident)
         device_fit = max(0, device_room) // session.page_bytes
         cap_fit = device_fit if cap_room is None else max(0, cap_room) // session.page_bytes
         fit = min(pages, device_fit, cap_fit)

@@ -211,7 +211,9 @@ class RequestCore:
 
     def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)
-        grant = self.ledger.acquire(session.id, req.pages, req.min_pages)
+        if req.mapped and session.report_mapping:
+            self.device.observe(self.ledger, now)  # mapped pages are covered only by what a reading shows now
+        grant = self.ledger.acquire(session.id, req.pages, req.min_pages, req.mapped)
         if req.caller_pages is not None:  # the client's reserve after this grant, as it books it
             _, reserve_after = split_grant(session.reserve_pages, grant.pages, req.caller_pages, req.caller_min_pages)
             self.ledger.set_reserve_pages(session.id, reserve_after)

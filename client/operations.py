@@ -378,18 +378,21 @@ class Operations:
             except BrokerError as exc:
                 log.error("event=reassert_refused session=%s what=pools error=%s", core.session_id, exc)
                 booked_pools = {"pools": {}, "holds": {}}
-        granted = 0
-        if pages:
-            result = yield from self.call(
-                lambda rid: proto.Acquire(id=rid, session=core.session_token(), pages=pages, min_pages=0),
-                track={"on_answer": core.book_late_grant},
-            )
-            granted = int(result["granted"])
-        core.book_reasserted(booked_pools, granted)
-        if core.report_mapping and granted and core.mapped_pages:  # new pages are charged unmapped
-            mapped = min(core.mapped_pages, granted)
-            yield from self.call(lambda rid: proto.Mapped(id=rid, session=core.session_token(), mapped_pages=mapped),
-                                 track={})
+        # A session that reports mapping asks for its mapped pages as mapped (the device's
+        # measurement covers them), then for the rest, which are promised.
+        mapped = min(core.mapped_pages, pages) if core.report_mapping else 0
+        got = {True: 0, False: 0}
+        for ask, already_mapped in ((mapped, True), (pages - mapped, False)):
+            if ask:
+                result = yield from self.call(
+                    lambda rid, ask=ask, already_mapped=already_mapped: proto.Acquire(
+                        id=rid, session=core.session_token(), pages=ask, min_pages=0, mapped=already_mapped),
+                    track={"on_answer": core.book_late_grant},
+                )
+                got[already_mapped] = int(result["granted"])
+        core.book_reasserted(booked_pools, got[True] + got[False])
+        if core.report_mapping:
+            core.mapped_pages = got[True]
 
 
 class BackgroundHealth:

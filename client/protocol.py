@@ -144,6 +144,9 @@ class Acquire(Request, tag="acquire", kw_only=True):
     #: stays in the reserve (``credit.split_grant``), so status shows it at once.
     caller_pages: Pages | None = None
     caller_min_pages: Pages | None = None
+    #: A session that reports mapping: these pages are mapped already (a client asking a broker
+    #: that lost its session for what it holds), so they are charged as resident, not promised.
+    mapped: bool = False
 
 
 class Release(Request, tag="release", kw_only=True):

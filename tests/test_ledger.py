@@ -256,8 +256,9 @@ class LedgerMachine(RuleBasedStateMachine):
         if self.ledger.charged_bytes > charged or self.ledger.instance_charge_bytes(instance) > inst_charge:
             self._assert_admitted(instance, charged, inst_charge)  # charges_follow_the_model: holds in full
 
-    @rule(sid=sessions, pages=st.integers(min_value=1, max_value=20_000), partial=st.booleans(), data=st.data())
-    def acquire(self, sid, pages, partial, data):
+    @rule(sid=sessions, pages=st.integers(min_value=1, max_value=20_000), partial=st.booleans(), mapped=st.booleans(),
+          data=st.data())
+    def acquire(self, sid, pages, partial, mapped, data):
         if sid not in self.ledger.sessions:
             return
         min_pages = data.draw(st.integers(min_value=0, max_value=pages)) if partial else None
@@ -265,7 +266,7 @@ class LedgerMachine(RuleBasedStateMachine):
         held = self.ledger.sessions[sid].granted_pages
         instance = self.ledger.sessions[sid].instance
         charged, inst_charge = self.ledger.charged_bytes, self.ledger.instance_charge_bytes(instance)
-        grant = self.ledger.acquire(sid, pages, min_pages)
+        grant = self.ledger.acquire(sid, pages, min_pages, mapped)
         if grant.pages == 0:
             assert grant.refusal is not None
             assert self._snapshot() == before
@@ -543,6 +544,16 @@ def test_unmapped_pages_are_never_covered_by_usage_the_device_already_measures()
     assert ledger.unreported_bytes == 2 * GIB and ledger.free_bytes == GIB
     assert ledger.acquire("a", 513).pages == 0  # a resident growth could use that; a promise cannot
     assert ledger.acquire("a", 512).pages == 512 and ledger.free_bytes == 0
+
+
+def test_pages_asked_for_as_mapped_already_are_covered_by_what_the_device_measures():
+    """A worker re-asserting pages to a broker that lost its session: the pages it has mapped
+    are in the device's measurement already, so they are resident, as any resident growth."""
+    ledger = _mapping()
+    ledger.observe_device(measured_by_pid={101: 3 * GIB})  # 2 GiB of pages mapped before the loss
+    assert ledger.acquire("a", 1024).pages == 0  # as promised pages they would not fit
+    assert ledger.acquire("a", 1024, mapped=True).pages == 1024
+    assert ledger.sessions["a"].unmapped_pages == 0 and ledger.free_bytes == GIB
 
 
 def test_a_resumed_claim_restores_which_pages_were_mapped():

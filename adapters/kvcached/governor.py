@@ -19,7 +19,12 @@ at every moment:
 * a broker restart whose re-assertion came back short (the client books held pages the broker
   no longer charges as *uncharged*): the pools of that session are asked for them back as
   under pressure, and the engine's allocations miss until they were asked (:mod:`.pressure`);
-* shutdown: only what kvcached unmapped goes back; a page still mapped stays granted.
+* shutdown: only what kvcached unmapped goes back; a page still mapped stays granted;
+* mapped pages: after each round the governor tells the broker how many of its granted pages
+  kvcached has mapped (in use and its prealloc reserve, read then: a lower bound until the next
+  round, as pages only get mapped in between, except those kvcached unmaps on a free, which
+  wakes the governor); the others are charged as promised memory, so what the process allocates
+  outside its pool (CUDA graphs, activations) never hides in granted but unmapped pages.
 
 **Threads.**  Every broker round trip and every limit change happens on the governor's thread
 (:mod:`.runner`), never on the engine's allocation path: the engine's ``alloc``/``free`` only
@@ -106,6 +111,7 @@ class PoolGovernor:
         self._published: tuple | None = None
         self._zero_reported = False
         self._zero_refusals = 0
+        self._reported_mapped = 0  # the mapped pool pages the broker was last told
         self.closed = False
         self._forgotten = False  # a closed pool's grant and reports are all given back
 
@@ -153,8 +159,15 @@ class PoolGovernor:
         return self._free_pages() < self.marks.low_pages
 
     def note_free(self) -> bool:
-        """After ``free``: True if the governor's thread should run (too much free, or deferred)."""
-        return self.governed and (self.pending_limit is not None or self._free_pages() > self.marks.high_pages)
+        """After ``free``: True if the governor's thread should run (too much free, deferred, or
+        kvcached unmapped pages the broker still counts as mapped)."""
+        return self.governed and (self.pending_limit is not None or self._free_pages() > self.marks.high_pages
+                                  or self._mapped_pages() < self._reported_mapped)
+
+    def note_miss(self) -> None:
+        """An allocation missed before reaching kvcached (a charge not settled yet)."""
+        with self._asks:
+            self.counters["misses"] += 1
 
     def charge_unsettled(self) -> bool:
         """Before ``alloc``: True while the broker charges this pool's session for fewer pages
@@ -163,6 +176,11 @@ class PoolGovernor:
         on pages the broker does not charge.  Reads two numbers: no broker round trip."""
         client = getattr(self.grants, "client", None) if self.governed else None
         return client is not None and pressure.unasked_shortfall(client) > 0
+
+    def charge_short(self) -> bool:
+        """True while the broker charges this pool's session for fewer pages than its pools hold,
+        asked back or not yet: the runtime must admit nothing new until they went back."""
+        return self._uncharged_pages() > 0
 
     def resize_target(self, target: int) -> int:
         """What kvcached's ``_alloc`` may apply of its kvctl watcher's sticky ``target`` (per-layer
@@ -267,7 +285,23 @@ class PoolGovernor:
         self._write_segment()
         self._note_segment()
         self._publish()
+        self._report_mapped()
         self._seen_limit_pages = self._limit_pages()
+
+    def _mapped_pages(self) -> int:
+        """What kvcached has mapped: pages in use and its prealloc reserve (never below 0: the
+        in-use count is two relaxed loads, transiently negative during an expansion)."""
+        return max(0, self.real.get_num_inuse_pages()) + self.real.get_num_reserved_pages()
+
+    def _report_mapped(self) -> None:
+        """Tell the broker how many of the pool's granted pages are mapped, if that changed."""
+        report = getattr(self.grants, "mapped", None)
+        if report is None or self.grants is None:
+            return
+        mapped = min(self._mapped_pages(), self.grants.pages)
+        if mapped != self._reported_mapped:
+            report(self.key, mapped)
+            self._reported_mapped = mapped
 
     def _follow_policy(self, manager: Any, short_pages: int, now_s: float) -> None:
         pages = self.pages()
@@ -660,6 +694,7 @@ class PoolGovernor:
             surplus = grants.pages - bound
             if surplus > 0 and grants.release(surplus):
                 self.counters["pages_released"] += surplus
+            self._report_mapped()
             if grants.pages <= 0 or not isinstance(grants, SessionGrants):
                 self._forgotten = True
                 grants.forget(self.key)
@@ -681,8 +716,14 @@ class PoolGovernor:
             "operator_cap_bytes": None if self.operator_cap_pages is None else g.limit_bytes(self.operator_cap_pages),
             "pending_limit_bytes": None if self.pending_limit is None else g.limit_bytes(self.pending_limit),
             "blocked": self.blocked, "revision": self._revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
+            "uncharged_pages": self._uncharged_pages(), "reported_mapped_pages": self._reported_mapped,
             **self.counters,
         }
+
+    def _uncharged_pages(self) -> int:
+        """Session pages of this pool's session its broker no longer charges (a short re-assertion)."""
+        client = getattr(self.grants, "client", None) if self.governed else None
+        return pressure.uncharged_pages(client) if client is not None else 0
 
 
 def now_s() -> float:

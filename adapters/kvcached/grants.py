@@ -9,7 +9,7 @@ Invariant: :attr:`pages` is what this pool holds from the broker; the session ho
 ``pages * ratio`` session pages (other reporters may hold more on the same session).
 
 A governor uses any object with this interface (``pages``, ``acquire``, ``release``,
-``report``, ``forget``, ``poll``, optionally ``lost``): :class:`SessionGrants` when the pool's memory is mapped in
+``report``, ``forget``, ``poll``, optionally ``lost`` and ``mapped``): :class:`SessionGrants` when the pool's memory is mapped in
 this process, ``board.BoardGrants`` when it is mapped in tensor-parallel workers that hold
 the grants themselves.
 """
@@ -77,6 +77,11 @@ class SessionGrants:
         self.pages -= pages
         return True
 
+
+    def mapped(self, key: str, pages: int) -> None:
+        """The pool ``key`` has ``pages`` pool pages mapped now (in use and kvcached's reserve):
+        the broker charges the rest of its grant as promised memory."""
+        worker.report_mapped(self.identity, key, min(pages, self.pages) * self.ratio)
 
     def report(self, key: str, pools: dict[str, int], *, usage: dict[str, int] | None = None,
                allocated: bool = True) -> bool:

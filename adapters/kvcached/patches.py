@@ -201,11 +201,27 @@ def install_real_lock(manager: Any) -> None:
 
 
 def _wrap_engine_calls(manager: Any, governor: PoolGovernor) -> None:
-    """Instance ``alloc``/``free`` that wake the governors' thread when the pool needs it."""
-    alloc, free = manager.alloc, manager.free
+    """Instance ``alloc``/``free``/``available_size`` that wake the governors' thread when the
+    pool needs it.
+
+    While the broker charges the pool's session for fewer pages than its pools hold (a broker
+    restart whose re-assertion came back short), ``available_size()`` says 0 until they went
+    back, so the runtime admits nothing new; until they were asked back, an allocation is a
+    scheduling miss unless the pool's limits change only at sync points (SGLang): there a request
+    admitted before the shortfall is allocated (admission and allocation always see the same
+    pool), and the shortfall goes back at the next sync point."""
+    alloc, free, available_size = manager.alloc, manager.free, manager.available_size
+    at_sync_points = bool(getattr(governor.limits, "at_sync_points", False))
+
+    def governed_available_size() -> int:
+        if governor.charge_short():
+            runner.wake()
+            return 0
+        return available_size()
 
     def governed_alloc(need_size: int):
-        if governor.charge_unsettled():  # a short re-assertion not yet asked back: a miss
+        if not at_sync_points and governor.charge_unsettled():  # a short re-assertion not yet asked back
+            governor.note_miss()
             runner.wake()
             return None
         result = alloc(need_size)
@@ -221,6 +237,7 @@ def _wrap_engine_calls(manager: Any, governor: PoolGovernor) -> None:
 
     manager.alloc = governed_alloc
     manager.free = governed_free
+    manager.available_size = governed_available_size
 
 
 def _wrap_init(init):

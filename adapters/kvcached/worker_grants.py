@@ -120,6 +120,8 @@ class WorkerGrants:
             else:
                 self._release_down_to(0)  # no engine asks for pages: keep only what is mapped
             self._publish(engine)
+            if self.grants is not None and self.governed:  # the rest of the grant is promised memory
+                self.grants.mapped(self.key, min(self.gate.mapped_pages(), self._bound()))
         except SessionEvicted as exc:
             self._unprotected(f"evicted: {exc}")
 

@@ -24,11 +24,13 @@ def kvcached_version() -> str:
 
 @pytest.fixture
 def shared_gpu(broker_factory):
-    """A broker on a simulated GPU that processes share (headroom 0), and its usage directory."""
+    """A broker on a simulated GPU that processes share, at its default headroom (5%: kvcached keeps as
+    much physically free, so a tighter broker would grant pages kvcached will not map), and its usage
+    directory."""
 
     def make(total: str = "2GiB", **kwargs):
         usage = broker_factory.workdir / "gpu-usage"
-        broker = broker_factory(simulate=total, extra_args=["--headroom", "0", "--simulate-usage-dir", str(usage)],
+        broker = broker_factory(simulate=total, extra_args=["--headroom", "5%", "--simulate-usage-dir", str(usage)],
                                 **kwargs)
         return broker, usage
 

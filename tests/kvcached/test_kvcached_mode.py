@@ -16,6 +16,9 @@ from types import SimpleNamespace
 from kv_harness import GIB, MIB, POOL_PAGE_BYTES, kvctl, session_of
 from helpers import wait_for
 
+from kvcached_broker.broker.device import read_shared_usage
+from kvcached_broker.tools.shared_gpu import allocation_lock
+
 BLOCKS_PER_PAGE = 64  # 16 tokens x 8 heads x 128 x fp16 = 32 KiB per block per layer K; 2 MiB pages
 
 
@@ -241,3 +244,41 @@ def _books_agree(broker, pools: dict) -> dict | None:
         if session_of(status, name)["granted_pages"] * (2 << 20) != pool.pool()["granted_bytes"]:
             return None
     return status
+
+
+def test_memory_taken_outside_a_pool_after_it_started_never_hides_in_its_unmapped_pages(shared_gpu, pools):
+    """The whole-footprint issue's kvcached case.  On a 4 GiB device, A's pool grows ahead of its
+    need (granted pages not mapped yet), then A takes 384 MiB outside its pool (CUDA graphs,
+    cached activations).  Were a granted page counted as mapped, the device's measurement of A
+    would hide the 384 MiB inside the unmapped grant, B would be granted memory that is
+    physically taken, and 24 pages of A's grant could never be mapped.  The broker charges
+    unmapped pages as promised memory: B gets only what is really free, and A maps its whole
+    grant."""
+    broker, usage = shared_gpu("4GiB")
+    a = pools(broker, usage, 4 * GIB, "model-a")
+    a.request("fill", blocks=1000)
+    a.request("settle")
+    grown = a.pool()
+    assert grown["granted_bytes"] >= grown["mapped_bytes"] + 4 * POOL_PAGE_BYTES  # grown ahead of need
+    with broker.admin() as admin:  # nobody may ask A for its grant back: the case is about B's room
+        admin.limit("model-a", min_bytes=session_of(broker.status(), "model-a")["reserved_bytes"]
+                    + grown["granted_bytes"] + GIB)
+    outside = a.request("outside", bytes=384 * MIB)
+    assert "oom" not in outside
+    wait_for(lambda: session_of(broker.status(), "model-a")["measured_bytes"] >= outside["device_bytes"],
+             what="the broker's probe to read A's usage, as it reads NVML")
+    b = pools(broker, usage, 4 * GIB, "model-b")
+    b.request("fill", blocks=100_000, stall_s=1.0)  # B takes every page the broker grants it
+    a.request("settle")
+    held = a.pool()
+    with allocation_lock(usage):  # nothing maps meanwhile: the device's free room against A's unmapped grant
+        free_bytes = 4 * GIB - sum(read_shared_usage(usage).values())
+    assert free_bytes >= held["limit_bytes"] - held["mapped_bytes"] >= 4 * POOL_PAGE_BYTES
+    a.request("fill", blocks=100_000, stall_s=1.0)  # A maps every page of its grant
+    a.request("settle")
+    filled = a.pool()
+    assert filled["mapped_bytes"] >= filled["limit_bytes"] - POOL_PAGE_BYTES and filled["misses"] > 0
+    status = broker.status()
+    assert not status["overcommitted"]
+    me = session_of(status, "model-a")
+    assert me["report_mapping"] and me["granted_pages"] * (2 << 20) >= filled["granted_bytes"]

@@ -136,7 +136,7 @@ def gpu_broker(broker_factory):
     """``make(device, total)``: a broker of its own for one simulated GPU."""
 
     def make(device: int, total: str = "1GiB"):
-        return broker_factory(simulate=total, device=device, extra_args=["--headroom", "0"])
+        return broker_factory(simulate=total, device=device, extra_args=["--headroom", "5%"])  # the default
 
     return make
 

@@ -68,3 +68,43 @@ def test_pressure_between_admission_and_allocation(gpu_broker, ranks, direct):
         assert taken > 0
     finally:
         neighbour.close()
+
+
+def test_a_broker_restart_that_comes_back_short_is_a_scheduling_miss_never_an_exception(gpu_broker, ranks):
+    """The broker restarts without its state, with room for less than the pool holds: the
+    re-assertion comes back short and the client books the rest as uncharged.  A request SGLang
+    admitted before is still allocated (a pool's limits change only at sync points, so never
+    between an admission and its allocation); from then on ``available_size()`` counts only what
+    the pool can hand out, so nothing more is admitted until the shortfall went back at the sync
+    points, and no allocation raises inside SGLang."""
+    import shutil
+
+    broker = gpu_broker(0)
+    (rank,) = ranks([broker.endpoint], instance="model-a")
+    rank.request("build")
+    fill(rank, 20)
+    rank.request("step", n=50)
+    assert rank.request("admit", tokens=TOKENS_PER_PAGE)["admitted"]
+    charged = rank.request("status")["pools"][0]["granted_bytes"]
+    broker.kill()
+    shutil.rmtree(broker.state_dir, ignore_errors=True)  # its state is lost: the session is re-asserted
+    broker.extra_args[broker.extra_args.index("--headroom") + 1] = str((1 << 30) - charged // 2)
+    broker.start()
+    short = wait_for(lambda: (lambda s: s if s["pools"][0]["uncharged_pages"] else None)(rank.request("status")),
+                     what="the client to book what the restarted broker no longer charges")
+    assert short["available_tokens"] == 0  # nothing more is admitted meanwhile
+    assert rank.request("admit", tokens=TOKENS_PER_PAGE)["admitted"] is False
+    result = rank.request("alloc_admitted")  # admitted before: allocated, never an exception
+    assert "runtime_error" not in result
+    settled = None
+    for _ in range(200):  # requests finish; what they held goes back at the sync points
+        rank.request("free", requests=2)
+        rank.request("step", n=20)
+        status = rank.request("status")
+        pool = status["pools"][0]
+        if not pool["uncharged_pages"] and pool["mapped_bytes"] <= pool["granted_bytes"] < charged:
+            settled = status
+            break
+    assert settled is not None, status
+    assert not settled["errors"]
+    assert rank.request("admit", tokens=TOKENS_PER_PAGE)["admitted"]  # admissions resume within the charge

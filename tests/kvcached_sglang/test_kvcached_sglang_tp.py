@@ -66,7 +66,8 @@ def test_tp_pair_sizes_alike_agrees_at_every_sync_and_gives_back_together(gpu_br
     sized = on_all(group, "profile", free_bytes=1 << 30, pre_model_load_bytes=1 << 30)
     assert sized[0]["kv_bytes"] == sized[1]["kv_bytes"] == 900 * MIB - slack
     assert sized[0]["held_bytes"] == sized[1]["held_bytes"] == 0
-    assert [s["ever_bytes"] for s in sized] == [(1 << 30) - slack, 900 * MIB - slack]
+    budget = (1 << 30) - int((1 << 30) * 0.05)  # the broker's default headroom
+    assert [s["ever_bytes"] for s in sized] == [budget - slack, 900 * MIB - slack]
 
     with sampler([(group[0], b0), (group[1], b1)]) as samples:
         pressure_moves_both_ranks_together(group, b0, b1, samples)

@@ -27,7 +27,7 @@ def overlay() -> str:
 
 @pytest.fixture
 def gpus(short_tmp):
-    """``make(n)``: n simulated GPUs of ``total`` each, every one with its own broker (headroom 0)."""
+    """``make(n)``: n simulated GPUs of ``total`` each, every one with its own broker (at its default headroom, 5%)."""
     started: list[Broker] = []
 
     def make(n: int, total: str = "1GiB") -> list[Gpu]:

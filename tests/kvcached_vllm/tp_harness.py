@@ -37,12 +37,12 @@ BLOCKS_PER_PAGE = 64  # 16 tokens x 8 heads x 128 x fp16 = 32 KiB per layer's K 
 
 
 class Broker:
-    """A broker process for one simulated GPU shared by processes (headroom 0), in ``workdir``."""
+    """A broker process for one simulated GPU shared by processes (at its default headroom, 5%), in ``workdir``."""
 
     def __init__(self, workdir: Path, total: str, usage: Path):
         self.endpoint = f"ipc://{workdir}/gpu0.sock"
         self.launcher = BrokerLauncher(self.endpoint, simulate=total, state_dir=workdir / "state",
-                                       args=["--lease", "10", "--headroom", "0", "--simulate-usage-dir", str(usage)],
+                                       args=["--lease", "10", "--headroom", "5%", "--simulate-usage-dir", str(usage)],
                                        log=workdir / "broker.log")
 
     def start(self) -> "Broker":

@@ -24,6 +24,8 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
   N newest finish but stay in the prefix cache (held until an eviction frees them);
   ``{"op": "drop_cache"}``: free every cached block;
 * ``{"op": "limit", "bytes": N}``: kvcached's own ``set_memory_limit`` (static partitioning);
+* ``{"op": "outside", "bytes": N}``: take N bytes on the device outside the pool, as CUDA graphs
+  or cached activations are (``oom`` in the reply if the device has no room);
 * ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S}``:
   follow a demand trace in real time (see :meth:`Engine.track`);
 * ``{"op": "status"}``: the governor's status, kvcached's limit state and the bytes this
@@ -131,6 +133,12 @@ def serve(engine: "Engine", manager, runner) -> None:
             reply(engine.cache(request["blocks"]))
         elif op == "drop_cache":
             reply({"freed_blocks": engine.drop_cache()})
+        elif op == "outside":  # memory the process takes outside its pool (CUDA graphs, activations)
+            try:
+                engine.gpu.allocate(request["bytes"])
+                reply({"device_bytes": engine.gpu.mine_bytes()})
+            except RuntimeError as exc:
+                reply({"oom": str(exc), "device_bytes": engine.gpu.mine_bytes()})
         elif op == "limit":
             revision = int(manager.memory_limit_state().get("revision", 0)) + 1
             reply({"limit": manager.set_memory_limit(request["bytes"], revision=revision)})
