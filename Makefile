@@ -40,7 +40,7 @@ else
 $(error CORE must be interpreted or compiled, not '$(CORE)')
 endif
 
-.PHONY: demo test test-core test-compiled test-adapters adapter-envs bench chaos replay clean constraints
+.PHONY: demo test test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay clean constraints
 
 $(STAMP): pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,15 @@ $(CSTAMP): pyproject.toml setup.py $(wildcard broker/*.py client/*.py) $(CONSTRA
 	$(CPY) -m pip install --quiet --force-reinstall --no-deps $(WHEELS)/*.whl
 	$(CPY) -m pip install --quiet $(PINNED) "$$(ls $(WHEELS)/*.whl)[test]"
 	touch $(CSTAMP)
+
+# One venv per other supported Python (pyproject.toml's classifiers), editable and interpreted,
+# for `make test-pythons`; the interpreter comes from pyenv or PATH (scripts/pythons.py find).
+.venv-py%/.installed: pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS) | $(STAMP)
+	rm -rf .venv-py$*
+	py=$$($(PY) scripts/pythons.py find $*) && "$$py" -m venv .venv-py$*
+	.venv-py$*/bin/python -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
+	.venv-py$*/bin/python -m pip install --quiet $(PINNED) -e '.[test]'
+	touch $@
 
 # Idempotent: once stamped it is not run again (`make clean` or deleting the stamp redoes it).
 $(SIM_STAMP): $(STAMP) scripts/fetch-kvcached.py
@@ -81,6 +90,20 @@ test-core: $(STAMP)
 # The core suite again against the compiled request core (no torch there: its tests skip).
 test-compiled: $(CSTAMP)
 	KVCACHED_BROKER_EXPECT_COMPILED=1 $(CPY) -m pytest -q -p no:cacheprovider --ignore=tests/adapters
+
+# The core suite on every supported Python but .venv's (no torch: its tests skip), about three
+# minutes each on 2 cores; `make test-pythons PYTHONS="3.12"` picks them.  .ci/run runs it
+# after `make test`.
+test-pythons: $(STAMP)
+	@main=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])') && \
+	versions="$(or $(PYTHONS),$$($(PY) scripts/pythons.py versions))" && \
+	for v in $$versions; do \
+		[ "$$v" = "$$main" ] && [ -z "$(PYTHONS)" ] && continue; \
+		echo "== the core suite on Python $$v"; \
+		$(MAKE) --no-print-directory .venv-py$$v/.installed && \
+		KVCACHED_BROKER_EXPECT_COMPILED=0 .venv-py$$v/bin/python -m pytest -q -p no:cacheprovider --ignore=tests/adapters \
+			|| exit 1; \
+	done
 
 # Resolve constraints/ again, for every supported Python (needs each of them: pyenv's or on PATH).
 constraints: $(STAMP)
@@ -115,4 +138,4 @@ replay: $(STAMP)
 	$(VENV)/bin/kvcached-broker replay bench-results/trace.jsonl --json bench-results/replay.json --plot bench-results/replay.png
 
 clean:
-	rm -rf $(VENV) $(CVENV) $(ENVS) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(CVENV) .venv-py* $(ENVS) build *.egg-info .pytest_cache .hypothesis
