@@ -40,7 +40,7 @@ else
 $(error CORE must be interpreted or compiled, not '$(CORE)')
 endif
 
-.PHONY: demo test test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay clean constraints
+.PHONY: demo test test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints
 
 $(STAMP): pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -137,5 +137,16 @@ replay: $(STAMP)
 	$(VENV)/bin/kvcached-broker replay --generate bench-results/trace.jsonl
 	$(VENV)/bin/kvcached-broker replay bench-results/trace.jsonl --json bench-results/replay.json --plot bench-results/replay.png
 
+# The GPU check (scripts/gpu-check; docs/performance.md, "The GPU check").  On a machine with a CUDA
+# GPU, after `scripts/gpu-check --prepare` here and with .gpu-check/ carried there: `make gpu-check`
+# (that machine's python3, which has torch).  `make gpu-check-simulate` runs the same parts on the
+# simulated device, as CI does (kvcached's pools need torch and kvcached's Python code: $(SIM_STAMP)).
+gpu-check:
+	$(PYTHON) scripts/gpu-check $(GPU_CHECK_ARGS)
+
+gpu-check-simulate: $(STAMP)
+	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare kvcached's pools: that part is skipped (see $(SIM_LOG))"
+	$(PY) scripts/gpu-check --simulate --out bench-results/gpu-check $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) $(CVENV) .venv-py* $(ENVS) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(CVENV) .venv-py* $(ENVS) build *.egg-info .pytest_cache .hypothesis .gpu-check gpu-check-results

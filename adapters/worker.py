@@ -47,7 +47,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from ..client import BadRequest, BrokerClient, BrokerError, BudgetExceeded
 from ..client.endpoint import broker_disabled
@@ -87,6 +87,12 @@ class WorkerIdentity:
 RUNTIME_BASE_POOL = "runtime_base"
 #: The hold KV sizing takes (memory promised between sizing and allocating the KV cache).
 KV_SIZING_HOLD = "kv_sizing_hold"
+#: The hold for what a runtime keeps beside its KV cache (activations, CUDA graphs, request
+#: tables), promised at sizing until its warm-up has allocated it (:mod:`.sizing`).
+SLACK_HOLD = "runtime_slack_hold"
+#: What is left of that slack once warm-up ended: kept for the runtime, resident (the device's
+#: measurement covers it as the runtime allocates it).
+SLACK_POOL = "runtime_slack"
 
 
 @dataclass
@@ -98,6 +104,7 @@ class _DeviceSession:
     holds: dict[str, int] = field(default_factory=dict)  # hold name -> bytes promised, not allocated yet
     base_bytes: int | None = None  # the runtime_base the broker pinned; None until pinned
     suspended: set[str] = field(default_factory=set)
+    phase: str = ""  # where the worker is in its start-up, as the broker shows it
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,8 @@ class _Plan:
     suspended: frozenset[str]
     pin_base: bool = False
     base_bytes: int | None = None  # a runtime base to book instead of the pinned one (memory coming back)
+    min_holds: dict[str, int] | None = None  # one hold that may shrink to what fits, and its least
+    phase: str | None = None  # a new phase to show (None keeps it)
 
 
 _lock = threading.RLock()
@@ -294,6 +303,7 @@ def report(
     *,
     holds: dict[str, int] | None = None,
     allocated: bool = True,
+    phase: str | None = None,
 ) -> dict[str, int] | None:
     """Set ``reporter``'s pools (replacing what it reported before) and send the whole book.
 
@@ -317,11 +327,73 @@ def report(
         proposed = {**entry.book, reporter: _positive(pools)}
         proposed_usage = {**entry.usage, reporter: _positive(usage or {})}
         plan = _Plan(proposed, proposed_usage, _with_holds(entry.holds, holds), frozenset(entry.suspended),
-                     pin_base=entry.base_bytes is None)
+                     pin_base=entry.base_bytes is None, phase=phase)
         result = _send(identity, entry, plan, f"report {reporter}")
         if result is not None:
             entry.book, entry.usage, entry.holds = plan.book, plan.usage, plan.holds
         return result
+
+
+def hold_what_fits(identity: WorkerIdentity, holds: dict[str, int], min_holds: dict[str, int] | None,
+                   phase: str) -> dict[str, Any] | None:
+    """Change holds (name -> bytes, 0 drops one) in one request that pins the base if it is not
+    pinned yet, letting the one hold ``min_holds`` names shrink to what fits down to its least;
+    returns the broker's whole answer (``holds`` granted, ``grantable_bytes``, ``ever_bytes``).
+
+    ``BudgetExceeded`` when even the least does not fit (nothing changes); None when unprotected.
+    """
+    if session(identity) is None:
+        return None
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        wanted = _with_holds(entry.holds, holds)
+        plan = _Plan(entry.book, entry.usage, wanted, frozenset(entry.suspended),
+                     pin_base=entry.base_bytes is None, min_holds=min_holds, phase=phase)
+        if _send(identity, entry, plan, "hold what fits") is None:
+            return None
+        entry.holds = dict(entry.client.holds)
+        return entry.client.last_reserve
+
+
+def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None) -> int | None:
+    """The runtime's warm-up is over: what it allocated of its slack is in the device's
+    measurement now.  Pin the base again there (one request), then turn the slack hold into
+    the resident ``runtime_slack`` pool for the part the base did not grow by (or
+    ``kept_slack_bytes``), in a second: the charge never grows, and the runtime keeps the room
+    its activations need in later batches.  Returns the slack kept; None when unprotected."""
+    if session(identity) is None:
+        return None
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        slack_bytes = entry.holds.get(SLACK_HOLD, 0)
+        base_before = entry.base_bytes or 0
+        pinned = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended), pin_base=True)
+        if _send(identity, entry, pinned, "re-pin runtime_base after warm-up") is None:
+            return None
+        grown = max(0, (entry.base_bytes or 0) - base_before)
+        kept = max(0, slack_bytes - grown) if kept_slack_bytes is None else min(kept_slack_bytes, slack_bytes)
+        book = {**entry.book, SLACK_POOL: {SLACK_POOL: kept} if kept else {}}
+        holds = _with_holds(entry.holds, {SLACK_HOLD: 0})
+        plan = _Plan(book, entry.usage, holds, frozenset(entry.suspended), phase="serving")
+        if _send(identity, entry, plan, "slack after warm-up") is None:
+            return None
+        entry.book, entry.holds = {k: v for k, v in book.items() if v}, holds
+        log.info("event=warm_up_settled runtime=%s device=%s rank=%d runtime_base=%d slack_allocated=%d slack_kept=%d",
+                 identity.runtime, identity.device, identity.tp_rank, entry.base_bytes or 0, slack_bytes - kept, kept)
+        return kept
+
+
+def set_phase(identity: WorkerIdentity, phase: str) -> None:
+    """Show ``phase`` in status (a request of its own, only if it changes; a broker failure
+    is handled as any: the worker turns unprotected)."""
+    if session(identity) is None:
+        return
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        if entry.phase == phase:
+            return
+        _send(identity, entry, _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended),
+                                     phase=phase), f"phase {phase}")
 
 
 def hold(identity: WorkerIdentity, name: str, size_bytes: int) -> dict[str, int] | None:
@@ -388,6 +460,8 @@ def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: 
     if answer is None:
         return None
     result, pinned_bytes = answer
+    if plan.phase is not None:
+        entry.phase = plan.phase
     if plan.pin_base:
         entry.base_bytes = pinned_bytes
         log.info("event=runtime_base_pinned runtime=%s device=%s rank=%d runtime_base=%d",
@@ -406,14 +480,15 @@ def _reserve(client: BrokerClient, pools: dict[str, int], usage: dict[str, int],
     cost the worker its protection: the request goes again without views, and the views go
     with a later report."""
     holds = dict(plan.holds)
+    extra = {"min_holds": plan.min_holds, "phase": plan.phase}
     try:
-        result = client.reserve(pools, usage=usage, holds=holds, measured_base=plan.pin_base)
+        result = client.reserve(pools, usage=usage, holds=holds, measured_base=plan.pin_base, **extra)
     except BadRequest as exc:
         if not usage or "view" not in exc.details:
             raise
         announce.once("views_dropped", logging.INFO, "usage_views_dropped", view=exc.details.get("view"),
                       detail="larger than the session's charge for now; reported without views")
-        result = client.reserve(pools, usage={}, holds=holds, measured_base=plan.pin_base)
+        result = client.reserve(pools, usage={}, holds=holds, measured_base=plan.pin_base, **extra)
     return result, int(result.get(RUNTIME_BASE_POOL, 0))
 
 

@@ -71,6 +71,15 @@ class Session:
     held_bytes: int = 0  # holds
     granted_pages: int = 0
     reserve_pages: int = 0
+    #: The worker says which of its granted pages it has mapped (hello ``report_mapping``):
+    #: until it does, a granted page is *promised* memory, charged on top of what the device
+    #: measures, as a hold is.  Otherwise every granted page counts as mapped.
+    report_mapping: bool = False
+    #: Granted pages not mapped yet (0 unless ``report_mapping``); at most ``granted_pages``.
+    unmapped_pages: int = 0
+    #: Where the worker says it is in its start-up (``sizing``, ``warming``, ``serving``, ...);
+    #: shown in status, never used in a decision.
+    phase: str = ""
     restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
     #: While the ledger holds growth, how much more this session may still grow to re-assert
     #: what it held: set only for a session opened by a resume hello whose record was lost
@@ -93,9 +102,18 @@ class Session:
         return self.reserved_bytes + self.granted_pages * self.page_bytes
 
     @property
+    def mapped_pages(self) -> int:
+        return self.granted_pages - self.unmapped_pages
+
+    @property
     def resident_bytes(self) -> int:
-        """What measured usage can cover: pools and pages, not holds."""
-        return self.reserved_bytes - self.held_bytes + self.granted_pages * self.page_bytes
+        """What measured usage can cover: pools and mapped pages, not holds or unmapped pages."""
+        return self.reserved_bytes - self.held_bytes + (self.granted_pages - self.unmapped_pages) * self.page_bytes
+
+    @property
+    def promised_bytes(self) -> int:
+        """What is charged on top of measured usage: holds and unmapped pages."""
+        return self.held_bytes + self.unmapped_pages * self.page_bytes
 
 
 @dataclass(eq=False)
@@ -137,6 +155,8 @@ class Claim:
     granted_pages: int
     reserve_pages: int
     holds: dict[str, int] = field(default_factory=dict)
+    #: For a session that reports mapping: how many of ``granted_pages`` are mapped (None: none).
+    mapped_pages: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ _size = _arg_type(serve_config.OPTIONS["simulate"][0], "size")
 _headroom = _arg_type(serve_config.OPTIONS["headroom"][0], "headroom")
 _non_negative_int = _arg_type(serve_config.OPTIONS["device"][0], "integer")
 _port = _arg_type(serve_config.OPTIONS["metrics_port"][0], "port")
+_hostname = _arg_type(serve_config.OPTIONS["metrics_hostname"][0], "host name")
 _positive_float = _arg_type(serve_config.OPTIONS["lease"][0], "number")
 _endpoint = _arg_type(serve_config.OPTIONS["endpoint"][0], "endpoint")
 
@@ -115,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, metavar="FILE", help="TOML file with serve options and [limits.INSTANCE]")
     serve.add_argument("--metrics-port", type=_port, metavar="PORT", help="serve Prometheus /metrics on this port")
     serve.add_argument("--metrics-address", metavar="ADDR", help="address for /metrics (default 127.0.0.1)")
+    serve.add_argument("--metrics-hostname", type=_hostname, metavar="NAME",
+                       help="the host label of every series (default: this machine's host name)")
     serve.add_argument("--socket-group", metavar="GROUP", help="group that may connect to the ipc socket")
     serve.add_argument("--admin-group", metavar="GROUP", help="group allowed to run limit/evict")
     serve.add_argument("--insecure-tcp", action="store_true", default=None, help="allow tcp on loopback without CURVE")
@@ -366,10 +370,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     server.start()
     if opts.metrics_port:
-        from .metrics import start_metrics_server
+        from .metrics import GpuLabels, start_metrics_server
 
+        info = probe.info
+        gpu = GpuLabels(device=str(info.index), uuid=info.uuid, model_name=info.name,
+                        hostname=opts.metrics_hostname or socket.gethostname())
         try:
-            start_metrics_server(opts.metrics_port, opts.metrics_address, server.snapshot)
+            start_metrics_server(opts.metrics_port, opts.metrics_address, server.snapshot, gpu)
         except (OSError, RuntimeError) as exc:
             server.close()
             print(f"kvcached-broker serve: cannot serve metrics on {opts.metrics_address}:{opts.metrics_port}: {exc}",

@@ -19,6 +19,7 @@ A bad value, from any source, is a one-line error naming the key and where it ca
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -136,6 +137,13 @@ def _path(value: Any) -> Path:
     return Path(_text(value))
 
 
+def _hostname(value: Any) -> str:
+    text = _text(value)
+    if len(text) > 253 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", text):
+        raise ValueError(f"expected a host name (letters, digits, '.', '-', '_'; at most 253), got {value!r}")
+    return text
+
+
 def _endpoint(value: Any) -> str:
     return validate_endpoint(_text(value))
 
@@ -159,6 +167,7 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     "lease": (_positive_float, "KVCACHED_BROKER_LEASE_S", 10.0),
     "metrics_port": (_port, "KVCACHED_BROKER_METRICS_PORT", None),
     "metrics_address": (_text, "KVCACHED_BROKER_METRICS_ADDRESS", "127.0.0.1"),
+    "metrics_hostname": (_hostname, "KVCACHED_BROKER_METRICS_HOSTNAME", None),  # None: the machine's
     "socket_group": (_text, "KVCACHED_BROKER_SOCKET_GROUP", None),
     "admin_group": (_text, "KVCACHED_BROKER_ADMIN_GROUP", None),
     "insecure_tcp": (_bool, None, False),

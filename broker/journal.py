@@ -60,30 +60,34 @@ class Holdings(NamedTuple):
     pools: dict[str, int]
     usage: dict[str, int]
     holds: dict[str, int]
+    unmapped_pages: int
+    phase: str
 
     @classmethod
     def of(cls, session: Session) -> "Holdings":
         return cls(session.granted_pages, session.reserve_pages, dict(session.pools), dict(session.usage),
-                   dict(session.holds))
+                   dict(session.holds), session.unmapped_pages, session.phase)
 
     def still(self, session: Session) -> bool:
         """Whether ``session`` holds exactly this (compared in place, without copying)."""
-        return self == (session.granted_pages, session.reserve_pages, session.pools, session.usage, session.holds)
+        return self == (session.granted_pages, session.reserve_pages, session.pools, session.usage, session.holds,
+                        session.unmapped_pages, session.phase)
 
     def reported_bytes(self, page_bytes: int) -> int:
         """What these holdings charge in all: pools, holds and pages."""
         return _charged_bytes(self.pools, self.holds, self.granted_pages, page_bytes)
 
     def charged_below(self, session: Session) -> bool:
-        """Whether ``session`` is charged more than these holdings say: in all, or in holds
-        alone (a hold is charged in full).  Only then must a record of it be on disk before it
-        is answered; a disk that says more over-charges, which is safe on its own."""
+        """Whether ``session`` is charged more than these holdings say: in all, or in what is
+        charged in full (holds and unmapped pages).  Only then must a record of it be on disk
+        before it is answered; a disk that says more over-charges, which is safe on its own."""
         return (session.reported_bytes > self.reported_bytes(session.page_bytes)
-                or session.held_bytes > sum(self.holds.values()))
+                or session.promised_bytes > sum(self.holds.values()) + self.unmapped_pages * session.page_bytes)
 
     def record(self, session_id: str) -> HoldRecord:
         return HoldRecord(session_id=session_id, pools=self.pools, granted_pages=self.granted_pages,
-                          reserve_pages=self.reserve_pages, usage=self.usage, holds=self.holds)
+                          reserve_pages=self.reserve_pages, usage=self.usage, holds=self.holds,
+                          unmapped_pages=self.unmapped_pages, phase=self.phase)
 
 
 @dataclass
@@ -292,6 +296,7 @@ class Journal:
             page_bytes=s.page_bytes, pools=dict(s.pools), granted_pages=s.granted_pages,
             reserve_pages=s.reserve_pages, usage=dict(s.usage), holds=dict(s.holds), client=b.client,
             adapter=None if b.adapter is None else proto.AdapterInfo(**b.adapter),
+            report_mapping=s.report_mapping, unmapped_pages=s.unmapped_pages, phase=s.phase,
         )
 
     def _snapshot(self) -> Snapshot:
@@ -346,6 +351,7 @@ def restore_session(ledger: Ledger, table: SessionTable, record: SessionRecord, 
         tp_rank=record.rank, tp_size=record.tp_size, page_bytes=record.page_bytes, now_s=now_s,
         pools=dict(record.pools), granted_pages=record.granted_pages, reserve_pages=record.reserve_pages,
         state=SessionState.RECOVERING, restored=True, holds=dict(record.holds),
+        report_mapping=record.report_mapping, unmapped_pages=record.unmapped_pages, phase=record.phase,
     )
     ledger.sessions[record.id].usage = dict(record.usage)
     table.add(Binding(
@@ -396,4 +402,5 @@ def _apply_hold(sessions: dict[str, SessionRecord], record: HoldRecord) -> None:
         sessions[record.session_id] = msgspec.structs.replace(
             known, pools=record.pools, granted_pages=record.granted_pages,
             reserve_pages=record.reserve_pages, usage=record.usage, holds=record.holds,
+            unmapped_pages=record.unmapped_pages, phase=record.phase,
         )

@@ -11,11 +11,14 @@ Vocabulary (docs/accounting.md has the model with a worked example):
   reports it; a **hold** (``holds``) is memory promised to it that it has not allocated yet
   (a KV sizing hold).  ``reserved_bytes`` counts both.
 * **grant**: elastic pages a session holds (``granted_pages``, of which ``reserve_pages`` sit
-  unused in its client's credit reserve).
-* **reported** bytes of a process: its sessions' resident pools plus granted pages.
+  unused in its client's credit reserve).  A session that reports mapping (hello
+  ``report_mapping``) says how many of them it has mapped (``set_mapped``, or with a release);
+  the rest (``unmapped_pages``) are *promised*, charged in full like a hold, so that what its
+  process allocates outside its pages can never hide inside pages it has not mapped yet.
+* **reported** bytes of a process: its sessions' resident pools plus mapped pages.
 * **measured** bytes of a process: what the device says it uses (NVML; ``simulate
   --process`` on a simulated device).
-* **charge** of a process: ``max(reported, measured) + held``.  Measured usage can cover a
+* **charge** of a process: ``max(reported, measured) + held + unmapped pages``.  Measured usage can cover a
   resident pool (it is in there once allocated) but never a hold (it is not, yet), so a hold
   taken after the weights load is never absorbed by them.  ``excess = max(0, measured -
   reported)`` is the unreported usage.  A process pins what it already uses as its
@@ -137,6 +140,22 @@ class Ledger:
             room = min(room, limits.max_bytes - self.instance_charge_bytes(instance))
         return max(0, room)
 
+    def ever_bytes(self, instance: str) -> int:
+        """The most this instance could ever be charged beyond what it is now, once every other
+        instance is down to its floor: ``min(budget - other floors, own cap) - charge``."""
+        ceiling = self.budget_bytes - sum(l.min_bytes for name, l in self.limits.items() if name != instance)
+        limits = self.limits.get(instance)
+        if limits is not None and limits.max_bytes is not None:
+            ceiling = min(ceiling, limits.max_bytes)
+        return max(0, ceiling - self.instance_charge_bytes(instance))
+
+    def top_charges(self, exclude: str, count: int = 3) -> list[tuple[str, int]]:
+        """The ``count`` instances charged most, other than ``exclude``, most first (refusals name
+        who holds the room).  O(instances)."""
+        ranked = sorted(((-inst.charge_bytes, name) for name, inst in self._instances.items()
+                         if name != exclude and inst.charge_bytes > 0))
+        return [(name, -negative) for negative, name in ranked[:count]]
+
     def unfilled_floor_bytes(self, instance: str) -> int:
         limits = self.limits.get(instance)
         if limits is None or not limits.min_bytes:
@@ -164,6 +183,8 @@ class Ledger:
             assert s.held_bytes == sum(s.holds.values())
             assert all(v > 0 for v in s.pools.values()) and all(v > 0 for v in s.holds.values())
             assert 0 <= s.reserve_pages <= s.granted_pages
+            assert 0 <= s.unmapped_pages <= s.granted_pages
+            assert s.report_mapping or not s.unmapped_pages
 
     # ------------------------------------------------------------ device view
     def observe_device(
@@ -206,6 +227,9 @@ class Ledger:
         state: SessionState = SessionState.LIVE,
         restored: bool = False,
         holds: dict[str, int] | None = None,
+        report_mapping: bool = False,
+        unmapped_pages: int = 0,
+        phase: str = "",
     ) -> Session:
         """Register a session.  Holdings passed here are adopted without admission: they
         describe memory the process already holds (a reconnect after a broker restart)."""
@@ -226,6 +250,8 @@ class Ledger:
             last_seen_s=now_s,
             state=state,
             restored=restored,
+            report_mapping=report_mapping,
+            phase=phase,
         )
         self.sessions[session_id] = session
         inst = self._instances.get(instance)
@@ -234,7 +260,9 @@ class Ledger:
         inst.session_ids.add(session_id)
         session.account = self._account_for(session)
         session.account.session_ids.add(session_id)
-        self._apply(session, pools=resident, granted_pages=granted_pages, holds=clean_pools(holds or {}))
+        unmapped = min(max(0, unmapped_pages), granted_pages) if report_mapping else 0
+        self._apply(session, pools=resident, granted_pages=granted_pages, holds=clean_pools(holds or {}),
+                    unmapped_pages=unmapped)
         session.reserve_pages = min(reserve_pages, session.granted_pages)
         self._changed(session)
         return session
@@ -242,7 +270,7 @@ class Ledger:
     def close_session(self, session_id: str) -> Session:
         """Free everything the session holds and forget it."""
         session = self._session(session_id)
-        self._apply(session, pools={}, granted_pages=0, holds={})
+        self._apply(session, pools={}, granted_pages=0, holds={}, unmapped_pages=0)
         key = self._account_key(session)
         account = self._accounts[key]
         account.session_ids.discard(session_id)
@@ -287,11 +315,14 @@ class Ledger:
         session.resume_claims = "kept"
         if session.restored and holdings is not None:
             pools, holds = clean_pools(holdings.pools), clean_pools(holdings.holds)
-            resident_delta = sum(pools.values()) - (session.reserved_bytes - session.held_bytes)
-            resident_delta += (holdings.granted_pages - session.granted_pages) * session.page_bytes
-            held_delta = sum(holds.values()) - session.held_bytes
+            unmapped = self._claimed_unmapped(session, holdings)
+            page_bytes = session.page_bytes
+            resident_delta = (sum(pools.values()) + (holdings.granted_pages - unmapped) * page_bytes
+                              - session.resident_bytes)
+            held_delta = sum(holds.values()) + unmapped * page_bytes - session.promised_bytes
             if self._fits(session, resident_delta, held_delta, resuming=True) is None:
-                self._apply(session, pools=pools, granted_pages=holdings.granted_pages, holds=holds)
+                self._apply(session, pools=pools, granted_pages=holdings.granted_pages, holds=holds,
+                            unmapped_pages=unmapped)
                 session.reserve_pages = min(holdings.reserve_pages, session.granted_pages)
                 adopted = True
             session.resume_claims = "adopted" if adopted else "refused"
@@ -300,6 +331,15 @@ class Ledger:
         session.last_seen_s = now_s
         self._changed(session)
         return session, adopted
+
+    @staticmethod
+    def _claimed_unmapped(session: Session, holdings: Claim) -> int:
+        """The unmapped pages a claim implies: none unless the session reports mapping; then
+        the granted pages it does not say are mapped (all, if it says nothing)."""
+        if not session.report_mapping:
+            return 0
+        mapped = holdings.mapped_pages or 0
+        return max(0, holdings.granted_pages - min(mapped, holdings.granted_pages))
 
     def hold_growth(self, reason: str) -> None:
         """Refuse growth that adds charge, except a re-assertion within its allowance
@@ -354,14 +394,20 @@ class Ledger:
         *,
         holds: dict[str, int] | None = None,
         measured_base: bool = False,
+        min_holds: dict[str, int] | None = None,
+        phase: str | None = None,
     ) -> dict[str, int]:
         """Replace the session's resident pools (a pool set to 0 is removed), and its holds
         unless ``holds`` is None.  Returns the resident pools.
 
         ``measured_base`` sets the ``runtime_base`` pool to what the device measures this
-        process using beyond everything else it reports after this request.  Raises
-        :class:`BudgetExceeded` (or ``LimitExceeded``/``Overcommitted``) naming the pool if the
-        growth does not fit; the ledger is then unchanged.
+        process using beyond everything else it reports after this request.  ``min_holds``
+        (one hold name: the least of it the caller can use) lets that hold shrink to what fits,
+        as ``min_pages`` lets an acquire: the largest size between the least and the asked one
+        is held (``session.holds`` says which).  ``phase`` (None keeps it) is what status shows
+        of where the worker is.  Raises :class:`BudgetExceeded` (or
+        ``LimitExceeded``/``Overcommitted``) naming the pool if the growth does not fit; the
+        ledger is then unchanged.
         """
         session = self._session(session_id)
         new_pools = clean_pools(pools)
@@ -369,14 +415,24 @@ class Ledger:
         both = set(new_pools) & set(new_holds)
         if both:
             raise BadRequest(f"pool {sorted(both)[0]!r} cannot be both a reservation and a hold")
+        flexible = self._flexible_hold(holds or {}, min_holds) if min_holds else None
+        if flexible is not None and flexible[0] not in new_holds:
+            flexible = None  # asked at 0: dropped, nothing to shrink
         if measured_base:
             new_pools = self._with_measured_base(session, new_pools)
         resident_delta = sum(new_pools.values()) - (session.reserved_bytes - session.held_bytes)
         held_delta = sum(new_holds.values()) - session.held_bytes
+        fit = self._fits(session, resident_delta, held_delta)
+        if fit is not None and flexible is not None:
+            name, least_bytes = flexible
+            size = self._largest_hold_that_fits(session, resident_delta, held_delta, new_holds[name], least_bytes)
+            held_delta -= new_holds[name] - (least_bytes if size is None else size)
+            new_holds = clean_pools({**new_holds, name: least_bytes if size is None else size})
+            # a refusal then words the least that did not fit
+            fit = None if size is not None else self._fits(session, resident_delta, held_delta)
         new_total = session.reserved_bytes + resident_delta + held_delta
         views_bound = new_total + session.granted_bytes
         views = None if usage is None else clean_views(usage, views_bound)
-        fit = self._fits(session, resident_delta, held_delta)
         if fit is not None:
             code, room_bytes = fit
             # name what costs the charge: a hold, charged in full, before a pool measured usage may cover
@@ -391,15 +447,49 @@ class Ledger:
                 ledger=self,
                 details={"pool": pool, "pool_asked_bytes": pool_growth},
             )
-        self._apply(session, pools=new_pools, granted_pages=session.granted_pages, holds=new_holds)
+        self._apply(session, pools=new_pools, granted_pages=session.granted_pages, holds=new_holds,
+                    unmapped_pages=session.unmapped_pages)
         if session.reassert_allowance_bytes:
             self._use_allowance(session, max(0, resident_delta) + max(0, held_delta))
         if views is not None:
             session.usage = views
         elif any(size > views_bound for size in session.usage.values()):
             session.usage = {}  # views of memory that is gone
+        if phase is not None:
+            session.phase = phase
         self._changed(session)
         return dict(session.pools)
+
+    @staticmethod
+    def _flexible_hold(holds: dict[str, int], min_holds: dict[str, int]) -> tuple[str, int]:
+        """The one hold ``min_holds`` lets shrink, and the least of it (checked)."""
+        if len(min_holds) != 1:
+            raise BadRequest(f"min_holds names one hold, got {len(min_holds)}")
+        ((name, least_bytes),) = min_holds.items()
+        if name not in holds:
+            raise BadRequest(f"min_holds names {name!r}, which this request does not hold")
+        if not isinstance(least_bytes, int) or isinstance(least_bytes, bool) or not 0 <= least_bytes <= holds[name]:
+            raise BadRequest(f"min_holds[{name!r}] must be between 0 and the hold ({holds[name]}), got {least_bytes!r}")
+        return name, least_bytes
+
+    def _largest_hold_that_fits(self, session: Session, resident_delta: int, held_delta: int,
+                                asked_bytes: int, least_bytes: int) -> int | None:
+        """The largest size in ``[least_bytes, asked_bytes]`` of one hold for which the request
+        fits (its other changes as they are), or None.  Fitting only gets harder as the hold
+        grows, so a bisection finds it (about 40 checks at most, only on a refused request)."""
+        def fits(size: int) -> bool:
+            return self._fits(session, resident_delta, held_delta - (asked_bytes - size)) is None
+
+        if not fits(least_bytes):
+            return None
+        low, high = least_bytes, asked_bytes  # fits(low) holds; fits(asked) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+        return low
 
     def measured_bytes(self, session_id: str) -> int:
         """What the device measures the session's process using (0 where it cannot say)."""
@@ -410,7 +500,8 @@ class Ledger:
         account = session.account
         assert account is not None
         others_bytes = account.reported_bytes - session.resident_bytes  # the process's other sessions
-        mine_bytes = sum(size for name, size in pools.items() if name != RUNTIME_BASE_POOL) + session.granted_bytes
+        mapped_bytes = session.mapped_pages * session.page_bytes
+        mine_bytes = sum(size for name, size in pools.items() if name != RUNTIME_BASE_POOL) + mapped_bytes
         base_bytes = max(0, account.measured_bytes - others_bytes - mine_bytes)
         pools = {name: size for name, size in pools.items() if name != RUNTIME_BASE_POOL}
         if base_bytes:
@@ -446,8 +537,13 @@ class Ledger:
             self._use_allowance(session, fit_pages * session.page_bytes)
         return SMALL_GRANTS[fit_pages] if fit_pages < len(SMALL_GRANTS) else Grant(fit_pages)
 
-    def release(self, session_id: str, pages: int) -> int:
-        """Return pages; releasing more than the session holds is ``bad_request``."""
+    def release(self, session_id: str, pages: int, mapped_pages: int | None = None) -> int:
+        """Return pages; releasing more than the session holds is ``bad_request``.
+
+        For a session that reports mapping, ``mapped_pages`` says how many of the pages it
+        keeps are mapped (it unmapped what it gives back); without it the pages given back are
+        taken from its unmapped ones first (a page it still says is mapped stays charged as
+        resident, which over-charges until it says otherwise: never the other way)."""
         session = self._session(session_id)
         if pages <= 0:
             raise BadRequest(f"release needs a positive page count, got {pages}")
@@ -456,10 +552,47 @@ class Ledger:
                 f"release of {pages} page(s) but session {session.id} holds {session.granted_pages}",
                 details={"pages": pages, "granted_pages": session.granted_pages},
             )
-        self._add_pages(session, -pages)
+        if session.report_mapping:
+            left_pages = session.granted_pages - pages
+            if mapped_pages is None:
+                unmapped = max(0, session.unmapped_pages - pages)
+            else:
+                unmapped = left_pages - self._checked_mapped(session, mapped_pages, left_pages)
+            self._apply(session, pools=session.pools, granted_pages=left_pages, holds=session.holds,
+                        unmapped_pages=unmapped)
+            self._changed(session)
+        else:
+            if mapped_pages is not None:
+                raise BadRequest(f"session {session.id} does not report mapping (hello report_mapping)")
+            self._add_pages(session, -pages)
         if session.reserve_pages > session.granted_pages:
             session.reserve_pages = session.granted_pages
         return session.granted_pages
+
+    def set_mapped(self, session_id: str, mapped_pages: int) -> int:
+        """The session has ``mapped_pages`` of its granted pages mapped now; returns its
+        unmapped pages.  Never refused for room: mapping turns a promised page into one the
+        device measures (no more charge); unmapping one charges it in full again until the
+        device's measurement drops (more charge, for a moment, never less)."""
+        session = self._session(session_id)
+        if not session.report_mapping:
+            raise BadRequest(f"session {session.id} does not report mapping (hello report_mapping)")
+        unmapped = session.granted_pages - self._checked_mapped(session, mapped_pages, session.granted_pages)
+        if unmapped != session.unmapped_pages:
+            self._apply(session, pools=session.pools, granted_pages=session.granted_pages, holds=session.holds,
+                        unmapped_pages=unmapped)
+            self._changed(session)
+        return unmapped
+
+    @staticmethod
+    def _checked_mapped(session: Session, mapped_pages: int, granted_pages: int) -> int:
+        if not isinstance(mapped_pages, int) or isinstance(mapped_pages, bool) or not 0 <= mapped_pages <= granted_pages:
+            raise BadRequest(
+                f"mapped_pages must be between 0 and the {granted_pages} page(s) session {session.id} holds, "
+                f"got {mapped_pages!r}",
+                details={"mapped_pages": mapped_pages, "granted_pages": granted_pages},
+            )
+        return mapped_pages
 
     # ----------------------------------------------------------------- limits
     def set_limits(
@@ -593,11 +726,13 @@ class Ledger:
         account.instance = instance
         self._move_instance_excess(instance, excess)
 
-    def _apply(self, session: Session, *, pools: dict[str, int], granted_pages: int, holds: dict[str, int]) -> None:
+    def _apply(self, session: Session, *, pools: dict[str, int], granted_pages: int, holds: dict[str, int],
+               unmapped_pages: int) -> None:
         """Set a session's holdings and keep instance, process and device totals in step."""
         held_delta = sum(holds.values()) - session.held_bytes
         reserved_delta = sum(pools.values()) + held_delta + session.held_bytes - session.reserved_bytes
         granted_delta = (granted_pages - session.granted_pages) * session.page_bytes
+        resident_before = session.resident_bytes
         inst = self._instances[session.instance]
         old_unfilled = self.unfilled_floor_bytes(session.instance)
         session.pools = dict(pools)
@@ -605,13 +740,14 @@ class Ledger:
         session.reserved_bytes += reserved_delta
         session.held_bytes += held_delta
         session.granted_pages = granted_pages
+        session.unmapped_pages = unmapped_pages
         inst.reserved_bytes += reserved_delta
         inst.granted_bytes += granted_delta
         self._reserved_total += reserved_delta
         self._held_total += held_delta
         self._granted_total += granted_delta
         self._unfilled_floor_total += self.unfilled_floor_bytes(session.instance) - old_unfilled
-        self._recharge(self._account_for(session), reported_delta=reserved_delta - held_delta + granted_delta)
+        self._recharge(self._account_for(session), reported_delta=session.resident_bytes - resident_before)
 
     def _add_pages(self, session: Session, pages: int) -> None:
         """``_apply`` for a change of granted pages only, recorded as a change: the grant
@@ -629,7 +765,9 @@ class Ledger:
             self._unfilled_floor_total += max(0, floor - inst.charge_bytes) - unfilled_before
         account = session.account
         assert account is not None  # bound at open_session
-        if account.measured_bytes:
+        if session.report_mapping:  # a grant (never a release: see release) is promised, not measured
+            session.unmapped_pages += pages
+        elif account.measured_bytes:
             self._recharge(account, reported_delta=delta)
         else:  # nothing measured: no unreported excess can appear or vanish
             account.reported_bytes += delta
@@ -641,7 +779,7 @@ class Ledger:
         charge (it is already charged).
         """
         account = self._accounts[self._account_key(session)]
-        slack = account.excess_bytes
+        slack = 0 if session.report_mapping else account.excess_bytes  # unmapped pages are charged in full
         others_unfilled = self._unfilled_floor_total - self.unfilled_floor_bytes(session.instance)
         device_room = self.budget_bytes - self.charged_bytes - others_unfilled + slack
         limits = self.limits.get(session.instance)
@@ -694,7 +832,7 @@ class Ledger:
         left_bytes = session.reassert_allowance_bytes
         account = session.account
         if left_bytes and account is not None and account.measured_bytes:
-            claimed_bytes = account.reported_bytes + sum(self.sessions[sid].held_bytes for sid in account.session_ids)
+            claimed_bytes = account.reported_bytes + sum(self.sessions[sid].promised_bytes for sid in account.session_ids)
             left_bytes = min(left_bytes, max(0, account.measured_bytes - claimed_bytes))
         return left_bytes
 
@@ -715,7 +853,7 @@ class Ledger:
                 fit = min(pages, (budget - charged) // session.page_bytes)  # no floors, cap or slack to weigh
                 return fit, (None if fit == pages else "budget_exceeded"), budget - charged
             return self._pages_within(session, pages)
-        exempt_bytes = max(self._reassertion_left_bytes(session), account.excess_bytes)
+        exempt_bytes = max(self._reassertion_left_bytes(session), 0 if session.report_mapping else account.excess_bytes)
         exempt_pages = min(pages, exempt_bytes // session.page_bytes)
         if not exempt_pages:
             return 0, "held", 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..client.errors import BadRequest, BrokerError, BudgetExceeded, LimitExceeded, Overcommitted
-from ..client.units import format_bytes
+from ..client.units import format_bytes, format_bytes_apart
 from .accounts import Limits
 
 if TYPE_CHECKING:
@@ -78,16 +78,21 @@ def refusal(
         )
         cls = LimitExceeded
     else:
+        asked, room = format_bytes_apart(asked_bytes, room_bytes)
         message = (
-            f"{what} for {instance!r} refused: {format_bytes(room_bytes)} free on {where} "
+            f"{what} for {instance!r} refused: asked {asked}, {room} free on {where} "
             f"(budget {format_bytes(ledger.budget_bytes)}, charged {format_bytes(ledger.charged_bytes)})"
         )
         cls = BudgetExceeded
+    holders = ledger.top_charges(exclude=instance) if code in ("budget_exceeded", "overcommitted") else []
+    if holders:
+        message += "; held by " + ", ".join(f"{name} {format_bytes(size)}" for name, size in holders)
     details = {
         **details,
         "instance": instance,
         "asked_bytes": asked_bytes,
         "free_bytes": room_bytes,
         "budget_bytes": ledger.budget_bytes,
+        "holders": [{"instance": name, "charged_bytes": size} for name, size in holders],
     }
     return cls(message, details=details)

@@ -94,6 +94,7 @@ class RequestCore:
             proto.Reserve: self._reserve,
             proto.Acquire: self._acquire,
             proto.Release: self._release,
+            proto.Mapped: self._mapped,
             proto.Heartbeat: self._heartbeat,
             proto.Close: self._close,
             proto.Status: self._status,
@@ -186,6 +187,7 @@ class RequestCore:
             pools = self.ledger.reserve(
                 session.id, dict(req.pools), None if req.usage is None else dict(req.usage),
                 holds=None if req.holds is None else dict(req.holds), measured_base=req.measured_base,
+                min_holds=None if req.min_holds is None else dict(req.min_holds), phase=req.phase,
             )
         except BrokerError as exc:
             log.info("event=refusal session=%s op=reserve code=%s detail=%r", binding.session_id, exc.code, exc.message)
@@ -194,10 +196,16 @@ class RequestCore:
             self.counters.refused(exc.code)
             self._press_for(session.instance, int(exc.details.get("asked_bytes", 0)), exc, now)
             return reply
-        return self._answer(binding, req.id, {
+        result: dict[str, Any] = {
             "pools": pools, "holds": dict(session.holds), "reserved_bytes": session.reserved_bytes,
             "measured_bytes": self.ledger.measured_bytes(session.id),
-        })
+            "grantable_bytes": self.ledger.grantable_bytes(session.instance),
+            "ever_bytes": self.ledger.ever_bytes(session.instance),
+        }
+        if req.min_holds is not None:  # a worker sizing its start-up: who holds the rest, for its messages
+            result["holders"] = [{"instance": name, "charged_bytes": size}
+                                 for name, size in self.ledger.top_charges(exclude=session.instance)]
+        return self._answer(binding, req.id, result)
 
     def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)
@@ -219,10 +227,24 @@ class RequestCore:
 
     def _release(self, req: proto.Release, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)
-        remaining = self.ledger.release(session.id, req.pages)
+        if req.mapped_pages is not None and req.mapped_pages > session.mapped_pages:
+            self.device.observe(self.ledger, now)  # credit newly mapped pages against a fresh reading
+        remaining = self.ledger.release(session.id, req.pages, req.mapped_pages)
         if self.pressure.pending:
             self.pressure.on_release(session.id, req.pages)
-        return self._answer(binding, req.id, {"granted_pages": remaining})
+        result: dict[str, Any] = {"granted_pages": remaining}
+        if session.report_mapping:
+            result["unmapped_pages"] = session.unmapped_pages
+        return self._answer(binding, req.id, result)
+
+    def _mapped(self, req: proto.Mapped, rid: bytes, peer: Peer, now: float) -> bytes:
+        """Pages the session mapped or unmapped.  A page is taken off its promised charge only
+        against a device reading made now: the last periodic one may not show it yet."""
+        binding, session = self._session_request(req, rid, now)
+        if session.report_mapping and req.mapped_pages > session.mapped_pages:
+            self.device.observe(self.ledger, now)
+        unmapped = self.ledger.set_mapped(session.id, req.mapped_pages)
+        return self._answer(binding, req.id, {"granted_pages": session.granted_pages, "unmapped_pages": unmapped})
 
     def _heartbeat(self, req: proto.Heartbeat, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)

@@ -97,7 +97,7 @@ class SessionOpener:
         claim = None
         if req.holdings is not None:
             h = req.holdings
-            claim = Claim(dict(h.pools), h.granted_pages, h.reserve_pages, dict(h.holds))
+            claim = Claim(dict(h.pools), h.granted_pages, h.reserve_pages, dict(h.holds), h.mapped_pages)
         restored = self.ledger.sessions[binding.session_id].restored
         session, adopted = self.ledger.resume(binding.session_id, now, holdings=claim)
         if adopted:
@@ -144,7 +144,7 @@ class SessionOpener:
         verified = peer.pid_known
         self.ledger.open_session(
             session_id, instance=req.instance, pid=req.pid, pid_verified=verified, tp_rank=req.tp_rank,
-            tp_size=req.tp_size, page_bytes=req.page_bytes, now_s=now,
+            tp_size=req.tp_size, page_bytes=req.page_bytes, now_s=now, report_mapping=req.report_mapping,
         )
         binding = Binding(
             session_id=session_id, token=token, nonce=req.nonce, pid=req.pid, pid_verified=verified,
@@ -221,6 +221,7 @@ class SessionOpener:
                 "granted_pages": session.granted_pages,
                 "reserve_pages": session.reserve_pages,
                 "holds": dict(session.holds),
+                "mapped_pages": session.mapped_pages,
             },
         }
 

@@ -52,6 +52,9 @@ class SessionRecord(Record, tag="session", kw_only=True):
     holds: proto.PoolMap = {}
     client: proto.FreeText = ""
     adapter: proto.AdapterInfo | None = None
+    report_mapping: bool = False
+    unmapped_pages: proto.Pages = 0
+    phase: proto.Phase = ""
 
 
 class HoldRecord(Record, tag="hold", kw_only=True):
@@ -61,6 +64,8 @@ class HoldRecord(Record, tag="hold", kw_only=True):
     reserve_pages: proto.Pages = 0
     usage: proto.PoolMap = {}
     holds: proto.PoolMap = {}
+    unmapped_pages: proto.Pages = 0
+    phase: proto.Phase = ""
 
 
 class CloseRecord(Record, tag="close", kw_only=True):

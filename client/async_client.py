@@ -63,11 +63,13 @@ class AsyncBrokerClient(SessionView):
         client: str = "",
         limits: dict | None = None,
         adapter: dict | None = None,
+        report_mapping: bool = False,
     ) -> "AsyncBrokerClient":
         """As :meth:`BrokerClient.connect`."""
         core, target = prepare(
             instance, device, tp_rank, tp_size, page_bytes, endpoint, credit_pages,
-            device_uuid=device_uuid, limits=limits, adapter=adapter, client=client or f"kvcached-broker-async-client/{package_version()}",
+            device_uuid=device_uuid, limits=limits, adapter=adapter, report_mapping=report_mapping,
+            client=client or f"kvcached-broker-async-client/{package_version()}",
         )
         self = cls(core, AsyncTransport(target, Timeouts.from_env(timeout_s), curve=curve))
         try:
@@ -87,17 +89,23 @@ class AsyncBrokerClient(SessionView):
         *,
         holds: dict[str, int] | None = None,
         measured_base: bool = False,
+        min_holds: dict[str, int] | None = None,
+        phase: str | None = None,
     ) -> dict[str, int]:
         """As :meth:`BrokerClient.reserve`."""
-        return await self._run(self._ops.reserve(pools, usage, holds, measured_base))
+        return await self._run(self._ops.reserve(pools, usage, holds, measured_base, min_holds, phase))
 
     async def acquire(self, pages: int, min_pages: int | None = None) -> int:
         """As :meth:`BrokerClient.acquire`."""
         return await self._run(self._ops.acquire(pages, min_pages))
 
-    async def release(self, pages: int) -> None:
+    async def release(self, pages: int, mapped_pages: int | None = None) -> None:
         """As :meth:`BrokerClient.release`."""
-        await self._run(self._ops.release(pages))
+        await self._run(self._ops.release(pages, mapped_pages))
+
+    async def mapped(self, mapped_pages: int) -> int:
+        """As :meth:`BrokerClient.mapped`."""
+        return await self._run(self._ops.mapped(mapped_pages))
 
     async def acquire_tp(
         self, pages: int, reduce_min: Callable[[int], Awaitable[int] | int], min_pages: int | None = None

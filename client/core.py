@@ -6,7 +6,9 @@ re-asserts when it reconnects to a broker that restarted:
 * ``pools``: the reservation map the broker last acknowledged;
 * ``credit.held_pages`` / ``credit.reserve_pages``: pages handed to the caller / kept in reserve;
 * ``uncharged_pages``: held pages the broker does not charge (it lost them and could not
-  grant them again); the caller's next releases give these back first, without a request.
+  grant them again); the caller's next releases give these back first, without a request;
+* ``mapped_pages`` (a session that reports mapping): how many of its granted pages the caller
+  last said are mapped; the rest the broker charges as promised memory.
 
 Invariant at every quiet point: ``credit.granted_pages - uncharged_pages`` is what the broker
 charges the session in pages, and ``pools``/``holds`` are what it charges in reservations.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,6 +43,9 @@ from .endpoint import resolve_endpoint
 from .errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted, error_from_wire
 
 log = logging.getLogger("kvcached_broker.client")
+
+#: What a reserve's ``phase`` may be (``protocol.Phase``).
+_PHASE_RE = re.compile(r"[a-z_]{0,32}")
 
 #: Error codes after which a client re-opens its session with hello(resume) and retries.
 RESUME_CODES = frozenset({"not_owner", "unknown_session"})
@@ -88,6 +94,7 @@ class ClientCore:
         client: str = "",
         limits: dict[str, Any] | None = None,
         adapter: dict[str, Any] | None = None,
+        report_mapping: bool = False,
     ):
         _check_int("tp_size", tp_size, minimum=1)
         _check_int("tp_rank", tp_rank, minimum=0)
@@ -109,6 +116,10 @@ class ClientCore:
         self.limits_request = _limits_request(limits)
         self.credit = CreditReserve(default_credit_pages(page_bytes) if credit_pages is None else credit_pages)
         self.uncharged_pages = 0
+        self.report_mapping = bool(report_mapping)
+        self.mapped_pages = 0
+        #: The answer to the last reserve (``pools``, ``holds``, ``grantable_bytes``, ...).
+        self.last_reserve: dict[str, Any] = {}
         self.pools: dict[str, int] = {}
         self.holds: dict[str, int] = {}
         self.token: str | None = None
@@ -142,6 +153,7 @@ class ClientCore:
             limits=self.limits_request,
             client=self.client,
             adapter=self.adapter,
+            report_mapping=self.report_mapping,
         )
 
     def holdings(self) -> proto.Holdings:
@@ -150,6 +162,7 @@ class ClientCore:
             granted_pages=self.credit.granted_pages,
             reserve_pages=self.credit.reserve_pages,
             holds=dict(self.holds),
+            mapped_pages=min(self.mapped_pages, self.credit.granted_pages) if self.report_mapping else None,
         )
 
     def on_hello(self, result: dict[str, Any]) -> bool:
@@ -186,6 +199,8 @@ class ClientCore:
         """
         charged = result["holdings"]
         charged_pages = int(charged["granted_pages"])
+        if self.report_mapping:
+            self.mapped_pages = min(self.mapped_pages, int(charged.get("mapped_pages", 0)))
         if result["claims"] == "adopted":
             self.charge_pages(charged_pages)
             return
@@ -259,6 +274,17 @@ class ClientCore:
         """A reserve's answer: the pools and holds the broker now charges."""
         self.pools = dict(result["pools"])
         self.holds = dict(result.get("holds", {}))
+        self.last_reserve = dict(result)
+
+    def check_mapped(self, mapped_pages: Any, granted_pages: int) -> int:
+        """A mapped-page count the caller reports: only on a session that reports mapping, and
+        at most what it will hold."""
+        if not self.report_mapping:
+            raise BadRequest("this session does not report mapping: connect with report_mapping=True")
+        check_pages("mapped_pages", mapped_pages, minimum=0)
+        if mapped_pages > granted_pages:
+            raise BadRequest(f"mapped_pages ({mapped_pages}) must not exceed the {granted_pages} page(s) held")
+        return mapped_pages
 
     def book_late_grant(self, result: dict[str, Any]) -> None:
         """The answer to an acquire whose caller gave up: its pages go to the credit reserve."""
@@ -301,13 +327,18 @@ class ClientCore:
         usage: dict[str, int] | None = None,
         holds: dict[str, int] | None = None,
         measured_base: bool = False,
+        min_holds: dict[str, int] | None = None,
+        phase: str | None = None,
     ) -> Callable[[int], proto.Reserve]:
         """Check a reserve's arguments now; build its request (for an id) when it is sent."""
         clean, views = check_pools(pools), None if usage is None else check_pools(usage)
         promised = None if holds is None else check_pools(holds)
+        least = None if min_holds is None else _check_min_holds(min_holds, promised)
+        if phase is not None and (not isinstance(phase, str) or not _PHASE_RE.fullmatch(phase)):
+            raise BadRequest(f"phase must be up to 32 lower-case letters and '_', got {phase!r}")
         return lambda rid: proto.Reserve(
             id=rid, session=self.session_token(), pools=clean, usage=views, holds=promised,
-            measured_base=bool(measured_base),
+            measured_base=bool(measured_base), min_holds=least, phase=phase,
         )
 
     def session_token(self) -> str:
@@ -344,6 +375,7 @@ def prepare(
     limits: dict[str, Any] | None,
     client: str,
     adapter: dict[str, Any] | None = None,
+    report_mapping: bool = False,
 ) -> tuple[ClientCore, str]:
     """What ``connect`` does before any I/O: find the GPU and its broker, check the arguments."""
     physical = resolve_device(device)
@@ -361,6 +393,7 @@ def prepare(
         limits=limits,
         client=client,
         adapter=adapter,
+        report_mapping=report_mapping,
     )
     return core, target
 
@@ -403,6 +436,19 @@ def _adapter_info(adapter: dict[str, Any] | None) -> proto.AdapterInfo | None:
         return msgspec.convert(adapter, proto.AdapterInfo)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"adapter info: {exc}") from None
+
+
+def _check_min_holds(min_holds: Any, holds: dict[str, int] | None) -> dict[str, int]:
+    """``{hold: least bytes}`` for one hold this reserve asks for, at most what it asks."""
+    least = check_pools(min_holds)
+    if len(least) != 1:
+        raise BadRequest(f"min_holds names one hold, got {len(least)}")
+    ((name, size),) = least.items()
+    if holds is None or name not in holds:
+        raise BadRequest(f"min_holds names {name!r}, which holds does not ask for")
+    if size > holds[name]:
+        raise BadRequest(f"min_holds[{name!r}] ({size}) must not exceed the hold asked ({holds[name]})")
+    return least
 
 
 def check_pages(name: str, value: Any, *, minimum: int) -> int:

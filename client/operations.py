@@ -114,9 +114,9 @@ class Operations:
             raise
 
     def reserve(self, pools: dict[str, int], usage: dict[str, int] | None, holds: dict[str, int] | None,
-                measured_base: bool) -> Op:
+                measured_base: bool, min_holds: dict[str, int] | None = None, phase: str | None = None) -> Op:
         core = self.core
-        build = core.reserve_request(pools, usage, holds, measured_base)
+        build = core.reserve_request(pools, usage, holds, measured_base, min_holds, phase)
         result = yield from self.call(build, track={"on_answer": core.book_pools})
         core.book_pools(result)
         return dict(result["pools"])
@@ -145,22 +145,48 @@ class Operations:
         )
         return credit.settle(pages, min_pages, int(result["granted"]))
 
-    def release(self, pages: int) -> Op:
+    def release(self, pages: int, mapped_pages: int | None = None) -> Op:
         """Give back ``pages``: they go to the reserve, and only its surplus above the high
-        watermark goes to the broker.  More than held is refused and changes nothing."""
-        check_pages("pages", pages, minimum=1)
-        self.core.check_usable()
-        surplus = self.core.put_back(pages)
-        if surplus:
-            yield from self.return_pages(surplus)
+        watermark goes to the broker.  More than held is refused and changes nothing.
 
-    def return_pages(self, pages: int) -> Op:
+        ``mapped_pages`` (a session that reports mapping): how many of the pages it keeps are
+        mapped afterwards; it goes with the release, or on its own if nothing goes back."""
+        check_pages("pages", pages, minimum=1)
+        core = self.core
+        core.check_usable()
+        if mapped_pages is not None:
+            core.check_mapped(mapped_pages, max(0, core.credit.granted_pages - pages))
+        surplus = core.put_back(pages)
+        if surplus:
+            yield from self.return_pages(surplus, mapped_pages)
+        elif mapped_pages is not None:
+            yield from self.mapped(mapped_pages)
+
+    def mapped(self, mapped_pages: int) -> Op:
+        """A session that reports mapping: ``mapped_pages`` of its granted pages are mapped now
+        (an absolute count: sending it twice is harmless).  Returns its unmapped pages."""
+        core = self.core
+        core.check_usable()
+        core.check_mapped(mapped_pages, core.credit.granted_pages)
+        core.mapped_pages = mapped_pages
+        result = yield from self.call(
+            lambda rid: proto.Mapped(id=rid, session=core.session_token(), mapped_pages=mapped_pages,
+                                     reserve_pages=core.credit.reserve_pages),
+            track={},
+        )
+        return int(result.get("unmapped_pages", 0))
+
+    def return_pages(self, pages: int, mapped_pages: int | None = None) -> Op:
         """Hand ``pages`` (already off the books) back to the broker."""
         core, credit = self.core, self.core.credit
+        if mapped_pages is not None:
+            core.mapped_pages = mapped_pages
+        elif core.report_mapping:  # the pages go from the unmapped ones first, as the broker takes them
+            core.mapped_pages = min(core.mapped_pages, credit.granted_pages)
         try:
             yield from self.call(
                 lambda rid: proto.Release(id=rid, session=core.session_token(), pages=pages,
-                                          reserve_pages=credit.reserve_pages),
+                                          reserve_pages=credit.reserve_pages, mapped_pages=mapped_pages),
                 track={"booked": True, "on_refusal": lambda: credit.reattach(pages)},
             )
         except BrokerUnavailable:
@@ -360,6 +386,10 @@ class Operations:
             )
             granted = int(result["granted"])
         core.book_reasserted(booked_pools, granted)
+        if core.report_mapping and granted and core.mapped_pages:  # new pages are charged unmapped
+            mapped = min(core.mapped_pages, granted)
+            yield from self.call(lambda rid: proto.Mapped(id=rid, session=core.session_token(), mapped_pages=mapped),
+                                 track={})
 
 
 class BackgroundHealth:

@@ -50,6 +50,8 @@ PoolName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-
 PoolMap = Annotated[dict[PoolName, Bytes], Meta(max_length=MAX_POOLS)]
 Weight = Annotated[float, Meta(gt=0.0, le=1e6)]
 FreeText = Annotated[str, Meta(max_length=256)]
+#: Where a worker says it is in its start-up (shown in status): ``sizing``, ``warming``, ``serving``.
+Phase = Annotated[str, Meta(max_length=32, pattern=r"^[a-z_]*$")]
 
 
 class Holdings(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
@@ -59,6 +61,8 @@ class Holdings(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
     granted_pages: Pages = 0
     reserve_pages: Pages = 0
     holds: PoolMap = {}
+    #: A session that reports mapping: how many of ``granted_pages`` are mapped (None: none).
+    mapped_pages: Pages | None = None
 
 
 class LimitsRequest(Struct, kw_only=True, gc=False):
@@ -101,6 +105,10 @@ class Hello(Request, tag="hello", kw_only=True):
     limits: LimitsRequest | None = None
     client: FreeText = ""
     adapter: AdapterInfo | None = None
+    #: The worker will say which of its granted pages it has mapped (``mapped``, or a release's
+    #: ``mapped_pages``); until it does, a granted page is charged in full on top of what the
+    #: device measures, as a hold is.  For workers that map pages on demand (kvcached).
+    report_mapping: bool = False
 
 
 class Reserve(Request, tag="reserve", kw_only=True):
@@ -117,6 +125,11 @@ class Reserve(Request, tag="reserve", kw_only=True):
     #: Set the ``runtime_base`` pool to what the device measures this process using beyond
     #: everything else it reports (weights, CUDA context): pin it before holding.
     measured_base: bool = False
+    #: One hold of ``holds`` that may shrink to what fits, and the least of it the worker can
+    #: use: the broker holds the largest size in between (the answer's ``holds`` says which).
+    min_holds: PoolMap | None = None
+    #: Where the worker is in its start-up, shown in status (None keeps it).
+    phase: Phase | None = None
 
 
 class Acquire(Request, tag="acquire", kw_only=True):
@@ -136,6 +149,16 @@ class Acquire(Request, tag="acquire", kw_only=True):
 class Release(Request, tag="release", kw_only=True):
     session: SessionToken
     pages: PositivePages
+    reserve_pages: Pages | None = None
+    #: A session that reports mapping: how many of the pages it keeps are mapped afterwards.
+    mapped_pages: Pages | None = None
+
+
+class Mapped(Request, tag="mapped", kw_only=True):
+    """A session that reports mapping: ``mapped_pages`` of its granted pages are mapped now."""
+
+    session: SessionToken
+    mapped_pages: Pages
     reserve_pages: Pages | None = None
 
 
@@ -177,7 +200,7 @@ class Simulate(Request, tag="simulate", kw_only=True):
     process_bytes: Annotated[dict[Pid, Bytes], Meta(max_length=4096)] | UnsetType = UNSET
 
 
-AnyRequest = Union[Hello, Reserve, Acquire, Release, Heartbeat, Close, Status, SetLimit, Evict, Simulate]
+AnyRequest = Union[Hello, Reserve, Acquire, Release, Mapped, Heartbeat, Close, Status, SetLimit, Evict, Simulate]
 
 
 class ErrorBody(Struct, kw_only=True, gc=False):

@@ -53,5 +53,21 @@ class SessionView:
         return dict(self._core.holds)
 
     @property
+    def report_mapping(self) -> bool:
+        """Whether this session says which of its pages are mapped (``connect(report_mapping=True)``)."""
+        return self._core.report_mapping
+
+    @property
+    def mapped_pages(self) -> int:
+        """The mapped pages this session last reported (0 unless it reports mapping)."""
+        return self._core.mapped_pages
+
+    @property
+    def last_reserve(self) -> dict[str, Any]:
+        """The broker's whole answer to this session's last reserve: ``pools``, ``holds``,
+        ``measured_bytes``, and the instance's ``grantable_bytes`` and ``ever_bytes`` after it."""
+        return dict(self._core.last_reserve)
+
+    @property
     def lease_s(self) -> float:
         return self._core.lease_s

@@ -60,6 +60,7 @@ class BrokerClient(SessionView):
         client: str = "",
         limits: dict | None = None,
         adapter: dict | None = None,
+        report_mapping: bool = False,
     ) -> "BrokerClient":
         """Open a session with the broker of ``device`` (a CUDA ordinal seen by this process).
 
@@ -68,7 +69,8 @@ class BrokerClient(SessionView):
         """
         core, target = prepare(
             instance, device, tp_rank, tp_size, page_bytes, endpoint, credit_pages,
-            device_uuid=device_uuid, limits=limits, adapter=adapter, client=client or f"kvcached-broker-client/{package_version()}",
+            device_uuid=device_uuid, limits=limits, adapter=adapter, report_mapping=report_mapping,
+            client=client or f"kvcached-broker-client/{package_version()}",
         )
         transport = SyncTransport(target, Timeouts.from_env(timeout_s), curve=curve)
         self = cls(core, transport)
@@ -90,6 +92,8 @@ class BrokerClient(SessionView):
         *,
         holds: dict[str, int] | None = None,
         measured_base: bool = False,
+        min_holds: dict[str, int] | None = None,
+        phase: str | None = None,
     ) -> dict[str, int]:
         """Replace this session's static reservations; a pool at 0 is removed.  Returns them.
 
@@ -97,12 +101,17 @@ class BrokerClient(SessionView):
         in status as ``usage_breakdown``, never charged).  ``holds`` replaces the session's
         holds (memory promised but not allocated yet, charged on top of what the device
         measures this process using; None keeps them), so a hold turns into the pools it was
-        for in one call.  ``measured_base`` pins what the device measures this process using
-        beyond its other reports as the ``runtime_base`` pool.  Raises :class:`BudgetExceeded`
-        (naming the pool) if the growth does not fit.
+        for in one call.  ``min_holds`` (``{hold: least bytes}``, one hold) lets that hold
+        shrink to what fits: the broker holds the largest size in between (``holds`` then
+        says which).  ``measured_base`` pins what the device measures this process using
+        beyond its other reports as the ``runtime_base`` pool.  ``phase`` is where the worker
+        is in its start-up, shown in status.  The whole answer (with the instance's
+        ``grantable_bytes`` and ``ever_bytes`` after it) is :attr:`last_reserve`.  Raises
+        :class:`BudgetExceeded` (naming the pool, the room and who holds it) if the growth
+        does not fit.
         """
         with self._lock:
-            return self._run(self._ops.reserve(pools, usage, holds, measured_base))
+            return self._run(self._ops.reserve(pools, usage, holds, measured_base, min_holds, phase))
 
     def acquire(self, pages: int, min_pages: int | None = None) -> int:
         """Take ``pages`` (all or nothing), or with ``min_pages`` the most that fit in between.
@@ -112,10 +121,20 @@ class BrokerClient(SessionView):
         with self._lock:
             return self._run(self._ops.acquire(pages, min_pages))
 
-    def release(self, pages: int) -> None:
-        """Give back ``pages``; more than held is ``BrokerError(bad_request)``."""
+    def release(self, pages: int, mapped_pages: int | None = None) -> None:
+        """Give back ``pages``; more than held is ``BrokerError(bad_request)``.
+
+        ``mapped_pages``: on a session that reports mapping, how many of the pages it keeps
+        are mapped once these are gone (pages it unmapped to give them back)."""
         with self._lock:
-            self._run(self._ops.release(pages))
+            self._run(self._ops.release(pages, mapped_pages))
+
+    def mapped(self, mapped_pages: int) -> int:
+        """On a session connected with ``report_mapping=True``: ``mapped_pages`` of the pages it
+        holds are mapped now.  The broker charges the others as promised memory, on top of
+        what the device measures this process using.  Returns the pages it counts unmapped."""
+        with self._lock:
+            return self._run(self._ops.mapped(mapped_pages))
 
     def acquire_tp(self, pages: int, reduce_min: Callable[[int], int], min_pages: int | None = None) -> int:
         """Tensor-parallel acquire: every rank calls this with its own client.

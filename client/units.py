@@ -97,3 +97,13 @@ def format_bytes(num_bytes: int | None) -> str:
         if value >= scale:
             return f"{sign}{value / scale:.2f} {unit}"
     return f"{sign}{value} B"
+
+
+def format_bytes_apart(first_bytes: int, second_bytes: int) -> tuple[str, str]:
+    """Both sizes as :func:`format_bytes` words them, unless that would make two different
+    sizes read the same (an ask 13 KiB above the room, both '1.20 GiB'): then both in bytes,
+    so that a message never contradicts itself."""
+    first, second = format_bytes(first_bytes), format_bytes(second_bytes)
+    if first == second and first_bytes != second_bytes:
+        return f"{first_bytes:,} B", f"{second_bytes:,} B"
+    return first, second

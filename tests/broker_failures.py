@@ -5,8 +5,8 @@ client cannot use, a broker that refuses the hello for its own rate limit, a bro
 that is stopped (SIGSTOP: slow) or gone (SIGKILL), an operator's eviction.  Injected at the
 client boundary only where no real broker produces the failure on demand: an ``internal``
 error, a ``rate_limited`` reply to a session request, an error code this client does not
-know (a newer broker), and a status document in a shape the adapter does not read (fields
-missing, or of the wrong type).
+know (a newer broker), and an answer in a shape the adapter does not read (a reserve answer
+or a status document with fields missing, or of the wrong type).
 
 ``arrange(kind)`` sets the failure up for the adapter's real connection path
 (``worker.session`` with ``KVCACHED_BROKER``); for the failures of a live session,
@@ -33,12 +33,12 @@ REASONS = {
     "rate_limited": "[rate_limited]",
     "internal": "[internal]",
     "unknown_code": "[quota_exhausted]",
-    "status_missing_fields": "not in the shape this adapter reads (KeyError",
-    "status_wrong_types": "not in the shape this adapter reads (TypeError",
+    "answer_missing_fields": "not in the shape this adapter reads (KeyError",
+    "answer_wrong_types": "not in the shape this adapter reads (TypeError",
 }
 #: the failures of a session that opened
-AFTER_OPEN = {"slow", "gone", "rate_limited", "internal", "unknown_code", "status_missing_fields",
-              "status_wrong_types", "evicted"}
+AFTER_OPEN = {"slow", "gone", "rate_limited", "internal", "unknown_code", "answer_missing_fields",
+              "answer_wrong_types", "evicted"}
 KINDS = [*REASONS, "evicted"]
 #: what the injected kinds answer, as a broker would put it on the wire
 INJECTED = {
@@ -48,17 +48,20 @@ INJECTED = {
 }
 
 
-def _without_fields(status: dict) -> dict:
-    return {"instances": []}
+def _without_fields(answer: dict) -> dict:
+    """A status document, or a reserve answer, with its fields missing."""
+    return {"instances": []} if "instances" in answer else {"pools": answer.get("pools", {})}
 
 
-def _with_wrong_types(status: dict) -> dict:
-    instances = [{**i, "grantable_bytes": None, "charged_bytes": None} for i in status["instances"]]
-    return {**status, "instances": instances, "free_bytes": None}
+def _with_wrong_types(answer: dict) -> dict:
+    if "instances" in answer:
+        instances = [{**i, "grantable_bytes": None, "charged_bytes": None} for i in answer["instances"]]
+        return {**answer, "instances": instances, "free_bytes": None}
+    return {**answer, "holds": None, "grantable_bytes": None, "ever_bytes": None}
 
 
-#: the kinds whose status answers arrive, in a shape the adapter cannot read
-MALFORMED = {"status_missing_fields": _without_fields, "status_wrong_types": _with_wrong_types}
+#: the kinds whose answers arrive in a shape the adapter cannot read
+MALFORMED = {"answer_missing_fields": _without_fields, "answer_wrong_types": _with_wrong_types}
 
 
 @dataclass
@@ -119,13 +122,22 @@ def _failing_client(arranged: Arranged, endpoint: str):
 
 
 def _malformed_client(arranged: Arranged, endpoint: str):
-    """Real sessions on ``endpoint``; once armed, status answers arrive reshaped."""
+    """Real sessions on ``endpoint``; once armed, status documents and reserve answers arrive
+    reshaped (the client books what it needs first, as it would from a broker that sends more)."""
     reshape = MALFORMED[arranged.kind]
 
     def factory(identity):
         client = worker.connect(identity, endpoint=endpoint)
-        real = client.status
-        client.status = lambda: reshape(real()) if arranged.armed else real()
+        real_status, real_reserve = client.status, client.reserve
+
+        def reserve(*args, **kwargs):
+            pools = real_reserve(*args, **kwargs)
+            if arranged.armed:
+                client._core.last_reserve = reshape(client._core.last_reserve)
+            return pools
+
+        client.status = lambda: reshape(real_status()) if arranged.armed else real_status()
+        client.reserve = reserve
         return client
 
     return factory

@@ -40,10 +40,11 @@ def test_kubernetes_manifests_wire_the_socket_and_pids():
     env = {e["name"]: e["value"] for e in sglang["env"]}
     assert env["KVCACHED_BROKER"] == "ipc:///run/kvcached/gpu{device}.sock" and env["ENABLE_KVCACHED"] == "1"
     assert broker["readinessProbe"]["exec"]["command"][:2] == ["kvcached-broker", "status"]
-    ds = yaml.safe_load((ROOT / "deploy/k8s/daemonset.yaml").read_text())
+    ds, service = yaml.safe_load_all((ROOT / "deploy/k8s/daemonset.yaml").read_text())
     assert ds["kind"] == "DaemonSet" and ds["spec"]["template"]["spec"]["hostPID"] is True
     paths = [v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"]]
     assert "/run/kvcached" in paths
+    assert service["kind"] == "Service"  # the rest is the chart's, checked in tests/test_helm_chart.py
 
 
 def _dockerfile_stages() -> list[list[str]]:

@@ -98,7 +98,8 @@ def test_a_fresh_hello_adopts_no_claimed_holdings(holdings):
     page_bytes = (1 << 40) if holdings["granted_pages"] == 1 << 40 else 4096
     reply = CoreConnection(core).hello("claim-nonce-1", page_bytes=min(page_bytes, 64 * GIB), holdings=holdings)
     assert reply["ok"], reply
-    assert reply["result"]["holdings"] == {"pools": {}, "granted_pages": 0, "reserve_pages": 0, "holds": {}}
+    assert reply["result"]["holdings"] == {"pools": {}, "granted_pages": 0, "reserve_pages": 0, "holds": {},
+                                           "mapped_pages": 0}
     honest = CoreSession(core, "honest")
     assert honest.acquire(8) == 8  # nobody was locked out
     _close(honest)

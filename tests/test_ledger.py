@@ -189,7 +189,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         return {
-            sid: (dict(s.pools), dict(s.holds), s.granted_pages, s.reserve_pages) for sid, s in self.ledger.sessions.items()
+            sid: (dict(s.pools), dict(s.holds), s.granted_pages, s.reserve_pages, s.unmapped_pages)
+            for sid, s in self.ledger.sessions.items()
         }, self.ledger.charged_bytes
 
     def _assert_admitted(self, instance, charged_before, instance_before):
@@ -212,13 +213,14 @@ class LedgerMachine(RuleBasedStateMachine):
         pid=st.integers(min_value=1, max_value=4),
         page_bytes=st.sampled_from([MIB, 2 * MIB, 3 * MIB, 256 * MIB]),
         verified=st.booleans(),
+        report_mapping=st.booleans(),
     )
-    def open(self, instance, pid, page_bytes, verified):
+    def open(self, instance, pid, page_bytes, verified, report_mapping):
         self.counter += 1
         sid = f"s{self.counter}"
         self.ledger.open_session(
             sid, instance=instance, pid=pid, pid_verified=verified, tp_rank=0, tp_size=1,
-            page_bytes=page_bytes, now_s=self.now,
+            page_bytes=page_bytes, now_s=self.now, report_mapping=report_mapping,
         )
         return sid
 
@@ -227,22 +229,29 @@ class LedgerMachine(RuleBasedStateMachine):
         pools=st.dictionaries(st.sampled_from(POOL_NAMES), SIZES, max_size=4),
         holds=st.one_of(st.none(), st.dictionaries(st.sampled_from(HOLD_NAMES), SIZES, max_size=2)),
         measured_base=st.booleans(),
+        least=st.one_of(st.none(), st.floats(min_value=0.0, max_value=1.0)),
     )
-    def reserve(self, sid, pools, holds, measured_base):
+    def reserve(self, sid, pools, holds, measured_base, least):
         if sid not in self.ledger.sessions:
             return
         before = self._snapshot()
         session = self.ledger.sessions[sid]
         instance = session.instance
         charged, inst_charge = self.ledger.charged_bytes, self.ledger.instance_charge_bytes(instance)
+        flexible = sorted(holds)[0] if least is not None and holds else None
+        min_holds = {flexible: int(holds[flexible] * least)} if flexible else None
         try:
-            self.ledger.reserve(sid, pools, holds=holds, measured_base=measured_base)
+            self.ledger.reserve(sid, pools, holds=holds, measured_base=measured_base, min_holds=min_holds)
         except BudgetExceeded:
             assert self._snapshot() == before
             return
         expected = {k: v for k, v in pools.items() if v and k != "runtime_base"}
         assert {k: v for k, v in session.pools.items() if k != "runtime_base"} == expected
-        if holds is not None:
+        if flexible:  # the one hold that may shrink: between what was asked and the least of it
+            assert min_holds[flexible] <= session.holds.get(flexible, 0) <= holds[flexible]
+            assert {k: v for k, v in session.holds.items() if k != flexible} == {
+                k: v for k, v in holds.items() if v and k != flexible}
+        elif holds is not None:
             assert session.holds == {k: v for k, v in holds.items() if v}
         if self.ledger.charged_bytes > charged or self.ledger.instance_charge_bytes(instance) > inst_charge:
             self._assert_admitted(instance, charged, inst_charge)  # charges_follow_the_model: holds in full
@@ -265,18 +274,45 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.ledger.sessions[sid].granted_pages == held + grant.pages
             self._assert_admitted(instance, charged, inst_charge)
 
-    @rule(sid=sessions, pages=st.integers(min_value=1, max_value=20_000))
-    def release(self, sid, pages):
+    @rule(sid=sessions, pages=st.integers(min_value=1, max_value=20_000),
+          mapped=st.one_of(st.none(), st.floats(min_value=0.0, max_value=1.2)))
+    def release(self, sid, pages, mapped):
         if sid not in self.ledger.sessions:
             return
-        held = self.ledger.sessions[sid].granted_pages
+        session = self.ledger.sessions[sid]
+        held = session.granted_pages
+        mapped_pages = None if mapped is None else int(max(0, held - pages) * mapped)
         before = self._snapshot()
-        if pages > held:
+        refused = pages > held or (mapped_pages is not None and (not session.report_mapping or mapped_pages > held - pages))
+        if refused:
             with pytest.raises(BadRequest):
-                self.ledger.release(sid, pages)
+                self.ledger.release(sid, pages, mapped_pages)
             assert self._snapshot() == before
-        else:
-            assert self.ledger.release(sid, pages) == held - pages
+            return
+        charged = self.ledger.charged_bytes
+        mapped_before = session.mapped_pages
+        assert self.ledger.release(sid, pages, mapped_pages) == held - pages
+        if mapped_pages is None:  # the unmapped pages go first: what was mapped stays resident
+            assert session.mapped_pages == min(mapped_before, held - pages)
+        if mapped_pages is None or mapped_pages >= mapped_before:
+            assert self.ledger.charged_bytes <= charged  # giving back never charges more
+
+    @rule(sid=sessions, mapped=st.floats(min_value=0.0, max_value=1.2))
+    def mapped(self, sid, mapped):
+        if sid not in self.ledger.sessions:
+            return
+        session = self.ledger.sessions[sid]
+        mapped_pages = int(session.granted_pages * mapped)
+        before = self._snapshot()
+        if not session.report_mapping or mapped_pages > session.granted_pages:
+            with pytest.raises(BadRequest):
+                self.ledger.set_mapped(sid, mapped_pages)
+            assert self._snapshot() == before
+            return
+        charged, mapped_before = self.ledger.charged_bytes, session.mapped_pages
+        assert self.ledger.set_mapped(sid, mapped_pages) == session.granted_pages - mapped_pages
+        if mapped_pages >= mapped_before:
+            assert self.ledger.charged_bytes <= charged  # mapping a promised page never adds charge
 
     @rule(sid=consumes(sessions))
     def close(self, sid):
@@ -320,7 +356,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def charges_follow_the_model(self):
-        """charge(process) = max(measured, pools + pages) + holds, recomputed from the sessions."""
+        """charge(process) = max(measured, pools + mapped pages) + holds + unmapped pages,
+        recomputed from the sessions."""
         led = self.ledger
         accounts: dict[object, list] = {}
         for s in led.sessions.values():
@@ -328,8 +365,10 @@ class LedgerMachine(RuleBasedStateMachine):
         charged = 0
         for key, members in accounts.items():
             measured = self.measured_by_pid.get(key, 0) if isinstance(key, int) else 0
-            resident = sum(sum(s.pools.values()) + s.granted_bytes for s in members)
-            charged += max(measured, resident) + sum(s.held_bytes for s in members)
+            mapped = [s.granted_pages - s.unmapped_pages if s.report_mapping else s.granted_pages for s in members]
+            resident = sum(sum(s.pools.values()) + m * s.page_bytes for s, m in zip(members, mapped))
+            promised = sum(sum(s.holds.values()) + (s.granted_pages - m) * s.page_bytes for s, m in zip(members, mapped))
+            charged += max(measured, resident) + promised
         assert led.charged_bytes == charged
 
     @invariant()
@@ -420,3 +459,147 @@ def test_grantable_bytes_is_the_room_after_other_floors_and_within_the_cap():
     assert ledger.grantable_bytes("a") == 0
     ledger.observe_device(external_bytes=50 * GIB)
     assert ledger.overcommitted and ledger.grantable_bytes("b") == 0
+
+
+# ------------------------------------------------------------- pages that report mapping
+def _mapping(total=4 * GIB):
+    """A kvcached-mode process ``a`` (it reports which pages it mapped) and a neighbour ``b``."""
+    ledger = new_ledger(total=total, headroom=0)
+    open_session(ledger, "a", instance="a", pid=101, report_mapping=True)
+    open_session(ledger, "b", instance="b", pid=102)
+    ledger.observe_device(measured_by_pid={101: GIB})  # a's weights and context
+    ledger.reserve("a", {}, measured_base=True)
+    return ledger
+
+
+def test_what_a_process_allocates_after_its_base_pin_never_hides_in_pages_it_has_not_mapped():
+    """The whole-footprint issue's kvcached case: before, a 384 MiB allocation outside the pool
+    vanished inside granted but unmapped pages, and the neighbour was granted memory that was
+    physically taken."""
+    ledger = _mapping()
+    assert ledger.acquire("a", 512).pages == 512  # 1 GiB of 2 MiB pages, none mapped yet
+    ledger.set_mapped("a", 296)
+    ledger.observe_device(measured_by_pid={101: GIB + 296 * 2 * MIB + 384 * MIB})  # mapped, plus graphs
+    free_before = ledger.free_bytes
+    assert free_before == 4 * GIB - (GIB + 512 * 2 * MIB + 384 * MIB)  # every byte taken or promised
+    assert ledger.acquire("b", free_before // (2 * MIB) + 1).pages == 0
+    assert ledger.acquire("b", free_before // (2 * MIB)).pages == free_before // (2 * MIB)
+    assert ledger.free_bytes == 0 and not ledger.overcommitted
+
+
+def test_without_reporting_mapping_the_same_allocation_hides_inside_the_grant():
+    """Why ``report_mapping``: a granted page counts as mapped, so measured usage covers it."""
+    ledger = new_ledger(total=4 * GIB, headroom=0)
+    open_session(ledger, "a", instance="a", pid=101)
+    ledger.observe_device(measured_by_pid={101: GIB})
+    ledger.reserve("a", {}, measured_base=True)
+    ledger.acquire("a", 512)
+    ledger.observe_device(measured_by_pid={101: GIB + 296 * 2 * MIB + 384 * MIB})
+    assert ledger.free_bytes == 2 * GIB  # the 384 MiB is nowhere in the charge
+
+
+def test_mapping_pages_moves_them_from_promised_to_resident_with_no_dip():
+    ledger = _mapping()
+    ledger.acquire("a", 100)
+    charged = ledger.charged_bytes
+    assert ledger.set_mapped("a", 60) == 40  # the device has not measured them yet
+    assert ledger.charged_bytes == charged
+    ledger.observe_device(measured_by_pid={101: GIB + 60 * 2 * MIB})
+    assert ledger.charged_bytes == charged and ledger.unreported_bytes == 0
+    assert ledger.sessions["a"].mapped_pages == 60
+
+
+def test_a_release_gives_back_unmapped_pages_first_unless_it_says_what_stays_mapped():
+    ledger = _mapping()
+    ledger.acquire("a", 100)
+    ledger.set_mapped("a", 60)
+    ledger.release("a", 30)  # the 40 unmapped pages go first
+    assert ledger.sessions["a"].unmapped_pages == 10 and ledger.sessions["a"].mapped_pages == 60
+    ledger.release("a", 20, mapped_pages=40)  # unmapped 20 of them and gave those back
+    assert ledger.sessions["a"].granted_pages == 50 and ledger.sessions["a"].unmapped_pages == 10
+    ledger.check_invariant()
+
+
+def test_mapped_counts_are_checked_and_a_bad_one_changes_nothing():
+    ledger = _mapping()
+    ledger.acquire("a", 10)
+    ledger.acquire("b", 10)
+    before = (ledger.charged_bytes, ledger.sessions["a"].unmapped_pages)
+    with pytest.raises(BadRequest, match="between 0 and the 10"):
+        ledger.set_mapped("a", 11)
+    with pytest.raises(BadRequest, match="between 0 and the 5"):
+        ledger.release("a", 5, mapped_pages=6)
+    with pytest.raises(BadRequest, match="does not report mapping"):
+        ledger.set_mapped("b", 5)
+    with pytest.raises(BadRequest, match="does not report mapping"):
+        ledger.release("b", 5, mapped_pages=5)
+    assert (ledger.charged_bytes, ledger.sessions["a"].unmapped_pages) == before
+    assert ledger.sessions["a"].granted_pages == 10 and ledger.sessions["b"].granted_pages == 10
+
+
+def test_unmapped_pages_are_never_covered_by_usage_the_device_already_measures():
+    ledger = _mapping()
+    ledger.observe_device(measured_by_pid={101: 3 * GIB})  # 2 GiB above what a reports
+    assert ledger.unreported_bytes == 2 * GIB and ledger.free_bytes == GIB
+    assert ledger.acquire("a", 513).pages == 0  # a resident growth could use that; a promise cannot
+    assert ledger.acquire("a", 512).pages == 512 and ledger.free_bytes == 0
+
+
+def test_a_resumed_claim_restores_which_pages_were_mapped():
+    ledger = new_ledger(total=8 * GIB, headroom=0)
+    open_session(ledger, "a", instance="a", pid=101, report_mapping=True, granted_pages=100, unmapped_pages=100,
+                 restored=True, state=SessionState.RECOVERING)
+    session, adopted = ledger.resume("a", 1.0, holdings=Claim({}, 100, 0, {}, mapped_pages=70))
+    assert adopted and session.unmapped_pages == 30 and session.mapped_pages == 70
+    ledger.check_invariant()
+
+
+# ------------------------------------------------------------- a hold that fits
+def test_a_hold_with_a_least_size_shrinks_to_the_largest_that_fits():
+    ledger = _colocated()  # 20 GiB free
+    ledger.reserve("a", {}, holds={"runtime_slack_hold": 4 * GIB, "kv_sizing_hold": 30 * GIB},
+                   min_holds={"kv_sizing_hold": GIB}, measured_base=True)
+    assert ledger.sessions["a"].holds == {"runtime_slack_hold": 4 * GIB, "kv_sizing_hold": 16 * GIB}
+    assert ledger.free_bytes == 0
+
+
+def test_a_hold_whose_least_does_not_fit_is_refused_and_changes_nothing():
+    ledger = _colocated()
+    ledger.set_limits("a", max_bytes=40 * GIB)
+    with pytest.raises(LimitExceeded):  # 30 weights + 4 slack leave 6 under the cap, not 8
+        ledger.reserve("a", {}, holds={"runtime_slack_hold": 4 * GIB, "kv_sizing_hold": 16 * GIB},
+                       min_holds={"kv_sizing_hold": 8 * GIB}, measured_base=True)
+    assert ledger.sessions["a"].holds == {} and ledger.free_bytes == 20 * GIB
+    ledger.reserve("a", {}, holds={"runtime_slack_hold": 4 * GIB, "kv_sizing_hold": 16 * GIB},
+                   min_holds={"kv_sizing_hold": GIB}, measured_base=True)
+    assert ledger.sessions["a"].holds["kv_sizing_hold"] == 6 * GIB  # the cap binds, not the device
+
+
+@pytest.mark.parametrize("min_holds, match", [
+    ({"kv_sizing_hold": GIB, "runtime_slack_hold": GIB}, "one hold"),
+    ({"other": GIB}, "does not hold"),
+    ({"kv_sizing_hold": 3 * GIB}, "between 0 and the hold"),
+])
+def test_min_holds_are_checked(min_holds, match):
+    ledger = _colocated()
+    with pytest.raises(BadRequest, match=match):
+        ledger.reserve("a", {}, holds={"kv_sizing_hold": 2 * GIB, "runtime_slack_hold": GIB}, min_holds=min_holds)
+    assert ledger.sessions["a"].holds == {}
+
+
+def test_a_refusal_names_the_ask_the_room_and_who_holds_the_rest_without_contradicting_itself():
+    ledger = _colocated()
+    ledger.reserve("b", {}, holds={"kv_sizing_hold": 20 * GIB - 13_108})
+    with pytest.raises(BudgetExceeded) as info:
+        ledger.reserve("a", {}, holds={"kv_sizing_hold": 13_108 + 1})
+    message = info.value.message
+    assert "asked 13,109 B, 13,108 B free" in message and "held by b 50.00 GiB" in message
+    assert info.value.details["holders"] == [{"instance": "b", "charged_bytes": 50 * GIB - 13_108}]
+
+
+def test_ever_bytes_is_what_the_instance_could_have_once_the_others_are_at_their_floors():
+    ledger = _colocated()
+    ledger.set_limits("b", min_bytes=35 * GIB)
+    assert ledger.ever_bytes("a") == 80 * GIB - 35 * GIB - 30 * GIB
+    ledger.set_limits("a", max_bytes=32 * GIB)
+    assert ledger.ever_bytes("a") == 2 * GIB

@@ -220,7 +220,7 @@ def test_a_session_from_hello_to_close(sim_broker):
     assert hello["version"] == 1 and hello["resumed"] is False and hello["pid_verified"] is True
     assert hello["heartbeat_s"] == hello["lease_s"] / 4
     assert hello["device"]["simulated"] is True
-    assert hello["holdings"] == {"pools": {}, "granted_pages": 0, "reserve_pages": 0, "holds": {}}
+    assert hello["holdings"] == {"pools": {}, "granted_pages": 0, "reserve_pages": 0, "holds": {}, "mapped_pages": 0}
     before = status(conn, next(w.ids))
     budget = before["budget_bytes"]
 

@@ -19,7 +19,7 @@ INSTANCE_FIELDS = {
 SESSION_FIELDS = {
     "id", "rank", "tp_size", "pid", "pid_verified", "state", "page_bytes", "granted_pages", "reserve_pages",
     "reserved_bytes", "granted_bytes", "held_bytes", "measured_bytes", "pools", "holds", "usage_breakdown",
-    "idle_s", "client", "adapter",
+    "idle_s", "client", "adapter", "report_mapping", "unmapped_pages", "phase",
 }
 
 

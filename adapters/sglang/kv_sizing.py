@@ -1,34 +1,37 @@
 """Size SGLang's KV cache by what this GPU's broker can grant, and charge what gets built.
 
 SGLang decides its KV capacity from ``_profile_available_bytes(pre_model_load_memory)``: the
-free device memory after loading weights, less the ``mem_fraction_static`` slack.  Two
-co-located models both see the same free memory.  This module patches, on
+free device memory after loading weights, less its *slack*, ``pre_model_load_memory x (1 -
+mem_fraction_static)``, which it keeps for activations and CUDA graphs and allocates after
+the pools.  Two co-located models both see the same free memory.  This module patches, on
 ``KVCacheConfigurator`` (0.5.16+) or ``ModelRunnerKVCacheMixin`` (0.5.12-0.5.15):
 
-* ``_profile_available_bytes``: the figure is capped at what the broker can grant this
-  worker now (``room.Room.grantable_bytes``, its own earlier hold included), held at once as the broker *hold*
-  ``kv_sizing_hold`` (with the process's runtime base pinned in the same request, so what it
-  already uses cannot absorb the hold; docs/accounting.md) so no other instance can take it
-  before the pools exist, and min-reduced over SGLang's world group so every rank sizes
-  alike.  Nothing grantable is a startup error naming the broker, the budget and what the
-  other instances hold.
+* ``_profile_available_bytes``: the whole start-up is admitted in one broker request
+  (:func:`..sizing.size`): the runtime base pinned, the slack held in full
+  (``runtime_slack_hold``), and the KV cache held at most at SGLang's figure, as much as fits
+  (``kv_sizing_hold``), so no other instance can take any of it before SGLang allocates it;
+  then the figure is min-reduced over SGLang's world group so every rank sizes alike.  Not
+  even the slack fitting is a startup error naming the broker, the ask, the room and who
+  holds it.
 * ``_resolve_memory_pool_config``: if the capped budget is too small for the runtime to
   build a pool, its failure is re-raised with that same broker context.
 * ``_init_pools``: once the pools exist, a DeepSeek-V4 pool is measured again per pool
   (``dsv4_reservation``); any other pool is charged as one ``kv_static`` reservation
   (unless it is broker-managed, i.e. elastic), less any storage another reporter already
   charged (a fused draft pool is a view of the target's unified buffer).  Each such report
-  shrinks the hold in the same broker request.  The hold is dropped with the last pools of
-  the start-up: at the end of the scheduler's model-worker start-up (``startup``), or, outside
-  it, with the target's pools when no draft follows and with the draft's otherwise
-  (``speculative``).
+  shrinks the hold in the same broker request; a pool larger than the hold (SGLang floors its
+  tokens to the page size, then allocates ``size + page_size`` rows) takes the rest out of
+  the slack hold, as it does in SGLang's own arithmetic.  The KV hold is dropped with the last
+  pools of the start-up: at the end of the scheduler's model-worker start-up (``startup``,
+  which also ends the warm-up: CUDA graphs are captured by then), or, outside it, with the
+  target's pools when no draft follows and with the draft's otherwise (``speculative``).
 
 In kvcached mode (kvcached's capacity patch under this one, ``kvcached_sizing``) the figure is
 kvcached's *virtual* budget (``total_memory x mem_fraction_static``, MIN-reduced over the world
 group by kvcached itself): kvcached maps nothing at sizing time, and its pools take their
 memory page by page from the broker later (``adapters/kvcached``).  So the figure is capped at
-what the broker could *ever* give the instance (``room.Room.ever_bytes``), no hold
-is taken, and every rank still takes part in the same world min-reduce.  A pool kvcached does
+what the broker could *ever* give the instance (the answer's ``ever_bytes``), no KV hold is
+taken (the slack still is), and every rank still takes part in the same world min-reduce.  A pool kvcached does
 not manage (DeepSeek-V4: ``kvcached_fallback``) is static, and sized as above, with a hold.
 All sizes are bytes.
 """
@@ -36,29 +39,27 @@ All sizes are bytes.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import worker
+from .. import sizing, worker
 from ..patching import wrap_methods, wrap_once
-from ..room import Room
 from . import (dsv4_reservation, kv_budget, kvcached_fallback, kvcached_sizing, kvcached_sync, parallel, pool_bytes,
                reporting, speculative, startup)
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
-
-_HOLD_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
 class SizingDecision:
     runtime_bytes: int  # what SGLang's own profile said
     capped_bytes: int  # what it was given
-    room: Room | None  # the broker's view when deciding (None: unprotected)
+    sized: sizing.Sized | None  # what the broker admitted (None: unprotected)
+    endpoint: str = ""
 
     @property
     def lowered(self) -> bool:
@@ -73,74 +74,87 @@ def last_decision() -> SizingDecision | None:
     return getattr(_last, "decision", None)
 
 
-def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = None, *, elastic: bool = False) -> int:
-    """The KV budget SGLang may use: its own figure, capped (and held) by the broker.
+#: The least KV cache a start-up asks the broker for: SGLang itself refuses a pool of no tokens
+#: (``_resolve_memory_pool_config`` then explains why, with the broker's answer).
+MIN_KV_BYTES = 1
 
-    ``elastic`` (kvcached mode): the figure is a virtual budget; it is capped at what the
-    broker could ever give the instance, and nothing is held.
+
+def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = None, *, elastic: bool = False,
+                        slack_bytes: int = 0) -> int:
+    """The KV budget SGLang may use: its own figure, capped by what the broker admits.
+
+    ``slack_bytes`` (what SGLang keeps beside the KV cache) is held in full with it, in the
+    same request (:func:`..sizing.size`).  ``elastic`` (kvcached mode): the figure is a virtual
+    budget; it is capped at what the broker could ever give the instance, and no KV is held.
 
     Every rank calls the world min-reduce exactly once, whatever happened with its broker:
-    an unprotected rank offers SGLang's own figure, and a rank that must stop (a refusal
-    under ``KVCACHED_REQUIRE=1``, an eviction) raises only after the collective.
+    an unprotected rank offers SGLang's own figure, and a rank that must stop (a refusal, an
+    eviction) raises only after the collective.
     """
     identity = parallel.identity(device, gpu_id)
-    room, local_bytes, failure = None, int(runtime_bytes), None
+    sized, local_bytes, failure = None, int(runtime_bytes), None
     try:
-        if worker.session(identity) is not None:
-            found = (_ever_what_fits if elastic else _hold_what_fits)(identity, int(runtime_bytes))
-            if found is not None:
-                room, local_bytes = found
+        ask = sizing.StartupAsk("SGLang", int(runtime_bytes), MIN_KV_BYTES, int(slack_bytes), elastic)
+        sized = sizing.size(identity, ask)
+        if sized is not None:
+            local_bytes = sized.kv_bytes
+            reporting.sized(identity)  # its holds end with the scheduler's start-up
+    except sizing.StartupRefused as exc:
+        sized, local_bytes, failure = None, 0, kv_budget.BrokerBudgetError(str(exc))
     except Exception as exc:  # noqa: BLE001 - still take part in the collective, then fail
-        room, local_bytes, failure = None, int(runtime_bytes), exc
+        sized, local_bytes, failure = None, int(runtime_bytes), exc
     agreed_bytes = parallel.world_group().reduce_min(local_bytes)  # every rank calls it, on every path
     if failure is not None:
         raise failure
-    _last.decision = SizingDecision(int(runtime_bytes), agreed_bytes, room)
-    if room is None:
+    client = worker.session(identity)
+    _last.decision = SizingDecision(int(runtime_bytes), agreed_bytes, sized, client.endpoint if client else "")
+    if sized is None:
         return agreed_bytes
     if agreed_bytes <= 0:
-        raise kv_budget.refusal(room, max(1, int(runtime_bytes)), "its KV cache")
-    if not elastic and reporting.held_bytes(identity) > agreed_bytes:
-        reporting.hold(identity, agreed_bytes)  # another rank got less: keep only the agreed size
+        raise kv_budget.BrokerBudgetError(str(sizing.refusal(
+            identity, sizing.StartupAsk("SGLang", int(runtime_bytes), MIN_KV_BYTES, int(slack_bytes), elastic),
+            "another TP rank of this server got no KV cache from its broker")))
+    if not elastic:
+        sizing.shrink_kv_hold(identity, agreed_bytes)  # another rank got less: keep only the agreed size
     log.info(
-        "event=sglang_kv_sized device=%s rank=%d runtime=%s broker_grantable=%s broker_ever=%s kv=%s elastic=%s",
-        identity.device, identity.tp_rank, format_bytes(int(runtime_bytes)), format_bytes(room.grantable_bytes),
-        format_bytes(room.ever_bytes), format_bytes(agreed_bytes), elastic,
+        "event=sglang_kv_sized device=%s rank=%d runtime=%s slack=%s broker_ever=%s kv=%s elastic=%s",
+        identity.device, identity.tp_rank, format_bytes(int(runtime_bytes)), format_bytes(sized.slack_bytes),
+        format_bytes(sized.ever_bytes), format_bytes(agreed_bytes), elastic,
     )
     return agreed_bytes
 
 
-def _ever_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[Room, int] | None:
-    """kvcached mode: ``min(virtual budget, what the broker could ever give)``; no hold.
-    None when the worker is, or turns, unprotected."""
-    client = worker.session(identity)
-    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(identity, client))
-    if room is None:
+def runtime_slack_bytes(owner: Any, pre_model_load_memory: Any) -> int:
+    """What SGLang keeps beside its KV cache: ``pre_model_load_memory`` (GB, as SGLang passes
+    it) ``x (1 - mem_fraction_static)``; 0 when either is unknown."""
+    fraction = _mem_fraction_static(owner)
+    try:
+        before_gb = float(pre_model_load_memory)
+    except (TypeError, ValueError):
+        return 0
+    if fraction is None or not 0.0 < fraction <= 1.0 or before_gb <= 0:
+        return 0
+    return math.ceil(before_gb * (1.0 - fraction) * (1 << 30))  # up: a float's last bit never under-holds
+
+
+def _mem_fraction_static(owner: Any) -> float | None:
+    """SGLang's ``mem_fraction_static``: the model runner's own (up to 0.5.15), the published
+    schedule config (0.5.16+), or the server args."""
+    for value in (getattr(owner, "mem_fraction_static", None),
+                  _published_fraction(),
+                  getattr(getattr(owner, "server_args", None), "mem_fraction_static", None)):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _published_fraction() -> float | None:
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        return get_schedule().mem_fraction_static
+    except Exception:  # noqa: BLE001 - a release without it, or nothing published
         return None
-    return room, max(0, min(runtime_bytes, room.ever_bytes))
-
-
-def _hold_what_fits(identity: worker.WorkerIdentity, runtime_bytes: int) -> tuple[Room, int] | None:
-    """Measure the room and hold ``min(runtime, room)``; retried if another instance raced us.
-
-    None when the worker is, or turns, unprotected.
-    """
-    client = worker.session(identity)
-    for _ in range(_HOLD_ATTEMPTS):
-        room = worker.guard(identity, "status", lambda: kv_budget.measure_room(identity, client))
-        if room is None:
-            return None
-        capped = max(0, min(runtime_bytes, room.grantable_bytes))  # an earlier hold counts: it is replaced
-        if capped <= 0:
-            return room, capped
-        try:
-            if not reporting.hold(identity, capped):
-                return None
-            return room, capped
-        except BudgetExceeded:
-            continue
-    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(identity, client))
-    return None if room is None else (room, 0)
 
 
 def charge_pools(device: Any, gpu_id: int | None, token_to_kv_pool: Any, *extra: Any, owner: Any = None) -> None:
@@ -184,9 +198,9 @@ def _drop_hold(identity: worker.WorkerIdentity) -> None:
 
 # ---------------------------------------------------------------------------- the wrappers
 def wrap_profile(original: Callable[..., int]) -> Callable[..., int]:
-    def cap(self: Any, runtime_bytes: int, elastic: bool) -> int:
+    def cap(self: Any, pre_model_load_memory: Any, runtime_bytes: int, elastic: bool) -> int:
         return cap_available_bytes(runtime_bytes, getattr(self, "device", None), getattr(self, "gpu_id", None),
-                                   elastic=elastic)
+                                   elastic=elastic, slack_bytes=runtime_slack_bytes(self, pre_model_load_memory))
 
     return kvcached_sizing.outer_profile(original, cap)
 
@@ -210,10 +224,12 @@ def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
 def _explained(exc: BaseException) -> BaseException:
     """The runtime's sizing failure, with the broker's context when the broker lowered the budget."""
     decision = last_decision()
-    if isinstance(exc, kv_budget.BrokerBudgetError) or decision is None or decision.room is None or not decision.lowered:
+    if isinstance(exc, kv_budget.BrokerBudgetError) or decision is None or decision.sized is None or not decision.lowered:
         return exc
-    error = kv_budget.refusal(decision.room, decision.runtime_bytes, "the KV cache SGLang profiled")
-    return type(error)(f"{error} (the runtime then failed: {exc})")
+    return kv_budget.BrokerBudgetError(
+        f"kvcached-broker at {decision.endpoint} admitted {format_bytes(decision.capped_bytes)} of the "
+        f"{format_bytes(decision.runtime_bytes)} KV cache SGLang profiled ({decision.sized.describe_holders()}), "
+        f"and SGLang could not build a pool in it: {' '.join(str(exc).split())}")
 
 
 def wrap_init_pools(original: Callable[..., Any]) -> Callable[..., Any]:

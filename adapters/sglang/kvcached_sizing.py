@@ -34,7 +34,7 @@ METHOD = "_profile_available_bytes"
 #: kvcached's mark on its capacity wrapper (``BasePatch._mark_as_patched(fn, marker)``)
 KVCACHED_MARK = "virtual_kv_capacity"
 
-Cap = Callable[[Any, int, bool], int]  # (owner, runtime bytes, elastic) -> bytes
+Cap = Callable[[Any, Any, int, bool], int]  # (owner, pre_model_load_memory, runtime bytes, elastic) -> bytes
 
 _ours: "weakref.WeakSet[Callable[..., int]]" = weakref.WeakSet()
 _local = threading.local()
@@ -59,7 +59,7 @@ def outer_profile(original: Callable[..., int], cap: Cap) -> Callable[..., int]:
             elastic = bool(getattr(original, KVCACHED_MARK, False)) and not _local.native_ran and not dsv4_model(self)
         finally:
             _local.active = False
-        return cap(self, runtime_bytes, elastic)
+        return cap(self, pre_model_load_memory, runtime_bytes, elastic)
 
     _ours.add(mark_wrapper(original, _profile_available_bytes))
     return _profile_available_bytes

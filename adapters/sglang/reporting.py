@@ -28,7 +28,7 @@ from typing import Any
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import background, worker
+from .. import background, sizing, worker
 from . import kv_budget
 
 log = logging.getLogger("kvcached_broker.adapters.sglang")
@@ -95,10 +95,13 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
         growth = total - _totals.get(key, 0)
         _identity[key] = identity
     try:
-        if worker.report(identity, key, pools, holds=_hold_after(identity, growth, last)) is None:
+        if worker.report(identity, key, pools, holds=sizing.holds_after_pool(identity, growth, last),
+                         phase="warming" if last else None) is None:
             return False
     except BudgetExceeded as exc:
-        raise kv_budget.explain_refusal(identity, client, growth, what, exc) from exc
+        raise kv_budget.BrokerBudgetError(
+            f"kvcached-broker at {client.endpoint} cannot give SGLang instance {identity.instance_name()!r} "
+            f"{format_bytes(max(0, growth))} for {what}: {exc.message}") from exc
     with _lock:
         _totals[key] = total
         if storages is not None:
@@ -111,14 +114,6 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
     return True
 
 
-def _hold_after(identity: worker.WorkerIdentity, growth_bytes: int, last: bool) -> dict[str, int] | None:
-    """The sizing hold once a pool grew by ``growth_bytes`` (None: no hold to change)."""
-    held = held_bytes(identity)
-    if not held:
-        return None
-    return {worker.KV_SIZING_HOLD: 0 if last else max(0, held - max(0, growth_bytes))}
-
-
 def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
     """Hold ``size_bytes`` for the KV cache (replacing any earlier hold on this device).
 
@@ -127,9 +122,14 @@ def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
     """
     if worker.hold(identity, worker.KV_SIZING_HOLD, size_bytes) is None:
         return False
+    sized(identity)
+    return True
+
+
+def sized(identity: worker.WorkerIdentity) -> None:
+    """``identity``'s device sized a start-up: its holds end with the start-up (:func:`end_start_ups`)."""
     with _lock:
         _holders[str(identity.device)] = identity
-    return True
 
 
 def release_hold(identity: worker.WorkerIdentity) -> None:
@@ -138,13 +138,17 @@ def release_hold(identity: worker.WorkerIdentity) -> None:
         worker.hold(identity, worker.KV_SIZING_HOLD, 0)
 
 
-def release_all_holds() -> None:
-    """Drop the sizing hold on every device of this process (a start-up ended)."""
+def end_start_ups() -> None:
+    """A scheduler's start-up ended (its pools built, its CUDA graphs captured): on every device
+    of this process, drop what is left of the KV hold and settle the warm-up
+    (:func:`~..worker.settle_warm_up`: the base pinned where the device measures it, the slack
+    the warm-up did not allocate kept as ``runtime_slack``)."""
     with _lock:
         holders = list(_holders.values())
         _holders.clear()
     for identity in holders:
         release_hold(identity)
+        worker.settle_warm_up(identity)
 
 
 def charged_storages(identity: worker.WorkerIdentity, pool: Any) -> set:

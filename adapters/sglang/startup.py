@@ -46,7 +46,7 @@ def kv_startup() -> Iterator[None]:
             _depth -= 1
             outermost = _depth == 0
         if outermost:
-            reporting.release_all_holds()
+            reporting.end_start_ups()
 
 
 def wrap_init_model_worker(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -17,7 +17,9 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
   ``"reuse_cache": true`` a miss first frees the pool's own prefix cache, as a runtime's does;
   ``"stall_s": S`` gives up once nothing was allocated for S seconds.  The reply times the
   fill (``elapsed_s``, and ``first_miss_s``/``first_refusal_s``: the first allocation that
-  missed and the first broker ask that was refused, from the fill's start);
+  missed and the first broker ask that was refused, from the fill's start), gives its start,
+  first refusal and end on this machine's monotonic clock (``started_at``, ``refused_at``,
+  ``done_at``), and what the calls below took from the first refusal on (``after_refusal``);
   ``{"op": "free", "blocks": N}``: free the N newest; ``{"op": "cache", "blocks": N}``: the
   N newest finish but stay in the prefix cache (held until an eviction frees them);
   ``{"op": "drop_cache"}``: free every cached block;
@@ -25,7 +27,12 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
 * ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S}``:
   follow a demand trace in real time (see :meth:`Engine.track`);
 * ``{"op": "status"}``: the governor's status, kvcached's limit state and the bytes this
-  process has on the device; ``{"op": "settle"}``: wait for two governor rounds.
+  process has on the device; ``{"op": "settle"}``: wait for two governor rounds;
+* ``{"op": "spans", "start": T0, "end": T1}``: the time this process spent, between two
+  instants of the monotonic clock (every process on the machine shares it), in broker round
+  trips (``acquire``, ``release``: the governor's asks, whichever thread made them) and in
+  kvcached's ``alloc`` and ``free`` (which map and unmap pages when the reserve cannot serve
+  them): ``{kind: {"s": seconds, "calls": n}}``.
 
 The prefix cache's eviction hook frees every cached block (``--evict all``) or the oldest ones,
 only as many as the broker asked for (``--evict oldest``, an LRU cache).
@@ -34,6 +41,7 @@ only as many as the broker asked for (``--evict oldest``, an LRU cache).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -76,7 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from . import kvcached_cpu
 
-    gpu = kvcached_cpu.install(args.usage_dir, args.total_bytes, args.ipc_name)
+    run_pool(args, kvcached_cpu.install(args.usage_dir, args.total_bytes, args.ipc_name))
+
+
+def run_pool(args: argparse.Namespace, gpu) -> None:
+    """Build the pool and serve requests until ``exit``, once kvcached's device is in place.
+
+    ``gpu`` answers ``mine_bytes()``: what this process has on the device (the shared simulated
+    GPU here; NVML's figure for this process on a real one, ``tools/gpu_check/pool_gpu.py``)."""
     import torch
 
     from ...adapters import autopatch, worker
@@ -125,6 +140,8 @@ def serve(engine: "Engine", manager, runner) -> None:
             reply({"settled": runner.settle()})
         elif op == "status":
             reply(engine.status())
+        elif op == "spans":
+            reply(engine.spans.totals(request["start"], request["end"]))
         elif op == "exit":
             manager.shutdown()
             reply({"bye": True})
@@ -145,6 +162,7 @@ class Engine:
         self.misses = 0
         self.refusals: list[float] = []  # monotonic times of refused broker asks
         self.evicted_blocks = 0
+        self.spans = CallSpans()
 
     # ------------------------------------------------------------ allocation
     def fill(self, blocks: int, timeout_s: float, reuse_cache: bool = False, stall_s: float | None = None) -> dict:
@@ -166,13 +184,15 @@ class Engine:
         refused = [t for t in self.refusals if t >= start]
         return {"held_blocks": self.count(), "misses": self.misses, "elapsed_s": done - start,
                 "first_miss_s": None if first_miss is None else first_miss - start,
-                "first_refusal_s": refused[0] - start if refused else None}
+                "first_refusal_s": refused[0] - start if refused else None,
+                "started_at": start, "refused_at": refused[0] if refused else None, "done_at": done,
+                "after_refusal": self.spans.totals(refused[0], done) if refused else None}
 
     def alloc(self, blocks: int, reuse_cache: bool = False) -> bool:
         """One allocation of ``blocks``; on a miss, with ``reuse_cache``, the own cache makes room first."""
-        got = self.manager.alloc(blocks)
+        got = self.spans.call("alloc", self.manager.alloc, blocks)
         if got is None and reuse_cache and self._free_cached(blocks):
-            got = self.manager.alloc(blocks)
+            got = self.spans.call("alloc", self.manager.alloc, blocks)
         if got is None:
             self.misses += 1
             return False
@@ -183,7 +203,7 @@ class Engine:
     def free(self, blocks: int) -> dict:
         freed = self._take(self.held, blocks)
         if freed:
-            self.manager.free(freed)
+            self.spans.call("free", self.manager.free, freed)
         return {"held_blocks": self.count()}
 
     def cache(self, blocks: int) -> dict:
@@ -210,7 +230,7 @@ class Engine:
             else:
                 taken = self._take_oldest(self.cached, blocks)
         if taken:
-            self.manager.free(taken)
+            self.spans.call("free", self.manager.free, taken)
         return len(taken)
 
     def drop_cache(self) -> int:
@@ -266,20 +286,25 @@ class Engine:
 
     # ------------------------------------------------------------ bookkeeping
     def time_refusals(self) -> None:
-        """Timestamp every refused broker ask (instrumentation only: the grant is unchanged)."""
+        """Timestamp every refused broker ask, and time every ask and release (instrumentation
+        only: the grant is unchanged)."""
         governor = getattr(self.manager.page_allocator, "governor", None)
         grants = getattr(governor, "grants", None)
         if grants is None:
             return
-        real = grants.acquire
+        real_acquire, real_release = grants.acquire, grants.release
 
         def acquire(*args, **kwargs):
-            got = real(*args, **kwargs)
+            got = self.spans.call("acquire", real_acquire, *args, **kwargs)
             if got == 0:
                 self.refusals.append(time.monotonic())
             return got
 
+        def release(*args, **kwargs):
+            return self.spans.call("release", real_release, *args, **kwargs)
+
         grants.acquire = acquire
+        grants.release = release
 
     def _take(self, source: list[list[int]], blocks: int) -> list[int]:
         """The newest ``blocks`` of ``source``."""
@@ -320,6 +345,37 @@ class Engine:
                 "cached_blocks": self.cached_count(), "page_state": self.manager.page_allocator.get_page_state(),
                 "blocks_per_page": self.blocks_per_page(), "evicted_blocks": self.evicted_blocks,
                 "misses": self.misses}
+
+
+class CallSpans:
+    """When this process's timed calls ran: ``(kind, start, end)`` on the monotonic clock.
+
+    Appends come from any thread (a list append is atomic); the oldest spans are dropped past
+    :attr:`MAX_SPANS`, so a long run keeps its recent history only."""
+
+    MAX_SPANS = 100_000
+
+    def __init__(self) -> None:
+        self._spans: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=self.MAX_SPANS)
+
+    def call(self, kind: str, fn, *args, **kwargs):
+        started = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._spans.append((kind, started, time.monotonic()))
+
+    def totals(self, start: float, end: float) -> dict[str, dict[str, float]]:
+        """Seconds and calls of each kind within ``[start, end]`` (a span counts the part inside)."""
+        out: dict[str, dict[str, float]] = {}
+        for kind, began, ended in list(self._spans):
+            if ended < start or began > end:
+                continue
+            inside = min(ended, end) - max(began, start)
+            entry = out.setdefault(kind, {"s": 0.0, "calls": 0})
+            entry["s"] += inside
+            entry["calls"] += 1
+        return out
 
 
 def demand_at(schedule: list[list[float]], t_s: float) -> int:

@@ -35,15 +35,17 @@ class PoolProcess:
 
     @classmethod
     def start(cls, endpoint: str, usage: Path, total_bytes: int, instance: str, *, env: dict | None = None,
-              stderr: Path | None = None, args: tuple[str, ...] = (), wait: bool = True) -> "PoolProcess":
+              stderr: Path | None = None, args: tuple[str, ...] = (), wait: bool = True,
+              module: str = MODULE) -> "PoolProcess":
         """Start the process for ``instance`` on the shared GPU at ``usage``; ``endpoint`` is its broker
-        (give ``KVCACHED_BROKER=off`` in ``env`` for kvcached alone).  ``wait``: read its ready line."""
+        (give ``KVCACHED_BROKER=off`` in ``env`` for kvcached alone).  ``wait``: read its ready line.
+        ``module``: the program (the GPU check runs the same pool on a real GPU with its own)."""
         ipc_name = f"kvb-sim-{uuid.uuid4().hex[:10]}"
         env = child_env(env)
         env.update({"KVCACHED_BROKER_INSTANCE": instance, "KVCACHED_LOG_LEVEL": "WARNING"})
         err = open(stderr, "w") if stderr is not None else subprocess.DEVNULL
         proc = subprocess.Popen(
-            [sys.executable, "-m", MODULE, str(usage), str(total_bytes), ipc_name, endpoint, *args],
+            [sys.executable, "-m", module, str(usage), str(total_bytes), ipc_name, endpoint, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         pool = cls(proc, ipc_name, instance)
         if wait:

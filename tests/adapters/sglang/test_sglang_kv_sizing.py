@@ -144,7 +144,9 @@ def test_two_models_with_30_gib_of_weights_each_sizing_at_once_stay_within_80_gi
     """The issue's check: on an 80 GiB device that measures each process (30 GiB of weights
     each, as NVML would report them), two processes size their KV cache through SGLang's real
     ``_profile_available_bytes`` at the same moment.  Each profile sees the device as if it were
-    alone (50 GiB free, 80 GiB before its weights): 42 GiB.  The broker has 20 GiB."""
+    alone (50 GiB free, 80 GiB before its weights): 42 GiB of KV and 8 GiB of slack for its
+    activations and CUDA graphs (``mem_fraction_static`` 0.9).  The broker has 20 GiB: the
+    first to ask holds the 8 GiB slack and 12 GiB of KV, the other cannot start."""
     from device_usage import MeasuredUsage, instance_of, session_of
 
     broker = broker_factory(simulate="80GiB", extra_args=["--headroom", "0"])
@@ -165,16 +167,18 @@ def test_two_models_with_30_gib_of_weights_each_sizing_at_once_stay_within_80_gi
             proc.stdin.close()
         codes = [proc.wait(timeout=60) for proc in procs]
     sized = [o.get("kv_bytes", 0) for o in outcomes]
-    assert sorted(sized) == [0, 20 * GIB]  # one gets the 20 GiB the broker had, the other nothing
-    assert sum(sized) + 60 * GIB <= status["budget_bytes"] == 80 * GIB and not status["overcommitted"]
+    assert sorted(sized) == [0, 12 * GIB]  # one gets the 20 GiB the broker had, slack first; the other nothing
+    assert sum(sized) + 8 * GIB + 60 * GIB <= status["budget_bytes"] == 80 * GIB and not status["overcommitted"]
     winner, loser = (0, 1) if sized[0] else (1, 0)
     assert sorted(codes) == [0, 3] and codes[loser] == 3  # the refused start stops
     held = session_of(status, pids[winner])
-    assert held["holds"] == {"kv_sizing_hold": 20 * GIB}  # a hold on top of the measured weights
-    assert held["pools"] == {"runtime_base": 30 * GIB, "kv_sizing_hold": 20 * GIB} and held["measured_bytes"] == 30 * GIB
+    assert held["holds"] == {"kv_sizing_hold": 12 * GIB, "runtime_slack_hold": 8 * GIB}  # on top of the weights
+    assert held["pools"] == {"runtime_base": 30 * GIB, **held["holds"]} and held["measured_bytes"] == 30 * GIB
+    assert held["phase"] == "sizing"
     assert instance_of(status, pids[winner])["charged_bytes"] == 50 * GIB
     assert session_of(status, pids[loser])["holds"] == {} and status["free_bytes"] == 0
     error = outcomes[loser]["error"]
     names = ("model-a", "model-b")
-    assert broker.endpoint in error and names[loser] in error and "can grant 0 B" in error
-    assert "budget 80.00 GiB, free 0 B" in error and f"{names[winner]} 50.00 GiB" in error and "\n" not in error
+    assert broker.endpoint in error and names[loser] in error and "a KV cache of up to 42.00 GiB" in error
+    assert "8.00 GiB beside it for activations and CUDA graphs" in error and "0 B free on GPU 0" in error
+    assert "budget 80.00 GiB" in error and f"held by {names[winner]} 50.00 GiB" in error and "\n" not in error

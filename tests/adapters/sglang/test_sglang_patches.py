@@ -146,14 +146,14 @@ def test_the_sizing_cap_goes_back_outside_a_wrapper_that_copied_our_mark():
     def profile(self, pre_model_load_memory):
         return 100
 
-    ours = kvcached_sizing.outer_profile(profile, lambda owner, runtime_bytes, elastic: runtime_bytes // 2)
+    ours = kvcached_sizing.outer_profile(profile, lambda owner, pre_model_load_memory, runtime_bytes, elastic: runtime_bytes // 2)
 
     @functools.wraps(ours)
     def theirs(self, pre_model_load_memory):
         return ours(self, pre_model_load_memory)
 
     assert getattr(theirs, patching.WRAPPED)  # copied: the mark alone cannot tell ours
-    outer = kvcached_sizing.outer_profile(theirs, lambda owner, runtime_bytes, elastic: runtime_bytes // 2)
+    outer = kvcached_sizing.outer_profile(theirs, lambda owner, pre_model_load_memory, runtime_bytes, elastic: runtime_bytes // 2)
     assert outer is not theirs and getattr(outer, patching.WRAPPED) and outer.__name__ == "profile"
     assert kvcached_sizing.outer_profile(outer, lambda *a: 0) is outer
     assert outer(object(), 0) == 50  # one cap, outside: the inner wrapper passes straight through

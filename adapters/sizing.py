@@ -1,0 +1,161 @@
+"""How a worker sizes its start-up with its GPU's broker: one algorithm for both runtimes.
+
+A serving runtime decides alone how much KV cache to build, and keeps *slack* beside it for
+what it allocates after its pools: activations, CUDA graphs, request tables (SGLang keeps
+``(1 - mem_fraction_static)`` of the memory it saw before loading weights; vLLM its profiled
+activation peak and CUDA graph estimate).  On a shared GPU every byte of both must be admitted
+by the broker before it is allocated (docs/accounting.md, "Holding what fits, in one request").
+:func:`size` does it in **one** broker request:
+
+* the process's runtime base is pinned (what it uses now: context, weights), so what it
+  already uses cannot absorb what it is promised;
+* the slack is held in full (``runtime_slack_hold``): the runtime needs it whatever its KV
+  cache comes to;
+* the KV cache is held at most at the runtime's own figure and at least at what it needs to
+  start (``kv_sizing_hold`` with ``min_holds``: the broker holds the largest size in between
+  that fits); in kvcached mode (``elastic``) nothing is held for it, since its pages are
+  granted as they are mapped, and its virtual size is capped at what the broker could ever
+  give the instance (the answer's ``ever_bytes``).
+
+A refusal raises :class:`StartupRefused`, whose one-line message names the broker, the ask,
+the room and the instances that hold the rest (all from the broker's answer: nothing here
+re-derives the ledger's arithmetic or reads the status document).  What happens next is the
+runtime's (``adapters/sglang/kv_sizing``, ``adapters/vllm/kv_sizing``): its pools turn the KV
+hold into ``kv_static`` (a pool a little larger than the hold takes the difference out of the
+slack hold, in the same request), and once its warm-up is over
+:func:`~.worker.settle_warm_up` pins the base where the device measures it and keeps the
+slack the warm-up did not allocate as the resident pool ``runtime_slack``.
+
+All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..client import BudgetExceeded
+from ..client.units import format_bytes
+from . import worker
+from .worker import KV_SIZING_HOLD, SLACK_HOLD, WorkerIdentity
+
+log = logging.getLogger("kvcached_broker.adapters")
+
+
+@dataclass(frozen=True)
+class StartupAsk:
+    """What a runtime wants to start with."""
+
+    runtime: str  # "SGLang" or "vLLM", for messages
+    kv_bytes: int  # the runtime's own KV figure (a virtual size in kvcached mode)
+    kv_min_bytes: int  # the least KV cache it can start with
+    slack_bytes: int  # what it keeps beside the KV cache and allocates later
+    elastic: bool = False  # kvcached mode: no KV hold; the figure is capped at ``ever_bytes``
+
+    def describe(self) -> str:
+        slack = f" and {format_bytes(self.slack_bytes)} beside it for activations and CUDA graphs" if self.slack_bytes else ""
+        if self.elastic:
+            return f"a KV cache that can grow{slack}"
+        if self.kv_min_bytes >= self.kv_bytes:
+            return f"a {format_bytes(self.kv_bytes)} KV cache{slack}"
+        least = f" (at least {format_bytes(self.kv_min_bytes)})" if self.kv_min_bytes > 1 << 20 else ""
+        return f"a KV cache of up to {format_bytes(self.kv_bytes)}{least}{slack}"
+
+
+@dataclass(frozen=True)
+class Sized:
+    """What the broker admitted: ``kv_bytes`` is held (static) or the capped virtual size
+    (elastic); ``slack_bytes`` is held."""
+
+    kv_bytes: int
+    slack_bytes: int
+    grantable_bytes: int  # what the instance could still be granted after this
+    ever_bytes: int  # the most the instance could ever be charged beyond its charge now
+    holders: tuple[tuple[str, int], ...] = ()  # the other instances charged most, most first
+
+    def describe_holders(self) -> str:
+        """``name size, ...``, or that nobody else holds memory."""
+        if not self.holders:
+            return "no other instance holds memory"
+        return "held by " + ", ".join(f"{name} {format_bytes(size)}" for name, size in self.holders)
+
+
+class StartupRefused(RuntimeError):
+    """The broker cannot admit what the runtime needs to start.  One line."""
+
+
+def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
+    """Admit ``ask`` in one broker request; None when the worker runs (or just turned)
+    unprotected.  Raises :class:`StartupRefused` when even its least does not fit, or when the
+    broker could never give an elastic KV cache anything."""
+    holds = {SLACK_HOLD: max(0, ask.slack_bytes)}
+    min_holds = None
+    if not ask.elastic and ask.kv_bytes > 0:
+        holds[KV_SIZING_HOLD] = ask.kv_bytes
+        min_holds = {KV_SIZING_HOLD: max(0, min(ask.kv_min_bytes, ask.kv_bytes))}
+    else:
+        holds[KV_SIZING_HOLD] = 0
+    try:
+        answer = worker.hold_what_fits(identity, holds, min_holds, phase="sizing")
+    except BudgetExceeded as exc:
+        raise refusal(identity, ask, exc.message) from exc
+    if answer is None:
+        return None
+    read = worker.guard(identity, "read the broker's answer", lambda: _read(answer))
+    if read is None:
+        return None
+    held, grantable_bytes, ever_bytes, holders = read
+    if ask.elastic:
+        kv_bytes = max(0, min(ask.kv_bytes, ever_bytes))
+        if kv_bytes <= 0 < ask.kv_bytes:
+            raise refusal(identity, ask, f"it could never give instance {identity.instance_name()!r} more than "
+                                         f"{format_bytes(ever_bytes)} beyond what it holds")
+    else:
+        kv_bytes = int(held.get(KV_SIZING_HOLD, 0))
+    sized = Sized(kv_bytes, held.get(SLACK_HOLD, 0), grantable_bytes, ever_bytes, holders)
+    log.info("event=startup_sized runtime=%s device=%s rank=%d asked_kv=%s kv=%s slack=%s ever=%s elastic=%s",
+             ask.runtime, identity.device, identity.tp_rank, format_bytes(ask.kv_bytes), format_bytes(sized.kv_bytes),
+             format_bytes(sized.slack_bytes), format_bytes(ever_bytes), ask.elastic)
+    return sized
+
+
+def _read(answer: dict) -> tuple[dict[str, int], int, int, tuple[tuple[str, int], ...]]:
+    """``(holds, grantable_bytes, ever_bytes, holders)`` from a reserve answer; an answer of
+    another shape raises ``LookupError``/``TypeError``/``ValueError`` (a broker failure to
+    ``guard``)."""
+    holds = {str(name): int(size) for name, size in dict(answer["holds"]).items()}
+    holders = tuple((str(h["instance"]), int(h["charged_bytes"])) for h in answer.get("holders", ()))
+    return holds, int(answer["grantable_bytes"]), int(answer["ever_bytes"]), holders
+
+
+def refusal(identity: WorkerIdentity, ask: StartupAsk, why: str) -> StartupRefused:
+    client = worker.session(identity)
+    endpoint = client.endpoint if client is not None else "?"
+    return StartupRefused(
+        f"kvcached-broker at {endpoint} cannot give {ask.runtime} instance {identity.instance_name()!r} "
+        f"(GPU {identity.device}, TP rank {identity.tp_rank}/{identity.tp_size}) {ask.describe()}: {why}"
+    )
+
+
+def shrink_kv_hold(identity: WorkerIdentity, kv_bytes: int) -> None:
+    """Keep only ``kv_bytes`` of the KV hold (another TP rank got less: every rank builds the
+    agreed size).  A decrease: never refused."""
+    if worker.held_bytes(identity, KV_SIZING_HOLD) > kv_bytes:
+        worker.hold(identity, KV_SIZING_HOLD, kv_bytes)
+
+
+def holds_after_pool(identity: WorkerIdentity, growth_bytes: int, last: bool) -> dict[str, int] | None:
+    """The holds once a pool the KV hold was for is built, ``growth_bytes`` larger than before
+    (None: no hold to change): the KV hold shrinks by the growth (with ``last``, to 0), and
+    what the pool takes beyond the KV hold comes out of the slack hold, as it does in the
+    runtime's own arithmetic (a pool padded past its budget eats into the slack)."""
+    kv_held = worker.held_bytes(identity, KV_SIZING_HOLD)
+    slack_held = worker.held_bytes(identity, SLACK_HOLD)
+    if not kv_held and not slack_held:
+        return None
+    growth = max(0, growth_bytes)
+    beyond = max(0, growth - kv_held)
+    holds = {KV_SIZING_HOLD: 0 if last else max(0, kv_held - growth)}
+    if beyond and slack_held:
+        holds[SLACK_HOLD] = max(0, slack_held - beyond)
+    return holds
