@@ -51,14 +51,16 @@ class StartupAsk:
     kv_min_bytes: int  # the least KV cache it can start with
     slack_bytes: int  # what it keeps beside the KV cache and allocates later
     elastic: bool = False  # kvcached mode: no KV hold; the figure is capped at ``ever_bytes``
+    least_reason: str = ""  # why the least is what it is (said in messages)
 
     def describe(self) -> str:
         slack = f" and {format_bytes(self.slack_bytes)} beside it for activations and CUDA graphs" if self.slack_bytes else ""
+        why = f", {self.least_reason}" if self.least_reason else ""
         if self.elastic:
             return f"a KV cache that can grow{slack}"
         if self.kv_min_bytes >= self.kv_bytes:
-            return f"a {format_bytes(self.kv_bytes)} KV cache{slack}"
-        least = f" (at least {format_bytes(self.kv_min_bytes)})" if self.kv_min_bytes > 1 << 20 else ""
+            return f"a {format_bytes(self.kv_bytes)} KV cache{f' ({self.least_reason})' if why else ''}{slack}"
+        least = f" (at least {format_bytes(self.kv_min_bytes)}{why})" if self.kv_min_bytes > 1 << 20 else ""
         return f"a KV cache of up to {format_bytes(self.kv_bytes)}{least}{slack}"
 
 

@@ -18,7 +18,13 @@ draws N random events:
 * ``evict``: evict a session through ``AdminClient`` (sometimes ``kill=True``); the worker must
   get ``SessionEvicted`` and exit, and is replaced;
 * ``limit``: change an instance's ``max``/``min``/``weight``;
-* ``traffic``: let the workers run for a moment.
+* ``traffic``: let the workers run for a moment;
+* ``connection_flood``: open far more plain connections than the broker admits (it runs with
+  ``max_connections`` a little above what the workers need) and hold them while the workers
+  go on; the broker must refuse the excess, stay up, and admit connections again once they
+  are closed;
+* ``status_flood``: send 2,000 status requests on a connection that never reads; the broker
+  must drop the replies past its bounds rather than keep them (its memory is checked).
 
 A thread samples status every 20 ms and checks its own invariants at each sample
 (``budget = total - headroom - external``, ``free = max(0, budget - reserved - granted -
@@ -54,6 +60,7 @@ import queue
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +71,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+import msgspec
+import zmq
 
 from kvcached_broker.client.admin import AdminClient
 from kvcached_broker.client.errors import BrokerError, BrokerUnavailable
@@ -83,6 +93,8 @@ EVENT_WEIGHTS = {
     "restart_broker_in_burst": 6,
     "evict": 10,
     "limit": 30,
+    "connection_flood": 3,
+    "status_flood": 3,
 }
 
 SAMPLE_INTERVAL_S = 0.02
@@ -94,6 +106,9 @@ EVICT_NOTICE_TIMEOUT_S = 30.0
 STOP_PAST_LEASE = 1.5  # a SIGSTOP lasts this many leases
 EVICTED_EXIT_CODE = 17
 MAX_EXAMPLES = 12
+FLOOD_CONNECTIONS = 300
+STATUS_FLOOD_REQUESTS = 2000
+STATUS_FLOOD_GROWTH_BYTES = 64 << 20  # what 2,000 unread status replies may grow the broker by, at most
 
 # The broker is started through this, so that it dies with the run even if the run is SIGKILLed:
 # PR_SET_PDEATHSIG survives execve, and the broker process is then exactly `kvcached-broker serve`.
@@ -144,12 +159,17 @@ class Figures:
     reclaim_s: list[float] = field(default_factory=list)
     reclaim_timeouts: int = 0
     stop_checks: int = 0
+    stop_checks_restored: int = 0  # of which the broker restarted during the stop
     stop_failures: list[str] = field(default_factory=list)
     evictions: int = 0
     evictions_noticed: int = 0
     evict_failures: list[str] = field(default_factory=list)
     limits_applied: int = 0
     limits_refused: Counter = field(default_factory=Counter)
+    flood_refused: int = 0  # connections the broker refused during connection floods
+    status_flood_dropped: int = 0  # replies it dropped during status floods
+    status_flood_growth_bytes: list[int] = field(default_factory=list)
+    flood_failures: list[str] = field(default_factory=list)
     worker_starts: int = 0
     worker_crashes: list[str] = field(default_factory=list)
     worker_unresponsive: list[str] = field(default_factory=list)
@@ -178,6 +198,7 @@ class Figures:
             "worker_crashes": len(self.worker_crashes),
             "worker_unresponsive": len(self.worker_unresponsive),
             "broker_crashes": len(self.broker_crashes),
+            "flood_failures": len(self.flood_failures),
         }
 
     def to_json(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -221,12 +242,17 @@ class Figures:
             "reclaims_timed": len(self.reclaim_s),
             "reclaim_timeouts": self.reclaim_timeouts,
             "stop_checks": self.stop_checks,
+            "stop_checks_restored": self.stop_checks_restored,
             "stop_failures": self.stop_failures[:MAX_EXAMPLES],
             "evictions": self.evictions,
             "evictions_noticed": self.evictions_noticed,
             "evict_failures": self.evict_failures[:MAX_EXAMPLES],
             "limit_changes_applied": self.limits_applied,
             "limit_changes_refused": dict(self.limits_refused),
+            "flood_connections_refused": self.flood_refused,
+            "status_flood_replies_dropped": self.status_flood_dropped,
+            "status_flood_growth_bytes_max": max(self.status_flood_growth_bytes, default=None),
+            "flood_failures": self.flood_failures[:MAX_EXAMPLES],
             "worker_starts": self.worker_starts,
             "worker_crashes": self.worker_crashes[:MAX_EXAMPLES],
             "worker_unresponsive": self.worker_unresponsive[:MAX_EXAMPLES],
@@ -349,12 +375,14 @@ class StatusSampler(threading.Thread):
 class BrokerProc:
     """The broker subprocess: SIGKILL and restart keep the endpoint and the state directory."""
 
-    def __init__(self, workdir: Path, simulate: str, lease_s: float):
+    def __init__(self, workdir: Path, simulate: str, lease_s: float, max_connections: int):
         self.log_path = workdir / "broker.log"
+        self.max_connections = max_connections
         self.launcher = BrokerLauncher(
             f"ipc://{workdir}/gpu0.sock", simulate=simulate, state_dir=workdir / "state",
             args=["--lease", str(lease_s), "--log-level", "info"], log=self.log_path,
             prefix=[sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid())], new_session=True,
+            extra_env={"KVCACHED_BROKER_MAX_CONNECTIONS": str(max_connections)},
         )
         self.endpoint = self.launcher.endpoint
 
@@ -544,7 +572,9 @@ class ChaosRun:
         self.rng = random.Random(config.seed)
         self.workdir = Path(tempfile.mkdtemp(prefix="kbc-", dir="/tmp"))
         self.total_bytes = parse_size(config.simulate)
-        self.broker = BrokerProc(self.workdir, config.simulate, config.lease_s)
+        # Room for every worker's connection several times over (replacements, resumes), the
+        # sampler and the admin client; a connection flood goes far past it.
+        self.broker = BrokerProc(self.workdir, config.simulate, config.lease_s, 8 * config.workers + 64)
         self.figures = Figures()
         self.sampler = StatusSampler(self.broker.endpoint, self.figures)
         self.workers: dict[int, WorkerProc] = {}
@@ -683,6 +713,8 @@ class ChaosRun:
             "restart_broker_in_burst": lambda: self.ev_restart_broker(burst=True),
             "evict": self.ev_evict,
             "limit": self.ev_limit,
+            "connection_flood": self.ev_connection_flood,
+            "status_flood": self.ev_status_flood,
         }
         began_s = time.monotonic()
         if handlers[kind]():
@@ -765,14 +797,15 @@ class ChaosRun:
                 self.reap_exits()
 
     def check_stopped(self, worker: WorkerProc) -> None:
-        """A stopped worker's session must turn stale and stay charged what it was charged when stopped."""
+        """A stopped worker's session must turn stale and stay charged what it was charged when
+        stopped; restored by a broker restarted meanwhile, it turns stale a lease after the restart."""
         assert worker.stop is not None
         self.figures.stop_checks += 1
         deadline_s = time.monotonic() + 4 * self.config.lease_s + 10
         session = None
         while time.monotonic() < deadline_s:
             session = sessions_by_id(self.status()).get(worker.session_id)
-            if session is None or session["state"] != "live":
+            if session is None or session["state"] == "stale":
                 break
             time.sleep(SAMPLE_INTERVAL_S)
         stop = worker.stop
@@ -780,14 +813,15 @@ class ChaosRun:
         if session is None:
             self.figures.stop_failures.append(f"{label}: stopped, and its session left status")
             return
-        if session["state"] == "live":
-            self.figures.stop_failures.append(f"{label}: stopped past the lease, still live")
+        if session["state"] != "stale":
+            self.figures.stop_failures.append(f"{label}: stopped past the lease, still {session['state']}")
             return
         diff_bytes = session_bytes(session) - stop.charged_bytes
         restarted = self.figures.broker_restarts != stop.restarts_at_stop
-        # A broker restarted meanwhile keeps it recovering at its checkpoint, which may
-        # over-charge (a deferred release) but never under-charge.
-        tolerated = restarted and session["state"] == "recovering" and diff_bytes > 0
+        self.figures.stop_checks_restored += int(restarted)
+        # A broker restarted meanwhile keeps it at its checkpoint (recovering, then stale once
+        # silent for the lease), which may over-charge (a deferred release) but never under-charge.
+        tolerated = restarted and session["state"] in ("recovering", "stale") and diff_bytes > 0
         if diff_bytes and not tolerated:
             self.figures.stop_failures.append(
                 f"{label}: stopped, its charge moved by {diff_bytes:+d} bytes (state {session['state']}, "
@@ -823,6 +857,76 @@ class ChaosRun:
                 return True
             time.sleep(SAMPLE_INTERVAL_S)
         return False
+
+    def limits(self) -> dict[str, Any]:
+        return self.status()["broker"]["limits"]
+
+    def ev_connection_flood(self) -> bool:
+        """Past ``max_connections``: the excess refused, the broker up, admission back afterwards."""
+        path = str(self.broker.endpoint)[len("ipc://"):]
+        refused_before = sum(self.limits()["connections"]["refused"].values())
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(FLOOD_CONNECTIONS):
+                sock = socket.socket(socket.AF_UNIX)
+                try:
+                    sock.connect(path)
+                except OSError:
+                    sock.close()
+                    break
+                socks.append(sock)
+            self.note(f"connection flood: {len(socks)} plain connections held")
+            refused = self.wait_for(lambda: sum(self.limits()["connections"]["refused"].values()) - refused_before)
+        finally:
+            for sock in socks:
+                sock.close()
+        if not refused:
+            self.figures.flood_failures.append(f"{len(socks)} connections, none refused: {self.limits()['connections']}")
+            return True
+        self.figures.flood_refused += refused
+        bound = self.broker.max_connections
+        if not self.wait_for(lambda: self.limits()["connections"]["admitted"] < bound):
+            self.figures.flood_failures.append(f"admission did not come back: {self.limits()['connections']}")
+        return True
+
+    def ev_status_flood(self) -> bool:
+        """Status asked and never read: replies past the bounds dropped, the broker's memory flat."""
+        proc = self.broker.proc
+        if proc is None or proc.poll() is not None:
+            return False
+        counters = self.status()["broker"]["counters"]
+        asked, dropped_before = counters["requests"], sum(self.limits()["replies"]["dropped"].values())
+        rss_before = _rss_bytes(proc.pid)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.connect(self.broker.endpoint)
+        try:
+            for request_id in range(STATUS_FLOOD_REQUESTS):
+                sock.send(msgspec.msgpack.encode({"op": "status", "id": request_id}))
+            answered = self.wait_for(
+                lambda: self.status()["broker"]["counters"]["requests"] >= asked + STATUS_FLOOD_REQUESTS)
+            growth_bytes = _rss_bytes(proc.pid) - rss_before
+        finally:
+            sock.close(0)
+        dropped = sum(self.limits()["replies"]["dropped"].values()) - dropped_before
+        self.note(f"status flood: {dropped} replies dropped, the broker grew {growth_bytes >> 10} KiB")
+        self.figures.status_flood_dropped += dropped
+        self.figures.status_flood_growth_bytes.append(growth_bytes)
+        if not answered or growth_bytes > STATUS_FLOOD_GROWTH_BYTES or not dropped:
+            self.figures.flood_failures.append(
+                f"status flood: answered={bool(answered)} growth={growth_bytes} bytes, dropped={dropped}")
+        return True
+
+    def wait_for(self, predicate: Callable[[], Any]) -> Any:
+        """``predicate()`` once it is truthy, polling status's pace; its last value after SETTLE_TIMEOUT_S."""
+        deadline_s = time.monotonic() + SETTLE_TIMEOUT_S
+        value = predicate()
+        while not value and time.monotonic() < deadline_s:
+            time.sleep(SAMPLE_INTERVAL_S)
+            value = predicate()
+        return value
 
     def ev_evict(self) -> bool:
         worker = self.pick(self.live_workers())
@@ -1019,6 +1123,10 @@ def _session_text(session: dict[str, Any]) -> str:
     return f"granted {session['granted_pages']} pages (reserve {session['reserve_pages']}), pools {book_pools(session)}"
 
 
+def _rss_bytes(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 # ======================================================================== the report
 def render(report: dict[str, Any]) -> str:
     cfg = report["config"]
@@ -1051,10 +1159,16 @@ def render(report: dict[str, Any]) -> str:
         ("reclaim after SIGKILL, max", _millis(report["reclaim_ms_max"])),
         ("  reclaims timed / timed out", f"{report['reclaims_timed']} / {report['reclaim_timeouts']}"),
         ("stops past the lease checked", report["stop_checks"]),
+        ("  across a broker restart (restored, then stale)", report["stop_checks_restored"]),
         ("  failed (not stale or not charged)", len(report["stop_failures"])),
         ("evictions noticed", f"{report['evictions_noticed']} / {report['evictions']}"),
         ("limit changes applied", report["limit_changes_applied"]),
         ("limit changes refused", sum(report["limit_changes_refused"].values())),
+        ("connections refused in floods", report["flood_connections_refused"]),
+        ("status replies dropped in floods", report["status_flood_replies_dropped"]),
+        ("  broker growth per status flood, max", None if report["status_flood_growth_bytes_max"] is None
+         else format_bytes(report["status_flood_growth_bytes_max"])),
+        ("  flood checks failed", len(report["flood_failures"])),
         ("worker starts", report["worker_starts"]),
         ("worker crashes", len(report["worker_crashes"])),
         ("workers that stopped answering", len(report["worker_unresponsive"])),
@@ -1088,7 +1202,8 @@ def _render_problems(report: dict[str, Any]) -> list[str]:
         lines += ["", f"book drift at quiet point {m['quiet_point']}: {json.dumps(m['worker'], sort_keys=True)}"]
     for title, key in (("status violation", "status_violation_examples"), ("stop check failed", "stop_failures"),
                        ("evict check failed", "evict_failures"), ("worker crash", "worker_crashes"),
-                       ("worker unresponsive", "worker_unresponsive"), ("broker crash", "broker_crashes")):
+                       ("worker unresponsive", "worker_unresponsive"), ("broker crash", "broker_crashes"),
+                       ("flood check failed", "flood_failures")):
         lines += [f"{title}: {text}" for text in report[key][:5]]
     if report["worker_errors"]:
         lines.append(f"worker errors: {json.dumps(report['worker_errors'], sort_keys=True)}")

@@ -30,7 +30,15 @@ What a load makes of damage (every case is one log line from the server, never a
   goes on) is damage too: the read resumes at the next frame whose record checks out, and
   what lies between is counted (``damaged_bytes``); zeros or garbage to the end of the file
   are counted the same way;
-* a snapshot that fails its checksum or schema is ignored (``snapshot_damage``).
+* a snapshot that fails its checksum or schema is ignored (``snapshot_damage``);
+* a snapshot marked stale (``KVBSTALE``: the broker went on serving after a write failed, so
+  the state on disk may not cover everything it answered since) is restored, and reported as
+  damage (``snapshot_damage``), so that the server holds growth until the workers re-assert.
+
+The files must be regular files of this user's, opened without following a symlink and read
+no further than their size (at most ``MAX_STATE_FILE_BYTES``): a FIFO, a device, a symlink or
+an absurd size is a :class:`CheckpointError` (the broker refuses to start, on one line), never
+a read that hangs or runs until memory is gone.
 
 Whatever the damage, the server then treats what it restored as untrusted until the workers
 have reconnected and re-asserted what they hold (see ``server``).
@@ -38,7 +46,9 @@ have reconnected and re-asserted what they hold (see ``server``).
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -49,6 +59,12 @@ import msgspec
 from .state_records import JournalRecord, Snapshot
 
 SNAPSHOT_MAGIC = b"KVBSNAP2"
+#: Written over ``SNAPSHOT_MAGIC`` in place (no new blocks: it works on a full disk) when a
+#: write fails and the broker goes on serving from memory (:meth:`StateStore.mark_stale`).
+STALE_MAGIC = b"KVBSTALE"
+#: Far more than a journal (compacted at 4 MiB) or a snapshot of 4,096 sessions ever holds.
+MAX_STATE_FILE_BYTES = 256 << 20
+_TMP_INFIX = ".tmp"
 _FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _CRC = struct.Struct("<I")
 _MAX_RECORD_BYTES = 16 << 20
@@ -88,10 +104,13 @@ class StateStore:
         self.seq = 0  # records appended since the broker started, plus the snapshot's seq
 
     def open(self) -> LoadedState:
-        """Create the directory if needed, read what is there, and open the journal."""
+        """Create the directory if needed, remove snapshot temp files a broker that died left,
+        read what is there, and open the journal."""
         _ensure_private_dir(self.state_dir)
+        self.remove_temp_files()
         loaded = self._load()
-        self._journal_fd = os.open(self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._journal_fd = _open_regular(
+            self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         if loaded.torn_bytes:
             os.ftruncate(self._journal_fd, os.fstat(self._journal_fd).st_size - loaded.torn_bytes)
         self.journal_bytes = os.fstat(self._journal_fd).st_size
@@ -122,22 +141,57 @@ class StateStore:
         return self.journal_bytes >= self.compact_after_bytes
 
     def write_snapshot(self, state: Snapshot) -> None:
-        """Atomically replace the snapshot with ``state`` and empty the journal."""
+        """Atomically replace the snapshot with ``state`` and empty the journal.
+
+        Raises ``OSError`` if it cannot (a full disk), leaving no temporary file behind and the
+        old snapshot and journal as they were."""
         state.seq = self.seq
         payload = self._encoder.encode(state)
-        tmp = self.snapshot_path.with_name(self.snapshot_path.name + f".tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        tmp = self.snapshot_path.with_name(f"{self.snapshot_path.name}{_TMP_INFIX}{os.getpid()}")
+        _unlink_quietly(tmp)
         try:
-            data = SNAPSHOT_MAGIC + _CRC.pack(zlib.crc32(payload)) + payload
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.snapshot_path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                data = SNAPSHOT_MAGIC + _CRC.pack(zlib.crc32(payload)) + payload
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.snapshot_path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
         if self._journal_fd is not None:
             os.ftruncate(self._journal_fd, 0)
         self.journal_bytes = 0
+
+    def mark_stale(self) -> bool:
+        """Mark the snapshot as no longer covering what the broker answers: its magic is
+        overwritten in place, which needs no new block, so this works on a full disk (on a
+        copy-on-write file system it may not).  True if a snapshot was marked."""
+        try:
+            fd = os.open(self.snapshot_path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            return os.pwrite(fd, STALE_MAGIC, 0) == len(STALE_MAGIC)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def remove_temp_files(self) -> int:
+        """Remove this device's snapshot temp files (a broker killed inside a snapshot, or an
+        old version that left one on a failed write); the caller holds the state lock."""
+        prefix = self.snapshot_path.name + _TMP_INFIX
+        removed = 0
+        for entry in os.scandir(self.state_dir):
+            if entry.name.startswith(prefix) and not entry.is_dir(follow_symlinks=False):
+                removed += _unlink_quietly(Path(entry.path))
+        return removed
 
     def close(self) -> None:
         if self._journal_fd is not None:
@@ -146,11 +200,13 @@ class StateStore:
 
     def _load(self) -> LoadedState:
         loaded = LoadedState(snapshot=None)
-        if self.snapshot_path.exists():
-            loaded.snapshot, loaded.snapshot_damage = _read_snapshot(self.snapshot_path.read_bytes())
+        snapshot = _read_regular(self.snapshot_path)
+        if snapshot is not None:
+            loaded.snapshot, loaded.snapshot_damage = _read_snapshot(snapshot)
         snapshot_seq = loaded.snapshot.seq if loaded.snapshot else 0
-        if self.journal_path.exists():
-            self._read_journal(self.journal_path.read_bytes(), snapshot_seq, loaded)
+        journal = _read_regular(self.journal_path)
+        if journal is not None:
+            self._read_journal(journal, snapshot_seq, loaded)
         self.seq = max([snapshot_seq] + [r.seq for r in loaded.records])
         return loaded
 
@@ -206,18 +262,84 @@ def _checked_record(payload: bytes, crc: int) -> JournalRecord | None:
 
 
 def _read_snapshot(data: bytes) -> tuple[Snapshot | None, str | None]:
-    """The snapshot in ``data``, or why it cannot be trusted."""
+    """The snapshot in ``data`` (None if it cannot be used), and why it cannot be trusted."""
     head = len(SNAPSHOT_MAGIC) + _CRC.size
-    if not data.startswith(SNAPSHOT_MAGIC) or len(data) < head:
+    stale = data.startswith(STALE_MAGIC)
+    if not (data.startswith(SNAPSHOT_MAGIC) or stale) or len(data) < head:
         return None, "not a kvcached-broker snapshot of this format"
     (crc,) = _CRC.unpack_from(data, len(SNAPSHOT_MAGIC))
     payload = data[head:]
     if zlib.crc32(payload) != crc:
         return None, "checksum mismatch"
     try:
-        return _decode_snapshot(payload), None
+        snapshot = _decode_snapshot(payload)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         return None, f"invalid content ({exc})"
+    if stale:
+        return snapshot, "stale: the broker served on after a state write failed"
+    return snapshot, None
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """``os.open`` that refuses a symlink and anything but a regular file of this user's
+    (``FileNotFoundError`` passes through for a file that is not there)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path} is a symbolic link; the state files must be regular files") from None
+        raise CheckpointError(f"cannot open {path}: {exc.strerror}") from None
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = f"{path} is not a regular file ({_kind(st.st_mode)}); refusing to use it as state"
+    elif st.st_uid != os.getuid():
+        problem = f"{path} is owned by uid {st.st_uid}, not by this broker (uid {os.getuid()})"
+    elif st.st_size > MAX_STATE_FILE_BYTES:
+        problem = f"{path} holds {st.st_size} bytes, more than a state file can ({MAX_STATE_FILE_BYTES})"
+    if problem is not None:
+        os.close(fd)
+        raise CheckpointError(problem)
+    return fd
+
+
+def _read_regular(path: Path) -> bytes | None:
+    """The whole of a state file (None if there is none), read no further than its size."""
+    try:
+        fd = _open_regular(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        chunks = []
+        left = size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _unlink_quietly(path: Path) -> int:
+    try:
+        os.unlink(path)
+        return 1
+    except OSError:
+        return 0
 
 
 def _ensure_private_dir(path: Path) -> None:

@@ -55,6 +55,8 @@ _port = _arg_type(serve_config.OPTIONS["metrics_port"][0], "port")
 _hostname = _arg_type(serve_config.OPTIONS["metrics_hostname"][0], "host name")
 _positive_float = _arg_type(serve_config.OPTIONS["lease"][0], "number")
 _endpoint = _arg_type(serve_config.OPTIONS["endpoint"][0], "endpoint")
+_group = _arg_type(serve_config.OPTIONS["socket_group"][0], "group")
+_directory = _arg_type(serve_config.OPTIONS["curve_dir"][0], "directory")
 
 
 def _size_or_none(text: str) -> int | None:
@@ -119,10 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-address", metavar="ADDR", help="address for /metrics (default 127.0.0.1)")
     serve.add_argument("--metrics-hostname", type=_hostname, metavar="NAME",
                        help="the host label of every series (default: this machine's host name)")
-    serve.add_argument("--socket-group", metavar="GROUP", help="group that may connect to the ipc socket")
-    serve.add_argument("--admin-group", metavar="GROUP", help="group allowed to run limit/evict")
+    serve.add_argument("--socket-group", type=_group, metavar="GROUP", help="group that may connect to the ipc socket")
+    serve.add_argument("--admin-group", type=_group, metavar="GROUP", help="group allowed to run limit/evict")
     serve.add_argument("--insecure-tcp", action="store_true", default=None, help="allow tcp on loopback without CURVE")
-    serve.add_argument("--curve-dir", type=Path, metavar="DIR",
+    serve.add_argument("--curve-dir", type=_directory, metavar="DIR",
                        help="CURVE for tcp: DIR/server.key_secret and DIR/authorized/*.key (see `keygen`)")
     serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], metavar="LEVEL",
                        help="debug, info, warning or error (default info)")
@@ -356,6 +358,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         insecure_tcp=opts.insecure_tcp,
         curve_dir=opts.curve_dir,
         limits=opts.limits,
+        max_connections=opts.max_connections,
+        max_connections_per_uid=opts.max_connections_per_uid,
     )
     if opts.metrics_port:
         from .metrics import missing_package
@@ -376,7 +380,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gpu = GpuLabels(device=str(info.index), uuid=info.uuid, model_name=info.name,
                         hostname=opts.metrics_hostname or socket.gethostname())
         try:
-            start_metrics_server(opts.metrics_port, opts.metrics_address, server.snapshot, gpu)
+            metrics = start_metrics_server(opts.metrics_port, opts.metrics_address, server.snapshot, gpu)
+            server.metrics_view = metrics.view
         except (OSError, RuntimeError) as exc:
             server.close()
             print(f"kvcached-broker serve: cannot serve metrics on {opts.metrics_address}:{opts.metrics_port}: {exc}",

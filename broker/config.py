@@ -57,11 +57,23 @@ class ServeConfig:
     max_sessions_per_uid: int = 1024
     hello_rate_per_s: float = 50.0
     hello_burst: int = 200
+    #: Connections to the socket, in all and per peer (uid over ipc, address over tcp); None:
+    #: every session's plus some for status and admin clients.  Both are lowered to fit the
+    #: open-file limit (broker/connections.py).
+    max_connections: int | None = None
+    max_connections_per_uid: int | None = None
     #: Requests a round answers before it writes the journal and sends its replies.  Small, so
     #: replies keep flowing while later requests wait (a round that swallowed every request in
     #: flight would leave all clients idle until it ends); still enough to share one write.
     max_batch: int = 16
     limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
+
+    def connection_limits(self) -> tuple[int, int]:
+        """``(in all, per peer)`` before the open-file limit has its say."""
+        total = self.max_connections if self.max_connections is not None else self.max_sessions + 256
+        per_peer = (self.max_connections_per_uid if self.max_connections_per_uid is not None
+                    else self.max_sessions_per_uid + 64)
+        return total, per_peer
 
     def quotas(self) -> SessionQuotas:
         from .session_opener import SessionQuotas
@@ -102,6 +114,13 @@ def _non_negative_int(value: Any) -> int:
     return value
 
 
+def _positive_int(value: Any) -> int:
+    number = _non_negative_int(value)
+    if number == 0 or number > 1 << 24:
+        raise ValueError(f"expected an integer from 1 to {1 << 24}, got {value!r}")
+    return number
+
+
 def _port(value: Any) -> int:
     port = _non_negative_int(value)
     if not 0 < port < 65536:
@@ -137,6 +156,36 @@ def _path(value: Any) -> Path:
     return Path(_text(value))
 
 
+def _directory(value: Any) -> Path:
+    path = _path(value)
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is not a directory")
+    return path
+
+
+#: Longer than any group name a system accepts (glibc's NSS and systemd's userdb abort on
+#: some far longer ones, so the name is checked before it is looked up).
+MAX_GROUP_NAME = 256
+_GID_LIMIT = (1 << 32) - 1  # (gid_t) -1 means "no group"
+
+
+def _group(value: Any) -> str:
+    """A group name or a numeric gid, checked before anything looks it up."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a group name or gid, got {value!r}")
+    if value.isascii() and value.isdigit():
+        if len(value) > 10 or int(value) >= _GID_LIMIT:
+            raise ValueError(f"gid {value[:20]}{'...' if len(value) > 20 else ''} is out of range")
+        return value
+    if len(value) > MAX_GROUP_NAME:
+        raise ValueError(f"a group name of {len(value)} characters is longer than {MAX_GROUP_NAME}")
+    if not value.isprintable() or any(c in value for c in " :/,"):
+        raise ValueError(f"{value!r} is not a group name (no spaces, ':', '/', ',' or control characters)")
+    return value
+
+
 def _hostname(value: Any) -> str:
     text = _text(value)
     if len(text) > 253 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", text):
@@ -168,12 +217,15 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     "metrics_port": (_port, "KVCACHED_BROKER_METRICS_PORT", None),
     "metrics_address": (_text, "KVCACHED_BROKER_METRICS_ADDRESS", "127.0.0.1"),
     "metrics_hostname": (_hostname, "KVCACHED_BROKER_METRICS_HOSTNAME", None),  # None: the machine's
-    "socket_group": (_text, "KVCACHED_BROKER_SOCKET_GROUP", None),
-    "admin_group": (_text, "KVCACHED_BROKER_ADMIN_GROUP", None),
+    "socket_group": (_group, "KVCACHED_BROKER_SOCKET_GROUP", None),
+    "admin_group": (_group, "KVCACHED_BROKER_ADMIN_GROUP", None),
     "insecure_tcp": (_bool, None, False),
-    "curve_dir": (_path, "KVCACHED_BROKER_CURVE_DIR", None),
+    "curve_dir": (_directory, "KVCACHED_BROKER_CURVE_DIR", None),
     "log_level": (_level, "KVCACHED_BROKER_LOG_LEVEL", "info"),
     "log_json": (_bool, "KVCACHED_BROKER_LOG_JSON", False),
+    # No flags: the config file or the environment (defaults derived from the session quotas).
+    "max_connections": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS", None),
+    "max_connections_per_uid": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS_PER_UID", None),
 }
 LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float}
 
@@ -237,13 +289,28 @@ def _pick(key, cli, env, file_values, path, values, sources):
     return values[key]
 
 
+#: No serve config comes near this; a larger file is refused before it is read.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _load_file(path: Path) -> tuple[dict[str, Any], dict[str, LimitConfig]]:
     try:
-        raw = tomllib.loads(path.read_text())
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"config {path}: cannot read: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config {path}: larger than {MAX_CONFIG_BYTES} bytes; not a config file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config {path}: not valid TOML: {exc}") from None
+        raise ConfigError(f"config {path}: not valid TOML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path}: not valid TOML: arrays or tables nested too deeply") from None
     limits_raw = raw.pop("limits", {})
     unknown = sorted(set(raw) - set(OPTIONS))
     if unknown:

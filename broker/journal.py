@@ -17,7 +17,11 @@ from handing memory out twice: a session that ends a round charged more than its
   and back) is not written at all, and a session that returns to its written record while a
   record of it waits drops that record unwritten (what is on disk is right again);
 * **snapshots** (when the journal passes its size limit, and at a clean stop);
-* **replay** at start-up (:meth:`Journal.restore`), with the damage it found.
+* **replay** at start-up (:meth:`Journal.restore`), with the damage it found;
+* **failed writes** (a full disk): the broker goes on serving from memory.  The first failure
+  marks the snapshot stale on disk (so a restart holds growth until the workers re-assert),
+  logs one error line and shows in status (:class:`StateWrites`); nothing more is appended, and
+  :meth:`Journal.retry_failed_write` tries the whole state as a snapshot until one is written.
 
 ``NullJournal`` is the same interface for ``--no-state``: it forgets.
 """
@@ -50,6 +54,26 @@ log = logging.getLogger("kvcached_broker")
 
 #: How long decrease-only journal records may wait for the next durable write.
 DEFER_S = 0.02
+#: While state writes fail: how often the server retries a snapshot, and every how many
+#: retries that fail again one is logged (about once a minute).
+RETRY_WRITE_S = 1.0
+LOG_EVERY_RETRIES = 60
+
+
+class StateWrites:
+    """Whether the state directory takes writes.  ``error`` is set from the first failed write
+    until a snapshot is written again; meanwhile the state lives in memory only."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.failures = 0  # writes that failed, retries included
+        self.recoveries = 0  # times a retry wrote the state again
+        self.marked_stale = False  # the snapshot on disk was marked stale by the last failure
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"failing": self.error is not None, "error": self.error, "failures": self.failures,
+                "recoveries": self.recoveries, "snapshot_marked_stale": self.marked_stale,
+                "retry_every_s": RETRY_WRITE_S}
 
 
 class Holdings(NamedTuple):
@@ -120,6 +144,12 @@ class NullJournal:
     def flush_due(self, now_s: float) -> bool:
         return False
 
+    def retry_failed_write(self, now_s: float) -> bool:
+        return False
+
+    def write_status(self) -> dict[str, Any] | None:
+        return None
+
     def started(self) -> None:
         self._ledger.drain_changes()
 
@@ -141,6 +171,7 @@ class Journal:
         # with the holdings its latest *written* record carries.
         self._waiting: dict[str, Holdings] = {}
         self._defer_until_s = 0.0
+        self.writes = StateWrites()
 
     # ------------------------------------------------------------- writing
     def fence(self, token: str, session_id: str) -> None:
@@ -259,17 +290,66 @@ class Journal:
         self._write(self._take_waiting())
 
     def _write(self, records: list[JournalRecord]) -> None:
-        if not records:
+        if not records or self.writes.error is not None:
+            return  # while writes fail, only a whole snapshot (the retry) is written
+        try:
+            self.store.append(records)
+        except OSError as exc:
+            self._write_failed(exc)
             return
-        self.store.append(records)
         if self.store.needs_compaction():
             self.write_snapshot()
 
     def write_snapshot(self) -> None:
         """The whole state as it is now: records that wait are older, so they are dropped."""
-        self.store.write_snapshot(self._snapshot())
+        if self.writes.error is not None:
+            return
+        try:
+            self.store.write_snapshot(self._snapshot())
+        except OSError as exc:
+            self._write_failed(exc)
+            return
+        self._snapshot_written()
+
+    def _snapshot_written(self) -> None:
         self._on_disk = dict.fromkeys(self._ledger.sessions)
         self._waiting.clear()
+
+    def _write_failed(self, exc: OSError) -> None:
+        """The first failed write: serve on from memory, and make the state on disk distrusted."""
+        writes = self.writes
+        writes.failures += 1
+        writes.error = exc.strerror or str(exc)
+        writes.marked_stale = self.store.mark_stale()
+        log.error(
+            "event=state_write_failed error=%r state_dir=%s snapshot_marked_stale=%s "
+            "detail=serving_from_memory_a_crash_now_loses_what_changed_since_retrying_every_%gs",
+            writes.error, self.store.state_dir, writes.marked_stale, RETRY_WRITE_S,
+        )
+
+    def retry_failed_write(self, now_s: float) -> bool:
+        """While writes fail: try the whole state as a snapshot; True once it is written."""
+        writes = self.writes
+        if writes.error is None:
+            return False
+        try:
+            self.store.write_snapshot(self._snapshot())
+        except OSError as exc:
+            writes.failures += 1
+            writes.error = exc.strerror or str(exc)
+            if writes.failures % LOG_EVERY_RETRIES == 0:
+                log.error("event=state_write_failing error=%r failures=%d detail=still_serving_from_memory",
+                          writes.error, writes.failures)
+            return False
+        self._snapshot_written()
+        writes.error = None
+        writes.marked_stale = False
+        writes.recoveries += 1
+        log.warning("event=state_write_recovered failures=%d detail=the_whole_state_is_on_disk_again", writes.failures)
+        return True
+
+    def write_status(self) -> dict[str, Any]:
+        return self.writes.to_dict()
 
     def started(self) -> None:
         """After a restore: what it rebuilt is the new snapshot, and the journal starts empty."""
@@ -281,7 +361,13 @@ class Journal:
         try:
             self.commit(0.0)
             self.flush()
-            self.write_snapshot()
+            if self.writes.error is not None:
+                self.retry_failed_write(0.0)
+            else:
+                self.write_snapshot()
+            if self.writes.error is not None:
+                log.error("event=snapshot_failed error=%r detail=the_state_on_disk_is_older_than_this_broker_and_marked_stale",
+                          self.writes.error)
         except Exception as exc:  # keep the journal; it is enough to recover
             log.error("event=snapshot_failed error=%s", exc)
         self.store.close()

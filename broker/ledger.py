@@ -365,14 +365,15 @@ class Ledger:
         return allowance_bytes
 
     def expire_leases(self, now_s: float, lease_s: float) -> list[Session]:
-        """Mark live sessions silent for longer than ``lease_s`` stale (still charged).
+        """Mark sessions silent for longer than ``lease_s`` stale (still charged).
 
-        A ``recovering`` session stays recovering until its worker reconnects: it has not been
-        heard from since the restart, and that is what the state says already.
+        A ``recovering`` session (restored, its worker not back since the restart) turns stale
+        the same way, ``lease_s`` after the restart, so that an operator sees it as one to
+        evict; it stays ``restored`` until its worker resumes it.
         """
         stale = []
         for session in self.sessions.values():
-            if session.state is SessionState.LIVE and now_s - session.last_seen_s > lease_s:
+            if session.state is not SessionState.STALE and now_s - session.last_seen_s > lease_s:
                 session.state = SessionState.STALE
                 self._changed(session)
                 stale.append(session)
@@ -442,7 +443,7 @@ class Ledger:
                 code,
                 what=f"reservation of pool {pool!r} (+{format_bytes(pool_growth)})",
                 instance=session.instance,
-                asked_bytes=max(0, resident_delta + held_delta),
+                asked_bytes=max(0, self._charge_growth(session, resident_delta, held_delta)),
                 room_bytes=room_bytes,
                 ledger=self,
                 details={"pool": pool, "pool_asked_bytes": pool_growth},
@@ -800,8 +801,7 @@ class Ledger:
         """
         account = session.account
         assert account is not None
-        measured, reported = account.measured_bytes, account.reported_bytes
-        device_delta = held_delta + max(measured, reported + resident_delta) - max(measured, reported)
+        device_delta = self._charge_growth(session, resident_delta, held_delta)
         own_excess = account.instance == session.instance
         instance_delta = device_delta if own_excess else held_delta + resident_delta
         if device_delta <= 0 and instance_delta <= 0:
@@ -821,6 +821,16 @@ class Ledger:
         if device_delta > device_room:
             return "budget_exceeded", max(0, device_room)
         return None
+
+    @staticmethod
+    def _charge_growth(session: Session, resident_delta: int, held_delta: int) -> int:
+        """What the device's charge grows by if the session's resident bytes and holds change by
+        these deltas: resident growth is first covered by what the process is measured using
+        beyond its reports; holds are charged in full."""
+        account = session.account
+        assert account is not None
+        measured, reported = account.measured_bytes, account.reported_bytes
+        return held_delta + max(measured, reported + resident_delta) - max(measured, reported)
 
     def _use_allowance(self, session: Session, grown_bytes: int) -> None:
         session.reassert_allowance_bytes = max(0, session.reassert_allowance_bytes - grown_bytes)

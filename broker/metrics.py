@@ -13,6 +13,7 @@ contract (docs/design.md, "Metrics"): they only grow.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -95,6 +96,8 @@ class StatusCollector:
         over.add([], 1 if status["overcommitted"] else 0)
         yield over.metric
         yield from self._instances(family, status)
+        yield from self._state_writes(family, status["broker"].get("state_writes"))
+        yield from self._limits(family, status["broker"].get("limits") or {})
         yield from self._counters(family, status["broker"].get("counters", {}))
 
     @staticmethod
@@ -138,6 +141,71 @@ class StatusCollector:
                 for key, counter in pressure.items():
                     counter.add([name], inst["pressure"][key])
         yield from (f.metric for f in (pool, reserved, granted, floor, cap, sessions, share, pending, *pressure.values()))
+
+    @staticmethod
+    def _state_writes(family: _Families, writes: dict[str, Any] | None) -> Iterator[Any]:
+        if writes is None:  # --no-state
+            return
+        failing = family.gauge("kvcached_broker_state_write_failing",
+                               "1 while writes to the state directory fail and the broker serves from memory")
+        failing.add([], 1 if writes["failing"] else 0)
+        failures = family.counter("kvcached_broker_state_write_failures", "Writes to the state directory that failed")
+        failures.add([], writes["failures"])
+        yield from (failing.metric, failures.metric)
+
+    @staticmethod
+    def _limits(family: _Families, limits: dict[str, Any]) -> Iterator[Any]:
+        """Each bound on what peers may hold of the broker (``kvcached_broker_limit{limit}``), and
+        what met it."""
+        bound = family.gauge("kvcached_broker_limit", "A bound on what peers may hold of the broker (status broker.limits)",
+                             ["limit"])
+        open_files = limits.get("open_files")
+        if open_files:
+            bound.add(["open_files"], open_files["soft"])
+        connections = limits.get("connections")
+        if connections:
+            bound.add(["connections"], connections["max"])
+            bound.add(["connections_per_peer"], connections["max_per_peer"])
+            now = family.gauge("kvcached_broker_connections", "Connections to the broker's socket it serves")
+            now.add([], connections["admitted"])
+            refused = family.counter("kvcached_broker_connections_refused",
+                                     "Connections closed on arrival, by the bound they met", ["bound"])
+            for reason, n in sorted(connections["refused"].items()):
+                refused.add([reason], n)
+            yield from (now.metric, refused.metric)
+        requests, replies, cache = limits.get("requests"), limits.get("replies"), limits.get("reply_cache")
+        if requests:
+            bound.add(["request_bytes"], requests["max_bytes"])
+            bound.add(["requests_per_connection"], requests["per_connection"])
+        if replies:
+            for key in ("per_connection", "large_bytes", "large_per_connection", "large_bytes_per_peer",
+                        "large_bytes_total"):
+                bound.add([f"replies_{key}"], replies[key])
+            waiting = family.gauge("kvcached_broker_large_replies_waiting_bytes",
+                                   "Large replies (status documents) sent and not yet taken by their peers")
+            waiting.add([], replies["large_waiting_bytes"])
+            dropped = family.counter("kvcached_broker_replies_dropped",
+                                     "Replies dropped for a peer that does not read them, by the bound they met",
+                                     ["bound"])
+            for reason, n in sorted(replies["dropped"].items()):
+                dropped.add([reason], n)
+            yield from (waiting.metric, dropped.metric)
+        if cache:
+            bound.add(["reply_cache_replies"], cache["replies"])
+            bound.add(["reply_cache_bytes"], cache["bytes"])
+            held = family.gauge("kvcached_broker_reply_cache_bytes", "Replies every session keeps for retried requests")
+            held.add([], cache["held_bytes"])
+            yield held.metric
+        metrics = limits.get("metrics")
+        if metrics:
+            bound.add(["metrics_threads"], metrics["threads"])
+            bound.add(["metrics_queue"], metrics["queue"])
+            bound.add(["metrics_timeout_s"], metrics["timeout_s"])
+            refused = family.counter("kvcached_broker_metrics_connections_refused",
+                                     "/metrics connections closed on arrival: every thread busy and the queue full")
+            refused.add([], metrics["refused"])
+            yield refused.metric
+        yield bound.metric
 
     @staticmethod
     def _counters(family: _Families, counters: dict[str, Any]) -> Iterator[Any]:
@@ -194,15 +262,84 @@ class _Families:
         return self._make("histogram", name, doc, None)
 
 
-def start_metrics_server(port: int, address: str, snapshot: Callable[[], dict[str, Any] | None], gpu: GpuLabels):
-    """Serve ``/metrics`` on ``address:port`` from a daemon thread, every series labelled ``gpu``;
-    returns the HTTP server."""
+#: ``/metrics`` is served by this many threads, with this many connections waiting for one; a
+#: connection past those is closed at once.  Every read and write on a connection times out.
+METRICS_THREADS = 4
+METRICS_QUEUE = 16
+METRICS_TIMEOUT_S = 5.0
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP/1.0 (one request per connection) from a bounded pool of threads.
+
+    Invariant: at most ``threads + queue`` connections are open at once (each one file
+    descriptor), and none is held longer than ``timeout_s`` without a byte moving, so idle
+    connections, open to any local user, cannot take the descriptors the broker's workers
+    need (prometheus_client's own server starts a thread per connection, without a bound)."""
+
+    def __init__(self, address: str, port: int, handler: type, *, threads: int = METRICS_THREADS,
+                 queue_size: int = METRICS_QUEUE, timeout_s: float = METRICS_TIMEOUT_S):
+        import http.server
+        import queue
+        import socket
+
+        self.threads = threads
+        self.queue_size = queue_size
+        self.timeout_s = timeout_s
+        self.served = 0
+        self.refused = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        owner = self
+        family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+
+        class _Server(http.server.HTTPServer):
+            address_family = family
+            request_queue_size = queue_size
+
+            def process_request(self, request, client_address):  # called by serve_forever's thread
+                try:
+                    owner._queue.put_nowait((request, client_address))
+                except queue.Full:
+                    owner.refused += 1
+                    self.shutdown_request(request)
+
+        handler_class = type("BoundedMetricsHandler", (handler,), {"timeout": timeout_s})
+        self._server = _Server((address, port), handler_class)
+        self._workers = [threading.Thread(target=self._work, name=f"kvcached-broker-metrics-{i}", daemon=True)
+                         for i in range(threads)]
+        for worker in self._workers:
+            worker.start()
+        self._acceptor = threading.Thread(target=self._server.serve_forever, name="kvcached-broker-metrics",
+                                          daemon=True)
+        self._acceptor.start()
+
+    def _work(self) -> None:
+        while True:
+            request, client_address = self._queue.get()
+            try:
+                self._server.finish_request(request, client_address)
+                self.served += 1
+            except Exception:  # a timeout or a peer that went away: that connection only
+                pass
+            finally:
+                self._server.shutdown_request(request)
+
+    def view(self) -> dict[str, Any]:
+        return {"threads": self.threads, "queue": self.queue_size, "timeout_s": self.timeout_s,
+                "waiting": self._queue.qsize(), "served": self.served, "refused": self.refused}
+
+
+def start_metrics_server(port: int, address: str, snapshot: Callable[[], dict[str, Any] | None],
+                         gpu: GpuLabels) -> MetricsServer:
+    """Serve ``/metrics`` on ``address:port`` from a bounded pool of daemon threads, every series
+    labelled ``gpu``."""
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, MetricsHandler
     except ImportError as exc:
         raise RuntimeError("--metrics-port needs prometheus_client: pip install 'kvcached-broker[metrics]'") from exc
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(snapshot, gpu))
-    server, _thread = start_http_server(port, addr=address, registry=registry)
-    log.info("event=metrics address=%s port=%d uuid=%s hostname=%s", address, port, gpu.uuid, gpu.hostname)
+    server = MetricsServer(address, port, MetricsHandler.factory(registry))
+    log.info("event=metrics address=%s port=%d uuid=%s hostname=%s threads=%d queue=%d timeout_s=%g", address, port,
+             gpu.uuid, gpu.hostname, server.threads, server.queue_size, server.timeout_s)
     return server

@@ -88,6 +88,8 @@ class RequestCore:
         self.state_damage: dict[str, Any] | None = None  # what the restore found damaged
         self._hold_until_s = 0.0  # growth held (damaged state) until then at the latest
         self._pushes: list[tuple[bytes, bytes]] = []
+        #: The shell's bounds and what they met (open files, connections...), for status.
+        self.shell_view: Callable[[], dict[str, Any]] | None = None
         self._body = b""  # the frame being handled: the reply cache fingerprints it
         self._handlers: dict[type, Callable[[Any, bytes, Peer, float], bytes | None]] = {
             proto.Hello: self.opener.hello,
@@ -302,13 +304,19 @@ class RequestCore:
                 )
 
     def lift_growth_hold(self, now: float) -> None:
-        """A hold after damaged state ends once nobody is recovering, or when its time is up."""
-        if self.ledger.growth_hold is not None and (now >= self._hold_until_s or not self.recovering()):
-            log.warning("event=growth_hold_lifted recovering_sessions=%d", self.recovering())
+        """A hold after damaged state ends once no restored session waits for its worker
+        (``recovering``, or ``stale`` without having resumed), or when its time is up."""
+        if self.ledger.growth_hold is not None and (now >= self._hold_until_s or not self.awaiting_workers()):
+            log.warning("event=growth_hold_lifted recovering_sessions=%d awaiting_workers=%d",
+                        self.recovering(), self.awaiting_workers())
             self.ledger.release_growth()
 
     def recovering(self) -> int:
         return sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING)
+
+    def awaiting_workers(self) -> int:
+        """Restored sessions whose worker has not resumed them since the restart."""
+        return sum(1 for s in self.ledger.sessions.values() if s.restored)
 
     # -------------------------------------------------------------- restore
     def restore(self, restored: Restored, now: float) -> None:
@@ -354,6 +362,8 @@ class RequestCore:
             "recovering_sessions": self.recovering(),
             "state_damage": self.state_damage,
             "growth_held": self.ledger.growth_hold,
+            "state_writes": self.journal.write_status(),
+            "limits": self.shell_view() if self.shell_view is not None else None,
             "counters": self.counters.to_dict(),
         }
         shares = fair_shares(self.ledger)

@@ -182,8 +182,11 @@ class LockFile:
                     f"another kvcached-broker (pid {holder}) already serves {self.what} (lock {self.path})"
                 ) from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:  # who holds it, for the next broker's message; the lock itself is the flock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:  # a full disk must not stop a start
+            pass
         self._fd = fd
 
     def release(self) -> None:

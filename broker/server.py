@@ -24,6 +24,7 @@ synchronous on purpose (zmq.asyncio measured slower; see docs/performance.md).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -38,7 +39,17 @@ from .. import broker as _package
 from ..client import protocol as proto
 from ..client.endpoint import ipc_path, tcp_host
 from ..client.units import format_bytes
+from .connections import (
+    ConnectionBook,
+    ConnectionBounds,
+    ConnectionMonitor,
+    OpenFiles,
+    connection_bounds,
+    raise_open_files_limit,
+)
 from .device import DeviceProbe
+from .reply_budget import LARGE_REPLY_BYTES, REPLIES_PER_CONNECTION, ReplyBudget
+from .journal import RETRY_WRITE_S
 from .request_core import build_core
 from .sdnotify import Notifier
 from .security import (
@@ -73,6 +84,10 @@ _POLL_TIMEOUT_MS = 100
 #: the next round takes any.
 _WAITED_S = 20e-6
 _MAX_PEERS = 16384
+#: Requests waiting in one connection's queue (the ROUTER's RCVHWM): past it libzmq stops
+#: reading that connection until the broker catches up, so a peer buffers at most this many
+#: requests of at most MAX_REQUEST_BYTES in the broker.
+REQUESTS_PER_CONNECTION = 16
 _NOT_A_PEER = object()  # the wake-up thread's messages: never a request
 
 
@@ -115,6 +130,12 @@ class BrokerServer:
         )
         self._peers: dict[bytes, Peer] = {}
         self._locks: list[LockFile] = []
+        self.open_files: OpenFiles | None = None  # RLIMIT_NOFILE, raised at start
+        self._connections: ConnectionMonitor | None = None
+        #: What ``/metrics`` serves with (its pool and what it refused), once it runs.
+        self.metrics_view: Callable[[], dict[str, Any]] | None = None
+        self.replies = ReplyBudget()
+        self.core.shell_view = self._limits_view
         self._journal_open = False  # only a journal this broker restored may be written
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
@@ -132,6 +153,7 @@ class BrokerServer:
             _Timer(config.probe_interval_s, lambda now: self.device.observe(self.ledger, now)),
             _Timer(0.0, self.core.lift_growth_hold),
             _Timer(0.0, self.journal.flush_due),
+            _Timer(RETRY_WRITE_S, self.journal.retry_failed_write),
             _Timer(0.0, self.core.expire_pressure),
         ]
 
@@ -144,6 +166,7 @@ class BrokerServer:
         """Take the locks, restore state, bind.  Raises with a one-line reason on failure."""
         cfg = self.config
         sock_path = ipc_path(cfg.endpoint)
+        self.open_files = raise_open_files_limit()
         try:
             if sock_path is not None:
                 prepare_socket_dir(sock_path, cfg.socket_group)
@@ -207,11 +230,12 @@ class BrokerServer:
         sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_REQUEST_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, REPLIES_PER_CONNECTION)
+        sock.setsockopt(zmq.RCVHWM, REQUESTS_PER_CONNECTION)
+        self._sock = sock  # from here on close() closes it, or the context would never end
+        self._connections = ConnectionMonitor(self._ctx, sock, ConnectionBook(self._connection_bounds()))
         if cfg.curve_dir is not None and sock_path is None:
             self._start_curve(sock, Path(cfg.curve_dir))
-        self._sock = sock
         if sock_path is not None:
             with socket_umask():
                 sock.bind(cfg.endpoint)
@@ -223,6 +247,26 @@ class BrokerServer:
         self._wakeups = WakeupThread(self._ctx, inproc)
         self._wakeup_rid = self._wakeups.routing_id
         self.processes.attach(self._wakeups)
+
+    def _connection_bounds(self) -> ConnectionBounds:
+        total, per_peer = self.config.connection_limits()
+        assert self.open_files is not None
+        bounds = connection_bounds(self.open_files.soft, total, per_peer)
+        if bounds.max_total < total:
+            log.warning("event=connections_bounded_by_open_files open_files=%d max_connections=%d configured=%d "
+                        "detail=raise_the_hard_limit_LimitNOFILE_for_more", self.open_files.soft, bounds.max_total, total)
+        return bounds
+
+    def _limits_view(self) -> dict[str, Any]:
+        """The bounds on what peers may hold of the broker, and what they met (status ``broker.limits``)."""
+        return {
+            "open_files": self.open_files.to_dict() if self.open_files is not None else None,
+            "connections": self._connections.view() if self._connections is not None else None,
+            "requests": {"max_bytes": proto.MAX_REQUEST_BYTES, "per_connection": REQUESTS_PER_CONNECTION},
+            "replies": self.replies.view(),
+            "reply_cache": self.core.table.reply_cache_view(),
+            "metrics": self.metrics_view() if self.metrics_view is not None else None,
+        }
 
     def _start_curve(self, sock: zmq.Socket, curve_dir: Path) -> None:
         """CURVE on tcp: the broker's key pair, and only clients whose public key is authorised."""
@@ -257,6 +301,8 @@ class BrokerServer:
             self.journal.close()
         self.processes.close()  # the wake-up thread's socket goes before the context
         self._wakeups = None
+        if self._connections is not None:
+            self._connections.close()  # its monitor socket too
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -424,7 +470,26 @@ class BrokerServer:
         send = _raw_send.__get__(sock)
         for rid, reply in replies:
             try:
+                if len(reply) > LARGE_REPLY_BYTES:
+                    self._send_large(send, rid, reply)
+                    continue
                 send(rid, _SNDMORE_NOBLOCK)
                 send(reply, _NOBLOCK)
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: it is not reading
-                log.debug("event=reply_dropped errno=%s", exc.errno)
+                self._dropped(exc)
+
+    def _send_large(self, send: Callable[..., Any], rid: bytes, reply: bytes) -> None:
+        """A large reply (a status document) goes without a copy, within the budget of what may
+        wait unread (broker/reply_budget.py), tracked until libzmq lets go of it."""
+        peer = self._peers.get(rid)
+        key = (peer.uid, None) if peer is not None and peer.uid is not None else (None, peer.address if peer else "")
+        if self.replies.admit(rid, key, len(reply)) is not None:
+            return
+        send(rid, _SNDMORE_NOBLOCK)
+        tracker = send(reply, _NOBLOCK, copy=False, track=True)
+        self.replies.sent(rid, key, len(reply), lambda: tracker.done)
+
+    def _dropped(self, exc: zmq.ZMQError) -> None:
+        if exc.errno == errno.EAGAIN:
+            self.replies.drop("queue_full")
+        log.debug("event=reply_dropped errno=%s", exc.errno)

@@ -7,7 +7,8 @@ The ledger counts bytes; this table answers "may this connection drive that sess
   bound to; a worker that reconnects re-binds it with ``hello(resume=token)`` from the same
   process.
 * Each session keeps its recent replies by request id, so a retried request gets the cached
-  reply and is never applied twice.
+  reply and is never applied twice: the last ``reply_cache`` (256) replies, fewer where they
+  would hold more than ``MAX_REPLY_CACHE_BYTES``, never fewer than ``MIN_REPLIES_KEPT``.
 * An evicted session's token is fenced: later requests with it get ``evicted``.
 """
 
@@ -19,6 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ..client.errors import BadRequest
+
+#: What one session's reply cache may hold (1,024 sessions of one user: 64 MiB, where 512
+#: replies of up to 9 KiB each, a reserve naming 64 pools, held 3.2 MiB a session), unless its
+#: newest ``MIN_REPLIES_KEPT`` replies alone are larger.  A client has only a few requests
+#: outstanding at once, and an id older than the window is refused, never applied twice.
+MAX_REPLY_CACHE_BYTES = 64 << 10
+MIN_REPLIES_KEPT = 16
 
 
 @dataclass(eq=False)
@@ -40,15 +48,35 @@ class Binding:
     #: The largest request id trimmed out of ``replies``: an id at or below it that is not
     #: cached can no longer be told apart from a replay, so it is refused.
     forgotten_id: int = -1
+    reply_bytes: int = 0  # the bytes of the replies in ``replies``
 
     def remember_reply(self, request_id: int, body_hash: int | None, reply: bytes, limit: int) -> None:
-        """Keep at least the last ``limit`` replies (trimmed in bulk: amortised O(1))."""
+        """Keep the last ``limit`` replies, or as many of the newest (at least
+        ``MIN_REPLIES_KEPT``) as fit ``MAX_REPLY_CACHE_BYTES``.  Trimmed in bulk, to ``limit``
+        replies and half the bytes: amortised O(1)."""
         replies = self.replies
+        previous = replies.get(request_id)
+        if previous is not None:
+            self.reply_bytes -= len(previous[1])
         replies[request_id] = (body_hash, reply)
-        if len(replies) > 2 * limit:
-            old_ids = list(replies)[: len(replies) - limit]
-            for old in old_ids:
-                del replies[old]
+        self.reply_bytes += len(reply)
+        if len(replies) > 2 * limit or (self.reply_bytes > MAX_REPLY_CACHE_BYTES and len(replies) > MIN_REPLIES_KEPT):
+            self._trim(limit)
+
+    def _trim(self, limit: int) -> None:
+        replies = self.replies
+        keep_bytes = MAX_REPLY_CACHE_BYTES // 2
+        left = len(replies)
+        old_ids: list[int] = []
+        for request_id, (_, reply) in replies.items():
+            if left <= limit and (left <= MIN_REPLIES_KEPT or self.reply_bytes <= keep_bytes):
+                break
+            old_ids.append(request_id)
+            self.reply_bytes -= len(reply)
+            left -= 1
+        for old in old_ids:
+            del replies[old]
+        if old_ids:
             self.forgotten_id = max(self.forgotten_id, max(old_ids))
 
     def replay(self, request_id: int, body_hash: int) -> bytes | None:
@@ -169,6 +197,11 @@ class SessionTable:
             del self._by_nonce[binding.nonce]
         binding.nonce = nonce
         self._by_nonce[nonce] = binding
+
+    def reply_cache_view(self) -> dict[str, int]:
+        """The reply cache's bounds per session, and what every session's holds now."""
+        return {"replies": self.reply_cache, "bytes": MAX_REPLY_CACHE_BYTES, "min_replies": MIN_REPLIES_KEPT,
+                "held_bytes": sum(binding.reply_bytes for binding in self._by_id.values())}
 
     def session_ids_of_pid(self, pid: int) -> list[str]:
         return sorted(self._by_pid.get(pid, ()))

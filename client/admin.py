@@ -20,7 +20,7 @@ class AdminClient:
                 f"kvcached-broker at {endpoint} is not running (no socket file)", details={"endpoint": endpoint}
             )
         self.endpoint = endpoint
-        self._transport = SyncTransport(endpoint, Timeouts(attempt_s=min(1.0, timeout_s), total_s=timeout_s), curve=curve)
+        self._transport = SyncTransport(endpoint, Timeouts.from_env(timeout_s), curve=curve)
         self._guard = endpoint_guard(endpoint, self._transport.close)
         self._ids = itertools.count(1)
 

@@ -11,6 +11,7 @@ lock around it).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -44,14 +45,19 @@ class Timeouts:
 
     @classmethod
     def from_env(cls, total_s: float | None = None) -> "Timeouts":
+        """``total_s``, else ``KVCACHED_BROKER_TIMEOUT_S``, else 10 s: a positive, finite number
+        (anything else is one :class:`BrokerUnavailable` line naming where it came from)."""
         if total_s is None:
             raw = os.environ.get("KVCACHED_BROKER_TIMEOUT_S", "")
             try:
                 total_s = float(raw) if raw else 10.0
             except ValueError:
-                raise BrokerUnavailable(f"KVCACHED_BROKER_TIMEOUT_S={raw!r} is not a number of seconds") from None
-        if total_s <= 0:
-            raise BrokerUnavailable(f"broker timeout must be positive, got {total_s}")
+                total_s = math.nan
+            if not 0 < total_s < math.inf:
+                raise BrokerUnavailable(
+                    f"KVCACHED_BROKER_TIMEOUT_S={raw[:40]!r} is not a positive number of seconds")
+        if not 0 < total_s < math.inf:
+            raise BrokerUnavailable(f"the broker timeout must be a positive number of seconds, got {total_s}")
         return cls(attempt_s=min(1.0, total_s), total_s=total_s)
 
 

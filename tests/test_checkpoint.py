@@ -468,3 +468,57 @@ def test_a_state_directory_owned_by_another_user_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="owned by uid 65534"):
         StateStore(state_dir, 0).open()
     assert not (state_dir / "gpu0.journal").exists()
+
+
+# ------------------------------------------------- the state files themselves (issue 26, item 8)
+@pytest.mark.parametrize("name", ["gpu0.journal", "gpu0.snapshot"])
+def test_a_state_file_that_is_a_symlink_is_refused_not_followed(tmp_path, state_dir, name):
+    """Even to a file that would load: a symlink could as well lead to /dev/zero (read until
+    memory runs out) or to another user's file."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(frame(session(1)) if name.endswith("journal") else snapshot_bytes(Snapshot(device_uuid="G")))
+    state_dir.mkdir(mode=0o700)
+    (state_dir / name).symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        StateStore(state_dir, 0).open()
+
+
+def test_a_state_file_larger_than_any_state_is_refused_unread(state_dir):
+    from kvcached_broker.broker.checkpoint import MAX_STATE_FILE_BYTES
+
+    state_dir.mkdir(mode=0o700)
+    with open(state_dir / "gpu0.journal", "wb") as f:
+        f.truncate(MAX_STATE_FILE_BYTES + 1)  # sparse
+    with pytest.raises(CheckpointError, match="more than a state file can"):
+        StateStore(state_dir, 0).open()
+
+
+def test_snapshot_temp_files_left_behind_are_removed_and_only_this_devices(state_dir):
+    state_dir.mkdir(mode=0o700)
+    for name in ("gpu0.snapshot.tmp4242", "gpu0.snapshot.tmp1", "gpu1.snapshot.tmp4242"):
+        (state_dir / name).write_bytes(b"half a snapshot")
+    store, _ = reopen(state_dir)
+    store.write_snapshot(Snapshot(device_uuid="GPU-1"))
+    store.close()
+    assert sorted(p.name for p in state_dir.iterdir()) == [
+        "gpu0.journal", "gpu0.snapshot", "gpu1.snapshot.tmp4242"]
+
+
+def test_a_snapshot_marked_stale_is_restored_and_reported_as_damage(state_dir):
+    store, _ = reopen(state_dir)
+    store.append([session(1), hold(1, 5)])
+    store.write_snapshot(Snapshot(device_uuid="GPU-1", sessions=[session(1, granted_pages=5)]))
+    store.append([session(2)])
+    assert store.mark_stale()
+    store.close()
+    assert (state_dir / "gpu0.snapshot").read_bytes()[:8] == b"KVBSTALE"
+    _, loaded = reopen(state_dir)
+    assert [s.granted_pages for s in loaded.snapshot.sessions] == [5]  # the content is kept
+    assert [r.id for r in loaded.records] == ["s-00000002"]
+    assert loaded.damaged and loaded.snapshot_damage.startswith("stale")
+
+
+def test_marking_stale_without_a_snapshot_says_so(state_dir):
+    store, _ = reopen(state_dir)
+    assert store.mark_stale() is False
+    store.close()

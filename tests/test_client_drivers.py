@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from kvcached_broker.client import AsyncBrokerClient, BrokerClient
 
 from helpers import GIB
@@ -122,3 +124,17 @@ def test_importing_the_request_core_does_not_import_zmq():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999", "0", "-2", "soon"])
+def test_a_bad_KVCACHED_BROKER_TIMEOUT_S_is_one_clear_error_naming_the_variable(monkeypatch, short_tmp, value):
+    """``nan`` and ``inf`` raised a bare ValueError / OverflowError from deep in the transport."""
+    from kvcached_broker.client.errors import BrokerUnavailable
+
+    monkeypatch.setenv("KVCACHED_BROKER_TIMEOUT_S", value)
+    for connect in (lambda: BrokerClient.connect("m", endpoint=f"ipc://{short_tmp}/none.sock"),
+                    lambda: asyncio.run(AsyncBrokerClient.connect("m", endpoint=f"ipc://{short_tmp}/none.sock"))):
+        with pytest.raises(BrokerUnavailable) as raised:
+            connect()
+        assert "KVCACHED_BROKER_TIMEOUT_S" in raised.value.message and "\n" not in raised.value.message
+        assert "positive number of seconds" in raised.value.message

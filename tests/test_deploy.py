@@ -23,7 +23,8 @@ def test_systemd_unit_verifies(tmp_path):
     problems = [line for line in (out.stdout + out.stderr).splitlines() if "kvcached-broker@0.service" in line]
     assert out.returncode == 0 and not problems, out.stdout + out.stderr
     for needed in ("Type=notify", "RuntimeDirectory=kvcached", "StateDirectory=kvcached-broker",
-                   "Restart=on-failure", "WatchdogSec=", "NoNewPrivileges=yes", "ExecStart=/usr/local/bin/kvcached-broker serve --device %i"):
+                   "Restart=on-failure", "WatchdogSec=", "NoNewPrivileges=yes", "LimitNOFILE=1048576",
+                   "ExecStart=/usr/local/bin/kvcached-broker serve --device %i"):
         assert needed in unit
 
 

@@ -185,3 +185,54 @@ def test_a_resume_whose_claims_are_refused_books_what_the_broker_charges(broker_
         a.release(4)  # uncharged: they leave the books without a request the broker would refuse
         assert a.held_pages == 0
         assert session_of(b.status(), a.session_id)["granted_pages"] == 0
+
+
+# ------------------------------------------- a restored session that never comes back
+def test_a_restored_session_silent_past_its_lease_turns_stale_and_can_be_evicted(caplog):
+    """docs/protocol.md §9: a restored session shows ``recovering`` until its worker resumes
+    it, or ``stale`` once silent for ``lease_s`` since the restart; an operator waiting for
+    ``stale`` then evicts it.  It stayed ``recovering`` forever before."""
+    holder = SessionRecord(id="s-00000002", token="token-holder-0002", nonce="nonce-holder-2", instance="holder",
+                           pid=HOLDER_PID, pid_verified=True, page_bytes=GIB, granted_pages=6)
+    core = make_core(16 * GIB, quotas=SessionQuotas(lease_s=10.0), is_admin=lambda peer: True)
+    core.restore(Restored([holder], found_state=True), now=100.0)
+
+    def state(now: float) -> str:
+        core.expire_leases(now)
+        return session_of(core.status(now), holder.id)["state"]
+
+    assert state(105.0) == "recovering"
+    with caplog.at_level(logging.WARNING, logger="kvcached_broker"):
+        assert state(110.5) == "stale"
+    assert "event=session_stale session=s-00000002" in caplog.text
+    assert core.status(110.5)["granted_bytes"] == 6 * GIB  # stale stays charged
+    admin = CoreConnection(core, now=110.5)
+    evicted = admin.ask({"op": "evict", "id": 1, "session_id": holder.id})
+    assert evicted["ok"], evicted
+    assert core.status(110.5)["granted_bytes"] == 0
+
+
+def test_a_stale_restored_session_keeps_growth_held_and_its_worker_can_still_resume():
+    """Turning stale does not count as having re-asserted: the hold after damaged state lasts
+    until the worker resumes (or twice the lease), and the resume adopts its claims."""
+    core = _held_core()  # lease 30 s; the holder restored with no pages at t=0
+    core.expire_leases(31.0)
+    assert session_of(core.status(31.0), "s-00000001")["state"] == "stale"
+    core.lift_growth_hold(31.0)
+    assert core.status(31.0)["broker"]["growth_held"]
+    conn = CoreConnection(core, local_peer(pid=HOLDER_PID), now=32.0)
+    reply = conn.hello("nonce-holder-resume", instance="holder", page_bytes=GIB, resume="token-holder-0001",
+                       holdings={"pools": {}, "granted_pages": 6, "reserve_pages": 0})
+    assert reply["ok"] and reply["result"]["resumed"] and reply["result"]["claims"] == "adopted", reply
+    assert session_of(core.status(32.0), "s-00000001")["state"] == "live"
+    core.lift_growth_hold(32.0)
+    assert not core.status(32.0)["broker"]["growth_held"]  # nobody left to wait for
+
+
+def test_the_hold_still_ends_after_twice_the_lease_when_the_stale_worker_never_returns():
+    core = _held_core()
+    core.expire_leases(31.0)
+    core.lift_growth_hold(59.0)
+    assert core.status(59.0)["broker"]["growth_held"]
+    core.lift_growth_hold(60.0)
+    assert not core.status(60.0)["broker"]["growth_held"]

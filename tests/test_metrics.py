@@ -148,3 +148,22 @@ def test_pressure_and_fair_shares_are_exported_as_status_has_them(short_tmp):
     for name in ("hoarder", "starved"):
         share = samples[_key("kvcached_broker_instance_fair_share_bytes", instance=name)]
         assert share == by_name[name]["fair_share_bytes"] > 0
+
+
+def test_metrics_show_every_bound_on_peers_and_what_met_it(inproc):
+    """Each limit in status ``broker.limits`` is a ``kvcached_broker_limit`` sample, with its counters."""
+    from kvcached_broker.broker.metrics import GpuLabels, StatusCollector
+
+    samples = {}
+    for family in StatusCollector(inproc.server.snapshot, GpuLabels("0", "SIM-GPU-0", "sim", "host")).collect():
+        for sample in family.samples:
+            samples[(sample.name, sample.labels.get("limit") or sample.labels.get("bound"))] = sample.value
+    limits = inproc.status()["broker"]["limits"]
+    assert samples[("kvcached_broker_limit", "open_files")] == limits["open_files"]["soft"]
+    assert samples[("kvcached_broker_limit", "connections")] == limits["connections"]["max"]
+    assert samples[("kvcached_broker_limit", "requests_per_connection")] == 16
+    assert samples[("kvcached_broker_limit", "replies_per_connection")] == 256
+    assert samples[("kvcached_broker_limit", "replies_large_bytes_per_peer")] == 32 << 20
+    assert samples[("kvcached_broker_limit", "reply_cache_bytes")] == 64 << 10
+    assert ("kvcached_broker_connections_refused_total", "per_peer") in samples
+    assert ("kvcached_broker_large_replies_waiting_bytes", None) in samples

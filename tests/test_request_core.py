@@ -58,16 +58,16 @@ def _record(session_id="s-00000001", token="token-000000001", pages=3):
                          pid_verified=True, page_bytes=GIB, granted_pages=pages)
 
 
-def test_a_restored_session_stays_recovering_past_its_lease_and_holds_growth_until_twice_it():
+def test_a_restored_session_turns_stale_past_its_lease_and_holds_growth_until_twice_it():
     core = make_core(8 * GIB, processes=FakeProcesses())
     core.restore(Restored([_record()], damage={"damaged_records": 1, "damaged_bytes": 40, "torn_bytes": 0,
                                                  "snapshot": None}, found_state=True), now=0.0)
     assert core.ledger.growth_hold is not None
     core.expire_leases(11.0)  # a lease has passed without a word from its worker
     (session,) = core.ledger.sessions.values()
-    assert session.state is SessionState.RECOVERING
+    assert session.state is SessionState.STALE and session.restored  # evictable, still awaited
     core.lift_growth_hold(11.0)
-    assert core.ledger.growth_hold is not None  # still recovering, and not yet twice the lease
+    assert core.ledger.growth_hold is not None  # its worker has not re-asserted, and not yet twice the lease
     core.lift_growth_hold(20.5)
     assert core.ledger.growth_hold is None
 

@@ -162,6 +162,30 @@ def test_trimming_keeps_at_least_the_last_limit_and_refuses_older_ids():
     assert b.replay(6, 6) == b"r6" and b.replay(10, 10) is None
 
 
+@pytest.mark.parametrize("reply_bytes", [9 << 10, 1 << 10])
+def test_the_reply_cache_holds_a_bounded_number_of_bytes_and_the_newest_replies(reply_bytes):
+    """512 replies of 9 KiB (a reserve naming 64 pools) were kept: 4.6 MiB a session."""
+    from kvcached_broker.broker.sessions import MAX_REPLY_CACHE_BYTES, MIN_REPLIES_KEPT
+
+    b = binding()
+    for request_id in range(1, 601):
+        b.remember_reply(request_id, request_id, b"%06d" % request_id + b"x" * (reply_bytes - 6), 256)
+        assert b.reply_bytes == sum(len(reply) for _, reply in b.replies.values())
+        assert b.reply_bytes <= max(MAX_REPLY_CACHE_BYTES, MIN_REPLIES_KEPT * reply_bytes) + reply_bytes
+        assert len(b.replies) >= min(request_id, MIN_REPLIES_KEPT)
+    assert list(b.replies) == list(range(601 - len(b.replies), 601))  # the newest
+    assert b.replay(600, 600).startswith(b"000600")
+    with pytest.raises(BadRequest, match="older than this session's reply window"):
+        b.replay(b.forgotten_id, b.forgotten_id)
+
+
+def test_a_reply_remembered_again_under_its_id_is_counted_once():
+    b = binding()
+    b.remember_reply(1, 1, b"x" * 100, 256)
+    b.remember_reply(1, None, b"y" * 10, 256)  # a settled id's reply replaces the first
+    assert b.reply_bytes == 10
+
+
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)
 @given(limit=st.integers(min_value=1, max_value=3), ids=st.lists(st.integers(min_value=0, max_value=40), max_size=60))
 def test_the_reply_window_over_any_sequence_of_ids(limit, ids):

@@ -94,3 +94,63 @@ class _Flock:
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
+
+
+#: What a serving process puts on a GPU before it allocates anything of its own, as the
+#: simulated device models it (bytes).  A CUDA context (with cuBLAS's workspace) per process per
+#: GPU it touches, the first segment torch's caching allocator reserves, and NCCL's buffers for
+#: each communicator a tensor-parallel process opens.  Public figures for an H100 with CUDA 12;
+#: the GPU check (``scripts/gpu-check``) measures them on the hardware (docs/performance.md).
+CUDA_CONTEXT_BYTES = 512 << 20
+TORCH_FIRST_SEGMENT_BYTES = 20 << 20
+NCCL_COMMUNICATOR_BYTES = 320 << 20
+
+
+class Footprint:
+    """What one serving process holds on a shared simulated GPU, by what it is for.
+
+    A server's start-up lands here in the order a real one allocates: its CUDA context when it
+    first touches the GPU (:meth:`touch`), its weights, NCCL's buffers, the activation peak of a
+    profiling pass (freed after: :meth:`peak`), its KV pools, its CUDA graphs, and the
+    activations a warm-up and later batches leave in torch's cache.  An allocation that does
+    not fit raises :class:`DeviceFull`, as CUDA's out-of-memory error does; nothing is taken
+    then.  ``parts`` says how much each purpose holds (bytes)."""
+
+    def __init__(self, gpu: SharedGpu):
+        self.gpu = gpu
+        self.parts: dict[str, int] = {}
+
+    def touch(self, communicators: int = 0) -> None:
+        """The process starts using the GPU: its context, torch's first segment, and NCCL's
+        buffers for ``communicators`` communicators (tensor parallelism)."""
+        self.allocate("cuda_context", CUDA_CONTEXT_BYTES)
+        self.allocate("torch_cache", TORCH_FIRST_SEGMENT_BYTES)
+        if communicators:
+            self.allocate("nccl", communicators * NCCL_COMMUNICATOR_BYTES)
+
+    def allocate(self, part: str, size_bytes: int) -> None:
+        if size_bytes <= 0:
+            return
+        try:
+            self.gpu.allocate(size_bytes)
+        except DeviceFull as exc:
+            raise DeviceFull(f"CUDA error: out of memory allocating {size_bytes} bytes for {part} ({exc})") from None
+        self.parts[part] = self.parts.get(part, 0) + size_bytes
+
+    def free(self, part: str, size_bytes: int | None = None) -> None:
+        """Give back ``size_bytes`` of ``part`` (all of it when None)."""
+        held = self.parts.get(part, 0)
+        size = held if size_bytes is None else min(size_bytes, held)
+        if size <= 0:
+            return
+        self.gpu.free(size)
+        self.parts[part] = held - size
+
+    def peak(self, part: str, size_bytes: int) -> None:
+        """A transient peak (a profiling pass's activations): taken, then given back, as torch
+        does with ``empty_cache()`` after profiling."""
+        self.allocate(part, size_bytes)
+        self.free(part, size_bytes)
+
+    def held_bytes(self) -> int:
+        return sum(self.parts.values())

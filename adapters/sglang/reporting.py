@@ -99,9 +99,7 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
                          phase="warming" if last else None) is None:
             return False
     except BudgetExceeded as exc:
-        raise kv_budget.BrokerBudgetError(
-            f"kvcached-broker at {client.endpoint} cannot give SGLang instance {identity.instance_name()!r} "
-            f"{format_bytes(max(0, growth))} for {what}: {exc.message}") from exc
+        raise kv_budget.explain_refusal(identity, client, max(0, growth), what, exc) from exc
     with _lock:
         _totals[key] = total
         if storages is not None:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import worker
+from .. import sizing, worker
 from ..patching import PatchError, class_with, wrap_methods, wrap_once
 from ..tensors import storage_bytes
 from ..worker import WorkerIdentity
@@ -68,9 +68,11 @@ def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, w
             allocated: bool = True) -> None:
     """``kv_static`` at ``buffer_bytes``, with the sizing hold dropped, in one broker request."""
     usage = kv_config.within(kv_config.usage_breakdown(kv_cache_config), buffer_bytes)
+    growth = buffer_bytes - worker.booked_bytes(identity, kv_budget.REPORTER)
+    holds = sizing.holds_after_pool(identity, growth, last=True) or {}
     try:
         worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage,
-                      holds={worker.KV_SIZING_HOLD: 0}, allocated=allocated)
+                      holds=holds, allocated=allocated, phase="warming")
     except BudgetExceeded as exc:
         client = worker.session(identity)
         if client is None:

@@ -1,23 +1,31 @@
-"""Size vLLM's KV cache by what this GPU's broker can grant.
+"""Size vLLM's KV cache by what this GPU's broker admits, and settle its warm-up.
 
 ``Worker.determine_available_memory`` returns the bytes vLLM may spend on KV cache, from a
-profile or from ``cache_config.kv_cache_memory_bytes``.  The patch caps that figure at what
-the broker can grant this worker after its other reservations, and holds it right away
-(a broker hold, ``kv_sizing_hold``, charged on top of what the device measures the process
-using, with its runtime base pinned in the same request), so no co-located instance can
-take it before vLLM allocates, and the weights it already loaded cannot absorb it.
+profile or from ``cache_config.kv_cache_memory_bytes``.  The profile also leaves on the
+worker what vLLM keeps beside the KV cache and allocates later: its activation peak
+(``peak_activation_memory``) and its CUDA graphs (``cudagraph_memory_estimate``, counted in
+the peak where vLLM applies it).  The patch admits both in **one** broker request
+(:func:`..sizing.size`): the runtime base pinned, that slack held in full
+(``runtime_slack_hold``), and the KV cache held at most at vLLM's figure and at least at what
+one ``max_model_len`` request needs (``kv_sizing_hold``), so no co-located instance can take
+any of it before vLLM allocates it, and the weights it already loaded cannot absorb it.
 
-* A profiled figure above the broker's room is lowered to the room (logged).
-* An explicit ``kv_cache_memory_bytes`` is honoured exactly or not at all: above the room,
-  the worker fails at startup rather than silently running with less than it was told.
-* When the broker's room is below what one ``max_model_len`` request needs (and vLLM's own
-  figure is not), the worker fails at startup with a :class:`~.kv_budget.KVCacheBudgetError`
-  naming the broker, the budget and what others hold.  A profile that is short by itself
-  is left to vLLM's own error.
+* A profiled figure above what fits is lowered to what fits (logged).
+* An explicit ``kv_cache_memory_bytes`` is honoured exactly or not at all: when it does not
+  fit, the worker fails at startup rather than silently running with less than it was told.
+* When even one ``max_model_len`` request's KV cache and the slack do not fit (and vLLM's own
+  figure covers the request), the worker fails at startup with a
+  :class:`~.kv_budget.KVCacheBudgetError` naming the broker, the ask, the room and who holds
+  the rest.  A profile that is short by itself is left to vLLM's own error.
 * In kvcached mode (:mod:`.kvcached_mode`) the buffer is virtual: the figure kvcached's own
-  patch computed is capped at the most the broker could ever grant this instance, and nothing
-  is held (kvcached maps nothing at sizing time; its pages are granted as it maps them, see
-  ``adapters/kvcached``).  The cap wraps kvcached's patched method (``kvcached_mode``), once.
+  patch computed is capped at the most the broker could ever grant this instance, and no KV is
+  held (kvcached maps nothing at sizing time; its pages are granted as it maps them, see
+  ``adapters/kvcached``); the slack still is.  The cap wraps kvcached's patched method
+  (``kvcached_mode``), once.
+
+``Worker.compile_or_warm_up_model`` (CUDA graphs captured, the sampler warmed up) ends the
+warm-up: :func:`~..worker.settle_warm_up` pins the base where the device measures it and
+keeps the slack the warm-up did not allocate as the resident ``runtime_slack`` pool.
 
 All sizes are bytes.
 """
@@ -29,42 +37,70 @@ import logging
 from typing import Any, Callable
 
 from ...client.units import format_bytes
-from .. import worker
+from .. import sizing, worker
 from ..patching import wrap_methods, wrap_once
+from ..versions import installed, parse
 from . import kv_budget, kvcached_mode, parallel
 
 log = logging.getLogger("kvcached_broker.adapters.vllm")
 
+#: The first release that counts its CUDA graph estimate in ``peak_activation_memory`` (when
+#: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` is on, its default since).
+GRAPHS_IN_PEAK = "0.21.0"
 
 
 def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
-    """The KV bytes this worker may use: vLLM's figure, capped (and held) by the broker."""
+    """The KV bytes this worker may use: vLLM's figure, capped by what the broker admits."""
     identity = parallel.identity(vllm_worker.device)
-    client = worker.session(identity)
-    if client is None:
-        return available_bytes
-    room = worker.guard(identity, "status", lambda: kv_budget.measure_room(identity, client))
-    if room is None:  # the broker failed: unprotected, vLLM's own figure
+    if worker.session(identity) is None:
         return available_bytes
     elastic = kvcached_mode.active()
-    limit = room.ever_bytes if elastic else room.grantable_bytes
     explicit = getattr(vllm_worker.cache_config, "kv_cache_memory_bytes", None)
-    if explicit and explicit > limit:
-        raise kv_budget.refusal(identity, room, int(explicit), "kv_cache_memory_bytes")
     needed = min_kv_bytes(vllm_worker)
-    if limit < min(needed, int(available_bytes)):  # the broker, not vLLM's own profile, is short
-        raise kv_budget.refusal(identity, room, needed, "the KV cache one max_model_len request needs")
-    capped = min(int(available_bytes), limit)
-    if capped > 0 and not elastic:
-        held = kv_budget.hold(identity, client, capped, min(needed, capped))
-        if held is None:  # the broker failed: unprotected, vLLM's own figure
-            return available_bytes
-        capped = held
+    wanted = int(explicit) if explicit else int(available_bytes)
+    least = wanted if explicit else min(needed, int(available_bytes))
+    reason = "as kv_cache_memory_bytes sets it" if explicit else "what one max_model_len request needs"
+    ask = sizing.StartupAsk("vLLM", wanted, least, slack_bytes(vllm_worker), elastic, reason)
+    try:
+        sized = sizing.size(identity, ask)
+    except sizing.StartupRefused as exc:
+        raise kv_budget.KVCacheBudgetError(str(exc)) from exc
+    if sized is None:  # the broker failed: unprotected, vLLM's own figure
+        return available_bytes
+    capped = sized.kv_bytes if not explicit or sized.kv_bytes >= wanted else 0
+    if elastic and capped < least:  # the broker, not vLLM's own profile, is short
+        raise kv_budget.KVCacheBudgetError(str(sizing.refusal(
+            identity, ask, f"it could never give the instance more than {format_bytes(sized.ever_bytes)} of KV cache")))
     log.info(
-        "event=vllm_kv_sized rank=%d vllm=%s broker_limit=%s kv=%s elastic=%s",
-        identity.tp_rank, format_bytes(int(available_bytes)), format_bytes(limit), format_bytes(capped), elastic,
+        "event=vllm_kv_sized rank=%d vllm=%s slack=%s broker_ever=%s kv=%s elastic=%s",
+        identity.tp_rank, format_bytes(int(available_bytes)), format_bytes(sized.slack_bytes),
+        format_bytes(sized.ever_bytes), format_bytes(capped), elastic,
     )
     return capped
+
+
+def slack_bytes(vllm_worker: Any) -> int:
+    """What vLLM keeps beside its KV cache, from its own profile: the activation peak and the
+    CUDA graphs it will capture (0 where it did not profile, as with ``kv_cache_memory_bytes``)."""
+    peak = _bytes(getattr(vllm_worker, "peak_activation_memory", 0))
+    graphs = _bytes(getattr(vllm_worker, "cudagraph_memory_estimate", 0))
+    return peak + (0 if _graphs_counted_in_peak() else graphs)
+
+
+def _bytes(value: Any) -> int:
+    return max(0, int(value)) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def _graphs_counted_in_peak() -> bool:
+    version = installed("vllm")
+    if version is None or parse(version) < parse(GRAPHS_IN_PEAK):
+        return False
+    try:
+        import vllm.envs as envs
+
+        return bool(envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS)
+    except Exception:  # noqa: BLE001 - no envs module to ask: count the graphs once more, never less
+        return False
 
 
 def min_kv_bytes(vllm_worker: Any) -> int:
@@ -98,6 +134,19 @@ def wrap_determine_available_memory(original: Callable[..., int]) -> Callable[..
     return wrap_once(original, determine_available_memory)
 
 
+def wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        identity = parallel.identity(self.device)
+        if worker.session(identity) is not None:
+            worker.settle_warm_up(identity)
+        return result
+
+    return wrap_once(original, compile_or_warm_up_model)
+
+
 def apply_gpu_worker(module: Any) -> None:
-    """Patch ``vllm.v1.worker.gpu_worker.Worker.determine_available_memory``."""
-    wrap_methods(module, "Worker", {"determine_available_memory": wrap_determine_available_memory})
+    """Patch ``vllm.v1.worker.gpu_worker.Worker``: ``determine_available_memory`` (sizing) and
+    ``compile_or_warm_up_model`` (the end of the warm-up)."""
+    wrap_methods(module, "Worker", {"determine_available_memory": wrap_determine_available_memory,
+                                    "compile_or_warm_up_model": wrap_compile_or_warm_up_model})

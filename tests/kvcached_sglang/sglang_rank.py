@@ -97,9 +97,9 @@ class Rank:
         figure = sglang_cpu.run_profile(obj, pre_model_load_bytes)
         decision = kv_sizing.last_decision()
         return {"kv_bytes": figure, "held_bytes": reporting.held_bytes(parallel.identity("cuda:0")),
-                "ever_bytes": decision.room.ever_bytes if decision and decision.room else None}
+                "ever_bytes": decision.sized.ever_bytes if decision and decision.sized else None}
 
-    def build(self) -> dict:
+    def build(self, tokens: int = POOL_TOKENS) -> dict:
         import torch
         import sglang.srt.mem_cache.kv_cache_configurator as configurator
         from sglang.srt.managers.scheduler import Scheduler
@@ -107,9 +107,9 @@ class Rank:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.radix_cache import RadixCache
 
-        self.pool = memory_pool.MHATokenToKVPool(POOL_TOKENS, PAGE_TOKENS, torch.float16, HEADS, HEAD_DIM, LAYERS,
+        self.pool = memory_pool.MHATokenToKVPool(tokens, PAGE_TOKENS, torch.float16, HEADS, HEAD_DIM, LAYERS,
                                                  "cuda:0", False, enable_alt_stream=False)
-        self.allocator = configurator.PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE_TOKENS, torch.float16, "cuda:0",
+        self.allocator = configurator.PagedTokenToKVPoolAllocator(tokens, PAGE_TOKENS, torch.float16, "cuda:0",
                                                                   self.pool, False)
         self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
                                                token_to_kv_pool_allocator=self.allocator, page_size=PAGE_TOKENS))
@@ -118,6 +118,55 @@ class Rank:
         manager._post_init_done.wait(30)
         return {"pool": type(self.pool).__name__, "allocator": type(self.allocator).__name__,
                 "allocator_module": type(self.allocator).__module__, **self.status()}
+
+    def start_up(self, weights_bytes: int, mem_fraction_static: float, graphs_bytes: int, warmup_bytes: int) -> dict:
+        """A whole scheduler start-up on the shared device, inside the scheduler's start-up method as
+        the adapters patch it: the CUDA context, the weights, SGLang's real profile (kvcached's
+        capacity patch under the broker's cap, the slack held), kvcached's pool built in the
+        virtual size it was given, then CUDA graphs and the warm-up's activations, allocated after
+        the pool's first grant (what kvcached mode must still see: they never hide in granted but
+        unmapped pages).  Returns ``serving``, ``refused`` (the adapters' start-up error) or
+        ``crashed`` (CUDA's out-of-memory error)."""
+        import sglang_cpu
+        import torch
+
+        from kvcached_broker.adapters.sglang import kv_budget, startup
+        from kvcached_broker.tools.shared_gpu import DeviceFull, Footprint
+
+        memory = self.memory = Footprint(self.gpu)
+        cell_bytes = HEADS * HEAD_DIM * torch.float16.itemsize * 2 * LAYERS
+
+        def init_model_worker(scheduler) -> None:
+            pre_model_load_bytes = self.gpu.free_bytes()
+            memory.allocate("weights", weights_bytes)
+            torch.cuda.memory_reserved = lambda device=None: memory.held_bytes()
+            obj = sglang_cpu.profiler(self.gpu.free_bytes(), real_world_group=True)
+            obj.device = "cuda:0"
+            with sglang_cpu.runtime_config(mem_fraction_static=mem_fraction_static):
+                virtual_bytes = obj._profile_available_bytes(pre_model_load_bytes / (1 << 30))
+            self.build(tokens=max(PAGE_TOKENS, virtual_bytes // cell_bytes // 1024 * 1024))
+            self.charge()
+            memory.allocate("cuda_graphs", graphs_bytes)
+            memory.allocate("activations", warmup_bytes)
+
+        try:
+            memory.touch()
+            startup.wrap_init_model_worker(init_model_worker)(None)
+        except kv_budget.BrokerBudgetError as exc:
+            return {"event": "refused", "error": str(exc), "footprint": memory.parts}
+        except DeviceFull as exc:
+            return {"event": "crashed", "error": str(exc), "footprint": memory.parts}
+        return {"event": "serving", "footprint": memory.parts, **self.status()}
+
+    def batch(self, activations_bytes: int) -> dict:
+        """A later prefill's activations, inside the slack the runtime kept."""
+        from kvcached_broker.tools.shared_gpu import DeviceFull
+
+        try:
+            self.memory.allocate("activations", activations_bytes)
+        except DeviceFull as exc:
+            return {"event": "crashed", "error": str(exc), "footprint": self.memory.parts}
+        return {"event": "batched", "footprint": self.memory.parts}
 
     # ------------------------------------------------------------ the scheduler
     def step(self, n: int = 1, limit_at_most: int | None = None, limit_at_least: int | None = None,
@@ -419,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path[:0] = [str(HERE), str(HERE.parent / "adapters" / "sglang")]
     from kvcached_broker.tools.kvcached_sim import kvcached_cpu
 
-    kvcached_cpu.install(args.usage, args.total, args.ipc)
+    gpu = kvcached_cpu.install(args.usage, args.total, args.ipc)
     if args.ipc == "-":  # kvcached's default name: per process group, shared by the server's ranks
         del os.environ["KVCACHED_IPC_NAME"]
     import torch
@@ -450,6 +499,7 @@ def main(argv: list[str] | None = None) -> None:
 
         limits.set_factory(None)  # the hazard: limits applied on the governors' thread
     rank = Rank(args)
+    rank.gpu = gpu
     from kvcached.utils import DEFAULT_IPC_NAME
 
     reply({"ready": True, "pid": os.getpid(), "ipc_name": DEFAULT_IPC_NAME})

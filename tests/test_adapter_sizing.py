@@ -1,0 +1,113 @@
+"""The one sizing algorithm both runtimes start with (adapters/sizing.py), against a real broker
+on a simulated device that measures this process as NVML would.
+
+A start-up is admitted in one request: the base pinned, the runtime's slack held in full, the
+KV cache held as much as fits between the least it needs and its own figure.  The pools then
+turn the KV hold into ``kv_static`` (a padded pool eats into the slack hold), and the end of the
+warm-up pins the base where the device measures it and keeps the slack the warm-up did not
+allocate as ``runtime_slack``.  At no step does the charge leave room for a neighbour that
+the device does not have.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import GIB, MIB, Worker
+
+from kvcached_broker.adapters import sizing, worker
+from kvcached_broker.adapters.worker import KV_SIZING_HOLD, SLACK_HOLD, SLACK_POOL, WorkerIdentity
+from kvcached_broker.client.admin import AdminClient
+
+PID = os.getpid()
+ME = WorkerIdentity("sglang", "cpu", instance="me")
+
+
+@pytest.fixture
+def device(adapter_broker):
+    """``set(bytes)``: what the simulated device measures this process using (weights 2 GiB now)."""
+    def measure(size_bytes: int) -> None:
+        with AdminClient(adapter_broker.endpoint, timeout_s=30) as admin:
+            admin.simulate(process_bytes={PID: size_bytes})
+
+    measure(2 * GIB)
+    return measure
+
+
+@pytest.fixture
+def neighbour(adapter_broker, workers):
+    """``hold(bytes)``: another server's process, holding that much as its pools."""
+    def hold(size_bytes: int) -> None:
+        workers.append(Worker(adapter_broker.endpoint, "neighbour", {"other": size_bytes}, 0))
+
+    return hold
+
+
+def _me(broker) -> dict:
+    session_id = worker.session(ME).session_id
+    (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
+    return found
+
+
+def test_the_slack_is_held_in_full_and_the_kv_cache_as_much_as_fits(adapter_broker, device, neighbour):
+    neighbour(3 * GIB)  # 10 GiB: 2 of weights, 3 elsewhere, 5 free
+    sized = sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, GIB, GIB))
+    assert (sized.kv_bytes, sized.slack_bytes) == (4 * GIB, GIB)
+    assert sized.holders == (("neighbour", 3 * GIB),) and sized.ever_bytes == 10 * GIB - 7 * GIB
+    me = _me(adapter_broker)
+    assert me["holds"] == {KV_SIZING_HOLD: 4 * GIB, SLACK_HOLD: GIB} and me["pools"]["runtime_base"] == 2 * GIB
+    assert me["phase"] == "sizing" and adapter_broker.status()["free_bytes"] == 0
+
+
+def test_a_start_up_whose_least_does_not_fit_fails_in_one_line_naming_the_broker_and_the_holders(
+        adapter_broker, device, neighbour):
+    neighbour(6 * GIB)  # 2 GiB free
+    with pytest.raises(sizing.StartupRefused) as refused:
+        sizing.size(ME, sizing.StartupAsk("vLLM", 8 * GIB, 2 * GIB, GIB))
+    message = str(refused.value)
+    assert adapter_broker.endpoint in message and "'me'" in message and "\n" not in message
+    assert "a KV cache of up to 8.00 GiB (at least 2.00 GiB) and 1.00 GiB beside it" in message
+    assert "asked 3.00 GiB, 2.00 GiB free" in message and "held by neighbour 6.00 GiB" in message
+    assert _me(adapter_broker)["holds"] == {}  # nothing held
+
+
+def test_kvcached_mode_holds_the_slack_and_caps_the_virtual_size_at_what_could_ever_be_given(
+        adapter_broker, device, neighbour):
+    with adapter_broker.admin() as admin:
+        admin.limit("neighbour", min_bytes=3 * GIB)
+    neighbour(GIB)
+    sized = sizing.size(ME, sizing.StartupAsk("SGLang", 72 * GIB, 1, GIB, elastic=True))
+    assert sized.kv_bytes == 10 * GIB - 3 * GIB - (2 * GIB + GIB)  # the floor, the weights, the slack
+    assert _me(adapter_broker)["holds"] == {SLACK_HOLD: GIB}
+
+
+def test_a_pool_padded_past_the_kv_hold_takes_the_rest_out_of_the_slack_in_the_same_request(
+        adapter_broker, device, neighbour):
+    sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
+    free = adapter_broker.status()["free_bytes"]
+    pool_bytes = 4 * GIB + 24 * MIB  # SGLang's size + page_size rows
+    holds = sizing.holds_after_pool(ME, pool_bytes, last=True)
+    assert holds == {KV_SIZING_HOLD: 0, SLACK_HOLD: GIB - 24 * MIB}
+    worker.report(ME, "pool", {"kv_static": pool_bytes}, holds=holds)
+    assert adapter_broker.status()["free_bytes"] == free  # the charge did not move: no room to find
+
+
+def test_the_end_of_the_warm_up_pins_the_base_and_keeps_the_slack_it_did_not_allocate(
+        adapter_broker, device, neighbour):
+    sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
+    worker.report(ME, "pool", {"kv_static": 4 * GIB}, holds=sizing.holds_after_pool(ME, 4 * GIB, last=True))
+    device(6 * GIB + 384 * MIB)  # the pool, and 384 MiB of CUDA graphs and cached activations
+    before = _charged(adapter_broker)  # 6.375 measured + the 1 GiB slack hold on top
+    assert worker.settle_warm_up(ME) == GIB - 384 * MIB
+    me = _me(adapter_broker)
+    assert me["holds"] == {} and me["phase"] == "serving"
+    assert me["pools"] == {"runtime_base": 2 * GIB + 384 * MIB, "kv_static": 4 * GIB, SLACK_POOL: GIB - 384 * MIB}
+    assert _charged(adapter_broker) == before - 384 * MIB  # the graphs are no longer counted twice
+    device(7 * GIB)  # a long prefill's activations later: inside the slack kept, nothing unreported
+    assert adapter_broker.status()["unreported_bytes"] == 0
+
+
+def _charged(broker) -> int:
+    return sum(i["charged_bytes"] for i in broker.status()["instances"])
