@@ -4,6 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# Every install pins what it installs (pip itself, the test dependencies and theirs, and what
+# a build installs) to the versions in constraints/, per supported Python; `make constraints`
+# resolves them again (scripts/pythons.py).
+CONSTRAINTS := constraints/test.txt
+BUILD_CONSTRAINTS := constraints/build.txt
+PINNED := -c $(CONSTRAINTS) --build-constraint $(BUILD_CONSTRAINTS)
+
 ENVS := .adapter-envs
 # The hand-over demo and benchmark (tools/kvcached_sim): torch, a CPU build (the pin resolves to
 # the local CPU wheel; never unpinned), and kvcached 0.1.6's Python code (scripts/fetch-kvcached.py).
@@ -33,28 +40,37 @@ else
 $(error CORE must be interpreted or compiled, not '$(CORE)')
 endif
 
-.PHONY: demo test test-core test-compiled test-adapters adapter-envs bench chaos replay gpu-check gpu-check-simulate clean
+.PHONY: demo test test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
+	$(PY) -m pip install --quiet $(PINNED) -e '.[test]'
 	touch $(STAMP)
 
-$(CSTAMP): pyproject.toml setup.py $(wildcard broker/*.py client/*.py)
+$(CSTAMP): pyproject.toml setup.py $(wildcard broker/*.py client/*.py) $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	test -x $(CPY) || $(PYTHON) -m venv $(CVENV)
-	$(CPY) -m pip install --quiet --upgrade pip
+	$(CPY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
 	rm -rf $(WHEELS)
 	@echo "compiling the request core with mypyc (about a minute)"
-	KVCACHED_BROKER_COMPILE=1 $(CPY) -m pip wheel --quiet --no-deps --wheel-dir $(WHEELS) .
+	KVCACHED_BROKER_COMPILE=1 $(CPY) -m pip wheel --quiet --no-deps --build-constraint $(BUILD_CONSTRAINTS) --wheel-dir $(WHEELS) .
 	$(CPY) -m pip install --quiet --force-reinstall --no-deps $(WHEELS)/*.whl
-	$(CPY) -m pip install --quiet "$$(ls $(WHEELS)/*.whl)[test]"
+	$(CPY) -m pip install --quiet $(PINNED) "$$(ls $(WHEELS)/*.whl)[test]"
 	touch $(CSTAMP)
+
+# One venv per other supported Python (pyproject.toml's classifiers), editable and interpreted,
+# for `make test-pythons`; the interpreter comes from pyenv or PATH (scripts/pythons.py find).
+.venv-py%/.installed: pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS) | $(STAMP)
+	rm -rf .venv-py$*
+	py=$$($(PY) scripts/pythons.py find $*) && "$$py" -m venv .venv-py$*
+	.venv-py$*/bin/python -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
+	.venv-py$*/bin/python -m pip install --quiet $(PINNED) -e '.[test]'
+	touch $@
 
 # Idempotent: once stamped it is not run again (`make clean` or deleting the stamp redoes it).
 $(SIM_STAMP): $(STAMP) scripts/fetch-kvcached.py
 	@echo "preparing the hand-over demo: torch (CPU) and kvcached 0.1.6's Python code (log: $(SIM_LOG))"
-	@{ $(PY) -m pip show torch >/dev/null 2>&1 || $(PY) -m pip install --quiet '$(TORCH_PIN)'; } >$(SIM_LOG) 2>&1
+	@{ $(PY) -m pip show torch >/dev/null 2>&1 || $(PY) -m pip install --quiet -c $(CONSTRAINTS) '$(TORCH_PIN)'; } >$(SIM_LOG) 2>&1
 	@$(PY) scripts/fetch-kvcached.py $(ENVS) >>$(SIM_LOG) 2>&1
 	@touch $(SIM_STAMP)
 
@@ -75,11 +91,29 @@ test-core: $(STAMP)
 test-compiled: $(CSTAMP)
 	KVCACHED_BROKER_EXPECT_COMPILED=1 $(CPY) -m pytest -q -p no:cacheprovider --ignore=tests/adapters
 
+# The core suite on every supported Python but .venv's (no torch: its tests skip), about three
+# minutes each on 2 cores; `make test-pythons PYTHONS="3.12"` picks them.  .ci/run runs it
+# after `make test`.
+test-pythons: $(STAMP)
+	@main=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])') && \
+	versions="$(or $(PYTHONS),$$($(PY) scripts/pythons.py versions))" && \
+	for v in $$versions; do \
+		[ "$$v" = "$$main" ] && [ -z "$(PYTHONS)" ] && continue; \
+		echo "== the core suite on Python $$v"; \
+		$(MAKE) --no-print-directory .venv-py$$v/.installed && \
+		KVCACHED_BROKER_EXPECT_COMPILED=0 .venv-py$$v/bin/python -m pytest -q -p no:cacheprovider --ignore=tests/adapters \
+			|| exit 1; \
+	done
+
+# Resolve constraints/ again, for every supported Python (needs each of them: pyenv's or on PATH).
+constraints: $(STAMP)
+	$(PY) scripts/pythons.py constraints
+
 # torch (CPU, local file) and triton in .venv, plus one overlay per upstream version, and vLLM's own
 # block-pool tests from each release's sdist on the package index (stamped: a second run fetches
 # nothing; a failed fetch fails here in one line unless KVCACHED_UPSTREAM_OPTIONAL=1).
 adapter-envs: $(STAMP)
-	bash scripts/adapter-envs.sh --install-base --prune-native --check $(PY) $(ENVS)
+	bash scripts/adapter-envs.sh --install-base --constraints $(CONSTRAINTS) --prune-native --check $(PY) $(ENVS)
 
 # each overlay's suite, then upstream's own tests with the patches off and on (scripts/upstream-tests.py)
 test-adapters: adapter-envs
@@ -115,4 +149,4 @@ gpu-check-simulate: $(STAMP)
 	$(PY) scripts/gpu-check --simulate --out bench-results/gpu-check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CVENV) $(ENVS) build *.egg-info .pytest_cache .hypothesis .gpu-check gpu-check-results
+	rm -rf $(VENV) $(CVENV) .venv-py* $(ENVS) build *.egg-info .pytest_cache .hypothesis .gpu-check gpu-check-results

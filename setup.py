@@ -15,12 +15,14 @@ import hashlib
 import os
 import shutil
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
+from setuptools.warnings import InformationOnly
 
 PTH = "kvcached_broker_autopatch.pth"
 SOURCE = Path(__file__).parent / "adapters" / PTH
@@ -37,7 +39,13 @@ class BuildPyWithPth(build_py):
 
 class EditableWheelWithPth(editable_wheel):
     def run(self):
-        super().run()
+        with warnings.catch_warnings():
+            # setuptools ends every editable install that maps packages through a finder
+            # (package-dir) with "Please be careful with folders in your working directory with
+            # the same name as your package": a folder named kvcached_broker there would shadow
+            # the install.  The repository has none (tests/test_packaging.py keeps it so).
+            warnings.filterwarnings("ignore", message="Editable installation", category=InformationOnly)
+            super().run()
         for wheel in Path(self.dist_dir).glob("*.whl"):
             _add_to_wheel(wheel, PTH, SOURCE.read_bytes())
 

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the broker for one GPU.  Options come from the command line, then the "
         "environment, then the config file (--config, or /etc/kvcached-broker/gpu{device}.toml).",
     )
-    serve.add_argument("--device", type=_non_negative_int, default=None, help="NVML index of the GPU (default 0)")
+    serve.add_argument("--device", type=_non_negative_int, default=None, metavar="N", help="NVML index of the GPU (default 0)")
     serve.add_argument("--simulate", type=_size, metavar="SIZE", help="simulate a GPU of SIZE (e.g. 80GiB) instead of NVML")
     serve.add_argument("--simulate-usage-dir", type=Path, metavar="DIR",
                        help="with --simulate: a device shared by processes, each writing its usage to DIR/PID (testing aid)")
@@ -126,12 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--insecure-tcp", action="store_true", default=None, help="allow tcp on loopback without CURVE")
     serve.add_argument("--curve-dir", type=_directory, metavar="DIR",
                        help="CURVE for tcp: DIR/server.key_secret and DIR/authorized/*.key (see `keygen`)")
-    serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], metavar="LEVEL",
+                       help="debug, info, warning or error (default info)")
     serve.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
 
     def endpoint_options(p: argparse.ArgumentParser) -> None:
         group = p.add_mutually_exclusive_group()
-        group.add_argument("--device", type=_non_negative_int, default=None, help="GPU index (default 0)")
+        group.add_argument("--device", type=_non_negative_int, default=None, metavar="N", help="GPU index (default 0)")
         group.add_argument("--endpoint", type=_endpoint, metavar="URI", help="broker endpoint")
         p.add_argument("--timeout", type=_positive_float, default=3.0, metavar="SECONDS", help=argparse.SUPPRESS)
 
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--max", type=_size_or_none, default=UNSET, metavar="SIZE|none", help="cap; 'none' clears it")
     limit.add_argument("--min", type=_size, default=UNSET, metavar="SIZE", help="guaranteed floor")
     limit.add_argument("--weight", type=_positive_float, default=UNSET, metavar="W", help="share weight (default 1)")
-    limit.add_argument("--revision", type=_non_negative_int, default=None, help="apply only at this revision")
+    limit.add_argument("--revision", type=_non_negative_int, default=None, metavar="R", help="apply only at revision R")
 
     evict = sub.add_parser("evict", help="free a session's memory and fence it (admin)")
     evict.add_argument("session", metavar="SESSION", help="the session id from status (sessions[].id)")
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("replay", help="replay a multi-model KV trace under three policies (replay --help)", add_help=False)
 
     demo = sub.add_parser("demo", help="a simulated GPU with co-located workers, shown live")
-    demo.add_argument("--seconds", type=_positive_float, default=8.0, help="how long to run (default 8)")
+    demo.add_argument("--seconds", type=_positive_float, default=8.0, metavar="SECONDS", help="how long to run (default 8)")
     demo.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
     return parser
 

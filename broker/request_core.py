@@ -220,6 +220,7 @@ class RequestCore:
         result: dict[str, Any] = {"granted": grant.pages, "granted_pages": session.granted_pages}
         if grant.refusal is not None:
             refusal = grant.refusal
+            log.info("event=refusal session=%s op=acquire code=%s detail=%r", binding.session_id, refusal.code, refusal.message)
             self.counters.refused(refusal.code)
             result["refused"] = {"code": refusal.code, "message": refusal.message, "details": refusal.details}
             floor_pages = req.pages if req.min_pages is None else max(1, req.min_pages)

@@ -1,7 +1,7 @@
 """The ``status --json`` document (a contract: docs/design.md, "status --json").
 
 Fields named in the contract are always present with exactly those names and meanings; fields
-added since are listed in the README under "status fields" and never change meaning.
+added since are listed in the README, "`status --json`" ("Added fields"), and never change meaning.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@
 #   OVERLAY       one of: sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0
 #                 (default: all five; `common` is always built)
 #   --install-base  pip-install the pinned torch/triton into BASE_PYTHON if missing
+#   --constraints FILE  install them with pip's -c FILE (constraints/test.txt: their
+#                 dependencies pinned too)
 #   --prune-native  delete vllm's compiled CUDA extension modules (*.so) after
 #                 install; none of them loads on a CPU-only host (saves ~1.7 GB)
 #   --force       rebuild overlays even if their pin list is unchanged
@@ -214,14 +216,16 @@ pins_of() { pins_var "$1" | sed '/^[[:space:]]*$/d'; }
 size_of() { du -sb "$1" | cut -f1; }
 human() { numfmt --to=iec --suffix=B "$1" 2>/dev/null || echo "${1}B"; }
 
-INSTALL_BASE=0 PRUNE=0 FORCE=0 CHECK=0
+INSTALL_BASE=0 PRUNE=0 FORCE=0 CHECK=0 BASE_CONSTRAINTS=()
 while [ $# -gt 0 ]; do
   case $1 in
     --install-base) INSTALL_BASE=1 ;;
+    --constraints) [ $# -ge 2 ] && [ -f "$2" ] || die "--constraints needs a file"
+                   BASE_CONSTRAINTS=(-c "$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"); shift ;;
     --prune-native) PRUNE=1 ;;
     --force) FORCE=1 ;;
     --check) CHECK=1 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     --) shift; break ;;
     -*) die "unknown option $1" ;;
     *) break ;;
@@ -256,11 +260,11 @@ need_triton=0
 case " $WANT " in *" sglang-"*) need_triton=1 ;; esac
 if ! base_has torch "${TORCH_PIN#*==}"; then
   [ $INSTALL_BASE = 1 ] || die "base python lacks $TORCH_PIN (rerun with --install-base, or: $PY -m pip install $TORCH_PIN)"
-  log "installing $TORCH_PIN into base"; "${PIP[@]}" install -q "$TORCH_PIN"
+  log "installing $TORCH_PIN into base"; "${PIP[@]}" install -q "${BASE_CONSTRAINTS[@]}" "$TORCH_PIN"
 fi
 if [ $need_triton = 1 ] && ! base_has triton "${TRITON_PIN#*==}"; then
   [ $INSTALL_BASE = 1 ] || die "base python lacks $TRITON_PIN (needed by sglang; rerun with --install-base)"
-  log "installing $TRITON_PIN into base"; "${PIP[@]}" install -q "$TRITON_PIN"
+  log "installing $TRITON_PIN into base"; "${PIP[@]}" install -q "${BASE_CONSTRAINTS[@]}" "$TRITON_PIN"
 fi
 "$PY" -W ignore -c 'import torch; assert not torch.version.cuda, "base torch must be the CPU build"' \
   || die "base torch is not a CPU build"

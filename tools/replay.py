@@ -272,17 +272,25 @@ def plot(results: list[dict], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``kvcached-broker replay``'s options (the CLI hands the command its own parser)."""
     parser = argparse.ArgumentParser(prog="kvcached-broker replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace", nargs="?", type=Path, help="TRACE.jsonl to replay")
+    parser.add_argument("trace", nargs="?", type=Path, metavar="TRACE", help="TRACE.jsonl to replay")
     parser.add_argument("--generate", type=Path, metavar="OUT", help="write a generated trace to OUT and exit")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--duration", type=float, default=120.0, help="generated trace length in trace seconds")
-    parser.add_argument("--speed", type=float, default=10.0, help="trace seconds per wall second (default 10)")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of static,fcfs,policy")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--seed", type=int, default=7, metavar="N", help="the generated trace's seed (default 7)")
+    parser.add_argument("--duration", type=float, default=120.0, metavar="SECONDS",
+                        help="generated trace length in trace seconds (default 120)")
+    parser.add_argument("--speed", type=float, default=10.0, metavar="X", help="trace seconds per wall second (default 10)")
+    parser.add_argument("--policies", default=",".join(POLICIES), metavar="LIST",
+                        help="comma-separated subset of static,fcfs,policy (default all)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results here")
+    parser.add_argument("--plot", type=Path, metavar="FILE", help="write a PNG plot here (needs matplotlib)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.generate:
         args.generate.write_text("\n".join(json.dumps(line) for line in generate(args.seed, args.duration)) + "\n")
