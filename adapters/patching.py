@@ -51,7 +51,11 @@ def _marker(patch: Patch) -> str:
 
 
 def apply_patch(patch: Patch, module: ModuleType) -> PatchResult:
-    """Apply ``patch`` to ``module`` now; raise :class:`PatchError` only under KVCACHED_REQUIRE."""
+    """Apply ``patch`` to ``module`` now; raise :class:`PatchError` only under KVCACHED_REQUIRE.
+
+    Whatever the patch function raises (``Exception``) makes the patch ``failed``, never the
+    runtime's import: a patch half applied is left as it stands, and the runtime's own code
+    where it did not reach."""
     if getattr(module, _marker(patch), False):
         return _record(patch, "already")
     version = installed(patch.distribution)
@@ -64,7 +68,8 @@ def apply_patch(patch: Patch, module: ModuleType) -> PatchResult:
         patch.apply(module)
     except PatchError as exc:
         return _fail_or_skip(patch, "failed", str(exc))
-    except (AttributeError, TypeError, ImportError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a release the patch was not written for may raise anything:
+        # the runtime's import must go on (KVCACHED_REQUIRE=1 alone makes it an error)
         return _fail_or_skip(patch, "failed", f"{type(exc).__name__}: {exc}")
     setattr(module, _marker(patch), True)
     return _record(patch, "applied", f"{patch.distribution} {version}")
