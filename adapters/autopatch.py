@@ -19,7 +19,7 @@ from . import announce, flags, instance
 from .import_hook import when_imported
 from .patching import RESULTS, PatchError, PatchResult, apply_patch
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 #: runtime -> the module holding its ``PATCHES`` and ``check_flags()``
 RUNTIMES = {

@@ -14,14 +14,35 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-from . import flags
+from . import announce, flags
 from .versions import in_range, installed
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 
 class PatchError(RuntimeError):
     """A patch that cannot apply while ``KVCACHED_REQUIRE=1`` (or is refused outright)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A symbol a patch changes, as the static check of a release reads it (``make canary``).
+
+    ``symbol`` is ``name`` (a function or class the module defines or imports) or
+    ``Class.method`` (a method the class defines itself: a patch never changes an inherited
+    one), in the patch's module.  ``params`` are the leading parameters the wrapper relies on,
+    in order (``self`` included).  ``optional``: the patch applies without it."""
+
+    symbol: str
+    params: tuple[str, ...] = ()
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Targets of which the release must have one (a patch that applies to whichever it has)."""
+
+    targets: tuple[Target, ...]
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,11 @@ class Patch:
     minimum: str | None = None  # first supported version (inclusive)
     below: str | None = None  # first unsupported version (exclusive)
     required: bool = True  # False: optional; a skip is logged but never an error
+    #: what the patch changes in ``module`` (for ``make canary``; empty: nothing it can check)
+    targets: tuple[Target | AnyOf, ...] = ()
+    #: the module layout the patch is for, whatever the supported range (adapters/support.py gates)
+    since: str | None = None
+    until: str | None = None
 
 
 @dataclass(frozen=True)

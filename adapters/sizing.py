@@ -31,15 +31,14 @@ All sizes are bytes.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
-from . import worker
+from . import announce, worker
 from .worker import KV_SIZING_HOLD, SLACK_HOLD, WorkerIdentity
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 
 @dataclass(frozen=True)

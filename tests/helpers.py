@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -368,3 +369,10 @@ def journal_records(path: Path) -> list[dict]:
         records.append(msgspec.msgpack.decode(payload))
         offset += 8 + length
     return records
+
+
+def adapter_line(line: str, level: str, event: str) -> bool:
+    """True if ``line`` is an adapter's line for operators: ``kvcached-broker: LEVEL DATE TIME
+    event=EVENT ...`` (adapters/announce.py)."""
+    return re.match(rf"kvcached-broker: {level} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{{3}} event={event}( |$)",
+                    line) is not None

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import adapter_line
+
 from kvcached_broker.adapters.autopatch import REQUIRE_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +74,7 @@ def test_require_stops_the_start_with_one_line_and_no_runtime_import(tmp_path, b
     assert out.returncode == REQUIRE_EXIT_CODE, out.stderr
     assert out.stdout == ""  # the -c code never ran
     (line,) = _lines(out.stderr)
-    assert line.startswith("kvcached-broker: ERROR event=startup_refused") and reason in line
+    assert adapter_line(line, "ERROR", "startup_refused") and reason in line
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -82,7 +84,7 @@ def test_without_require_the_interpreter_runs_on_with_one_warning(tmp_path, brok
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["interpreter ran", "False"]
     (line,) = _lines(out.stderr)
-    assert line.startswith("kvcached-broker: WARNING event=autopatch_failed") and reason in line
+    assert adapter_line(line, "WARNING", "autopatch_failed") and reason in line
 
 
 def test_a_malformed_require_flag_counts_as_required(tmp_path):

@@ -11,14 +11,14 @@ and never blocks or raises: a peer that is gone, or whose queue is full, simply 
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
 
+from .. import announce
 from . import runner
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 PREFIX = "\0kvcached-broker-doorbell-"
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import math
 import threading
 import time
@@ -56,13 +55,14 @@ import weakref
 from typing import Any
 
 from ...client import BudgetExceeded, SessionEvicted
+from .. import announce
 from . import eviction, pressure, runner, segment
 from .geometry import PoolGeometry
 from .grants import SessionGrants
 from .limits import DirectLimits, LimitChannel
 from .policy import Grow, PoolPages, Shrink, Watermarks, decide, give_back_plan, initial_pages
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 ZERO_PAGE_POOL = "kvcached_zero_page"
 GROW_RETRY_S = (0.05, 0.5)  # first and longest wait after a refused growth

@@ -16,13 +16,12 @@ the grants themselves.
 
 from __future__ import annotations
 
-import logging
 
-from .. import worker
+from .. import announce, worker
 from ..worker import WorkerIdentity
 from .geometry import PoolGeometry, session_pages_per_page
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 
 class SessionGrants:

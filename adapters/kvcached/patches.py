@@ -28,7 +28,6 @@ bounds what kvcached's listener maps there (:mod:`.map_gate`, on ``kvcached.tp_i
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -36,7 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from ...client.units import parse_size
-from .. import flags
+from .. import announce, flags
 from ..patching import Patch, wrap_methods, wrap_once
 from ..worker import BrokerRequired
 from . import board_grants, identity, limits, map_gate, pressure, runner, worker_grants
@@ -46,7 +45,7 @@ from .governor import PoolGovernor
 from .grants import SessionGrants
 from .policy import DEFAULT_BATCH_BYTES, Watermarks
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 BATCH_ENV = "KVCACHED_BROKER_KV_BATCH"
 _ALLOCATOR_PARAMS = ("num_layers", "mem_size_per_layer", "page_size", "world_size", "pp_rank", "async_sched",

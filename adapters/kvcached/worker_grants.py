@@ -34,14 +34,13 @@ when it closes (at exit): its slot cleared, the file removed only if no other wr
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import threading
 from typing import Any
 
 from ...client import BudgetExceeded, SessionEvicted
-from .. import worker
+from .. import announce, worker
 from ..patching import wrap_once
 from ..worker import WorkerIdentity
 from . import board as board_mod
@@ -50,7 +49,7 @@ from .geometry import PoolGeometry
 from .governor import ZERO_PAGE_POOL
 from .grants import SessionGrants
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 
 class _MappedView:

@@ -30,15 +30,14 @@ range logs one warning and one skip per patch, and runs without the broker (with
 
 from __future__ import annotations
 
-import logging
 
-from .. import flags
+from .. import announce, flags
 from ..patching import Patch, PatchError
 from ..versions import in_range, installed
 from . import (dsv4_reservation, kv_sizing, kvcached_buffers, kvcached_sizing, kvcached_sync, memory_release,
                paged_allocator, startup)
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 MINIMUM = "0.5.12"
 BELOW = "0.5.24"
