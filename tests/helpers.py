@@ -71,6 +71,9 @@ def require_runtime(dist: str) -> str:
     if expected.startswith(dist + "-"):
         want = expected[len(dist) + 1 :]
         assert found == want, f"overlay {expected} expected {dist} {want}, found {found}"
+        from kvcached_broker.adapters import support
+
+        assert want in support.runtime(dist).tested(), f"overlay {expected} is not in adapters/support.py"
     elif found is None or not expected:
         pytest.skip(f"{dist} adapter tests run inside an overlay (make test-adapters)")
     return found
