@@ -5,8 +5,10 @@
   reported per pool, its books covering what the shared simulated device measures at every
   step, its pools unchanged once it serves;
 * the frame checks (``tools/demo_view.py``): a budget that adds up passes; a real overcommit
-  (external memory the broker did not grant) fails; pages charged twice while a mapping report
-  is in flight are the only excess tolerated; usage beyond a charge and changed static pools fail;
+  (external memory the broker did not grant, or a process using more than it was promised)
+  fails; memory charged twice, promised and already measured (pages mapped before their report,
+  a warm-up inside its slack hold), is the only excess tolerated; usage beyond a charge and
+  changed static pools fail;
 * a frame fits 80 to 100 columns; the demo's shell stops with exit status 1 and says why at
   the first frame that does not add up.
 
@@ -127,6 +129,22 @@ def test_the_budget_check_fails_a_real_overcommit_and_tolerates_only_pages_charg
         status = admin.status()
         problems = Budget.of(status).problems(status)
         assert problems and "overcommitted" in problems[0], problems
+
+
+def test_a_warm_up_inside_its_slack_hold_is_charged_twice_and_anything_beyond_the_hold_fails(broker):
+    with broker.admin() as admin, BrokerClient.connect("dsv4-flash", endpoint=broker.endpoint) as client:
+        budget = admin.status()["budget_bytes"]
+        client.reserve({"runtime_base": budget - 2 * GIB}, holds={"runtime_slack_hold": 2 * GIB})
+        admin.simulate(process_bytes={os.getpid(): budget - GIB})  # 1 GiB of graphs inside the slack hold
+        status = admin.status()
+        checked = Budget.of(status)
+        assert checked.over == GIB == checked.counted_twice and checked.problems(status) == []
+
+        admin.simulate(process_bytes={os.getpid(): budget + GIB})  # 1 GiB beyond what it was promised
+        status = admin.status()
+        checked = Budget.of(status)
+        assert checked.over == 3 * GIB and checked.counted_twice == 2 * GIB
+        assert any("overcommitted" in p for p in checked.problems(status))
 
 
 def test_a_frame_fits_80_to_100_columns_and_shows_every_pool(broker):

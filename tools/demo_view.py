@@ -7,9 +7,9 @@ is read).  :class:`FrameChecks` holds each frame to what the broker promises:
 
 * **the budget adds up**: ``budget = total - headroom - external``, the instances' charges sum
   to the document's reserved, granted and unreported bytes, and the charges plus what is free
-  are exactly the budget: nothing is overcommitted, but for pages the broker charges twice
-  for a moment by design while a kvcached pool's mapping report is in flight
-  (:class:`Budget`; the frame shows them);
+  are exactly the budget: nothing is overcommitted, but for memory the broker charges twice
+  for a moment by design, promised and already measured, until its process reports it
+  allocated (:class:`Budget`; the frame shows it);
 * **the books cover the device**: every server whose start-up the broker admitted (its KV
   cache sized, or its kvcached pool up) uses no more on the device than the broker charges its
   instance;
@@ -97,12 +97,14 @@ class Frame:
 class Budget:
     """The budget and what it is made of, as a frame's status says.
 
-    ``counted_twice`` is what the broker charges twice for a moment, by design (docs/accounting.md,
-    "Pages mapped on demand"): a granted page stays promised, charged in full, until its process
-    says it mapped it, and the device's measurement may show it mapped before that report lands
-    (or still mapped after a report that it was unmapped, until the next reading).  Per process,
-    ``min(its unreported usage, its unmapped pages)``.  The broker cannot tell those pages from
-    memory the process took outside its pool, so it charges both, and on a full GPU its charges
+    ``counted_twice`` is what the broker charges twice for a moment, by design: memory it
+    promised a process (a hold, a granted page not mapped yet) stays charged in full until the
+    process reports it allocated, and the device's measurement may show it allocated before
+    that report lands (docs/accounting.md: a warm-up's allocations inside the slack hold, "A
+    co-located start-up"; a page mapped before its report, or still shown mapped after a report
+    that it was unmapped, "Pages mapped on demand").  Per process, ``min(its usage beyond its
+    reports, what it was promised)``.  The broker cannot tell that memory from memory the
+    process took outside what it was promised, so it charges both, and on a full GPU its charges
     may pass the budget by that much until the report or the next reading."""
 
     total: int
@@ -139,7 +141,7 @@ class Budget:
             out.append(f"charges {charged} + free {self.free} = {charged + self.free} != budget {self.budget}")
         if self.over > self.counted_twice:
             out.append(f"overcommitted: charges {charged} pass the budget {self.budget} by {self.over} bytes, "
-                       f"more than the {self.counted_twice} charged twice while mapping reports are in flight")
+                       f"more than the {self.counted_twice} charged twice until allocations are reported")
         return out
 
 
@@ -149,12 +151,12 @@ def _counted_twice(status: dict[str, Any]) -> int:
     for inst in status["instances"]:
         for s in inst["sessions"]:
             p = by_pid.setdefault(int(s["pid"]), {"measured": int(s.get("measured_bytes", 0)), "reported": 0,
-                                                   "unmapped": 0})
+                                                   "promised": 0})
+            held = int(s.get("held_bytes", 0))
             unmapped = int(s.get("unmapped_pages", 0)) * int(s["page_bytes"])
-            p["reported"] += int(s["reserved_bytes"]) - int(s.get("held_bytes", 0)) \
-                + int(s["granted_pages"]) * int(s["page_bytes"]) - unmapped
-            p["unmapped"] += unmapped
-    return sum(min(max(0, p["measured"] - p["reported"]), p["unmapped"]) for p in by_pid.values())
+            p["reported"] += int(s["reserved_bytes"]) - held + int(s["granted_pages"]) * int(s["page_bytes"]) - unmapped
+            p["promised"] += held + unmapped
+    return sum(min(max(0, p["measured"] - p["reported"]), p["promised"]) for p in by_pid.values())
 
 
 @dataclass
@@ -164,7 +166,7 @@ class FrameChecks:
     servers: list[Server]
     static_pools: dict[str, dict[str, int]] = field(default_factory=dict)
     frames: int = 0
-    over_frames: int = 0  # frames whose charges passed the budget by pages charged twice (see Budget)
+    over_frames: int = 0  # frames whose charges passed the budget by memory charged twice (see Budget)
     max_over_bytes: int = 0
 
     def check(self, frame: Frame) -> list[str]:
@@ -271,8 +273,8 @@ def render(frame: Frame, servers: list[Server], events: EventLog, problems: list
     twice = f" - {budget.over / GIB:.2f} charged twice" if budget.over else ""
     lines += _wrap(f"{verdict}: budget {_num(budget.budget)} = {parts} + free {_num(budget.free)}{twice} GiB", width)
     if budget.over:
-        lines.append(_fit(f"  (pages mapped, their report in flight: the broker charges them measured and promised"
-                          f" until it lands)", width))
+        lines += _wrap("  (memory allocated, its report in flight: the broker charges it measured and promised "
+                       "until the report lands)", width)
     lines.append(_fit(f"{RESIDENT} resident  {HOLD} held  | KV (grant): {IN_USE} in use {MAPPED} mapped "
                       f"{LIMIT} to kvcached's limit {BEYOND} beyond", width))
     lines.append("events:")

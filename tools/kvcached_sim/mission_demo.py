@@ -344,8 +344,9 @@ class Show:
         lines.append(f"  llama-a's kvcached limit went from {a_peak / GIB:.1f} to {a_last / GIB:.1f} GiB under "
                      f"{asks} pressure asks ({_gib(last.pressure('llama-a').get('returned_bytes', 0))} given back)")
         if checks.over_frames:
-            lines.append(f"  in {checks.over_frames} frames the broker charged mapped pages twice, their report in "
-                         f"flight (at most {checks.max_over_bytes / (1 << 20):.0f} MiB")
+            frames = f"{checks.over_frames} frame" + ("s" if checks.over_frames != 1 else "")
+            lines.append(f"  in {frames} the broker charged memory twice, allocated and not reported "
+                         f"yet (at most {checks.max_over_bytes / (1 << 20):.0f} MiB")
             lines.append("    past the budget): by design, see docs/accounting.md, \"Pages mapped on demand\"")
         lines.append("")
         lines.append(summary_line(checks.frames))
