@@ -21,6 +21,7 @@ from helpers import python_env
 
 from kvcached_broker.tools import kvcached_sim
 from kvcached_broker.tools.dsv4_shape import POOLS
+from kvcached_broker.tools.kvcached_sim.mission_demo import B_BURST_BYTES, GIB
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_LINE = re.compile(r"^adds up: budget (?P<budget>[\d.]+) = (?P<parts>.*?) \+ free (?P<free>[\d.]+)"
@@ -77,4 +78,5 @@ def test_make_demo_shows_the_mission_and_every_frame_adds_up():
     for pool in POOLS:
         assert re.search(rf"^  {pool} +[\d.]+ GiB \|", out.stdout, re.M), pool
     assert re.search(r"pressure: the broker asks llama-a for .* back", out.stdout)
-    assert "llama-b asked for 11 GiB and holds 11.0 GiB" in out.stdout  # the burst ran to its end
+    burst = B_BURST_BYTES // GIB
+    assert f"llama-b asked for {burst} GiB and holds {burst}.0 GiB" in out.stdout  # the burst ran to its end

@@ -5,7 +5,7 @@ taking every byte of its start-up on the shared device as it goes:
 
 * ``dsv4-flash``: a DeepSeek-V4-shaped server (:mod:`..dsv4_server`; not SGLang: the broker
   adapters' own start-up calls, over the client API, with pool sizes from a
-  DeepSeek-V4-Flash-like shape).  The operator capped it at 30 GiB.  It loads its weights,
+  DeepSeek-V4-Flash-like shape).  The operator capped it at 36 GiB.  It loads its weights,
   sizes its KV cache with SGLang's rule (the broker holds the most that fits under the cap,
   and its slack), builds its pools and reports them per pool (SWA, C4, C128, indexer,
   compressor state), warms up, and serves: phases ``sizing``, ``warming``, ``serving`` as
@@ -13,10 +13,11 @@ taking every byte of its start-up on the shared device as it goes:
 * ``llama-a`` and ``llama-b``: Llama-3.1-8B-shaped servers (8 GiB of FP8 weights) each with
   a real kvcached 0.1.6 ``KVCacheManager`` in kvcached mode (only ``kvcached.vmm_ops`` is
   simulated, :mod:`.vmm_ops_double`): their KV memory is what the broker grants them.
-  ``llama-a`` fills 26 GiB of KV and goes idle, its requests kept in its prefix cache; then
-  ``llama-b`` bursts.  Past the free memory the broker refuses it and asks ``llama-a`` for
-  pages back; ``llama-a`` evicts its oldest cached blocks, lowers its limit and releases;
-  ``llama-b`` takes them.
+  The operator gave ``llama-b`` twice the weight (its fair share is twice the others').
+  ``llama-a`` fills 20 GiB of KV and goes idle, its requests kept in its prefix cache; then
+  ``llama-b`` bursts.  Past the free memory the broker refuses it and asks ``llama-a`` (above
+  its share) for pages back; ``llama-a`` evicts its oldest cached blocks, lowers its limit and
+  releases; ``llama-b`` takes them.
 
 Every frame is read with the device's allocation lock held and checked
 (:class:`..demo_view.FrameChecks`): the budget adds up, every admitted server uses no more
@@ -46,14 +47,16 @@ GIB = 1 << 30
 DEVICE = "80GiB"
 DEVICE_BYTES = 80 * GIB
 DSV4 = "dsv4-flash"
-DSV4_CAP_BYTES = 30 * GIB
+DSV4_CAP_BYTES = 36 * GIB
+DSV4_MEM_FRACTION_STATIC = 0.88  # SGLang's default: keep it with the broker (docs/accounting.md)
+B_WEIGHT = 2
 DSV4_WEIGHTS_BYTES = 18 * GIB
 LLAMA_WEIGHTS_BYTES = 8 * GIB
 LAYERS = 32
 VIRTUAL_TOKENS = 1 << 20
-A_FILL_BYTES = 26 * GIB
+A_FILL_BYTES = 20 * GIB
 B_START_BYTES = 1 * GIB
-B_BURST_BYTES = 11 * GIB
+B_BURST_BYTES = 10 * GIB
 FRAME_S = 0.25
 PLAIN_FRAME_S = 2.5  # without a terminal, a whole frame at most this often (each is checked all the same)
 STEP_S = 0.8  # how long each start-up step stays on screen
@@ -136,8 +139,8 @@ class Script:
         self.activity[DSV4] = f"loading {DSV4_WEIGHTS_BYTES // GIB} GiB of weights (one rank of TP 8)"
         self.dsv4.request("load", weights_bytes=DSV4_WEIGHTS_BYTES)
         time.sleep(STEP_S)  # each step stays on screen a moment
-        self.activity[DSV4] = "sizing its KV cache with SGLang's rule (mem_fraction_static 0.95)"
-        self.sized = self.dsv4.request("size", mem_fraction_static=0.95, max_running_requests=64)
+        self.activity[DSV4] = f"sizing its KV cache with SGLang's rule (mem_fraction_static {DSV4_MEM_FRACTION_STATIC})"
+        self.sized = self.dsv4.request("size", mem_fraction_static=DSV4_MEM_FRACTION_STATIC, max_running_requests=64)
         self.admitted.add(DSV4)
         self.event(f"{DSV4} asks for {_gib(self.sized['asked_kv_bytes'])} of KV (SGLang's rule), "
                    f"{_gib(self.sized['kv_bytes'])} fit its cap")
@@ -230,6 +233,7 @@ def run(seconds: float = 8.0, keep: bool = False, out: TextIO = sys.stdout) -> i
               file=out, flush=True)
         with launcher.admin() as admin:
             admin.limit(DSV4, max_bytes=DSV4_CAP_BYTES)
+            admin.limit("llama-b", weight=B_WEIGHT)
             args = ("--layers", str(LAYERS), "--virtual-tokens", str(VIRTUAL_TOKENS), "--evict", "oldest",
                     "--weights-bytes", str(LLAMA_WEIGHTS_BYTES))
             for name in ("llama-a", "llama-b"):
@@ -238,8 +242,8 @@ def run(seconds: float = 8.0, keep: bool = False, out: TextIO = sys.stdout) -> i
             dsv4 = Dsv4Process(usage, endpoint, env, workdir / f"{DSV4}.err")
             clock = Clock()
             events = EventLog()
-            events.add(0.0, f"the operator caps {DSV4} at {DSV4_CAP_BYTES // GIB} GiB "
-                            f"(kvcached-broker limit {DSV4} --max {DSV4_CAP_BYTES // GIB}GiB)")
+            events.add(0.0, f"the operator caps {DSV4}: kvcached-broker limit {DSV4} --max {DSV4_CAP_BYTES // GIB}GiB")
+            events.add(0.0, f"and weights llama-b: kvcached-broker limit llama-b --weight {B_WEIGHT}")
             script = Script(dsv4, pools[0], pools[1], events, clock)
             servers = [Server(DSV4, dsv4.pid, CAPTIONS[DSV4], elastic=False)]
             servers += [Server(p.instance, p.pid, CAPTIONS[p.instance], elastic=True) for p in pools]
