@@ -71,6 +71,8 @@ class Runtime:
     #: mode is tested on (a ``kvcached+<runtime>-<version>`` overlay each); None: not in kvcached mode
     kvcached_mode: Range | None = None
     kvcached_overlays: tuple[str, ...] = ()
+    #: version -> the test paths its kvcached mode overlay runs (absent: tests/kvcached_<runtime>)
+    kvcached_suites: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def supports(self, version: str | None) -> bool:
         return version is not None and version in self.supported
@@ -133,6 +135,9 @@ VLLM = Runtime(
     ),
     kvcached_mode=Range("0.19.1", "0.31"),  # kvcached 0.1.6 has no runner adapter past vLLM 0.30
     kvcached_overlays=("0.19.1", "0.30.0"),
+    # 0.30.0: kvcached's Model Runner V2 layout; the board's lifetime is the same on every release
+    kvcached_suites={"0.30.0": tuple(f"tests/kvcached_vllm/{name}.py" for name in
+                                     ("test_tp_broadcast", "test_prefix_eviction", "test_coexistence"))},
 )
 
 KVCACHED = Runtime(
@@ -159,6 +164,15 @@ def overlays() -> list[Overlay]:
 def kvcached_mode_overlays() -> list[str]:
     """``kvcached+<runtime>-<version>``: kvcached's Python code on one path with the runtime's overlay."""
     return [f"kvcached+{r.name}-{v}" for r in RUNTIMES.values() for v in r.kvcached_overlays]
+
+
+def kvcached_mode_suite(name: str) -> tuple[str, ...]:
+    """The test paths kvcached mode overlay ``name`` (``kvcached+vllm-0.30.0``) runs; empty: its
+    runtime's whole kvcached suite.  KeyError if the table has no such overlay."""
+    if name not in kvcached_mode_overlays():
+        raise KeyError(f"no overlay {name!r} in adapters/support.py")
+    runtime, _, version = name.removeprefix("kvcached+").partition("-")
+    return RUNTIMES[runtime].kvcached_suites.get(version, ())
 
 
 def test_overlays() -> list[str]:

@@ -69,7 +69,9 @@ def main(argv: list[str]) -> int:
         elif command == "test-overlays" and not args:
             print(" ".join(support.test_overlays()))
         elif command == "suite" and len(args) == 1:
-            print(" ".join(support.find_overlay(args[0]).suite))
+            suite = (support.kvcached_mode_suite(args[0]) if args[0].startswith("kvcached+")
+                     else support.find_overlay(args[0]).suite)
+            print(" ".join(suite))
         elif command == "check-modules" and len(args) == 1:
             print(" ".join(check_modules(args[0])))
         elif command == "kvcached-overlay" and not args:

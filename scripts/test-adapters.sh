@@ -19,12 +19,14 @@ for overlay in $OVERLAYS; do
   if [ "${overlay%%+*}" = kvcached ] && [ "$overlay" != "${overlay#*+}" ]; then
     # kvcached mode in a runtime: the runtime's overlay, then kvcached's Python code, on one path
     inner=${overlay#*+}
-    echo "=== kvcached mode tests: $overlay ==="
+    suite=$("$PY" "$SUPPORT" suite "$overlay") || { status=1; continue; }
+    echo "=== kvcached mode tests: $overlay${suite:+ ($suite)} ==="
     (
       set -a; . "$ENVS/$inner.env"; runtime_path=$PYTHONPATH; . "$ENVS/$KVCACHED.env"; set +a
       export PYTHONPATH="$runtime_path:$PYTHONPATH"
       export KVCACHED_BROKER_TEST_RUNTIME="$inner" KVCACHED_BROKER_TEST_KVCACHED="$KVCACHED"
-      "$PY" -m pytest -q -p no:cacheprovider "tests/kvcached_${inner%%-*}"
+      # shellcheck disable=SC2086  # the suite is a list of paths
+      "$PY" -m pytest -q -p no:cacheprovider ${suite:-"tests/kvcached_${inner%%-*}"}
     ) || status=1
     continue
   fi

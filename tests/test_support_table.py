@@ -53,9 +53,9 @@ def test_the_scripts_read_the_overlays_from_the_table():
     assert ask("test-overlays").split() == support.test_overlays()
     assert ask("kvcached-overlay") == support.KVCACHED.overlays[0].name
     assert ask("range", "vllm") == str(support.VLLM.supported)
-    for overlay in support.overlays():
-        for path in ask("suite", overlay.name).split():
-            assert (ROOT / path).exists(), f"{overlay.name}'s suite names {path}, which is not there"
+    for name in [o.name for o in support.overlays()] + support.kvcached_mode_overlays():
+        for path in ask("suite", name).split():
+            assert (ROOT / path).exists(), f"{name}'s suite names {path}, which is not there"
     failed = subprocess.run([sys.executable, str(ROOT / "scripts" / "support.py"), "suite", "vllm-0.0.1"],
                             capture_output=True, text=True)
     assert failed.returncode == 2 and failed.stderr.count("\n") == 1 and "vllm-0.0.1" in failed.stderr

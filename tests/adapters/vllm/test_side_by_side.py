@@ -61,8 +61,11 @@ def test_vllm_and_sglang_instances_share_one_gpu_side_by_side(broker_factory):
     # and SGLang's (configure_logger at --log-level error): runtime, version, patches, endpoint, instance.
     for proc, name, adapter in ((vllm_proc, "vllm-dsv4", adapters["vllm-dsv4"]),
                                 (sglang_proc, "sglang-dsv4", adapters["sglang-dsv4"])):
-        (line,) = [line for line in proc.stderr.read().splitlines() if "event=adapter_active" in line]
+        err = proc.stderr.read().splitlines()
+        (line,) = [line for line in err if "event=adapter_active" in line]
         assert adapter_line(line, "INFO", "adapter_active")
+        patched = [line for line in err if "event=patch " in line]  # INFO, past the runtime's logging too
+        assert patched and all(adapter_line(line, "INFO", "patch") for line in patched)
         assert f"runtime={adapter['runtime']} version={adapter['runtime_version']}" in line
         assert f"instance={name}" in line and f"endpoint={b.endpoint}" in line and "hook=pth" in line
         assert f"patches={','.join(adapter['patches'])}" in line

@@ -211,7 +211,9 @@ def test_the_warm_up_and_the_final_size_get_no_more_blocks_than_the_broker_admit
     from vllm.v1.worker import gpu_worker
 
     assert getattr(Worker.extend_kv_cache, "__kvcached_broker_wrapped__", False)  # the real method is wrapped
-    assert gpu_worker.measure_kv_cache_blocks is ekv.measure_kv_cache_blocks  # the binding the warm-up calls
+    bound = gpu_worker.measure_kv_cache_blocks  # the binding the warm-up calls: ours, around vLLM's own
+    assert getattr(bound, "__kvcached_broker_wrapped__", False)
+    assert bound.__wrapped__ is ekv.measure_kv_cache_blocks.__wrapped__
     assert gpu_broker.status()["free_bytes"] == GIB - WEIGHTS - cache.physical_bytes  # the rest was given back
 
     cache.commit(cache.min_committed_blocks, shrink=True)  # past its final size, a shrink gives memory back

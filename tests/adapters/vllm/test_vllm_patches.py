@@ -12,7 +12,7 @@ from kvcached_broker.adapters.patching import PatchError, apply_patch
 from kvcached_broker.adapters.vllm import engine, patches, prefix_eviction
 
 import vllm_shapes as shapes
-from helpers import MIB
+from helpers import MIB, adapter_line
 
 WORKER_SIDE = {"vllm_kv_alloc_attn_utils", "vllm_kv_sizing"}
 ENGINE_SIDE = {"vllm_engine_core", "vllm_prefix_eviction"}
@@ -122,6 +122,11 @@ def test_enable_kvcached_patches_every_binding_at_import(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [True] * 5
+    # vLLM configured its logging at import (its own logger, propagate off, here at ERROR): the
+    # adapter's INFO lines still reach stderr, once each, with prefix, level and time
+    applied = [line for line in out.stderr.splitlines() if "event=patch " in line and "outcome=applied" in line]
+    assert applied and all(adapter_line(line, "INFO", "patch") for line in applied), out.stderr[-2000:]
+    assert len(applied) == len(set(line.split(" ", 4)[4] for line in applied))
 
 
 def test_the_kvcached_sizing_patch_wraps_only_kvcacheds_own_method_once():
