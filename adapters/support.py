@@ -137,7 +137,8 @@ VLLM = Runtime(
     kvcached_overlays=("0.19.1", "0.30.0"),
     # 0.30.0: kvcached's Model Runner V2 layout; the board's lifetime is the same on every release
     kvcached_suites={"0.30.0": tuple(f"tests/kvcached_vllm/{name}.py" for name in
-                                     ("test_tp_broadcast", "test_prefix_eviction", "test_coexistence"))},
+                                     ("test_tp_broadcast", "test_prefix_eviction", "test_coexistence",
+                                      "test_kvcached_vllm_range"))},
 )
 
 KVCACHED = Runtime(

@@ -18,6 +18,7 @@ from kvcached_broker.adapters import support
 from kvcached_broker.adapters.kvcached import patches as kvcached_patches
 from kvcached_broker.adapters.sglang import patches as sglang_patches
 from kvcached_broker.adapters.vllm import patches as vllm_patches
+from kvcached_broker.adapters.versions import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVS_SCRIPT = (ROOT / "scripts" / "adapter-envs.sh").read_text()
@@ -96,6 +97,21 @@ def test_the_patches_gate_on_the_table():
         if overlay.runtime in support.SERVING:
             assert support.runtime(overlay.runtime).supports(overlay.version), f"{overlay.name} is outside the range"
             assert PATCHES[overlay.runtime].patches_for(overlay.version)
+
+
+def test_vllms_kvcached_mode_is_tested_at_the_lowest_and_highest_release_it_covers():
+    """kvcached mode's range lies inside the supported one; its overlays are runtime overlays
+    inside it, among them its first release and the newest tested release it covers (kvcached
+    0.1.6 has two vLLM layouts: its V1 runner's and Model Runner V2's)."""
+    runtime = support.VLLM
+    mode = runtime.kvcached_mode
+    assert mode is not None and runtime.kvcached_overlays
+    assert runtime.supports(mode.minimum) and parse(mode.below) <= parse(runtime.supported.below)
+    covered = [v for v in runtime.tested() if v in mode]
+    assert all(v in covered for v in runtime.kvcached_overlays), runtime.kvcached_overlays
+    assert mode.minimum in runtime.kvcached_overlays
+    assert max(covered, key=parse) in runtime.kvcached_overlays
+    assert set(runtime.kvcached_suites) <= set(runtime.kvcached_overlays)
 
 
 def _readme_rows(text: str) -> dict[str, list[str]]:

@@ -20,13 +20,19 @@ LAYER_BLOCK_BYTES = 2 * BLOCK_TOKENS * HEADS * HEAD_DIM * 2
 
 
 def runner_v2(version: str | None = None) -> bool:
-    """True where kvcached drives vLLM's Model Runner V2 (its own version window)."""
+    """True where kvcached drives vLLM's Model Runner V2 (its own version window).  False without
+    kvcached or vLLM: outside a kvcached+vllm overlay, where every test here skips (conftest.py)."""
+    from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
-    from kvcached.integration.version_utils import VersionRange
-    from kvcached.integration.vllm.patches import VLLM_MRV2_RANGE
+    try:
+        from kvcached.integration.version_utils import VersionRange
+        from kvcached.integration.vllm.patches import VLLM_MRV2_RANGE
 
-    return VersionRange(VLLM_MRV2_RANGE).contains(version or installed("vllm"))
+        version = version or installed("vllm")
+    except (ImportError, PackageNotFoundError):
+        return False
+    return VersionRange(VLLM_MRV2_RANGE).contains(version)
 
 
 def pool_page_bytes() -> int:
