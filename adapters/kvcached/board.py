@@ -21,6 +21,12 @@ file's ``flock`` (so a process leaving or sweeping never races it), and stops wi
 still runs (the last one out removes it, never one another live process still maps).  Every
 board this process joined is left at exit.  A board whose every writer died without leaving
 (SIGKILL) is removed by the next :meth:`Board.join` on the host (:func:`sweep`).
+
+Who wrote a record, and whether it still runs: its pid, start time and PID namespace
+(:mod:`.liveness`).  A writer in another PID namespace is never judged dead (its pid means
+nothing here), so a board with such a writer is never swept from here.  The board's name
+carries this user's uid and PID namespace (EngineCore and its workers share both), so engines
+of different users or containers sharing ``/dev/shm`` never meet on one board.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ import time
 import weakref
 from dataclasses import dataclass, fields
 from typing import Callable
+
+from . import liveness
+from .liveness import ProcessIdentity
 
 FIELD = struct.Struct("<q")
 RECORD_FIELDS = 16  # every record is 16 int64 fields (128 bytes), the unused ones zero
@@ -73,6 +82,7 @@ class EngineRecord:
     ask_seq: int = 0  # bumped with every new ask; a worker answers by echoing it
     limit_pages: int = 0  # kvcached's allocator size in EngineCore (what the pool may map)
     expected_slots: int = 0
+    pidns: int = 0  # the writer's PID namespace (inode)
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class SlotRecord:
     pressure_pages_total: int = 0  # cumulative: pages its broker asked back that it could not release alone
     refused_maps: int = 0  # cumulative: broadcast maps its gate refused
     page_bytes: int = 0  # one pool page in this worker (for status)
+    pidns: int = 0  # the writer's PID namespace (inode)
 
 
 ENGINE_FIELDS = [f.name for f in fields(EngineRecord)]
@@ -97,40 +108,36 @@ assert len(ENGINE_FIELDS) <= RECORD_FIELDS and len(SLOT_FIELDS) <= RECORD_FIELDS
 
 
 def board_path(group_id: int, socket_dir: str | None = None) -> str:
-    """The board of ``group_id``'s pool for this engine instance (kvcached's TP socket dir name)."""
+    """The board of ``group_id``'s pool for this engine instance: kvcached's TP socket dir name,
+    with this user's uid and PID namespace (which EngineCore and its workers share)."""
     if socket_dir is None:
         from kvcached.utils import get_tp_socket_dir
 
         socket_dir = get_tp_socket_dir()
-    name = f"{BOARD_PREFIX}{os.path.basename(socket_dir.rstrip('/'))}-g{group_id}{BOARD_SUFFIX}"
+    engine = os.path.basename(socket_dir.rstrip('/'))
+    name = f"{BOARD_PREFIX}u{os.geteuid()}-n{liveness.pid_namespace()}-{engine}-g{group_id}{BOARD_SUFFIX}"
     return os.path.join(SHM_DIR, name)
 
 
-def start_ticks(pid: int) -> int | None:
-    """When ``pid`` started (``/proc/PID/stat`` field 22), or None if it does not run (or is a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rfind(b")") + 2:].split()
-    if len(rest) < 20 or rest[0] in (b"Z", b"X"):
-        return None
-    try:
-        return int(rest[19])
-    except ValueError:
-        return None
+def writer(record: "EngineRecord | SlotRecord") -> ProcessIdentity:
+    """The process a record names (pid 0: none)."""
+    return ProcessIdentity(record.pid, record.start_ticks, record.pidns)
 
 
-def alive(pid: int, ticks: int) -> bool:
-    """True if ``pid`` runs and is the process that wrote ``ticks`` (not a later one with its pid)."""
-    return pid > 0 and start_ticks(pid) == ticks
+def alive(record: "EngineRecord | SlotRecord") -> bool:
+    """True unless the record's writer is known to be gone (see :mod:`.liveness`): a writer in
+    another PID namespace counts as running."""
+    return liveness.alive(writer(record))
 
 
-def own_identity() -> tuple[int, int]:
-    """``(pid, start_ticks)`` of this process, as records carry it."""
-    pid = os.getpid()
-    return pid, start_ticks(pid) or 0
+def own_identity() -> ProcessIdentity:
+    """This process, as its records name it."""
+    return liveness.own()
+
+
+def identity_fields(who: ProcessIdentity) -> dict[str, int]:
+    """The identity fields of a record ``who`` writes."""
+    return {"pid": who.pid, "start_ticks": who.start_ticks, "pidns": who.pidns}
 
 
 class Board:
@@ -182,14 +189,12 @@ class Board:
             return False
         removed = False
         with self.locked():
-            pid, ticks = own_identity()
-            engine = self.engine()
-            if engine.pid == pid and engine.start_ticks == ticks:
-                self.write_engine(pid=0, start_ticks=0, state=ENGINE_NONE, wanted_pages=0, floor_pages=0,
-                                  limit_pages=0)
+            me = own_identity()
+            if writer(self.engine()) == me:
+                self.write_engine(**identity_fields(ProcessIdentity(0, 0, 0)), state=ENGINE_NONE, wanted_pages=0,
+                                  floor_pages=0, limit_pages=0)
             for index in range(MAX_SLOTS):
-                slot = self.slot(index)
-                if slot.pid == pid and slot.start_ticks == ticks:
+                if writer(self.slot(index)) == me:
                     self.write_slot(index, **{name: 0 for name in SLOT_FIELDS if name != "seq"})
             if not self.live_writers() and self.same_file():
                 os.unlink(self.path)
@@ -201,14 +206,10 @@ class Board:
         return removed
 
     def live_writers(self) -> list[int]:
-        """Pids of the processes with a record here that still run (the engine's, then slots')."""
-        engine = self.engine()
-        found = [engine.pid] if alive(engine.pid, engine.start_ticks) else []
-        for index in range(MAX_SLOTS):
-            slot = self.slot(index)
-            if slot.pid and alive(slot.pid, slot.start_ticks):
-                found.append(slot.pid)
-        return found
+        """Pids of the processes with a record here not known to be gone (the engine's, then
+        slots'; a writer in another PID namespace counts as running)."""
+        return [record.pid for record in (self.engine(), *(self.slot(i) for i in range(MAX_SLOTS)))
+                if record.pid > 0 and alive(record)]
 
     def recorded_writers(self) -> int:
         """How many records name a process at all (dead or alive)."""
@@ -371,9 +372,10 @@ def _unlock(fd: int) -> None:
 
 
 def sweep(directory: str = SHM_DIR) -> list[str]:
-    """Remove the boards in ``directory`` whose every writer died (SIGKILL: nobody left them);
-    the paths removed.  A board being joined, left or swept by someone else (its lock held) is
-    skipped, and so is one no process ever wrote a record on."""
+    """Remove the boards in ``directory`` whose every writer is known dead (SIGKILL: nobody left
+    them); the paths removed.  A board being joined, left or swept by someone else (its lock
+    held) is skipped, and so is one no process ever wrote a record on, and one with a writer in
+    another PID namespace."""
     removed = []
     try:
         names = [n for n in os.listdir(directory) if n.startswith(BOARD_PREFIX) and n.endswith(BOARD_SUFFIX)]
@@ -396,8 +398,8 @@ def sweep(directory: str = SHM_DIR) -> list[str]:
             except FileNotFoundError:
                 continue
             with mmap.mmap(fd, BOARD_BYTES, prot=mmap.PROT_READ) as mm:
-                pids = _writers(mm)
-            if pids and not any(alive(pid, ticks) for pid, ticks in pids):
+                writers = _writers(mm)
+            if writers and all(liveness.judge(who) is False for who in writers):
                 os.unlink(path)
                 removed.append(path)
         finally:
@@ -405,17 +407,16 @@ def sweep(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _writers(mm: mmap.mmap) -> list[tuple[int, int]]:
-    """``(pid, start_ticks)`` of every record that names a process (engine header, then slots)."""
+def _writers(mm: mmap.mmap) -> list[ProcessIdentity]:
+    """Every process a record names (engine header, then slots)."""
     found = []
-    pid_index, ticks_index = ENGINE_FIELDS.index("pid"), ENGINE_FIELDS.index("start_ticks")
-    slot_pid, slot_ticks = SLOT_FIELDS.index("pid"), SLOT_FIELDS.index("start_ticks")
     for record in range(1 + MAX_SLOTS):
         base = RECORD_BYTES * record
-        pi, ti = (pid_index, ticks_index) if record == 0 else (slot_pid, slot_ticks)
-        pid = FIELD.unpack_from(mm, base + pi * FIELD.size)[0]
+        names = ENGINE_FIELDS if record == 0 else SLOT_FIELDS
+        pid, ticks, pidns = (FIELD.unpack_from(mm, base + names.index(n) * FIELD.size)[0]
+                             for n in ("pid", "start_ticks", "pidns"))
         if pid > 0:
-            found.append((pid, FIELD.unpack_from(mm, base + ti * FIELD.size)[0]))
+            found.append(ProcessIdentity(pid, ticks, pidns))
     return found
 
 

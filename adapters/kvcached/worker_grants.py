@@ -106,7 +106,7 @@ class WorkerGrants:
         if self.closed:
             return
         engine = self.board.engine()
-        governing = engine.state == board_mod.ENGINE_GOVERNING and board_mod.alive(engine.pid, engine.start_ticks)
+        governing = engine.state == board_mod.ENGINE_GOVERNING and board_mod.alive(engine)
         if not self._active:
             if not governing:
                 return
@@ -306,12 +306,12 @@ def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrant
         if previous is not None:  # another board or slot: the old one is left (removed only if unused)
             del _holders[group_id]
             previous.close()
-        pid, ticks = board_mod.own_identity()
+        fields = board_mod.identity_fields(board_mod.own_identity())
         gate = map_gate.gate(group_id)
         with gate.lock:  # bounded before the slot is counted: no map lands unbounded meanwhile
             gate.bound_pages = 0
             board = board_mod.Board.join(path, lambda b: b.write_slot(
-                slot, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED, granted_pages=0,
+                slot, **fields, state=board_mod.SLOT_REGISTERED, granted_pages=0,
                 mapped_pages=gate.mapped_pages(), answered_seq=0, pressure_pages_total=0, refused_maps=0,
                 page_bytes=geometry.page_bytes))
             holder = _holders[group_id] = WorkerGrants(board, slot, who, geometry, gate)
