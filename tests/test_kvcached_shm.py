@@ -18,10 +18,13 @@ is dropped when the next server attaches, and its segment and record are collect
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import shutil
 import signal
+import stat
+import struct
 import subprocess
 import sys
 import textwrap
@@ -31,7 +34,17 @@ from pathlib import Path
 import pytest
 
 from kvcached_broker.adapters.kvcached import board as board_mod
-from kvcached_broker.adapters.kvcached import liveness
+from kvcached_broker.adapters.kvcached import board_grants, liveness, segment, shm_files
+from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
+from kvcached_broker.adapters.kvcached.governor import PoolGovernor
+from kvcached_broker.adapters.kvcached.policy import Watermarks
+from kvcached_broker.adapters.kvcached.shm_files import Policy, UnsafeFile
+
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+PAGE_BYTES = (2 << 20) * 4 * 2
+VIRTUAL_PAGES = 56
 
 
 def _unshare_works() -> bool:
@@ -52,6 +65,29 @@ def shm_dir():
     path.chmod(0o1777)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def as_user(action, uid: int = NOBODY) -> None:
+    """Run ``action()`` in a child process running as ``uid`` (another user); raise what it raised."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        outcome = b"ok"
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            action()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            outcome = repr(exc).encode()[:2000]
+        os.write(write_end, outcome)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        outcome = f.read().decode()
+    os.waitpid(pid, 0)
+    assert outcome == "ok", outcome
 
 
 class Child:
@@ -114,7 +150,117 @@ def children():
             child.kill()
 
 
+def write_world_writable(path: Path, data: bytes = b"") -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    os.fchmod(fd, 0o666)
+    os.write(fd, data)
+    os.close(fd)
+
+
+# ------------------------------------------------------------------ the files' owner and mode
+def test_a_file_of_ours_that_others_may_only_read_is_tightened_and_one_they_may_write_refused(shm_dir):
+    readable = shm_dir / "readable"
+    readable.write_bytes(b"x")
+    readable.chmod(0o644)  # as kvcached makes its segment (0666 less the usual umask)
+    opened = shm_files.open_checked(str(readable), Policy(os.geteuid()))
+    os.close(opened.fd)
+    assert stat.S_IMODE(readable.stat().st_mode) == 0o600
+
+    writable = shm_dir / "writable"
+    write_world_writable(writable)
+    with pytest.raises(UnsafeFile, match=r"writable by every user \(mode 0666\)"):
+        shm_files.open_checked(str(writable), Policy(os.geteuid()))
+    made = shm_files.open_checked(str(shm_dir / "made"), Policy(os.geteuid()), create=True)
+    os.close(made.fd)
+    assert made.created and stat.S_IMODE((shm_dir / "made").stat().st_mode) == 0o600
+
+
+@as_root
+def test_with_a_chosen_group_files_are_0660_in_it_and_only_that_group_may_write(shm_dir, monkeypatch, caplog):
+    monkeypatch.setenv(shm_files.GROUP_ENV, str(NOBODY))
+    policy = Policy.from_env()
+    assert policy == Policy(os.geteuid(), NOBODY)
+    made = shm_files.open_checked(str(shm_dir / "made"), policy, create=True)
+    os.close(made.fd)
+    st = (shm_dir / "made").stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, NOBODY)
+    other = shm_dir / "other-group"
+    other.write_bytes(b"")
+    os.chown(other, -1, NOBODY + 1 if NOBODY + 1 < 2**32 - 1 else 1)
+    other.chmod(0o660)
+    with pytest.raises(UnsafeFile, match="writable by group"):
+        shm_files.open_checked(str(other), policy)
+    with pytest.raises(UnsafeFile, match="writable by group"):
+        shm_files.open_checked(str(shm_dir / "made"), Policy(os.geteuid()))  # without the group: refused
+
+    monkeypatch.setenv(shm_files.GROUP_ENV, "no-such-group-kvb")
+    with caplog.at_level(logging.WARNING, logger="kvcached_broker.adapters"):
+        assert Policy.from_env() == Policy(os.geteuid())
+    assert [r.getMessage() for r in caplog.records] == [
+        "event=bad_flag name=KVCACHED_BROKER_SHM_GROUP value='no-such-group-kvb' detail=no_such_group_files_stay_0600"]
+
+
 # ------------------------------------------------------------------ the board
+def engine_header(state: int = board_mod.ENGINE_GOVERNING, wanted: int = 0, limit: int = 0) -> bytes:
+    values = dict.fromkeys(board_mod.ENGINE_FIELDS, 0)
+    values.update(seq=2, pid=1, state=state, wanted_pages=wanted, limit_pages=limit)
+    return struct.pack(f"<{len(values)}q", *values.values())
+
+
+@as_root
+def test_a_board_another_user_made_first_is_never_mapped_and_the_pool_runs_without_it(shm_dir, monkeypatch):
+    path = shm_dir / "kvcached-broker-squat-g0.board"
+    header = engine_header(wanted=0, limit=0)  # "every worker holds nothing, the pool maps nothing"
+
+    def squat() -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        os.fchmod(fd, 0o666)
+        os.ftruncate(fd, board_mod.BOARD_BYTES)
+        os.pwrite(fd, header, 0)
+        os.close(fd)
+
+    as_user(squat)
+    with pytest.raises(UnsafeFile, match=r"owned by uid 65534, not this process's uid 0"):
+        board_mod.Board.join(str(path), lambda b: b.write_slot(0, **board_mod.identity_fields(board_mod.own_identity())))
+    with pytest.raises(UnsafeFile):
+        board_mod.Board(str(path))  # not even as a reader
+
+    monkeypatch.setattr(board_mod, "board_path", lambda group_id, socket_dir=None: str(path))
+    geometry = PoolGeometry(num_layers=4, page_size=2 << 20, num_kv_buffers=2, virtual_pages=64, world_size=2)
+    grants, why = board_grants.open_grants(geometry, real=None)
+    assert grants is None and why.startswith(f"board unavailable: {path}: owned by uid 65534")  # kvcached alone
+    assert path.read_bytes()[:len(header)] == header and path.stat().st_size == board_mod.BOARD_BYTES  # untouched
+
+
+@pytest.mark.parametrize("kind", ["world-writable", "symlink", "fifo"])
+def test_a_board_that_is_not_a_private_regular_file_is_refused_and_nothing_is_written(shm_dir, kind):
+    path = shm_dir / "kvcached-broker-odd-g0.board"
+    target = shm_dir / "precious"
+    target.write_bytes(b"precious")
+    if kind == "world-writable":
+        write_world_writable(path, engine_header())
+    elif kind == "symlink":
+        path.symlink_to(target)
+    else:
+        os.mkfifo(path)
+    reason = {"world-writable": "writable by every user", "symlink": "a symbolic link",
+              "fifo": r"not a regular file \(a FIFO\)"}[kind]
+    with pytest.raises(UnsafeFile, match=reason):
+        board_mod.Board(str(path))
+    assert target.read_bytes() == b"precious"
+
+
+def test_the_sweep_skips_a_fifo_named_as_a_board_without_blocking(shm_dir, children):
+    os.mkfifo(shm_dir / "kvcached-broker-fifo-g0.board")  # a read-only open of a FIFO waits for a writer
+    child = children(f"""
+        import json
+        from kvcached_broker.adapters.kvcached import board
+        print(json.dumps(board.sweep({str(shm_dir)!r})), flush=True)
+    """)
+    assert child.receive() == []
+    assert child.proc.wait(timeout=60) == 0  # bounds a failure only
+
+
 @two_namespaces
 def test_a_board_whose_writer_runs_in_another_pid_namespace_is_never_swept(shm_dir, children):
     path = shm_dir / "kvcached-broker-container-g0.board"
@@ -160,3 +306,104 @@ def test_the_board_is_named_for_this_user_and_pid_namespace(monkeypatch):
     path = board_mod.board_path(3, "/tmp/kvcached-tp-kvcached_engine_1-0123abcd")
     assert os.path.basename(path) == (f"kvcached-broker-u{os.geteuid()}-n{liveness.pid_namespace()}-"
                                       "kvcached-tp-kvcached_engine_1-0123abcd-g3.board")
+
+
+# ------------------------------------------------------------------ the segment and its record
+class Allocator:
+    """kvcached's allocator as the governor reads it."""
+
+    def __init__(self, total: int):
+        self.total, self.inuse = total, 1
+
+    def get_num_total_pages(self) -> int:
+        return self.total
+
+    def get_num_inuse_pages(self) -> int:
+        return self.inuse
+
+
+class Grants:
+    pages = 40
+
+
+def governor(ipc_name: str, pages: int = 8) -> PoolGovernor:
+    geometry = PoolGeometry(num_layers=4, page_size=2 << 20, num_kv_buffers=2, virtual_pages=VIRTUAL_PAGES,
+                            ipc_name=ipc_name)
+    return PoolGovernor(geometry, Allocator(pages), Grants(), Watermarks.for_page_bytes(PAGE_BYTES, 64 << 20))
+
+
+def kvctl_round(*governors: PoolGovernor) -> None:
+    for g in governors:
+        g._read_operator_cap()
+        g._write_segment()
+
+
+def kvcached_start(ipc_name: str, pages: int = VIRTUAL_PAGES) -> None:
+    """What kvcached's tracker writes when it creates a pool: its whole size, nothing in use."""
+    fd = os.open(segment.path_of(ipc_name), os.O_RDWR | os.O_CREAT, 0o666)
+    os.ftruncate(fd, 24)
+    os.pwrite(fd, struct.pack("=qqq", pages * PAGE_BYTES, 0, 0), 0)
+    os.close(fd)
+
+
+def record_bytes(segment_path: str, cap_bytes: int) -> bytes:
+    st = os.stat(segment_path)
+    return struct.pack("=8q", 0x6B76625F73656732, st.st_dev, st.st_ino, 8 * PAGE_BYTES, cap_bytes, 7, 0, 0)
+
+
+@as_root
+def test_the_record_is_private_and_one_another_user_made_is_never_applied(shm_dir, caplog):
+    name = str(shm_dir / "kvcached_engine_7")
+    kvcached_start(name)  # 0644: kvcached's 0666 less the umask
+    g = governor(name)
+    kvctl_round(g, g)
+    record = segment.sidecar_path(name)
+    assert stat.S_IMODE(os.stat(record).st_mode) == 0o600 and stat.S_IMODE(os.stat(name).st_mode) == 0o600
+
+    def write_a_cap() -> None:
+        os.open(record, os.O_RDWR)
+
+    with pytest.raises(AssertionError, match="PermissionError"):
+        as_user(write_a_cap)  # another user cannot open it to write a cap
+
+    os.unlink(record)  # ... so make it first: a record naming this segment, with a cap of 0
+    forged = record_bytes(name, 0)
+    as_user(lambda: write_world_writable(Path(record), forged))
+    with caplog.at_level(logging.WARNING, logger="kvcached_broker.adapters"):
+        other = governor(name)
+        for _ in range(3):
+            kvctl_round(g, other)
+    assert g.operator_cap_pages is None and other.operator_cap_pages is None
+    assert Path(record).read_bytes() == forged  # never written
+    assert g.resize_target(0) == -1 and g.shm_unsafe.endswith("(another user's file)")
+    warnings = [r.getMessage() for r in caplog.records if "kvcached_shm_unsafe" in r.getMessage()]
+    assert len(warnings) == 2 and "owned by uid 65534" in warnings[0]  # one line per pool
+
+
+@as_root
+def test_a_segment_another_user_made_is_never_read_for_a_cap_nor_written(shm_dir):
+    name = str(shm_dir / "kvcached_engine_8")
+    as_user(lambda: write_world_writable(Path(name), struct.pack("=qqq", 0, 0, 0)))  # "cap 0"
+    g = governor(name)
+    kvctl_round(g, g)
+    assert g.operator_cap_pages is None and g.shm_unsafe
+    assert Path(name).read_bytes() == struct.pack("=qqq", 0, 0, 0)
+    assert not os.path.exists(segment.sidecar_path(name))
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_segment_or_record_that_is_a_symlink_or_a_fifo_is_refused(shm_dir, kind):
+    name = str(shm_dir / "kvcached_engine_9")
+    target = shm_dir / "precious"
+    target.write_bytes(b"precious" * 4)
+    for odd in (name, segment.sidecar_path(name)):
+        if kind == "symlink":
+            os.symlink(target, odd)
+        else:
+            os.mkfifo(odd)
+        if odd == segment.sidecar_path(name):
+            kvcached_start(name)
+        with pytest.raises(UnsafeFile, match="a symbolic link" if kind == "symlink" else "a FIFO"):
+            segment.exchange(name, 8 * PAGE_BYTES)
+        os.unlink(odd)
+    assert target.read_bytes() == b"precious" * 4

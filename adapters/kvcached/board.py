@@ -24,9 +24,14 @@ board this process joined is left at exit.  A board whose every writer died with
 
 Who wrote a record, and whether it still runs: its pid, start time and PID namespace
 (:mod:`.liveness`).  A writer in another PID namespace is never judged dead (its pid means
-nothing here), so a board with such a writer is never swept from here.  The board's name
-carries this user's uid and PID namespace (EngineCore and its workers share both), so engines
-of different users or containers sharing ``/dev/shm`` never meet on one board.
+nothing here), so a board with such a writer is never swept from here.
+
+Trust.  The board is this user's own file, mode ``0600`` (or ``0660`` with
+``KVCACHED_BROKER_SHM_GROUP``), opened only after :mod:`.shm_files` checked it (owner, mode,
+a regular file, no symbolic link); one that fails raises :class:`~.shm_files.UnsafeFile` and
+is never mapped, so its values are never applied (the pool then runs as kvcached alone, with one
+warning).  Its name carries this user's uid and PID namespace (EngineCore and its workers share
+both), so engines of different users or containers sharing ``/dev/shm`` never meet on one board.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import weakref
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from . import liveness
+from . import liveness, shm_files
 from .liveness import ProcessIdentity
 
 FIELD = struct.Struct("<q")
@@ -149,10 +154,10 @@ class Board:
     its process left it never touches unmapped memory).
     """
 
-    def __init__(self, path: str, *, create: bool = True):
+    def __init__(self, path: str, *, create: bool = True, policy: shm_files.Policy | None = None):
         self.path = path
         self._write_lock = threading.Lock()
-        self._fd, self._identity = _open_locked(path, create)
+        self._fd, self._identity = _open_locked(path, create, policy or shm_files.Policy.from_env())
         try:
             if self._identity.st_size < BOARD_BYTES:
                 os.ftruncate(self._fd, BOARD_BYTES)
@@ -166,16 +171,18 @@ class Board:
 
     # ------------------------------------------------------------------ taking part
     @classmethod
-    def join(cls, path: str, claim: Callable[["Board"], None]) -> "Board":
+    def join(cls, path: str, claim: Callable[["Board"], None], policy: shm_files.Policy | None = None) -> "Board":
         """Take part in the board at ``path``: ``claim(board)`` writes this process's record under
         the file's lock (no leaver or sweeper can remove the file meanwhile).  Boards left behind
-        by processes that all died are swept first."""
-        sweep(os.path.dirname(path) or ".")
-        board = cls(path)
+        by processes that all died are swept first.  Raises :class:`~.shm_files.UnsafeFile` for a
+        file at ``path`` that is not this user's own private board."""
+        policy = policy or shm_files.Policy.from_env()
+        sweep(os.path.dirname(path) or ".", policy)
+        board = cls(path, policy=policy)
         with board.locked():
             if not board.same_file():  # the last leaver removed it between open and lock: again
                 board.close()
-                return cls.join(path, claim)
+                return cls.join(path, claim, policy)
             claim(board)
             board.joined = True
         with _joined_lock:
@@ -218,7 +225,7 @@ class Board:
     def same_file(self) -> bool:
         """True while ``path`` still names the file this process mapped (not removed, not a newer one)."""
         try:
-            return os.path.samestat(os.stat(self.path), self._identity)
+            return os.path.samestat(os.stat(self.path, follow_symlinks=False), self._identity)
         except FileNotFoundError:
             return False
 
@@ -341,17 +348,18 @@ class Board:
         return self._mm is None
 
 
-def _open_locked(path: str, create: bool) -> tuple[int, os.stat_result]:
+def _open_locked(path: str, create: bool, policy: shm_files.Policy) -> tuple[int, os.stat_result]:
     """An fd on ``path`` with its ``flock`` held, and the file's identity; the file is the one
-    ``path`` names once locked (a file removed between open and lock is opened again)."""
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    ``path`` names once locked (a file removed between open and lock is opened again).  Only a
+    file :mod:`.shm_files` trusts is opened (:class:`~.shm_files.UnsafeFile` otherwise)."""
     while True:
-        fd = os.open(path, flags, 0o600)
+        opened = shm_files.open_checked(path, policy, create=create)
+        fd = opened.fd
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             identity = os.fstat(fd)
             try:
-                current = os.stat(path)
+                current = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 current = None
         except BaseException:
@@ -371,11 +379,12 @@ def _unlock(fd: int) -> None:
         pass
 
 
-def sweep(directory: str = SHM_DIR) -> list[str]:
+def sweep(directory: str = SHM_DIR, policy: shm_files.Policy | None = None) -> list[str]:
     """Remove the boards in ``directory`` whose every writer is known dead (SIGKILL: nobody left
-    them); the paths removed.  A board being joined, left or swept by someone else (its lock
-    held) is skipped, and so is one no process ever wrote a record on, and one with a writer in
-    another PID namespace."""
+    them); the paths removed.  Only this user's own boards (:mod:`.shm_files`) are looked at; a
+    board being joined, left or swept by someone else (its lock held) is skipped, and so is one
+    no process ever wrote a record on, and one with a writer in another PID namespace."""
+    policy = policy or shm_files.Policy.from_env()
     removed = []
     try:
         names = [n for n in os.listdir(directory) if n.startswith(BOARD_PREFIX) and n.endswith(BOARD_SUFFIX)]
@@ -384,16 +393,17 @@ def sweep(directory: str = SHM_DIR) -> list[str]:
     for name in names:
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
+            fd = shm_files.open_checked(path, policy, writable=False).fd
+        except (shm_files.UnsafeFile, OSError):
+            continue  # gone, or not ours to judge
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # in use right now: not stale
             try:
-                if not os.path.samestat(os.stat(path), os.fstat(fd)) or os.fstat(fd).st_size < BOARD_BYTES:
+                if (not os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))
+                        or os.fstat(fd).st_size < BOARD_BYTES):
                     continue
             except FileNotFoundError:
                 continue

@@ -20,6 +20,13 @@ pool's whole size at creation) is an operator's write: the cap of every pool on 
 The record names the segment's inode, so one left behind by a segment since removed is never
 read as this one's; the records of segments that are gone are removed whenever a record is
 created (:func:`forget` removes one at once).
+
+**Whose files.**  Segment and record are this user's own, mode ``0600`` (or ``0660`` with
+``KVCACHED_BROKER_SHM_GROUP``), and opened only after :mod:`.shm_files` checked them (owner,
+mode, a regular file, no symbolic link); a segment kvcached made (``0666`` less the umask:
+``0644``) is tightened.  A file that fails the check raises :class:`~.shm_files.UnsafeFile`:
+its values are never taken (no kvctl cap, nothing shown).
+
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from . import shm_files
+from .shm_files import Policy, UnsafeFile
 
 _FIELDS = struct.Struct("=qqq")
 SHM_DIR = "/dev/shm"
@@ -46,11 +56,12 @@ def path_of(ipc_name: str) -> str:
     return ipc_name if ipc_name.startswith("/") else os.path.join(SHM_DIR, ipc_name)
 
 
-def read(ipc_name: str) -> SegmentInfo | None:
-    """The segment's fields; None if it does not exist (or is too short)."""
+def read(ipc_name: str, policy: Policy | None = None) -> SegmentInfo | None:
+    """The segment's fields; None if it does not exist (or is too short).  Raises
+    :class:`~.shm_files.UnsafeFile` for a segment that is not this user's own."""
     try:
-        fd = os.open(path_of(ipc_name), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        fd = shm_files.open_checked(path_of(ipc_name), policy or Policy.from_env(), writable=False).fd
+    except FileNotFoundError:
         return None
     try:
         if os.fstat(fd).st_size < _FIELDS.size:
@@ -62,11 +73,12 @@ def read(ipc_name: str) -> SegmentInfo | None:
         os.close(fd)
 
 
-def write_limit(ipc_name: str, total_bytes: int) -> bool:
-    """Set ``total_size`` (leaving the usage fields to kvcached); False if there is no segment."""
+def write_limit(ipc_name: str, total_bytes: int, policy: Policy | None = None) -> bool:
+    """Set ``total_size`` (leaving the usage fields to kvcached); False if there is no segment.
+    Raises :class:`~.shm_files.UnsafeFile` for a segment that is not this user's own."""
     try:
-        fd = os.open(path_of(ipc_name), os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
+        fd = shm_files.open_checked(path_of(ipc_name), policy or Policy.from_env()).fd
+    except FileNotFoundError:
         return False
     try:
         if os.fstat(fd).st_size < _FIELDS.size:
@@ -83,7 +95,7 @@ def write_limit(ipc_name: str, total_bytes: int) -> bool:
 # ---------------------------------------------------------------------------- shared segments
 #: ``[magic, st_dev, st_ino, shown, cap (-1: none), seq, 0, 0]``
 _RECORD = struct.Struct("=8q")
-_MAGIC = 0x6B76625F73656731  # "kvb_seg1"
+_MAGIC = 0x6B76625F73656732  # "kvb_seg2"
 _NO_CAP = -1
 _SIDECAR = ".kvcached-broker"
 
@@ -102,24 +114,29 @@ def sidecar_path(ipc_name: str) -> str:
 
 
 def exchange(ipc_name: str, show_bytes: int | None = None, *,
-             own_start: Callable[[int], bool] | None = None) -> Shared | None:
+             own_start: Callable[[int], bool] | None = None, policy: Policy | None = None) -> Shared | None:
     """Judge the segment's ``total_size`` and, if ``show_bytes`` is given, show it there.
 
     Under the segment's exclusive lock: a ``total_size`` other than the governors' last write
     is an operator's write and becomes the cap (``own_start``, given by a pool's first call,
     says which values are its own kvcached start-up write, not an operator's; a cap a peer
     took from that write is dropped).  Then ``show_bytes`` is written, and recorded as the
-    governors' last write.  None if the segment does not exist."""
+    governors' last write.  None if the segment does not exist.  Raises
+    :class:`~.shm_files.UnsafeFile` if the segment or its record is not this user's own
+    (nothing is read or written then)."""
+    policy = policy or Policy.from_env()
     try:
-        fd = os.open(path_of(ipc_name), os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
+        seg = shm_files.open_checked(path_of(ipc_name), policy)
+    except FileNotFoundError:
         return None
+    fd = seg.fd
     try:
-        identity = os.fstat(fd)
+        identity = seg.st
         if identity.st_size < _FIELDS.size:
             return None
         fcntl.flock(fd, fcntl.LOCK_EX)
-        with mmap.mmap(fd, _FIELDS.size) as mm, _Record(ipc_name, identity) as record:
+        with _Record(_open_record(sidecar_path(ipc_name), policy).fd, identity) as record, \
+                mmap.mmap(fd, _FIELDS.size) as mm:
             total, used, prealloc = _FIELDS.unpack(mm[:_FIELDS.size])
             record.load(total)
             if total != record.shown:
@@ -141,85 +158,92 @@ def forget(ipc_name: str) -> None:
     """Remove the governors' record of a segment that is gone (or was replaced)."""
     path = sidecar_path(ipc_name)
     try:
-        current = os.stat(path_of(ipc_name))
+        current = os.stat(path_of(ipc_name), follow_symlinks=False)
     except OSError:
         current = None
     if current is not None:
         try:
-            with open(path, "rb") as f:
-                values = _RECORD.unpack(f.read(_RECORD.size))
-        except (OSError, struct.error):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
             return
-        if values[0] == _MAGIC and values[1:3] == (current.st_dev, current.st_ino):
-            return  # the segment is there, and this is its record
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+        try:
+            if _describes(fd, current):
+                return  # the segment is there, and this is its record
+        finally:
+            os.close(fd)
+    _unlink(path)
 
 
-def _collect(directory: str) -> None:
-    """Remove the records of segments that are gone (a process killed before its governor
-    closed leaves its record behind); run when a record is created, so they never pile up."""
+# ------------------------------------------------------------------ the record's pieces
+def _open_record(path: str, policy: Policy) -> shm_files.Opened:
+    """The record at ``path``, made if absent (the records of segments that are gone are
+    collected then)."""
+    opened = shm_files.open_checked(path, policy, create=True)
+    if opened.created:
+        _collect(os.path.dirname(path), policy)
+    return opened
+
+
+def _collect(directory: str, policy: Policy) -> None:
+    """Remove this user's records of segments that are gone (a process killed before its governor
+    closed leaves its record behind)."""
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in names:
-        if name.endswith(_SIDECAR) and not os.path.exists(os.path.join(directory, name[:-len(_SIDECAR)])):
+        path = os.path.join(directory, name)
+        if name.endswith(_SIDECAR) and not os.path.lexists(path[:-len(_SIDECAR)]):
             try:
-                os.unlink(os.path.join(directory, name))
+                if os.lstat(path).st_uid == policy.uid:
+                    os.unlink(path)
             except OSError:
                 pass
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _values(fd: int) -> "tuple[int, ...] | None":
+    data = os.pread(fd, _RECORD.size, 0)
+    return _RECORD.unpack(data) if len(data) == _RECORD.size else None
+
+
+def _describes(fd: int, segment: os.stat_result) -> bool:
+    """True if the record open on ``fd`` is the one of the segment with status ``segment``."""
+    values = _values(fd)
+    return values is not None and values[0] == _MAGIC and values[1:3] == (segment.st_dev, segment.st_ino)
 
 
 class _Record:
-    """The governors' record of one segment (read and written under the segment's lock)."""
+    """The governors' record of one segment (read and written under the segment's lock); closes
+    its descriptor on exit."""
 
-    def __init__(self, ipc_name: str, identity: os.stat_result | None):
-        self.path = sidecar_path(ipc_name)
+    def __init__(self, fd: int, identity: os.stat_result):
+        self.fd = fd
         self.identity = identity
         self.shown, self.cap, self.seq = 0, _NO_CAP, 0
-        self.fd: int | None = None
 
     def __enter__(self) -> "_Record":
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        except FileExistsError:
-            try:
-                self.fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
-            except OSError:
-                pass
-            return self
-        except OSError:  # no record can be kept: nothing is judged, the limit is shown all the same
-            return self
-        try:
-            os.fchmod(self.fd, 0o666)  # the governors of every server on this segment keep it
-        except OSError:
-            pass
-        _collect(os.path.dirname(self.path))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        os.close(self.fd)
 
     def load(self, total: int | None) -> bool:
         """Read the record; True if it is this segment's.  Otherwise start afresh: ``total``
         (what the segment holds now) taken as shown, no cap, a new sequence."""
-        values = None
-        if self.fd is not None and self.identity is not None:
-            data = os.pread(self.fd, _RECORD.size, 0)
-            if len(data) == _RECORD.size:
-                values = _RECORD.unpack(data)
-        if values is not None and values[0] == _MAGIC and values[1:3] == (self.identity.st_dev, self.identity.st_ino):
-            self.shown, self.cap, self.seq = values[3:6]
+        if _describes(self.fd, self.identity):
+            self.shown, self.cap, self.seq = _RECORD.unpack(os.pread(self.fd, _RECORD.size, 0))[3:6]
             return True
         self.shown, self.cap, self.seq = total or 0, _NO_CAP, int.from_bytes(os.urandom(6), "little")
         return False
 
     def store(self) -> None:
-        if self.fd is not None and self.identity is not None:
-            os.pwrite(self.fd, _RECORD.pack(_MAGIC, self.identity.st_dev, self.identity.st_ino, self.shown,
-                                            self.cap, self.seq, 0, 0), 0)
+        os.pwrite(self.fd, _RECORD.pack(_MAGIC, self.identity.st_dev, self.identity.st_ino, self.shown,
+                                        self.cap, self.seq, 0, 0), 0)
