@@ -234,9 +234,10 @@ def test_a_closed_board_reads_empty_and_drops_writes(tmp_path):
 def test_a_forked_child_does_not_keep_its_parents_doorbell():
     code = textwrap.dedent("""
         import os, sys
-        from kvcached_broker.adapters.kvcached import doorbell
-        assert doorbell.start()
-        name = "@" + doorbell.address(os.getpid())[1:]
+        from kvcached_broker.adapters.kvcached import doorbell, liveness
+        token = doorbell.start()
+        assert token
+        name = "@" + doorbell.address(liveness.own(), token)[1:]
         inode = next(line.split()[6] for line in open("/proc/net/unix") if line.split()[-1] == name)
         child = os.fork()
         if child == 0:

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from kvcached_broker.adapters.kvcached import board as board_mod
-from kvcached_broker.adapters.kvcached import board_grants, liveness, segment, shm_files
+from kvcached_broker.adapters.kvcached import board_grants, doorbell, liveness, segment, shm_files
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
 from kvcached_broker.adapters.kvcached.governor import PoolGovernor
 from kvcached_broker.adapters.kvcached.policy import Watermarks
@@ -306,6 +306,33 @@ def test_the_board_is_named_for_this_user_and_pid_namespace(monkeypatch):
     path = board_mod.board_path(3, "/tmp/kvcached-tp-kvcached_engine_1-0123abcd")
     assert os.path.basename(path) == (f"kvcached-broker-u{os.geteuid()}-n{liveness.pid_namespace()}-"
                                       "kvcached-tp-kvcached_engine_1-0123abcd-g3.board")
+
+
+# ------------------------------------------------------------------ doorbells
+@two_namespaces
+def test_doorbells_of_processes_with_the_same_pid_in_two_pid_namespaces_never_collide(children):
+    code = """
+        import json, sys
+        from kvcached_broker.adapters.kvcached import doorbell, liveness
+        me, token = liveness.own(), doorbell.start()
+        seen = doorbell.rings()
+        print(json.dumps({"pid": me.pid, "pidns": me.pidns, "token": token}), flush=True)
+        for line in sys.stdin:
+            seen = doorbell.wait(seen, 60.0)
+            print(json.dumps({"rings": seen}), flush=True)
+    """
+    a, b = children(code, new_pid_namespace=True), children(code, new_pid_namespace=True)
+    first, second = a.receive(), b.receive()
+    assert first["pid"] == second["pid"] == 1 and first["pidns"] != second["pidns"]
+    assert first["token"] and second["token"]  # both bound (a name of the pid alone: the second could not)
+    for child, bell in ((a, first), (b, second)):
+        child.send(op="wait")
+        doorbell.ring(liveness.ProcessIdentity(bell["pid"], 0, bell["pidns"]), bell["token"])
+        assert child.receive() == {"rings": 1}  # woken by the ring at its own published name
+    with open("/proc/net/unix") as f:
+        bound = {line.split()[-1] for line in f if "kvcached-broker-doorbell-" in line}
+    assert {"@" + doorbell.address(liveness.ProcessIdentity(1, 0, x["pidns"]), x["token"])[1:]
+            for x in (first, second)} <= bound
 
 
 # ------------------------------------------------------------------ the segment and its record

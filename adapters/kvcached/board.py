@@ -32,6 +32,7 @@ a regular file, no symbolic link); one that fails raises :class:`~.shm_files.Uns
 is never mapped, so its values are never applied (the pool then runs as kvcached alone, with one
 warning).  Its name carries this user's uid and PID namespace (EngineCore and its workers share
 both), so engines of different users or containers sharing ``/dev/shm`` never meet on one board.
+Each record publishes its process's doorbell (:mod:`.doorbell`) by its random token.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import weakref
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from . import liveness, shm_files
+from . import doorbell, liveness, shm_files
 from .liveness import ProcessIdentity
 
 FIELD = struct.Struct("<q")
@@ -88,6 +89,7 @@ class EngineRecord:
     limit_pages: int = 0  # kvcached's allocator size in EngineCore (what the pool may map)
     expected_slots: int = 0
     pidns: int = 0  # the writer's PID namespace (inode)
+    doorbell: int = 0  # the writer's doorbell token (0: none)
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class SlotRecord:
     refused_maps: int = 0  # cumulative: broadcast maps its gate refused
     page_bytes: int = 0  # one pool page in this worker (for status)
     pidns: int = 0  # the writer's PID namespace (inode)
+    doorbell: int = 0  # the writer's doorbell token (0: none)
 
 
 ENGINE_FIELDS = [f.name for f in fields(EngineRecord)]
@@ -135,14 +138,19 @@ def alive(record: "EngineRecord | SlotRecord") -> bool:
     return liveness.alive(writer(record))
 
 
+def ring(record: "EngineRecord | SlotRecord") -> None:
+    """Wake the record's writer at the doorbell it published (never blocks, never raises)."""
+    doorbell.ring(writer(record), record.doorbell)
+
+
 def own_identity() -> ProcessIdentity:
     """This process, as its records name it."""
     return liveness.own()
 
 
-def identity_fields(who: ProcessIdentity) -> dict[str, int]:
-    """The identity fields of a record ``who`` writes."""
-    return {"pid": who.pid, "start_ticks": who.start_ticks, "pidns": who.pidns}
+def identity_fields(who: ProcessIdentity, doorbell_token: int = 0) -> dict[str, int]:
+    """The identity fields of a record ``who`` writes (with its doorbell token)."""
+    return {"pid": who.pid, "start_ticks": who.start_ticks, "pidns": who.pidns, "doorbell": doorbell_token}
 
 
 class Board:
