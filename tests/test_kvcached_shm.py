@@ -40,7 +40,6 @@ from kvcached_broker.adapters.kvcached.governor import PoolGovernor
 from kvcached_broker.adapters.kvcached.policy import Watermarks
 from kvcached_broker.adapters.kvcached.shm_files import Policy, UnsafeFile
 
-
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
 PAGE_BYTES = (2 << 20) * 4 * 2
@@ -411,6 +410,8 @@ def test_the_record_is_private_and_one_another_user_made_is_never_applied(shm_di
 def test_a_segment_another_user_made_is_never_read_for_a_cap_nor_written(shm_dir):
     name = str(shm_dir / "kvcached_engine_8")
     as_user(lambda: write_world_writable(Path(name), struct.pack("=qqq", 0, 0, 0)))  # "cap 0"
+    with pytest.raises(UnsafeFile, match="owned by uid 65534"):
+        segment.attach(name)
     g = governor(name)
     kvctl_round(g, g)
     assert g.operator_cap_pages is None and g.shm_unsafe
@@ -434,3 +435,99 @@ def test_a_segment_or_record_that_is_a_symlink_or_a_fifo_is_refused(shm_dir, kin
             segment.exchange(name, 8 * PAGE_BYTES)
         os.unlink(odd)
     assert target.read_bytes() == b"precious" * 4
+
+
+def test_a_world_writable_record_of_ours_is_made_again_unless_a_live_process_holds_it(shm_dir, children):
+    name = str(shm_dir / "kvcached_engine_10")
+    segment.attach(name).leave()
+    kvcached_start(name)
+    record = Path(segment.sidecar_path(name))
+    record.unlink()
+    write_world_writable(record, record_bytes(name, 2 * PAGE_BYTES))  # others may have written that cap
+    member = segment.attach(name)  # nobody holds it: made again, private, with no cap
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    g = governor(name)
+    kvctl_round(g, g)
+    assert g.operator_cap_pages is None
+
+    record.chmod(0o666)  # while a process holds it: not trusted, not replaced
+    with pytest.raises(UnsafeFile, match="writable by every user"):
+        segment.attach(name)
+    member.leave()
+
+
+def attach_and_cap(name: str, cap_pages: int) -> str:
+    """A server's pool in a child: attaches to ``name``'s segment, kvcached writes its start-up
+    size, the governor shows its limit, then an operator's kvctl cap is taken."""
+    return f"""
+        import json, os, struct, sys
+        from kvcached_broker.adapters.kvcached import segment
+        name = {name!r}
+        member = segment.attach(name)
+        fd = os.open(name, os.O_RDWR)
+        os.ftruncate(fd, 24)
+        os.pwrite(fd, struct.pack("=qqq", {VIRTUAL_PAGES * PAGE_BYTES}, 0, 0), 0)
+        os.close(fd)
+        own = lambda total: total == {VIRTUAL_PAGES * PAGE_BYTES}
+        segment.exchange(name, {8 * PAGE_BYTES}, own_start=own, member=member)
+        segment.write_limit(name, {cap_pages * PAGE_BYTES})  # kvctl limit
+        shared = segment.exchange(name, member=member)
+        print(json.dumps({{"cap": shared.cap_bytes}}), flush=True)
+        sys.stdin.read()
+    """
+
+
+def test_a_cap_belongs_to_the_server_it_was_set_on(shm_dir, children):
+    name = str(shm_dir / "kvcached_engine_11")
+    server = children(attach_and_cap(name, 5))
+    assert server.receive() == {"cap": 5 * PAGE_BYTES}
+    rank = governor(name)  # another pool of the same (running) server joins: the cap is its too
+    rank.segment_member = segment.attach(name)
+    kvcached_start(name)
+    kvctl_round(rank, rank)
+    assert rank.operator_cap_pages == 5
+    rank.segment_member.leave()
+
+    server.kill()  # SIGKILL: segment, record and cap stay behind
+    assert os.path.exists(name) and os.path.exists(segment.sidecar_path(name))
+    nxt = governor(name)  # the next server, same KVCACHED_IPC_NAME
+    nxt.segment_member = segment.attach(name)
+    kvcached_start(name)
+    kvctl_round(nxt, nxt)
+    assert nxt.operator_cap_pages is None and nxt.pages().ceiling == VIRTUAL_PAGES
+    assert segment.read(name).total_bytes == 8 * PAGE_BYTES
+    nxt.segment_member.leave()
+
+
+def test_the_segment_and_record_of_a_sigkilled_server_are_collected(shm_dir, children):
+    gone, running = str(shm_dir / "kvcached_engine_12"), str(shm_dir / "kvcached_engine_13")
+    dead_server, live_server = children(attach_and_cap(gone, 5)), children(attach_and_cap(running, 6))
+    dead_server.receive(), live_server.receive()
+    dead_server.kill()
+    orphan = shm_dir / "kvcached_engine_14.kvcached-broker"  # a record whose segment is gone
+    orphan.write_bytes(b"")
+    orphan.chmod(0o600)
+    unattached = str(shm_dir / "kvcached_engine_17")  # a governor that never attached: liveness unknown
+    kvcached_start(unattached)
+    kvctl_round(governor(unattached))
+    member = segment.attach(str(shm_dir / "kvcached_engine_15"))  # the next pool to start on the host
+    assert not os.path.exists(gone) and not os.path.exists(segment.sidecar_path(gone)) and not orphan.exists()
+    for kept in (running, unattached):
+        assert os.path.exists(kept) and os.path.exists(segment.sidecar_path(kept))
+    member.leave()
+
+
+@two_namespaces
+def test_a_segment_used_from_another_pid_namespace_is_collected_only_once_that_server_died(shm_dir, children):
+    name = str(shm_dir / "kvcached_engine_16")
+    server = children(attach_and_cap(name, 4), new_pid_namespace=True)
+    assert server.receive() == {"cap": 4 * PAGE_BYTES}
+    assert segment.collect(str(shm_dir)) == []  # its pid means nothing here; its lock does
+    rank = governor(name)
+    rank.segment_member = segment.attach(name)
+    kvcached_start(name)
+    kvctl_round(rank, rank)
+    assert rank.operator_cap_pages == 4  # the same server's cap, across namespaces
+    rank.segment_member.leave()
+    server.kill()
+    assert sorted(segment.collect(str(shm_dir))) == sorted([name, segment.sidecar_path(name)])

@@ -100,6 +100,8 @@ class PoolGovernor:
         self._segment_bytes: int | None = None  # total_size the governor last wrote
         self._segment_seq: int | None = None  # the segment's cap sequence last taken (None: not shown yet)
         self.shm_policy = shm_files.Policy.from_env()
+        #: this process's part in the segment (:func:`.segment.attach`, taken before kvcached opened it)
+        self.segment_member: segment.Membership | None = None
         self.shm_unsafe = ""  # why the segment or its record is not trusted (empty: trusted)
         self.pending_limit: int | None = None  # a deferred limit, waiting for frees
         self.blocked = ""  # why the pool could not give back what was asked, if it could not
@@ -526,7 +528,7 @@ class PoolGovernor:
         value taken, nothing written) if the segment or its record is not this user's own."""
         try:
             shared = segment.exchange(self.geometry.ipc_name, show_bytes, own_start=own_start,
-                                      policy=self.shm_policy)
+                                      policy=self.shm_policy, member=self.segment_member)
         except shm_files.UnsafeFile as exc:
             self.untrusted_segment(str(exc))
             return None
@@ -692,6 +694,8 @@ class PoolGovernor:
         if self.closed:
             return
         self.closed = True
+        if self.segment_member is not None:
+            self.segment_member.leave()  # kvcached removes its segment at shutdown
         if not (self.governed and self.grants is not None):
             return
         self._release_unmapped()
