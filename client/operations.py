@@ -384,15 +384,21 @@ class Operations:
         got = {True: 0, False: 0}
         for ask, already_mapped in ((mapped, True), (pages - mapped, False)):
             if ask:
-                result = yield from self.call(
-                    lambda rid, ask=ask, already_mapped=already_mapped: proto.Acquire(
-                        id=rid, session=core.session_token(), pages=ask, min_pages=0, mapped=already_mapped),
-                    track={"on_answer": core.book_late_grant},
-                )
+                result = yield from self.call(_reasserted_pages(core, ask, already_mapped),
+                                              track={"on_answer": core.book_late_grant})
                 got[already_mapped] = int(result["granted"])
         core.book_reasserted(booked_pools, got[True] + got[False])
         if core.report_mapping:
             core.mapped_pages = got[True]
+
+
+def _reasserted_pages(core: ClientCore, pages: int, mapped: bool) -> Callable[[int], proto.Acquire]:
+    """The acquire that asks a broker which lost the session for ``pages`` it held (``mapped``:
+    pages its caller has mapped, which the device's measurement covers)."""
+    def build(rid: int) -> proto.Acquire:
+        return proto.Acquire(id=rid, session=core.session_token(), pages=pages, min_pages=0, mapped=mapped)
+
+    return build
 
 
 class BackgroundHealth:
