@@ -147,9 +147,20 @@ class PoolGovernor:
         self._manager = weakref.ref(manager)
         self.pool_name = str(getattr(manager, "pool_name", "") or "")
         if self.pool_name:
-            self.key = f"kvcached:{self.pool_name}:g{self.geometry.group_id}:{self.key.rsplit(':', 1)[1]}"
+            self._rename(f"kvcached:{self.pool_name}:g{self.geometry.group_id}:{self.key.rsplit(':', 1)[1]}")
         self._write_segment()
         self._note_segment()
+
+    def _rename(self, key: str) -> None:
+        """Report under ``key`` from now on; the zero page reported under the old key moves to it
+        (reported again first, then the old entry forgotten: never charged twice, never zero)."""
+        old, self.key = self.key, key
+        if old == key or not self._zero_reported or self.grants is None:
+            return
+        self._zero_reported = False
+        self._report_zero_page()
+        if self._zero_reported:
+            self.grants.forget(old)
 
     # ------------------------------------------------------------ engine path (any thread)
     def note_alloc(self, need_blocks: int, result: Any, block_mem_size: int) -> bool:
