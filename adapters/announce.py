@@ -121,6 +121,12 @@ def once(key: str, level: int, event: str, **fields: object) -> bool:
     return True
 
 
+def handler() -> logging.Handler:
+    """The handler every adapter line at INFO and above goes through, whatever the process's logging
+    configuration (a filter added to it sees each record as it is written)."""
+    return _HANDLER
+
+
 def reset() -> None:
     """Forget what was said (tests)."""
     with _lock:
