@@ -17,8 +17,8 @@
   refused ask at a time, while a single small refusal still costs the others only its size.
 * **Idle memory.** Sessions say how many of their pages are idle (``idle_pages``: their
   reserve, free pages, a prefix cache's unused blocks).  What the asks above do not cover, and
-  what an instance at or above its share is refused, is asked of idle pages elsewhere with a
-  *soft* ask: give back only idle memory, never what a running request uses.  The kernel's page
+  what an instance at or above its share is refused, is asked of idle pages elsewhere (never
+  below their instance's floor) with a *soft* ask: give back only idle memory, never what a running request uses.  The kernel's page
   cache works the same way: cached pages go to whoever needs memory now.
 * **Watermarks.** While some instance is below its share, the broker keeps free memory between
   a low and a high mark (a share of the budget, at most what those instances lack), refilled
@@ -280,9 +280,11 @@ class PressureBook:
 
     def _plan_idle(self, ledger: Ledger, starved: str | None, need_bytes: int, shares: dict[str, int], now_s: float,
                    asks: list[Ask], reachable: Callable[[str], bool] | None, kind: str) -> None:
-        """Soft asks of idle pages (for a watermark: only idle pages above their instance's share)."""
+        """Soft asks of idle pages, never below their instance's floor (what it gave back there
+        would be its unfilled floor, which nobody else may be granted); for a watermark, only
+        idle pages above their instance's share."""
         asked = {a.session_id for a in asks}
-        room: dict[str, int] = {}  # watermark: what each instance holds above its share
+        room: dict[str, int] = {}  # what each instance holds above its floor (a watermark: its share)
         candidates = []
         for session in ledger.sessions.values():
             if session.instance == starved or session.id in asked or (reachable is not None and not reachable(session.id)):
@@ -290,29 +292,29 @@ class PressureBook:
             idle = idle_pages(session)
             if idle <= 0 or self._fresh_pages(session.id, now_s) is not None:
                 continue
-            if kind == WATERMARK:
-                if now_s - self.active_s.get(session.instance, -math.inf) < self.idle_after_s:
-                    continue
-                over = room.setdefault(session.instance,
-                                       ledger.instance_charge_bytes(session.instance) - shares.get(session.instance, 0))
-                if over <= 0:
-                    continue
+            if kind == WATERMARK and now_s - self.active_s.get(session.instance, -math.inf) < self.idle_after_s:
+                continue
+            if session.instance not in room:
+                keep = ledger.limits.get(session.instance, Limits()).min_bytes
+                if kind == WATERMARK:
+                    keep = max(keep, shares.get(session.instance, 0))
+                room[session.instance] = ledger.instance_charge_bytes(session.instance) - keep
+            if room[session.instance] <= 0:
+                continue
             candidates.append((self._order(ledger, session.instance), -idle, session.id, session))
         candidates.sort(key=lambda c: (c[0], c[1], c[2]))
         left = need_bytes
         for order, negative_idle, _, session in candidates:
             if left <= 0:
                 break
-            idle_bytes = -negative_idle * session.page_bytes
-            if kind == WATERMARK:
-                idle_bytes = min(idle_bytes, room[session.instance])
-            pages = min(-negative_idle, math.ceil(min(idle_bytes, left) / session.page_bytes))
+            idle_bytes = min(-negative_idle * session.page_bytes, room[session.instance])
+            pages = min(-negative_idle, idle_bytes // session.page_bytes,
+                        math.ceil(min(idle_bytes, left) / session.page_bytes))
             if pages <= 0:
                 continue
             asks.append(Ask(session.id, session.instance, pages, session.page_bytes, kind, order[0]))
             left -= pages * session.page_bytes
-            if kind == WATERMARK:
-                room[session.instance] -= pages * session.page_bytes
+            room[session.instance] -= pages * session.page_bytes
 
     def _escalated(self, ledger: Ledger, starved: str, need_bytes: int, shares: dict[str, int], now_s: float) -> int:
         """``need_bytes`` doubled once per refusal of ``starved`` in a row, within its deficit."""

@@ -136,6 +136,25 @@ def test_a_refused_instance_at_its_share_asks_idle_pages_softly():
     assert not [m for rid, m in pushed(core) if m["type"] == "pressure"]
 
 
+def test_idle_pages_under_a_floor_are_never_asked_for():
+    """What an instance holds under its floor is its own: given back, it would be its unfilled
+    floor, which no other instance may be granted, so a soft ask of it only costs the floored
+    instance its cache."""
+    core, t = two_sessions(total_bytes=8 * GIB)
+    core.ledger.set_limits("a", min_bytes=6 * GIB)
+    ask(core, proto.Acquire(id=2, session=t["a"], pages=4, idle_pages=3), b"ra", A_PEER)
+    assert ask(core, proto.Acquire(id=2, session=t["b"], pages=2), b"rb", B_PEER)["result"]["granted"] == 2
+    pushed(core)
+    reply = ask(core, proto.Acquire(id=3, session=t["b"], pages=1), b"rb", B_PEER, now=1.0)
+    assert reply["result"]["granted"] == 0
+    assert not [m for _, m in pushed(core) if m["type"] == "pressure"]
+    core.ledger.set_limits("a", min_bytes=3 * GIB)  # one page above its floor now: only that one is asked
+    reply = ask(core, proto.Acquire(id=4, session=t["b"], pages=5), b"rb", B_PEER, now=2.0)
+    assert reply["result"]["granted"] == 0
+    (push,) = [m for _, m in pushed(core) if m["type"] == "pressure"]
+    assert push["soft"] is True and push["pages"] == 1
+
+
 def test_the_lowest_priority_is_asked_first_then_the_one_idle_longest(caplog):
     core = make_core(12 * GIB)
     peers, tokens = {}, {}
