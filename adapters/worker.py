@@ -374,6 +374,8 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
         pinned = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended), pin_base=True)
         if _send(identity, entry, pinned, "re-pin runtime_base after warm-up") is None:
             return None
+        if not slack_bytes and kept_slack_bytes is None:  # settled before: the re-pin kept its slack
+            return entry.book.get(SLACK_POOL, {}).get(SLACK_POOL, 0)
         grown = max(0, (entry.base_bytes or 0) - base_before)
         kept = max(0, slack_bytes - grown) if kept_slack_bytes is None else min(kept_slack_bytes, slack_bytes)
         book = {**entry.book, SLACK_POOL: {SLACK_POOL: kept} if kept else {}}
@@ -477,6 +479,11 @@ def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: 
         entry.phase = plan.phase
     if plan.pin_base:
         entry.base_bytes = pinned_bytes
+        if SLACK_POOL in pools and result.get(SLACK_POOL, 0) != pools[SLACK_POOL]:
+            # the base grew into the slack kept (activations the device measures): the broker
+            # moved that much from one to the other, and the book follows
+            kept = result.get(SLACK_POOL, 0)
+            entry.book[SLACK_POOL] = {SLACK_POOL: kept} if kept else {}
         log.info("event=runtime_base_pinned runtime=%s device=%s rank=%d runtime_base=%d",
                  identity.runtime, identity.device, identity.tp_rank, entry.base_bytes)
     elif plan.base_bytes is not None:

@@ -208,7 +208,9 @@ def _nvml_uuid(index: int) -> str | None:
 
 
 def _all_endpoints() -> list[str]:
-    """Every broker endpoint on this host: per-device sockets that exist."""
+    """Every broker endpoint on this host: the sockets that exist for a per-device template
+    (``{device}`` and/or ``{uuid}`` in ``KVCACHED_BROKER``), else the runtime dir's ``gpuN.sock``."""
+    import glob
     import re as _re
 
     from ..client.endpoint import ipc_path, runtime_dir
@@ -216,22 +218,30 @@ def _all_endpoints() -> list[str]:
     template = os.environ.get("KVCACHED_BROKER", "").strip()
     if template.lower() == "off":
         raise UsageError("KVCACHED_BROKER=off: the broker is disabled in this environment")
-    if template and "{device}" not in template:
+    if template and "{device}" not in template and "{uuid}" not in template:
         return [template]
     if template:
-        found = []
-        for index in range(64):
-            endpoint = template.format(device=index, uuid="")
-            path = ipc_path(endpoint)
-            if path is None or path.exists():
-                found.append(endpoint)
-        return found if any(ipc_path(e) for e in found) else found[:1]
+        try:
+            pattern = ipc_path(template.format(device="*", uuid="*"))
+        except (KeyError, IndexError, ValueError) as exc:
+            raise UsageError(f"KVCACHED_BROKER={template[:80]!r} is not an endpoint template: {exc}") from None
+        if pattern is None:  # tcp: nothing on disk says which devices have a broker
+            return [_target_endpoint(argparse.Namespace(endpoint=None, device=0))]
+        return [f"ipc://{path}" for path in sorted(glob.glob(glob.escape(str(pattern)).replace("[*]", "*")),
+                                                     key=_natural_key)]
     sockets = []
     for path in runtime_dir().glob("gpu*.sock"):
         match = _re.fullmatch(r"gpu(\d+)\.sock", path.name)
         if match:
             sockets.append((int(match.group(1)), f"ipc://{path}"))
     return [endpoint for _, endpoint in sorted(sockets)]
+
+
+def _natural_key(text: str) -> list[Any]:
+    """``gpu2`` before ``gpu10``."""
+    import re as _re
+
+    return [int(part) if part.isdigit() else part for part in _re.split(r"(\d+)", text)]
 
 
 def _fetch(endpoints: list[str], timeout_s: float, strict: bool) -> list[dict[str, Any]]:

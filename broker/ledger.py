@@ -62,6 +62,9 @@ KEEP: Any = object()
 #: The pool that ``reserve(..., measured_base=True)`` sets: what a process had allocated
 #: before it reported anything (weights, CUDA context, runtime buffers).
 RUNTIME_BASE_POOL = "runtime_base"
+#: The pool a worker keeps, once its warm-up is over, for the activations of later batches:
+#: reserved, and allocated only as they come (see ``_with_measured_base``).
+RUNTIME_SLACK_POOL = "runtime_slack"
 
 
 class Ledger:
@@ -155,6 +158,16 @@ class Ledger:
         ranked = sorted(((-inst.charge_bytes, name) for name, inst in self._instances.items()
                          if name != exclude and inst.charge_bytes > 0))
         return [(name, -negative) for negative, name in ranked[:count]]
+
+    def holds_of_others(self, exclude: str) -> list[tuple[str, int]]:
+        """Each instance other than ``exclude`` with holds, and their bytes, most first: memory
+        promised to start-ups in progress, which turns into their pools or is given back (a
+        refused start-up can wait for it).  O(sessions): for refusals only."""
+        held: dict[str, int] = {}
+        for session in self.sessions.values():
+            if session.instance != exclude and session.held_bytes > 0:
+                held[session.instance] = held.get(session.instance, 0) + session.held_bytes
+        return sorted(held.items(), key=lambda item: (-item[1], item[0]))
 
     def unfilled_floor_bytes(self, instance: str) -> int:
         limits = self.limits.get(instance)
@@ -498,13 +511,25 @@ class Ledger:
         return account.measured_bytes if account is not None else 0
 
     def _with_measured_base(self, session: Session, pools: dict[str, int]) -> dict[str, int]:
+        """``pools`` with ``runtime_base`` set to what the process measures beyond everything
+        else it reports.  Once a base is pinned, a ``runtime_slack`` pool (room kept for later
+        activations, allocated as they come) is not counted as allocated: the base grows into
+        it by what the device measures beyond the base and the other pools, and it shrinks by as
+        much, so a re-pin never gives away the part of the slack not allocated yet."""
         account = session.account
         assert account is not None
         others_bytes = account.reported_bytes - session.resident_bytes  # the process's other sessions
         mapped_bytes = session.mapped_pages * session.page_bytes
-        mine_bytes = sum(size for name, size in pools.items() if name != RUNTIME_BASE_POOL) + mapped_bytes
+        old_base_bytes = session.pools.get(RUNTIME_BASE_POOL)
+        slack_bytes = pools.get(RUNTIME_SLACK_POOL, 0) if old_base_bytes is not None else 0
+        mine_bytes = sum(size for name, size in pools.items() if name != RUNTIME_BASE_POOL) + mapped_bytes - slack_bytes
         base_bytes = max(0, account.measured_bytes - others_bytes - mine_bytes)
         pools = {name: size for name, size in pools.items() if name != RUNTIME_BASE_POOL}
+        if slack_bytes:
+            kept_bytes = max(0, slack_bytes - max(0, base_bytes - (old_base_bytes or 0)))
+            pools[RUNTIME_SLACK_POOL] = kept_bytes
+            if not kept_bytes:
+                del pools[RUNTIME_SLACK_POOL]
         if base_bytes:
             pools[RUNTIME_BASE_POOL] = base_bytes
         return pools

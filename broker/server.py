@@ -1,7 +1,7 @@
 """The broker daemon's shell: lifecycle, the receive loop, framing and timers.
 
-Everything the broker decides is decided by its collaborators, wired here once
-(:class:`BrokerServer` is the composition root):
+Everything the broker decides is decided by its collaborators: the request core's are wired by
+:func:`.request_core.build_core`, the shell's here, once, by :class:`BrokerServer`:
 
 * ``RequestCore`` (``request_core``): requests in, replies out, no I/O;
 * ``Journal`` / ``NullJournal`` (``journal``): group commit, deferral, snapshots and replay;

@@ -11,13 +11,15 @@ the device does not have.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 import pytest
 
 from helpers import GIB, MIB, Worker
 
-from kvcached_broker.adapters import sizing, worker
+from kvcached_broker.adapters import handback, sizing, worker
 from kvcached_broker.adapters.worker import KV_SIZING_HOLD, SLACK_HOLD, SLACK_POOL, WorkerIdentity
 from kvcached_broker.client.admin import AdminClient
 
@@ -111,3 +113,145 @@ def test_the_end_of_the_warm_up_pins_the_base_and_keeps_the_slack_it_did_not_all
 
 def _charged(broker) -> int:
     return sum(i["charged_bytes"] for i in broker.status()["instances"])
+
+
+class _Said(logging.Handler):
+    """Sets ``event`` when a log line carrying ``marker`` is emitted."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker, self.event, self.lines = marker, threading.Event(), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if self.marker in line:
+            self.lines.append(line)
+            self.event.set()
+
+
+@pytest.fixture
+def waiting_said():
+    said = _Said("event=startup_waiting")
+    logger = logging.getLogger("kvcached_broker.adapters")
+    logger.addHandler(said)
+    yield said
+    logger.removeHandler(said)
+
+
+def test_a_start_up_refused_while_a_neighbour_starts_waits_for_it_and_is_admitted_as_if_it_came_after(
+        adapter_broker, device, workers, waiting_said):
+    # the neighbour between allocating its pool and reporting it: its 6 GiB KV hold is charged on
+    # top of what it measures (the pool, 3 GiB of it allocated); 10 - 2 - 3 - 6 leaves nothing
+    workers.append(Worker(adapter_broker.endpoint, "neighbour", {}, 0))
+    neighbour = workers[-1]
+    neighbour.reserve({"weights": GIB}, holds={KV_SIZING_HOLD: 6 * GIB}, phase="sizing")
+    with AdminClient(adapter_broker.endpoint, timeout_s=30) as admin:
+        admin.simulate(process_bytes={PID: 2 * GIB, neighbour.proc.pid: 4 * GIB})
+    outcome: dict = {}
+
+    def start() -> None:
+        try:
+            outcome["sized"] = sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, 1, GIB))
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    assert waiting_said.event.wait(60), outcome
+    assert "for=neighbour" in waiting_said.lines[0] and "start-ups in progress hold 6.00 GiB" in waiting_said.lines[0]
+    # its pool reported: the hold turns into kv_static (3 GiB) and the double count ends
+    neighbour.reserve({"weights": GIB, "kv_static": 3 * GIB}, holds={}, phase="warming")
+    thread.join(60)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    sized = outcome["sized"]
+    assert (sized.kv_bytes, sized.slack_bytes) == (10 * GIB - 2 * GIB - 4 * GIB - GIB, GIB)
+    assert sized.holders == (("neighbour", 4 * GIB),)
+
+
+def test_a_refusal_with_no_start_up_in_progress_does_not_wait(adapter_broker, device, neighbour, waiting_said):
+    neighbour(7 * GIB)  # pools, no holds: nothing will come back by waiting
+    with pytest.raises(sizing.StartupRefused) as refused:
+        sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, 1, 2 * GIB))
+    assert not waiting_said.lines and "start-ups in progress" not in str(refused.value)
+
+
+def test_with_no_wait_a_refusal_names_the_start_ups_in_progress_at_once(
+        adapter_broker, device, workers, waiting_said, monkeypatch):
+    monkeypatch.setenv(sizing.STARTUP_WAIT_ENV, "0")
+    workers.append(Worker(adapter_broker.endpoint, "neighbour", {}, 0))
+    workers[-1].reserve({}, holds={SLACK_HOLD: 7 * GIB}, phase="warming")
+    with pytest.raises(sizing.StartupRefused) as refused:
+        sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, 1, 2 * GIB))
+    message = str(refused.value)
+    assert "start-ups in progress hold 7.00 GiB (neighbour)" in message and "\n" not in message
+    assert _me(adapter_broker)["holds"] == {}
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "inf", "nan"])
+def test_a_bad_start_up_wait_is_one_line_naming_the_variable(raw):
+    with pytest.raises(sizing.StartupRefused, match=f"^{sizing.STARTUP_WAIT_ENV}=.* is not a number of seconds"):
+        sizing.startup_wait_s({sizing.STARTUP_WAIT_ENV: raw})
+    assert sizing.startup_wait_s({sizing.STARTUP_WAIT_ENV: " 2.5 "}) == 2.5
+    assert sizing.startup_wait_s({}) == sizing.DEFAULT_STARTUP_WAIT_S
+
+
+def _serving_after_warm_up(broker) -> int:
+    """Sized, the pool built, warmed up (384 MiB of graphs and activations): free bytes then."""
+    sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
+    worker.report(ME, "pool", {"kv_static": 4 * GIB}, holds=sizing.holds_after_pool(ME, 4 * GIB, last=True))
+    _measure(broker, 6 * GIB + 384 * MIB)
+    assert worker.settle_warm_up(ME) == GIB - 384 * MIB
+    return broker.status()["free_bytes"]
+
+
+def _measure(broker, size_bytes: int) -> None:
+    with AdminClient(broker.endpoint, timeout_s=30) as admin:
+        admin.simulate(process_bytes={PID: size_bytes})
+
+
+def test_a_re_pin_after_the_warm_up_keeps_the_slack_not_allocated_yet(adapter_broker, device):
+    free = _serving_after_warm_up(adapter_broker)
+    handback.before_release(ME, {"weights", "kv_cache"})  # SGLang's release pins the base first
+    assert adapter_broker.status()["free_bytes"] == free  # it once gave the 640 MiB kept away
+    assert _me(adapter_broker)["pools"][SLACK_POOL] == GIB - 384 * MIB
+
+
+def test_a_re_pin_moves_activations_the_device_measures_from_the_slack_into_the_base(adapter_broker, device):
+    free = _serving_after_warm_up(adapter_broker)
+    _measure(adapter_broker, 6 * GIB + 512 * MIB)  # 128 MiB more cached activations, inside the slack
+    worker.repin_base(ME)
+    me = _me(adapter_broker)
+    assert me["pools"]["runtime_base"] == 2 * GIB + 512 * MIB and me["pools"][SLACK_POOL] == GIB - 512 * MIB
+    assert adapter_broker.status()["free_bytes"] == free  # nothing given away, nothing counted twice
+    worker.report(ME, "pool", {"kv_static": 4 * GIB})  # the adapter's book follows the broker's slack
+    assert _me(adapter_broker)["pools"][SLACK_POOL] == GIB - 512 * MIB
+
+
+def test_a_release_and_resume_cycle_keeps_the_slack_for_a_later_prefill(adapter_broker, device):
+    free = _serving_after_warm_up(adapter_broker)
+    tags = {"weights", "kv_cache"}
+    handback.before_release(ME, tags)
+    _measure(adapter_broker, 384 * MIB)  # weights and KV handed back
+    handback.after_release(ME, tags, ["pool"])
+    handback.admit(ME, tags, ["pool"])
+    _measure(adapter_broker, 6 * GIB + 384 * MIB)  # mapped again
+    handback.settle(ME, tags)
+    assert adapter_broker.status()["free_bytes"] == free
+    _measure(adapter_broker, 7 * GIB)  # a long prefill inside the slack it was promised
+    assert adapter_broker.status()["unreported_bytes"] == 0
+
+
+def test_a_pool_refused_a_little_past_its_hold_says_how_little(adapter_broker, device):
+    from kvcached_broker.adapters.sglang import kv_budget, reporting
+
+    with adapter_broker.admin() as admin:
+        admin.limit("me", max_bytes=6 * GIB)
+    sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, 1, 0))  # the KV held up to the cap: 4 GiB
+
+    class Pool:
+        pass
+
+    with pytest.raises(kv_budget.BrokerBudgetError) as refused:
+        reporting.report_pool(ME, Pool(), "kv_static", {"kv_static": 4 * GIB + 13 * 1024}, "its static KV pool",
+                              last=True)
+    assert "cannot give SGLang instance 'me' 13.00 KiB more for its static KV pool" in str(refused.value)

@@ -158,6 +158,28 @@ def test_demo_runs_and_exits_0():
         assert name in out.stdout
 
 
+def test_status_all_finds_every_broker_of_a_uuid_endpoint_template(short_tmp):
+    """The Helm chart's and the DaemonSet's ``KVCACHED_BROKER=ipc:///run/kvcached/{uuid}.sock``:
+    ``status --all`` lists the sockets that exist (it once asked the template itself)."""
+    from helpers import python_env
+
+    env = {**python_env(), "KVCACHED_BROKER": f"ipc://{short_tmp}/{{uuid}}.sock"}
+    uuids = ["GPU-0b1e", "GPU-7f3a"]
+    brokers = [BrokerLauncher(f"ipc://{short_tmp}/{uuid}.sock", device=i, simulate=f"{8 * (i + 1)}GiB", env=env)
+               for i, uuid in enumerate(uuids)]
+    try:
+        for b in brokers:
+            b.start()
+        out = cli("status", "--all", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert sorted(d["total_bytes"] for d in json.loads(out.stdout)) == [8 * GIB, 16 * GIB]
+    finally:
+        for b in brokers:
+            b.stop()
+    gone = cli("status", "--all", "--json", env=env)  # no broker: said in one line
+    assert gone.returncode != 0 and "no kvcached-broker sockets" in gone.stderr and "\n" not in gone.stderr.strip()
+
+
 def test_status_all_shows_every_gpus_broker_in_the_runtime_dir(short_tmp):
     from helpers import python_env
 
