@@ -84,6 +84,21 @@ def test_a_burst_asks_for_what_it_uses_in_a_moment_at_its_rate_and_a_pause_ends_
     assert ramp.current(10.01).batch_pages == MARKS.batch_pages * RAMP_MAX
 
 
+def test_a_burst_that_runs_short_at_least_doubles_its_batch():
+    """Growths the engine ran out before: the rate so far is what the grants allowed, so the
+    batch doubles (up to RAMP_MAX batches) even when the measured rate says less."""
+    ramp = Ramp(MARKS)
+    ramp.grew(1.0, inuse_pages=10, short=True)  # a burst begins: one batch
+    assert ramp.current(1.0) == MARKS
+    batches = []
+    for i in range(1, 9):
+        ramp.grew(1.0 + 0.02 * i, inuse_pages=10 + i, short=True)  # a slow measured rate
+        batches.append(ramp.current(1.0 + 0.02 * i).batch_pages)
+    assert batches == [16, 32, 64, 128, 256, 512, 512, 512]  # 8 * RAMP_MAX = 512
+    ramp.grew(1.2, inuse_pages=20)  # grown ahead of need: the batch is kept, not doubled
+    assert ramp.current(1.2).batch_pages == 512
+
+
 def test_pool_pages_convert_to_session_pages_only_when_they_divide():
     geometry = PoolGeometry(num_layers=32, page_size=2 << 20, num_kv_buffers=2, virtual_pages=100)
     assert geometry.page_bytes == 128 << 20

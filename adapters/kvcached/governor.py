@@ -405,7 +405,7 @@ class PoolGovernor:
             self._grow_wait_s = min(GROW_RETRY_S[1], 2 * self._grow_wait_s)
             return
         self._count_grant(got)
-        self.ramp.grew(now_s, self.real.get_num_inuse_pages())
+        self.ramp.grew(now_s, self.real.get_num_inuse_pages(), short=waiting)
         self._refusal_streak = 0
         self._grow_wait_s = GROW_RETRY_S[0]
         self._next_grow_s = 0.0

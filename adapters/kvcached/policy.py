@@ -76,10 +76,12 @@ class Ramp:
         return replace(m, batch_pages=batch, low_pages=max(m.low_pages, batch // 2),
                        high_pages=max(m.high_pages, 2 * batch))
 
-    def grew(self, now_s: float, inuse_pages: int) -> None:
+    def grew(self, now_s: float, inuse_pages: int, *, short: bool = False) -> None:
         """A growth was granted now, with ``inuse_pages`` in use: the next batch follows the
         burst's rate, never below the batch before (a growth after a pause starts a new burst at
-        one batch)."""
+        one batch).  ``short``: the engine ran out before this growth (the batch was too small
+        for the burst): the batch at least doubles, as TCP's slow start does, since the rate so
+        far is limited by the grants themselves."""
         m = self.marks
         if now_s - self.last_grow_s > RAMP_WINDOW_S:
             self.burst_start_s, self.burst_start_inuse = now_s, inuse_pages
@@ -87,8 +89,9 @@ class Ramp:
         else:
             elapsed = max(RAMP_MIN_ELAPSED_S, now_s - self.burst_start_s)
             rate = max(0, inuse_pages - self.burst_start_inuse) / elapsed
+            floor = 2 * self.batch_pages if short else self.batch_pages
             self.batch_pages = min(m.batch_pages * RAMP_MAX,
-                                   max(self.batch_pages, m.batch_pages, math.ceil(rate * RAMP_AHEAD_S)))
+                                   max(floor, m.batch_pages, math.ceil(rate * RAMP_AHEAD_S)))
         self.last_grow_s = now_s
 
     def starved(self, now_s: float) -> None:
