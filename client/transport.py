@@ -193,7 +193,8 @@ class SyncTransport:
 
     def drain(self) -> None:
         """Read whatever is waiting (pushes, late replies) without blocking."""
-        if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+        events = self._sock.get(zmq.EVENTS)
+        if isinstance(events, int) and not events & zmq.POLLIN:
             return  # cheaper than a receive that fails (docs/performance.md)
         while True:
             try:
