@@ -106,6 +106,7 @@ class _DeviceSession:
     suspended: set[str] = field(default_factory=set)
     phase: str = ""  # where the worker is in its start-up, as the broker shows it
     mapped: dict[str, int] = field(default_factory=dict)  # page holder -> session pages it has mapped
+    idle: dict[str, int] = field(default_factory=dict)  # page holder -> session pages it holds idle
 
 
 @dataclass(frozen=True)
@@ -619,6 +620,46 @@ def report_mapped(identity: WorkerIdentity, holder: str, session_pages: int) -> 
         total = max(0, min(sum(entry.mapped.values()), charged))
         if total != client.mapped_pages:
             guard(identity, "report mapped pages", lambda: client.mapped(total))
+
+
+def release_mapped(identity: WorkerIdentity, holder: str, session_pages: int, mapped_session_pages: int) -> bool:
+    """``holder`` gives ``session_pages`` back and keeps ``mapped_session_pages`` mapped: one
+    release that says the session's new mapped total (the broker reads the device at once, so
+    the memory is free for others in the same round).  False if the worker is unprotected."""
+    if session(identity) is None:
+        return False
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        client = entry.client
+        if mapped_session_pages > 0:
+            entry.mapped[holder] = mapped_session_pages
+        else:
+            entry.mapped.pop(holder, None)
+        left = client.held_pages + client.reserve_pages - client.uncharged_pages - session_pages
+        total = max(0, min(sum(entry.mapped.values()), left)) if client.report_mapping else None
+    return guard(identity, "release pages", lambda: _release(client, session_pages, total)) is not None
+
+
+def _release(client: BrokerClient, session_pages: int, mapped_pages: int | None) -> bool:
+    client.release(session_pages, mapped_pages=mapped_pages)
+    return True
+
+
+def report_idle(identity: WorkerIdentity, holder: str, session_pages: int) -> None:
+    """``holder`` holds ``session_pages`` of the session's pages idle (free, or unused cache): the
+    session says the sum over its holders with its next request (``BrokerClient.report_idle``; no
+    round trip), and the broker asks sessions with idle pages first when memory must come back."""
+    client = session(identity)
+    if client is None:
+        return
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        if session_pages > 0:
+            entry.idle[holder] = session_pages
+        else:
+            entry.idle.pop(holder, None)
+        total = sum(entry.idle.values())
+    client.report_idle(total)
 
 
 def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:

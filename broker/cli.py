@@ -57,6 +57,7 @@ _positive_float = _arg_type(serve_config.OPTIONS["lease"][0], "number")
 _endpoint = _arg_type(serve_config.OPTIONS["endpoint"][0], "endpoint")
 _group = _arg_type(serve_config.OPTIONS["socket_group"][0], "group")
 _directory = _arg_type(serve_config.OPTIONS["curve_dir"][0], "directory")
+_priority = _arg_type(serve_config.LIMIT_KEYS["priority"], "priority")
 
 
 def _size_or_none(text: str) -> int | None:
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--max", type=_size_or_none, default=UNSET, metavar="SIZE|none", help="cap; 'none' clears it")
     limit.add_argument("--min", type=_size, default=UNSET, metavar="SIZE", help="guaranteed floor")
     limit.add_argument("--weight", type=_positive_float, default=UNSET, metavar="W", help="share weight (default 1)")
+    limit.add_argument("--priority", type=_priority, default=UNSET, metavar="P",
+                       help="reclaim order, -1000..1000 (default 0): the lowest is asked for memory back first")
     limit.add_argument("--revision", type=_non_negative_int, default=None, metavar="R", help="apply only at revision R")
 
     evict = sub.add_parser("evict", help="free a session's memory and fence it (admin)")
@@ -300,10 +303,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_limit(args: argparse.Namespace) -> int:
-    if args.max is UNSET and args.min is UNSET and args.weight is UNSET:
-        raise UsageError("limit: give at least one of --max, --min, --weight")
+    if args.max is UNSET and args.min is UNSET and args.weight is UNSET and args.priority is UNSET:
+        raise UsageError("limit: give at least one of --max, --min, --weight, --priority")
     with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
-        result = admin.limit(args.instance, max_bytes=args.max, min_bytes=args.min, weight=args.weight, revision=args.revision)
+        result = admin.limit(args.instance, max_bytes=args.max, min_bytes=args.min, weight=args.weight,
+                             priority=args.priority, revision=args.revision)
     print(json.dumps(result))
     return EXIT_OK
 

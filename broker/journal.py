@@ -413,7 +413,7 @@ class Journal:
         sessions, limits, fenced = replay(snap, records)
         for name, limit in limits.items():
             self._ledger.restore_limits(
-                name, Limits(limit.max_bytes, limit.min_bytes, limit.weight, limit.revision, limit.source)
+                name, Limits(limit.max_bytes, limit.min_bytes, limit.weight, limit.revision, limit.source, limit.priority)
             )
         self._table.fenced.update(fenced)
         return Restored(list(sessions.values()), _damage(loaded), found_state=snap is not None or bool(records))
@@ -459,7 +459,8 @@ def _charged_bytes(pools: dict[str, int], holds: dict[str, int], granted_pages: 
 
 def limit_record(instance: str, limits: Limits) -> LimitRecord:
     return LimitRecord(instance=instance, max_bytes=limits.max_bytes, min_bytes=limits.min_bytes,
-                       weight=limits.weight, revision=limits.revision, source=limits.source)
+                       weight=limits.weight, revision=limits.revision, source=limits.source,
+                       priority=limits.priority)
 
 
 def replay(

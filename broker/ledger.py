@@ -568,6 +568,11 @@ class Ledger:
             self._use_allowance(session, fit_pages * session.page_bytes)
         return SMALL_GRANTS[fit_pages] if fit_pages < len(SMALL_GRANTS) else Grant(fit_pages)
 
+    def fit_pages(self, session_id: str, pages: int, mapped: bool = False) -> int:
+        """How many of ``pages`` an ``acquire`` would grant now (changes nothing; O(1))."""
+        session = self._session(session_id)
+        return self._pages_that_fit(session, pages, mapped or not session.report_mapping)[0]
+
     def release(self, session_id: str, pages: int, mapped_pages: int | None = None) -> int:
         """Return pages; releasing more than the session holds is ``bad_request``.
 
@@ -635,6 +640,7 @@ class Ledger:
         weight: Any = KEEP,  # float, or KEEP
         revision: int | None = None,
         source: LimitSource = "admin",
+        priority: Any = KEEP,  # int, or KEEP
     ) -> Limits:
         """Change an instance's limits (the instance need not be registered yet).
 
@@ -653,6 +659,7 @@ class Ledger:
             weight=current.weight if weight is KEEP else weight,
             revision=current.revision + 1,
             source=source,
+            priority=current.priority if priority is KEEP else priority,
         )
         if new.max_bytes is not None and new.min_bytes > new.max_bytes:
             raise LimitExceeded(

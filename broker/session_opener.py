@@ -195,6 +195,7 @@ class SessionOpener:
                 min_bytes=floor,
                 weight=KEEP if asked.weight is proto.UNSET else asked.weight,
                 source="hello",
+                priority=KEEP if asked.priority is proto.UNSET else asked.priority,
             )
         except BrokerError as exc:
             log.info("event=hello_limits instance=%s outcome=refused reason=%r", instance, exc.message)

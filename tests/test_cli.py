@@ -107,6 +107,21 @@ def test_limit_max_refuses_grants_beyond_it_and_none_clears_it(broker):
         assert inst["max_bytes"] is None
 
 
+def test_limit_priority_is_kept_shown_and_checked(broker):
+    """--priority alone is a limit change (the reclaim order); a bad one is a usage error that
+    changes nothing."""
+    out = cli("limit", "batch", "--endpoint", broker.endpoint, "--priority", "-7")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["priority"] == -7
+    out = cli("limit", "batch", "--endpoint", broker.endpoint, "--weight", "2")
+    assert json.loads(out.stdout)["priority"] == -7  # kept when another limit changes
+    for bad in ("1001", "x", "1.5"):
+        out = cli("limit", "batch", "--endpoint", broker.endpoint, "--priority", bad)
+        assert out.returncode == 2 and "--priority" in out.stderr, out.stderr
+    (inst,) = [i for i in broker.status()["instances"] if i["name"] == "batch"]
+    assert inst["priority"] == -7 and inst["weight"] == 2.0
+
+
 def test_refused_limit_exits_1_with_limit_exceeded(broker):
     out = cli("limit", "m", "--endpoint", broker.endpoint, "--max", "1GiB", "--min", "2GiB")
     assert out.returncode == 1 and "limit_exceeded" in out.stderr
