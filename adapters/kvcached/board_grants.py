@@ -156,6 +156,10 @@ class BoardGrants:
         self._publish()
         return True
 
+    def forget_report(self, key: str) -> None:
+        """Nothing is reported under a key here (the workers report their own zero pages): the board
+        stays as it is when the pool takes another name."""
+
     def forget(self, key: str) -> None:
         """The pool shut down: the workers keep only what is mapped, and the board goes."""
         self.wanted = 0

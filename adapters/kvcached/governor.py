@@ -166,7 +166,7 @@ class PoolGovernor:
         self._zero_reported = False
         self._report_zero_page()
         if self._zero_reported:
-            self.grants.forget(old)
+            self.grants.forget_report(old)  # never forget(): for board grants that ends the pool's board
 
     # ------------------------------------------------------------ engine path (any thread)
     def note_alloc(self, need_blocks: int, result: Any, block_mem_size: int) -> bool:

@@ -100,6 +100,10 @@ class SessionGrants:
     def forget(self, key: str) -> None:
         worker.forget(self.identity, key)
 
+    def forget_report(self, key: str) -> None:
+        """What was reported under ``key`` goes (the pool reports under another key now)."""
+        worker.forget(self.identity, key)
+
     def poll(self) -> int:
         """Pool pages the broker asked back since the last call: 0 here (pressure arrives
         through the client's callback, :mod:`.pressure`)."""
