@@ -80,6 +80,7 @@ class WorkerGrants:
         self._answered = 0
         self._asks = threading.Lock()
         self._pressure_pages = 0
+        self._soft_pages = 0  # asked back as idle pages only (see ask_back)
         self._pressure_total = 0
         self._published: tuple | None = None
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
@@ -90,10 +91,15 @@ class WorkerGrants:
             gate.on_change = self._gate_changed
 
     # ------------------------------------------------------------ any thread
-    def ask_back(self, pages: int) -> None:
-        """This worker's broker wants ``pages`` pool pages back (recorded; the step acts)."""
+    def ask_back(self, pages: int, *, soft: bool = False) -> None:
+        """This worker's broker wants ``pages`` pool pages back (recorded; the step acts).  ``soft``:
+        idle pages only, so only what this worker holds above EngineCore's level and its own maps
+        goes back, and nothing is asked of EngineCore (whose prefix cache is not idle memory)."""
         with self._asks:
-            self._pressure_pages += pages
+            if soft:
+                self._soft_pages += pages
+            else:
+                self._pressure_pages += pages
             self.counters["pressure_asks"] += 1
 
     def _gate_changed(self) -> None:
@@ -158,6 +164,9 @@ class WorkerGrants:
     def _answer_pressure(self, engine: board_mod.EngineRecord) -> None:
         with self._asks:
             asked, self._pressure_pages = self._pressure_pages, 0
+            soft, self._soft_pages = self._soft_pages, 0
+        if soft > 0:
+            self._release_down_to(engine.wanted_pages, at_most=soft)
         if asked <= 0:
             return
         released = self._release_down_to(engine.wanted_pages, at_most=asked)
