@@ -42,7 +42,7 @@ endif
 
 .PHONY: demo test test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints canary
 
-$(STAMP): pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
+$(STAMP): pyproject.toml setup.py adapters/kvcached_broker_autopatch.pth $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
 	$(PY) -m pip install --quiet $(PINNED) -e '.[test]'
