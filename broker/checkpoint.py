@@ -42,6 +42,12 @@ a read that hangs or runs until memory is gone.
 
 Whatever the damage, the server then treats what it restored as untrusted until the workers
 have reconnected and re-asserted what they hold (see ``server``).
+
+* ``gpuN.secret``: 32 random bytes, mode 0600, made at the first start in this directory and
+  kept from then on: the key of the session tokens (``tokens``), so that a broker that lost a
+  session's record can still verify its token.  A secret that other users could read refuses
+  the start (one line); one of the wrong size is replaced (``secret_problem``), and so are the
+  tokens it verified.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from pathlib import Path
 import msgspec
 
 from .state_records import JournalRecord, Snapshot
+from .tokens import SECRET_BYTES
 
 SNAPSHOT_MAGIC = b"KVBSNAP2"
 #: Written over ``SNAPSHOT_MAGIC`` in place (no new blocks: it works on a full disk) when a
@@ -84,6 +91,8 @@ class LoadedState:
     damaged_records: int = 0  # records whose checksum or schema failed
     damaged_bytes: int = 0  # bytes skipped as damaged (those records, and any unreadable rest)
     snapshot_damage: str | None = None  # why the snapshot was ignored
+    secret: bytes | None = None  # the key of the session tokens (None: none could be kept)
+    secret_problem: str | None = None  # why the secret on disk was replaced or could not be written
 
     @property
     def damaged(self) -> bool:
@@ -97,6 +106,7 @@ class StateStore:
         self.state_dir = Path(state_dir)
         self.snapshot_path = self.state_dir / f"gpu{device_index}.snapshot"
         self.journal_path = self.state_dir / f"gpu{device_index}.journal"
+        self.secret_path = self.state_dir / f"gpu{device_index}.secret"
         self.compact_after_bytes = compact_after_bytes
         self._encoder = msgspec.msgpack.Encoder()
         self._journal_fd: int | None = None
@@ -108,7 +118,9 @@ class StateStore:
         read what is there, and open the journal."""
         _ensure_private_dir(self.state_dir)
         self.remove_temp_files()
+        secret, problem = self._secret()
         loaded = self._load()
+        loaded.secret, loaded.secret_problem = secret, problem
         self._journal_fd = _open_regular(
             self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         if loaded.torn_bytes:
@@ -186,12 +198,51 @@ class StateStore:
     def remove_temp_files(self) -> int:
         """Remove this device's snapshot temp files (a broker killed inside a snapshot, or an
         old version that left one on a failed write); the caller holds the state lock."""
-        prefix = self.snapshot_path.name + _TMP_INFIX
+        prefixes = (self.snapshot_path.name + _TMP_INFIX, self.secret_path.name + _TMP_INFIX)
         removed = 0
         for entry in os.scandir(self.state_dir):
-            if entry.name.startswith(prefix) and not entry.is_dir(follow_symlinks=False):
+            if entry.name.startswith(prefixes) and not entry.is_dir(follow_symlinks=False):
                 removed += _unlink_quietly(Path(entry.path))
         return removed
+
+    def _secret(self) -> tuple[bytes | None, str | None]:
+        """The secret on disk, made if there is none: ``(secret, problem)``."""
+        path = self.secret_path
+        try:
+            fd = _open_regular(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return self._new_secret(None)
+        try:
+            mode = os.fstat(fd).st_mode
+            if mode & 0o077:
+                raise CheckpointError(
+                    f"{path} can be read by other users (mode {stat.S_IMODE(mode):04o}); it keys the session "
+                    "tokens: chmod 600 it, or remove it (tokens issued before then are no longer verified)")
+            data = os.read(fd, SECRET_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) != SECRET_BYTES:
+            return self._new_secret(f"the secret held {len(data)} bytes, not {SECRET_BYTES}: replaced")
+        return data, None
+
+    def _new_secret(self, problem: str | None) -> tuple[bytes | None, str | None]:
+        """A new secret, written 0600 under a temporary name and renamed into place."""
+        secret = os.urandom(SECRET_BYTES)
+        tmp = self.secret_path.with_name(f"{self.secret_path.name}{_TMP_INFIX}{os.getpid()}")
+        _unlink_quietly(tmp)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                if os.write(fd, secret) != SECRET_BYTES:
+                    raise OSError(errno.ENOSPC, "short write")
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.secret_path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            why = f"cannot write {self.secret_path.name} ({exc.strerror or exc}): tokens issued now verify only until a restart"
+            return secret, why if problem is None else f"{problem}; {why}"
+        return secret, problem
 
     def close(self) -> None:
         if self._journal_fd is not None:

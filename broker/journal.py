@@ -121,6 +121,7 @@ class Restored:
     sessions: list[SessionRecord] = field(default_factory=list)
     damage: dict[str, Any] | None = None  # None: the state was read whole
     found_state: bool = False
+    secret: bytes | None = None  # the key of the session tokens, kept in the state directory
 
 
 class NullJournal:
@@ -416,7 +417,10 @@ class Journal:
                 name, Limits(limit.max_bytes, limit.min_bytes, limit.weight, limit.revision, limit.source)
             )
         self._table.fenced.update(fenced)
-        return Restored(list(sessions.values()), _damage(loaded), found_state=snap is not None or bool(records))
+        if loaded.secret_problem is not None:
+            log.warning("event=state_secret_problem state_dir=%s detail=%r", self.store.state_dir, loaded.secret_problem)
+        return Restored(list(sessions.values()), _damage(loaded), found_state=snap is not None or bool(records),
+                        secret=loaded.secret)
 
 
 def _damage(loaded: LoadedState) -> dict[str, Any] | None:

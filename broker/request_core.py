@@ -325,7 +325,10 @@ class RequestCore:
         """Bring back the sessions a journal replay found, except those whose process is gone."""
         processes = self.lifecycle.processes
         kept = dropped = 0
+        if restored.secret is not None:
+            self.opener.tokens.rekey(restored.secret)  # tokens issued before this start verify again
         for record in restored.sessions:
+            self.opener.spend(record.id)
             if record.pid_verified and not processes.alive(record.pid, record.pid_start_ticks):
                 dropped += 1
                 self.counters.reclaimed("exited_while_down")

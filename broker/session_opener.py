@@ -7,10 +7,13 @@
   session restored from the journal adopts the holdings the worker re-asserts, through
   admission, and answers the ids the worker names as ``settled`` from its reply cache.
 * Otherwise a new session opens, empty whatever the hello claims, within the per-peer hello
-  rate and the session quotas (in total, per pid, per uid).  While growth is held after
-  damaged state, a new session opened by a resume hello (its record was lost) may grow back
-  by what that hello claimed, and no more (``Ledger.allow_reassertion``); a process that
-  started after this broker did cannot have held memory before it, and gets no allowance.
+  rate and the session quotas (in total, per pid, per uid).  Its token is one the broker can
+  verify later without its record (``tokens``).  While growth is held after damaged state, a
+  new session opened by a resume hello (its record was lost) may grow back by what that hello
+  claimed, and no more (``Ledger.allow_reassertion``), but only if its token verifies: issued
+  by this broker's secret to this very process, for a session this broker incarnation did not
+  issue itself, and not re-asserted already.  A made-up or borrowed token gets nothing; so does
+  a process that started after this broker did (it cannot have held memory before it).
 * Limits a hello asks for apply only where no admin or config has set any, and leave with
   the instance.
 """
@@ -31,6 +34,7 @@ from .ledger import KEEP, Ledger
 from .lifecycle import SessionLifecycle
 from .security import Peer
 from .sessions import Binding, HelloRateLimiter, SessionTable
+from .tokens import SessionTokens, holder_of
 
 log = logging.getLogger("kvcached_broker")
 
@@ -48,7 +52,8 @@ class SessionQuotas:
 
 class SessionOpener:
     def __init__(self, ledger: Ledger, table: SessionTable, lifecycle: SessionLifecycle,
-                 journal: Journal | NullJournal, quotas: SessionQuotas, *, broker_start_ticks: int | None = None):
+                 journal: Journal | NullJournal, quotas: SessionQuotas, *, broker_start_ticks: int | None = None,
+                 tokens: SessionTokens | None = None):
         self.ledger = ledger
         self.table = table
         self.lifecycle = lifecycle
@@ -58,6 +63,12 @@ class SessionOpener:
         #: later never held memory from the broker whose state was lost.
         self.broker_start_ticks = broker_start_ticks
         self._hellos = HelloRateLimiter(quotas.hello_rate_per_s, quotas.hello_burst)
+        #: Issues and verifies tokens; keyed by the state directory's secret once restored.
+        self.tokens = tokens if tokens is not None else SessionTokens()
+        #: Session ids that may no longer earn a re-assertion allowance while growth is held:
+        #: those this broker issued itself (a token of one is no lost record), and lost ones
+        #: already re-asserted once.
+        self._spent_ids: set[str] = set()
 
     def hello(self, req: proto.Hello, rid: bytes, peer: Peer, now: float) -> bytes:
         version = max((v for v in req.versions if v in proto.SUPPORTED_VERSIONS), default=None)
@@ -140,28 +151,24 @@ class SessionOpener:
             # Claims are a resume's business: a session this broker never knew starts empty,
             # and its worker asks again for what it holds, through admission like anyone.
             log.info("event=hello_claims_ignored instance=%s pid=%d resume=%s", req.instance, req.pid, req.resume is not None)
-        session_id, token = self.table.new_ids()
+        session_id = self.table.new_session_id()
         verified = peer.pid_known
+        start_ticks = self.lifecycle.processes.start_ticks(req.pid) if verified else None
+        holder = holder_of(req.pid, verified, start_ticks, peer.uid)
         self.ledger.open_session(
             session_id, instance=req.instance, pid=req.pid, pid_verified=verified, tp_rank=req.tp_rank,
             tp_size=req.tp_size, page_bytes=req.page_bytes, now_s=now, report_mapping=req.report_mapping,
         )
         binding = Binding(
-            session_id=session_id, token=token, nonce=req.nonce, pid=req.pid, pid_verified=verified,
-            pid_start_ticks=self.lifecycle.processes.start_ticks(req.pid) if verified else None,
-            uid=peer.uid, version=version, client=req.client,
+            session_id=session_id, token=self.tokens.issue(session_id, holder), nonce=req.nonce, pid=req.pid,
+            pid_verified=verified, pid_start_ticks=start_ticks, uid=peer.uid, version=version, client=req.client,
             adapter=None if req.adapter is None else msgspec.structs.asdict(req.adapter), routing_id=rid,
         )
         self.table.add(binding)
-        if req.resume is not None and claimed_bytes and self.ledger.growth_hold is not None:
-            if self._started_after_the_broker(binding):
-                log.warning("event=reassertion_refused session=%s instance=%s pid=%d "
-                            "detail=the_process_started_after_this_broker_and_cannot_have_held_memory_before_it",
-                            session_id, req.instance, req.pid)
-            else:
-                allowance_bytes = self.ledger.allow_reassertion(session_id, claimed_bytes)
-                log.info("event=reassertion_allowed session=%s instance=%s pid=%d allowance_bytes=%d",
-                         session_id, req.instance, req.pid, allowance_bytes)
+        if self.ledger.growth_hold is not None:
+            self._spent_ids.add(session_id)
+            if req.resume is not None and claimed_bytes:
+                self._allow_reassertion(req, binding, holder, claimed_bytes)
         if req.limits is not None:
             self._limits_from_hello(req.instance, req.limits)
         log.info(
@@ -172,6 +179,31 @@ class SessionOpener:
         if verified:
             self.lifecycle.watch(req.pid)  # a process already gone is reclaimed at once
         return proto.ok_reply(req.id, result)
+
+    def spend(self, session_id: str) -> None:
+        """``session_id`` was restored from the state: a token of it earns no allowance."""
+        self._spent_ids.add(session_id)
+
+    def _allow_reassertion(self, req: proto.Hello, binding: Binding, holder: str, claimed_bytes: int) -> None:
+        """A resume hello whose session this broker does not know, while growth is held: an
+        allowance to grow back what it claims, if its token proves the session was this
+        process's (issued by this secret to it), lost, and not re-asserted already."""
+        assert req.resume is not None
+        lost_id = self.tokens.verify(req.resume, holder)
+        if lost_id is None:
+            why = "the_token_was_not_issued_to_this_process_by_this_broker"
+        elif lost_id in self._spent_ids:
+            why = f"session_{lost_id}_was_issued_by_this_broker_or_reasserted_already"
+        elif self._started_after_the_broker(binding):
+            why = "the_process_started_after_this_broker_and_cannot_have_held_memory_before_it"
+        else:
+            self._spent_ids.add(lost_id)
+            allowance_bytes = self.ledger.allow_reassertion(binding.session_id, claimed_bytes)
+            log.info("event=reassertion_allowed session=%s lost_session=%s instance=%s pid=%d allowance_bytes=%d",
+                     binding.session_id, lost_id, req.instance, req.pid, allowance_bytes)
+            return
+        log.warning("event=reassertion_refused session=%s instance=%s pid=%d claimed_bytes=%d detail=%s",
+                    binding.session_id, req.instance, req.pid, claimed_bytes, why)
 
     def _started_after_the_broker(self, binding: Binding) -> bool:
         started = binding.pid_start_ticks

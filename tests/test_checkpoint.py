@@ -426,7 +426,7 @@ def test_the_state_directory_and_files_are_private(tmp_path):
     store.write_snapshot(Snapshot(device_uuid="GPU-1"))
     store.close()
     assert stat.S_IMODE(state_dir.stat().st_mode) & 0o077 == 0
-    for name in ("gpu0.journal", "gpu0.snapshot"):
+    for name in ("gpu0.journal", "gpu0.snapshot", "gpu0.secret"):
         assert stat.S_IMODE((state_dir / name).stat().st_mode) == 0o600, name
 
 
@@ -501,7 +501,7 @@ def test_snapshot_temp_files_left_behind_are_removed_and_only_this_devices(state
     store.write_snapshot(Snapshot(device_uuid="GPU-1"))
     store.close()
     assert sorted(p.name for p in state_dir.iterdir()) == [
-        "gpu0.journal", "gpu0.snapshot", "gpu1.snapshot.tmp4242"]
+        "gpu0.journal", "gpu0.secret", "gpu0.snapshot", "gpu1.snapshot.tmp4242"]
 
 
 def test_a_snapshot_marked_stale_is_restored_and_reported_as_damage(state_dir):
@@ -516,6 +516,54 @@ def test_a_snapshot_marked_stale_is_restored_and_reported_as_damage(state_dir):
     assert [s.granted_pages for s in loaded.snapshot.sessions] == [5]  # the content is kept
     assert [r.id for r in loaded.records] == ["s-00000002"]
     assert loaded.damaged and loaded.snapshot_damage.startswith("stale")
+
+
+# ------------------------------------------------------ the secret of the session tokens (issue 26, item 3)
+def test_the_secret_is_made_once_private_and_kept_across_starts(state_dir):
+    store, first = reopen(state_dir)
+    store.close()
+    path = state_dir / "gpu0.secret"
+    assert len(first.secret) == 32 and first.secret_problem is None
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_bytes() == first.secret
+    store, again = reopen(state_dir)
+    store.close()
+    assert again.secret == first.secret
+    store, other = reopen(state_dir, device=1)  # each device keys its own tokens
+    store.close()
+    assert other.secret != first.secret
+
+
+def test_a_secret_other_users_can_read_refuses_the_start(state_dir):
+    store, _ = reopen(state_dir)
+    store.close()
+    os.chmod(state_dir / "gpu0.secret", 0o640)
+    with pytest.raises(CheckpointError, match=r"gpu0.secret can be read by other users \(mode 0640\)"):
+        StateStore(state_dir, 0).open()
+
+
+@pytest.mark.parametrize("content", [b"", b"short", bytes(33)])
+def test_a_secret_of_the_wrong_size_is_replaced_and_said(state_dir, content):
+    state_dir.mkdir(mode=0o700)
+    path = state_dir / "gpu0.secret"
+    path.write_bytes(content)
+    os.chmod(path, 0o600)
+    store, loaded = reopen(state_dir)
+    store.close()
+    assert len(loaded.secret) == 32 and path.read_bytes() == loaded.secret
+    assert loaded.secret_problem == f"the secret held {len(content)} bytes, not 32: replaced"
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_secret_that_is_not_a_regular_file_refuses_the_start(tmp_path, state_dir, kind):
+    state_dir.mkdir(mode=0o700)
+    path = state_dir / "gpu0.secret"
+    if kind == "symlink":
+        (tmp_path / "elsewhere").write_bytes(bytes(32))
+        path.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(path, 0o600)
+    with pytest.raises(CheckpointError, match="symbolic link|not a regular file"):
+        StateStore(state_dir, 0).open()
 
 
 def test_marking_stale_without_a_snapshot_says_so(state_dir):

@@ -23,9 +23,11 @@ from kvcached_broker.broker.journal import Restored
 from kvcached_broker.broker.ledger import Ledger
 from kvcached_broker.broker.session_opener import SessionQuotas
 from kvcached_broker.broker.state_records import SessionRecord
+from kvcached_broker.broker.tokens import SessionTokens, holder_of
 from kvcached_broker.client import BrokerClient
 
-from helpers import GIB, CoreConnection, FakeProcesses, Worker, local_peer, make_core, session_of
+from helpers import (GIB, CoreConnection, CoreSession, FakeProcesses, Worker, local_peer, make_core, restarted_core,
+                     session_of)
 
 
 # ----------------------------------------------------------------------- the ledger alone
@@ -77,6 +79,8 @@ def test_measured_usage_caps_the_allowance_and_is_never_held():
 # ------------------------------------------------------- the request core, growth held
 HOLDER_PID = 4242
 DAMAGE = {"damaged_records": 1, "damaged_bytes": 40, "torn_bytes": 0, "snapshot": None}
+#: The state directory's secret, as the restore hands it over: tokens it issued verify.
+SECRET = bytes(range(32))
 
 
 def _held_core(**kwargs):
@@ -85,15 +89,22 @@ def _held_core(**kwargs):
     holder = SessionRecord(id="s-00000001", token="token-holder-0001", nonce="nonce-holder", instance="holder",
                            pid=HOLDER_PID, pid_verified=True, page_bytes=GIB, granted_pages=0)
     core = make_core(16 * GIB, quotas=SessionQuotas(lease_s=30.0), **kwargs)
-    core.restore(Restored([holder], damage=DAMAGE, found_state=True), now=0.0)
+    core.restore(Restored([holder], damage=DAMAGE, found_state=True, secret=SECRET), now=0.0)
     assert core.status(0.0)["broker"]["growth_held"]
     return core
 
 
-def _resume_hello(core, nonce: str, instance: str, peer=None, **holdings):
-    """A hello naming a session the broker does not know, claiming ``holdings``: (connection, token)."""
+def lost_token(session_id: str, pid: int | None = None, start_ticks: int = 1) -> str:
+    """The token a broker with ``SECRET`` issued to process ``pid`` (this one) for a session whose
+    record was then lost (``FakeProcesses`` says every process started at tick 1)."""
+    return SessionTokens(SECRET).issue(session_id, holder_of(pid or os.getpid(), True, start_ticks, None))
+
+
+def _resume_hello(core, nonce: str, instance: str, peer=None, resume: str | None = None, **holdings):
+    """A hello naming a session the broker does not know (a made-up token unless ``resume``),
+    claiming ``holdings``: (connection, token)."""
     conn = CoreConnection(core, peer)
-    reply = conn.hello(nonce, instance=instance, page_bytes=GIB, resume="Z" * 32, holdings=holdings or None)
+    reply = conn.hello(nonce, instance=instance, page_bytes=GIB, resume=resume or "Z" * 32, holdings=holdings or None)
     assert reply["ok"] and reply["result"]["resumed"] is False
     return conn, reply["result"]["session"]
 
@@ -105,14 +116,71 @@ def _acquire(conn, token: str, request_id: int, pages: int, min_pages: int | Non
 
 def test_a_resume_for_a_lost_record_grows_back_only_what_it_claimed():
     core = _held_core()
-    conn, token = _resume_hello(core, "forger-nonce-1", "forger")
-    forged = _acquire(conn, token, 2, 16, min_pages=1)
-    assert forged["granted"] == 0 and forged["refused"]["details"]["held"]  # it claimed nothing
-    conn, token = _resume_hello(core, "claimer-nonce-1", "claimer", granted_pages=2)
+    conn, token = _resume_hello(core, "empty-nonce-1", "empty", resume=lost_token("s-0000e0e0"))
+    empty = _acquire(conn, token, 2, 16, min_pages=1)
+    assert empty["granted"] == 0 and empty["refused"]["details"]["held"]  # it claimed nothing
+    conn, token = _resume_hello(core, "claimer-nonce-1", "claimer", resume=lost_token("s-0000c1a1"), granted_pages=2)
     assert _acquire(conn, token, 2, 16, min_pages=1)["granted"] == 2
     assert _acquire(conn, token, 3, 1)["refused"]["details"]["held"]
     s = conn.status()
     assert s["granted_bytes"] == 2 * GIB and not s["overcommitted"]
+
+
+def test_a_forged_resume_gets_no_allowance(caplog):
+    """Issue 26, item 3: a process that was running before the restart, resuming with a made-up
+    token, was given the whole budget to re-assert.  A token the broker cannot verify (not made
+    with its secret for this process) earns nothing; nor does another process's token, nor a
+    genuine one re-asserted a second time."""
+    core = _held_core()
+    with caplog.at_level(logging.INFO, logger="kvcached_broker"):
+        forged, forged_token = _resume_hello(core, "forger-nonce-1", "forger", granted_pages=16)
+        borrowed, borrowed_token = _resume_hello(core, "borrower-nonce-1", "borrower",
+                                                 resume=lost_token("s-0000b0b0", pid=HOLDER_PID), granted_pages=16)
+        genuine, genuine_token = _resume_hello(core, "genuine-nonce-1", "genuine",
+                                               resume=lost_token("s-00006e00"), granted_pages=2)
+        again, again_token = _resume_hello(core, "genuine-nonce-2", "genuine",
+                                           resume=lost_token("s-00006e00"), granted_pages=2)
+    for conn, token in ((forged, forged_token), (borrowed, borrowed_token), (again, again_token)):
+        refused = _acquire(conn, token, 2, 16, min_pages=1)
+        assert refused["granted"] == 0 and refused["refused"]["details"]["held"], refused
+    assert _acquire(genuine, genuine_token, 2, 2)["granted"] == 2
+    assert caplog.text.count("event=reassertion_refused") == 3
+    assert "detail=the_token_was_not_issued_to_this_process_by_this_broker" in caplog.text
+    assert "reasserted_already" in caplog.text
+    assert forged.status()["granted_bytes"] == 2 * GIB
+
+
+def test_a_token_of_a_session_this_broker_issued_earns_no_allowance():
+    """A session opened during the hold is no lost record: closing it and resuming its token
+    with claims gets nothing."""
+    core = _held_core()
+    conn = CoreConnection(core)
+    opened = conn.hello("own-nonce-1", instance="own", page_bytes=GIB)["result"]
+    assert conn.ask({"op": "close", "id": 2, "session": opened["session"]})["ok"]
+    conn, token = _resume_hello(core, "own-nonce-2", "own", resume=opened["session"], granted_pages=4)
+    assert _acquire(conn, token, 3, 4)["refused"]["details"]["held"]
+
+
+def test_a_token_issued_before_a_restart_verifies_after_its_record_is_lost(tmp_path):
+    """The secret lives in the state directory: a broker restarted from it verifies the tokens
+    its predecessor issued, with no record of them."""
+    state = tmp_path / "state"
+    quotas = SessionQuotas(lease_s=30.0)
+    core = restarted_core(state, 16 * GIB, quotas=quotas)
+    owner = CoreSession(core, "owner", page_bytes=GIB)
+    assert owner.acquire(4) == 4
+    core.journal.commit(0.0)
+    core.journal.store.close()  # SIGKILLed: nothing more is written
+    journal = state / "gpu0.journal"
+    data = bytearray(journal.read_bytes())
+    data[12] ^= 0x01  # inside the session's own record: the broker loses it whole
+    journal.write_bytes(bytes(data))
+    core = restarted_core(state, 16 * GIB, quotas=quotas)
+    assert not core.ledger.sessions and core.ledger.growth_hold is not None
+    forger, forged_token = _resume_hello(core, "forger-nonce-9", "owner", granted_pages=4)
+    assert _acquire(forger, forged_token, 2, 4)["refused"]["details"]["held"]
+    back, token = _resume_hello(core, "owner-nonce-9", "owner", resume=owner.token, granted_pages=4)
+    assert _acquire(back, token, 2, 4)["granted"] == 4
 
 
 def test_a_process_started_after_the_broker_gets_no_allowance(caplog):
@@ -122,7 +190,8 @@ def test_a_process_started_after_the_broker_gets_no_allowance(caplog):
     processes.ticks[late] = 2  # started after the broker (tick 1)
     core = _held_core(processes=processes)
     with caplog.at_level(logging.INFO, logger="kvcached_broker"):
-        conn, token = _resume_hello(core, "late-forger-nonce", "late", peer=local_peer(pid=late), granted_pages=16)
+        conn, token = _resume_hello(core, "late-forger-nonce", "late", peer=local_peer(pid=late),
+                                    resume=lost_token("s-0000a7e0", pid=late, start_ticks=2), granted_pages=16)
     result = _acquire(conn, token, 2, 16, min_pages=1)
     assert [result["granted"], bool(result.get("refused", {}).get("details", {}).get("held"))] == [0, True]
     assert "event=reassertion_refused" in caplog.text
@@ -131,7 +200,7 @@ def test_a_process_started_after_the_broker_gets_no_allowance(caplog):
 
 def test_measured_usage_caps_what_a_lost_record_may_grow_back():
     core = _held_core(is_admin=lambda peer: True)
-    conn, token = _resume_hello(core, "claimer-nonce-2", "claimer", granted_pages=8)
+    conn, token = _resume_hello(core, "claimer-nonce-2", "claimer", resume=lost_token("s-0000c1a2"), granted_pages=8)
     simulated = conn.ask({"op": "simulate", "id": 9, "process_bytes": {os.getpid(): GIB}})
     assert simulated["ok"], simulated  # the device sees this process using 1 GiB
     assert _acquire(conn, token, 2, 8, min_pages=1)["granted"] == 1
