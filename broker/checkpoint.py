@@ -33,7 +33,13 @@ What a load makes of damage (every case is one log line from the server, never a
 * a snapshot that fails its checksum or schema is ignored (``snapshot_damage``);
 * a snapshot marked stale (``KVBSTALE``: the broker went on serving after a write failed, so
   the state on disk may not cover everything it answered since) is restored, and reported as
-  damage (``snapshot_damage``), so that the server holds growth until the workers re-assert.
+  damage (``snapshot_damage``), so that the server holds growth until the workers re-assert;
+* a file missing from a directory a broker ran in before (its secret, below, is there): a
+  journal (every start creates one), or a snapshot (every start writes one) unless the journal's
+  records begin at seq 1, which only follow a first, empty snapshot (``missing``);
+* records missing from the journal's sequence (their seqs run on from the snapshot's, one
+  by one): a record skipped as damaged, or a snapshot deleted with records after it
+  (``lost_records``).
 
 The files must be regular files of this user's, opened without following a symlink and read
 no further than their size (at most ``MAX_STATE_FILE_BYTES``): a FIFO, a device, a symlink or
@@ -91,12 +97,16 @@ class LoadedState:
     damaged_records: int = 0  # records whose checksum or schema failed
     damaged_bytes: int = 0  # bytes skipped as damaged (those records, and any unreadable rest)
     snapshot_damage: str | None = None  # why the snapshot was ignored
+    missing: list[str] = field(default_factory=list)  # state files a broker that ran here must have left
+    lost_records: int = 0  # seqs missing between the snapshot's and the journal's last
     secret: bytes | None = None  # the key of the session tokens (None: none could be kept)
     secret_problem: str | None = None  # why the secret on disk was replaced or could not be written
 
     @property
     def damaged(self) -> bool:
-        return bool(self.damaged_records or self.damaged_bytes or self.snapshot_damage)
+        """Whether whole records may be gone (a torn tail is not: it was never answered)."""
+        return bool(self.damaged_records or self.damaged_bytes or self.snapshot_damage or self.missing
+                    or self.lost_records)
 
 
 class StateStore:
@@ -118,8 +128,9 @@ class StateStore:
         read what is there, and open the journal."""
         _ensure_private_dir(self.state_dir)
         self.remove_temp_files()
+        ran_here_before = self.secret_path.exists() or self.secret_path.is_symlink()
         secret, problem = self._secret()
-        loaded = self._load()
+        loaded = self._load(ran_here_before)
         loaded.secret, loaded.secret_problem = secret, problem
         self._journal_fd = _open_regular(
             self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -249,7 +260,7 @@ class StateStore:
             os.close(self._journal_fd)
             self._journal_fd = None
 
-    def _load(self) -> LoadedState:
+    def _load(self, ran_here_before: bool) -> LoadedState:
         loaded = LoadedState(snapshot=None)
         snapshot = _read_regular(self.snapshot_path)
         if snapshot is not None:
@@ -258,7 +269,13 @@ class StateStore:
         journal = _read_regular(self.journal_path)
         if journal is not None:
             self._read_journal(journal, snapshot_seq, loaded)
-        self.seq = max([snapshot_seq] + [r.seq for r in loaded.records])
+        last_seq = max([snapshot_seq] + [r.seq for r in loaded.records])
+        loaded.lost_records = last_seq - snapshot_seq - len(loaded.records)
+        if ran_here_before and snapshot is None and not loaded.records:
+            loaded.missing.append(self.snapshot_path.name)
+        if ran_here_before and journal is None:
+            loaded.missing.append(self.journal_path.name)
+        self.seq = last_seq
         return loaded
 
     @staticmethod

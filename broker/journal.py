@@ -424,6 +424,9 @@ class Journal:
 
 
 def _damage(loaded: LoadedState) -> dict[str, Any] | None:
+    """What the load found wrong (status ``broker.state_damage``), or None.  ``records_lost``:
+    whole records may be gone (anything but a torn tail), so that the broker cannot tell which
+    processes held memory (``RequestCore``)."""
     if not (loaded.damaged or loaded.torn_bytes):
         return None
     return {
@@ -431,7 +434,16 @@ def _damage(loaded: LoadedState) -> dict[str, Any] | None:
         "damaged_bytes": loaded.damaged_bytes,
         "torn_bytes": loaded.torn_bytes,
         "snapshot": loaded.snapshot_damage,
+        "missing": list(loaded.missing),
+        "lost_records": loaded.lost_records,
+        "records_lost": loaded.damaged,
     }
+
+
+def records_may_be_lost(damage: dict[str, Any]) -> bool:
+    """Whether ``damage`` (as :func:`_damage` words it) may have taken whole records with it."""
+    return bool(damage.get("records_lost", damage.get("damaged_records") or damage.get("damaged_bytes")
+                             or damage.get("snapshot") or damage.get("missing") or damage.get("lost_records")))
 
 
 def restore_session(ledger: Ledger, table: SessionTable, record: SessionRecord, now_s: float) -> None:

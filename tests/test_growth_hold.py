@@ -79,17 +79,18 @@ def test_measured_usage_caps_the_allowance_and_is_never_held():
 # ------------------------------------------------------- the request core, growth held
 HOLDER_PID = 4242
 DAMAGE = {"damaged_records": 1, "damaged_bytes": 40, "torn_bytes": 0, "snapshot": None}
+TORN = {"damaged_records": 0, "damaged_bytes": 0, "torn_bytes": 9, "snapshot": None}  # no whole record lost
 #: The state directory's secret, as the restore hands it over: tokens it issued verify.
 SECRET = bytes(range(32))
 
 
-def _held_core(**kwargs):
+def _held_core(damage=DAMAGE, **kwargs):
     """A 16 GiB core restored from damaged state: the holder's latest record (6 pages) was the
     damaged one, so it comes back with none and, not having re-asserted, keeps growth held."""
     holder = SessionRecord(id="s-00000001", token="token-holder-0001", nonce="nonce-holder", instance="holder",
                            pid=HOLDER_PID, pid_verified=True, page_bytes=GIB, granted_pages=0)
     core = make_core(16 * GIB, quotas=SessionQuotas(lease_s=30.0), **kwargs)
-    core.restore(Restored([holder], damage=DAMAGE, found_state=True, secret=SECRET), now=0.0)
+    core.restore(Restored([holder], damage=damage, found_state=True, secret=SECRET), now=0.0)
     assert core.status(0.0)["broker"]["growth_held"]
     return core
 
@@ -207,6 +208,30 @@ def test_measured_usage_caps_what_a_lost_record_may_grow_back():
     assert _acquire(conn, token, 3, 1)["refused"]["details"]["held"]
 
 
+def test_after_records_were_lost_a_reassertion_is_charged_even_where_restored_figures_over_charge():
+    """A zero-filled journal leaves the snapshot's older figures: A restored with 8 pages it has
+    since given back to 2, and B's record (8 pages) gone.  B re-asserts before A resumes: were
+    its re-assertion admitted against A's stale 8 pages, 6 of B's pages would stay uncharged
+    and, once A came back, free for a newcomer.  It is charged in full (overcommitted, said so
+    in status) until A re-asserts its real 2 pages."""
+    a = SessionRecord(id="s-0000000a", token="token-a-restored", nonce="nonce-a", instance="a",
+                      pid=HOLDER_PID, pid_verified=True, page_bytes=GIB, granted_pages=8)
+    core = make_core(10 * GIB, quotas=SessionQuotas(lease_s=30.0))
+    core.restore(Restored([a], damage={**DAMAGE, "damaged_records": 0, "damaged_bytes": 4096}, found_state=True,
+                          secret=SECRET), now=0.0)
+    b, token = _resume_hello(core, "b-nonce-1", "b", resume=lost_token("s-0000000b"), granted_pages=8)
+    assert _acquire(b, token, 2, 8, min_pages=0)["granted"] == 8
+    s = b.status()
+    assert s["granted_bytes"] == 16 * GIB and s["overcommitted"]  # honest: A's restored 8 are stale
+    back = CoreConnection(core, local_peer(pid=HOLDER_PID))
+    reply = back.hello("a-nonce-2", instance="a", page_bytes=GIB, resume="token-a-restored",
+                       holdings={"pools": {}, "granted_pages": 2, "reserve_pages": 0})
+    assert reply["result"]["claims"] == "adopted"
+    s = b.status()
+    assert s["granted_bytes"] == 10 * GIB and not s["overcommitted"]
+    core.ledger.check_invariant()
+
+
 # ------------------------------------------------------------------- real brokers
 def _damaged_restart(b) -> None:
     """SIGKILL the broker, flip a bit in the journal's last record, start it again: growth is held."""
@@ -244,7 +269,7 @@ def test_a_resume_whose_claims_are_refused_books_what_the_broker_charges(broker_
         assert a.acquire(6) == 6
         _damaged_restart(b)  # its 6-page record is lost: it is restored with none
         with b.admin() as admin:
-            admin.simulate(external_bytes=13 * GIB)  # 3 GiB left: a claim of 4 pages cannot fit
+            admin.simulate(process_bytes={os.getpid(): GIB})  # it uses 1 GiB: it cannot hold 4 pages
         with caplog.at_level(logging.ERROR, logger="kvcached_broker.client"):
             a.release(2)  # resumes claiming 4 pages (the release booked): refused
         refused = [r.getMessage() for r in caplog.records if "event=resume_claims_refused" in r.getMessage()]
@@ -282,9 +307,9 @@ def test_a_restored_session_silent_past_its_lease_turns_stale_and_can_be_evicted
 
 
 def test_a_stale_restored_session_keeps_growth_held_and_its_worker_can_still_resume():
-    """Turning stale does not count as having re-asserted: the hold after damaged state lasts
+    """Turning stale does not count as having re-asserted: the hold after a torn tail lasts
     until the worker resumes (or twice the lease), and the resume adopts its claims."""
-    core = _held_core()  # lease 30 s; the holder restored with no pages at t=0
+    core = _held_core(TORN)  # lease 30 s; the holder restored with no pages at t=0
     core.expire_leases(31.0)
     assert session_of(core.status(31.0), "s-00000001")["state"] == "stale"
     core.lift_growth_hold(31.0)
