@@ -2,7 +2,9 @@
 
 * A hello is refused for an unknown protocol version, a pid that is not the connection's (the
   kernel's peer credentials), or a GPU that is not this broker's.
-* The same nonce from the same process gets the same session (a retried hello).
+* The same nonce from the same process gets the same session (a retried hello; the client
+  sends a hello whose answer it never got again with the same nonce).  After a restart, a
+  hello that had resumed a session before it is a resume again: its claims are adopted anew.
 * ``resume=token`` from the session's own process re-binds it to the new connection.  A
   session restored from the journal adopts the holdings the worker re-asserts, through
   admission, and answers the ids the worker names as ``settled`` from its reply cache.
@@ -86,9 +88,16 @@ class SessionOpener:
                 details={"worker_uuid": req.device_uuid, "broker_uuid": device.uuid},
             )
         retried = self.table.by_nonce(req.nonce)
-        if retried is not None and _same_process(retried, peer):  # a repeat: the same answer again
-            retried.routing_id = rid
-            return proto.ok_reply(req.id, self._result(retried, version, resumed=retried.resumed))
+        if retried is not None and _same_process(retried, peer):
+            restored = self.ledger.sessions[retried.session_id].restored
+            if not restored or retried.token != req.resume:
+                # A repeat: the same answer again.  Restored from the state, the session this
+                # hello opened before a restart is taken up as it stands (its worker never
+                # learnt its token); one it resumed is resumed again below, claims and all.
+                if restored:
+                    self.ledger.resume(retried.session_id, now, holdings=None)
+                retried.routing_id = rid
+                return proto.ok_reply(req.id, self._result(retried, version, resumed=retried.resumed))
         if req.resume is not None:
             binding = self.table.by_token(req.resume)
             if binding is None and req.resume in self.table.fenced:

@@ -86,6 +86,7 @@ class Operations:
         self.core = core
         #: ``guard(answered)`` refuses an endpoint that may not be the broker's (``client.trust``).
         self.guard = guard
+        self._reasserting = False  # a re-assertion runs now (its own requests must not start another)
 
     # ------------------------------------------------------------ the calls
     def open(self, *, resume: bool) -> Op:
@@ -301,14 +302,27 @@ class Operations:
         """
         core = self.core
         core.check_usable()
-        if core.outstanding:
-            yield from self.settle_in_doubt(total_s)
+        if core.reasserting and not self._reasserting:
+            yield from self._reassert()  # one cut short: it goes on before anything else
+        settle = bool(core.outstanding)
         request_id = core.next_id()
+        token_built = core.token
         payload = proto.encode(build(request_id))
         booked = bool(track and track.get("booked"))
         if track is not None:
+            # Tracked before the requests in doubt are settled: a resume while settling them
+            # must name this one as settled if the books already show it (a release).
             core.track(request_id, payload, **track)
         try:
+            if settle:
+                yield from self.settle_in_doubt(total_s)
+                if track is not None and request_id not in core.outstanding:
+                    if booked:  # the books the broker took up already show it: moot
+                        return {"settled": True}
+                    core.track(request_id, payload, **track)  # a lost session dropped it: anew
+                if core.token != token_built:  # the session was replaced meanwhile
+                    payload = proto.encode(build(request_id))
+                    core.retrack(request_id, core.outstanding.get(request_id), payload)
             result = yield from self._exchange(request_id, payload, build, total_s=total_s, resume=resume, booked=booked)
         finally:
             core.gave_up(request_id)  # nothing if it was answered
@@ -358,6 +372,9 @@ class Operations:
                 outstanding.waiting = False
                 raise
             except BrokerError:
+                if core.outstanding.get(request_id) is outstanding:  # the resume failed, not this request
+                    outstanding.waiting = False
+                    raise
                 outstanding.on_refusal()
                 continue
             if result is not MOOT:
@@ -367,32 +384,45 @@ class Operations:
             yield from self.return_pages(surplus)
 
     def _reassert(self) -> Op:
-        """The broker lost this session: ask the new one for what the books say is held."""
+        """The broker lost this session: ask the new one for what the books say is held (the
+        pools and holds, then the held pages, which are uncharged until granted again).
+
+        Each request is tracked as any: one left in doubt is sent again before the next
+        request and booked by its late answer, exactly once.  A re-assertion cut short (the
+        broker went away again) stays under way: the next call goes on with what is left."""
         core = self.core
-        pools, holds, pages = core.reassertion()
-        booked_pools = None
-        if pools or holds:
-            try:
-                booked_pools = yield from self.call(core.reserve_request(pools, None, holds),
-                                                    track={"on_answer": core.book_pools})
-            except BrokerError as exc:
-                log.error("event=reassert_refused session=%s what=pools error=%s", core.session_id, exc)
-                booked_pools = {"pools": {}, "holds": {}}
-        # A session that reports mapping asks for its mapped pages as mapped (the device's
-        # measurement covers them), then for the rest, which are promised.
-        mapped = min(core.mapped_pages, pages) if core.report_mapping else 0
-        got = {True: 0, False: 0}
-        for ask, already_mapped in ((mapped, True), (pages - mapped, False)):
-            if ask:
+        self._reasserting = True
+        try:
+            wanted = core.reassert_pools
+            if wanted is not None:
+                pools, holds = wanted
+                try:
+                    result = yield from self.call(core.reserve_request(pools, None, holds),
+                                                  track={"on_answer": core.book_reasserted_pools})
+                    core.book_reasserted_pools(result)
+                except BrokerUnavailable:
+                    raise
+                except BrokerError as exc:
+                    log.error("event=reassert_refused session=%s what=pools error=%s", core.session_id, exc)
+                    core.reassert_pools = None
+            # A session that reports mapping asks for its mapped pages as mapped (the device's
+            # measurement covers them), then for the rest, which are promised.
+            for already_mapped in ((True, False) if core.report_mapping else (False,)):
+                ask = core.uncharged_pages
+                if already_mapped:
+                    ask = min(ask, core.reassert_mapped_pages)
+                if not ask or not core.reasserting:
+                    continue
                 result = yield from self.call(
                     lambda rid, ask=ask, already_mapped=already_mapped: proto.Acquire(
                         id=rid, session=core.session_token(), pages=ask, min_pages=0, mapped=already_mapped),
-                    track={"on_answer": core.book_late_grant},
+                    track={"on_answer": lambda r, m=already_mapped: core.book_reasserted_pages(int(r["granted"]), m)},
                 )
-                got[already_mapped] = int(result["granted"])
-        core.book_reasserted(booked_pools, got[True] + got[False])
-        if core.report_mapping:
-            core.mapped_pages = got[True]
+                core.book_reasserted_pages(int(result["granted"]), already_mapped)
+            if core.reasserting:
+                core.reasserted()
+        finally:
+            self._reasserting = False
 
 
 class BackgroundHealth:
