@@ -37,7 +37,8 @@ class Limits:
 
     ``source`` says who set them: ``admin`` (the ``limit`` command), ``config`` (the config
     file) or ``hello`` (the instance's own worker asked; such limits give way to an admin's or
-    the config's, and leave with the instance).
+    the config's, and leave with the instance).  ``owner_uid``: the uid of the worker whose hello
+    set them; they hold only while every session of the instance is that uid's.
     """
 
     max_bytes: int | None = None
@@ -45,6 +46,7 @@ class Limits:
     weight: float = 1.0
     revision: int = 0
     source: LimitSource = "admin"
+    owner_uid: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,

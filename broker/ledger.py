@@ -631,6 +631,7 @@ class Ledger:
         weight: Any = KEEP,  # float, or KEEP
         revision: int | None = None,
         source: LimitSource = "admin",
+        owner_uid: int | None = None,
     ) -> Limits:
         """Change an instance's limits (the instance need not be registered yet).
 
@@ -649,6 +650,7 @@ class Ledger:
             weight=current.weight if weight is KEEP else weight,
             revision=current.revision + 1,
             source=source,
+            owner_uid=owner_uid,
         )
         if new.max_bytes is not None and new.min_bytes > new.max_bytes:
             raise LimitExceeded(
@@ -692,6 +694,11 @@ class Ledger:
 
     def instance_names(self) -> Iterable[str]:
         return self._instances.keys()
+
+    def instance_session_ids(self, instance: str) -> list[str]:
+        """The ids of a registered instance's sessions (none if it is not registered)."""
+        inst = self._instances.get(instance)
+        return sorted(inst.session_ids) if inst is not None else []
 
     def instance_totals(self, instance: str) -> tuple[int, int, int]:
         """``(reserved_bytes, granted_bytes, unreported_bytes)`` of a registered instance."""

@@ -394,6 +394,8 @@ class RequestCore:
             "recovering_sessions": self.recovering(),
             "state_damage": self.state_damage,
             "growth_held": self.ledger.growth_hold,
+            "hello_limits": {"max_floor_share": self.quotas.hello_max_floor_share,
+                             "max_weight": self.quotas.hello_max_weight},
             "state_writes": self.journal.write_status(),
             "limits": self.shell_view() if self.shell_view is not None else None,
             "counters": self.counters.to_dict(),

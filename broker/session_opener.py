@@ -16,8 +16,12 @@
   by this broker's secret to this very process, for a session this broker incarnation did not
   issue itself, and not re-asserted already.  A made-up or borrowed token gets nothing; so does
   a process that started after this broker did (it cannot have held memory before it).
-* Limits a hello asks for apply only where no admin or config has set any, and leave with
-  the instance.
+* Limits a hello asks for apply only where no admin or config has set any, only to an
+  instance whose sessions all belong to the asker's uid (``forbidden`` otherwise: the session
+  opens, the limits do not apply), within the bounds an admin sets (``SessionQuotas``: a floor
+  of at most a share of the budget, a weight of at most a maximum; past them they are cut
+  down), and leave with the instance, or as soon as a session of another uid joins it.  The
+  hello's answer says what became of them (``hello_limits``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class SessionQuotas:
     max_sessions_per_uid: int = 1024
     hello_rate_per_s: float = 50.0
     hello_burst: int = 200
+    #: The most a hello may ask for its own instance: a floor of this share of the budget,
+    #: and this weight (an admin's ``limit`` or the config file may set anything).
+    hello_max_floor_share: float = 0.5
+    hello_max_weight: float = 4.0
 
 
 class SessionOpener:
@@ -178,13 +186,15 @@ class SessionOpener:
             self._spent_ids.add(session_id)
             if req.resume is not None and claimed_bytes:
                 self._allow_reassertion(req, binding, holder, claimed_bytes)
-        if req.limits is not None:
-            self._limits_from_hello(req.instance, req.limits)
+        self._drop_foreign_hello_limits(req.instance, peer.uid)
+        hello_limits = None if req.limits is None else self._limits_from_hello(req.instance, req.limits, peer.uid)
         log.info(
             "event=session_open session=%s instance=%s pid=%d uid=%s verified=%s rank=%d tp_size=%d page_bytes=%d",
             session_id, req.instance, req.pid, peer.uid, verified, req.tp_rank, req.tp_size, req.page_bytes,
         )
         result = self._result(binding, version, resumed=False)
+        if hello_limits is not None:
+            result["hello_limits"] = hello_limits
         if verified:
             self.lifecycle.watch(req.pid)  # a process already gone is reclaimed at once
         return proto.ok_reply(req.id, result)
@@ -218,30 +228,70 @@ class SessionOpener:
         started = binding.pid_start_ticks
         return started is not None and self.broker_start_ticks is not None and started > self.broker_start_ticks
 
-    def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest) -> None:
-        """A worker's requested limits, clamped by admin policy: they apply only to an instance no
-        admin or config has set limits for, and a floor is cut to what the other floors leave."""
+    def _drop_foreign_hello_limits(self, instance: str, uid: int | None) -> None:
+        """A session of another uid joined an instance whose limits a hello set: they were that
+        uid's to ask for its own instance, and the instance is no longer its alone."""
+        current = self.ledger.limits.get(instance)
+        if current is not None and current.source == "hello" and (uid is None or current.owner_uid != uid):
+            self.ledger.forget_limits(instance)
+            log.warning("event=hello_limits instance=%s outcome=dropped reason=a_session_of_uid_%s_joined_"
+                        "limits_asked_by_uid_%s", instance, uid, current.owner_uid)
+
+    def _owned_by(self, instance: str, uid: int | None) -> bool:
+        """Whether every session of ``instance`` (the one just opened included) is ``uid``'s."""
+        if uid is None:
+            return False
+        for session_id in self.ledger.instance_session_ids(instance):
+            binding = self.table.by_id(session_id)
+            if binding is None or binding.uid != uid:
+                return False
+        return True
+
+    def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest, uid: int | None) -> dict[str, str]:
+        """A worker's requested limits, under admin policy: they apply only to an instance no
+        admin or config has set limits for (``ignored``), whose sessions all belong to the
+        asker's uid (``forbidden``); a floor is cut to the admin's share of the budget and to
+        what the other floors leave, a weight to the admin's maximum (``clamped``).  Returns
+        what became of them, as the hello's answer says it."""
         current = self.ledger.limits.get(instance)
         if current is not None and current.source != "hello":
-            log.info("event=hello_limits instance=%s outcome=ignored reason=set_by_%s", instance, current.source)
-            return
-        others = sum(l.min_bytes for name, l in self.ledger.limits.items() if name != instance)
+            return self._limits_outcome(instance, uid, "ignored", f"set by {current.source}")
+        if not self._owned_by(instance, uid):
+            why = ("the peer's uid is unknown (tcp)" if uid is None
+                   else f"instance {instance!r} has sessions of another uid than {uid}")
+            return self._limits_outcome(instance, uid, "forbidden", why)
+        budget = self.ledger.budget_bytes
+        quotas = self.quotas
+        cut: list[str] = []
         floor = KEEP
         if asked.min_bytes is not proto.UNSET:
-            floor = max(0, min(asked.min_bytes, self.ledger.budget_bytes - others))
+            others = sum(l.min_bytes for name, l in self.ledger.limits.items() if name != instance)
+            bound = min(int(budget * quotas.hello_max_floor_share), budget - others)
+            floor = max(0, min(asked.min_bytes, bound))
+            if floor < asked.min_bytes:
+                cut.append(f"floor cut to {floor} bytes (at most {quotas.hello_max_floor_share:g} of the budget, "
+                           "within what the other floors leave)")
+        weight = KEEP
+        if asked.weight is not proto.UNSET:
+            weight = min(asked.weight, quotas.hello_max_weight)
+            if weight < asked.weight:
+                cut.append(f"weight cut to {weight:g} (at most {quotas.hello_max_weight:g})")
         try:
-            limits = self.ledger.set_limits(
+            self.ledger.set_limits(
                 instance,
                 max_bytes=KEEP if asked.max_bytes is proto.UNSET else asked.max_bytes,
-                min_bytes=floor,
-                weight=KEEP if asked.weight is proto.UNSET else asked.weight,
-                source="hello",
+                min_bytes=floor, weight=weight, source="hello", owner_uid=uid,
             )
         except BrokerError as exc:
-            log.info("event=hello_limits instance=%s outcome=refused reason=%r", instance, exc.message)
-            return
-        log.info("event=hello_limits instance=%s outcome=applied %s", instance,
-                 " ".join(f"{key}={value}" for key, value in limits.to_dict().items()))
+            return self._limits_outcome(instance, uid, "ignored", exc.message)
+        return self._limits_outcome(instance, uid, "clamped" if cut else "applied", "; ".join(cut))
+
+    def _limits_outcome(self, instance: str, uid: int | None, outcome: str, reason: str) -> dict[str, str]:
+        limits = self.ledger.limits.get(instance, Limits())
+        log.log(logging.WARNING if outcome == "forbidden" else logging.INFO,
+                "event=hello_limits instance=%s uid=%s outcome=%s reason=%r %s", instance, uid, outcome, reason,
+                " ".join(f"{key}={value}" for key, value in limits.to_dict().items()))
+        return {"outcome": outcome, "reason": reason}
 
     def _result(self, binding: Binding, version: int, *, resumed: bool) -> dict[str, Any]:
         session = self.ledger.sessions[binding.session_id]

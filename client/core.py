@@ -201,6 +201,10 @@ class ClientCore:
             self._lost()
         elif result.get("claims") in ("adopted", "refused"):
             self._follow_restored(result)
+        asked = result.get("hello_limits")
+        if isinstance(asked, dict) and asked.get("outcome") != "applied":
+            log.warning("event=hello_limits instance=%s outcome=%s reason=%r", self.instance, asked.get("outcome"),
+                        asked.get("reason"))
         self.token = result["session"]
         self.session_id = result["session_id"]
         self.lease_s = float(result.get("lease_s", self.lease_s))
