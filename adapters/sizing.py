@@ -4,7 +4,7 @@ A serving runtime decides alone how much KV cache to build, and keeps *slack* be
 what it allocates after its pools: activations, CUDA graphs, request tables (SGLang keeps
 ``(1 - mem_fraction_static)`` of the memory it saw before loading weights; vLLM its profiled
 activation peak and CUDA graph estimate).  On a shared GPU every byte of both must be admitted
-by the broker before it is allocated (docs/accounting.md, "Holding what fits, in one request").
+by the broker before it is allocated (docs/accounting.md, "A co-located start-up").
 :func:`size` does it in **one** broker request:
 
 * the process's runtime base is pinned (what it uses now: context, weights), so what it

@@ -365,6 +365,7 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
     its activations need in later batches.  Returns the slack kept; None when unprotected."""
     if session(identity) is None:
         return None
+    _mapped_reported_now()
     with _lock:
         entry = _sessions[str(identity.device)]
         slack_bytes = entry.holds.get(SLACK_HOLD, 0)
@@ -383,6 +384,15 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
         log.info("event=warm_up_settled runtime=%s device=%s rank=%d runtime_base=%d slack_allocated=%d slack_kept=%d",
                  identity.runtime, identity.device, identity.tp_rank, entry.base_bytes or 0, slack_bytes - kept, kept)
         return kept
+
+
+def _mapped_reported_now() -> None:
+    """Let this process's kvcached governors run a round first (when it has any), so that the
+    broker knows every page they mapped: the base pinned next then counts none of them."""
+    from .kvcached import runner  # the governors' thread; it imports nothing of kvcached itself
+
+    if runner.governors():
+        runner.settle(1, timeout_s=5.0)
 
 
 def set_phase(identity: WorkerIdentity, phase: str) -> None:

@@ -413,16 +413,31 @@ class Operations:
                     ask = min(ask, core.reassert_mapped_pages)
                 if not ask or not core.reasserting:
                     continue
-                result = yield from self.call(
-                    lambda rid, ask=ask, already_mapped=already_mapped: proto.Acquire(
-                        id=rid, session=core.session_token(), pages=ask, min_pages=0, mapped=already_mapped),
-                    track={"on_answer": lambda r, m=already_mapped: core.book_reasserted_pages(int(r["granted"]), m)},
-                )
+                result = yield from self.call(_reasserted_pages(core, ask, already_mapped),
+                                              track={"on_answer": _booked_reassertion(core, already_mapped)})
                 core.book_reasserted_pages(int(result["granted"]), already_mapped)
             if core.reasserting:
                 core.reasserted()
         finally:
             self._reasserting = False
+
+
+def _reasserted_pages(core: ClientCore, pages: int, mapped: bool) -> Callable[[int], proto.Acquire]:
+    """The acquire that asks a broker which lost the session for ``pages`` it held (``mapped``:
+    pages its caller has mapped, which the device's measurement covers)."""
+    def build(rid: int) -> proto.Acquire:
+        return proto.Acquire(id=rid, session=core.session_token(), pages=pages, min_pages=0, mapped=mapped)
+
+    return build
+
+
+def _booked_reassertion(core: ClientCore, mapped: bool) -> Callable[[dict[str, Any]], None]:
+    """How the answer to a re-assertion's acquire is booked, late or not: the pages it grants
+    are charged again (``ClientCore.book_reasserted_pages``)."""
+    def book(result: dict[str, Any]) -> None:
+        core.book_reasserted_pages(int(result["granted"]), mapped)
+
+    return book
 
 
 class BackgroundHealth:
