@@ -76,6 +76,11 @@ def drive(op: Op, do: Callable[[Action], Any]) -> Any:
 
 #: What an exchange returns for a request that a lost session made moot.
 MOOT = object()
+#: How many times one request resumes its session before its ``not_owner`` is raised: each
+#: resume is answered (a broker that restarts again and again while a call waits, as the chaos
+#: run's restarts in a row make it, is followed), but a broker that keeps answering
+#: ``not_owner`` to a session it has just re-bound is not followed for ever.
+MAX_RESUMES_PER_REQUEST = 8
 
 #: How often a driver's background wakes to answer pushes, refill the reserve and heartbeat.
 BACKGROUND_TICK_S = 0.05
@@ -302,19 +307,21 @@ class Operations:
         """
         core = self.core
         core.check_usable()
-        if core.reasserting and not self._reasserting:
-            yield from self._reassert()  # one cut short: it goes on before anything else
-        settle = bool(core.outstanding)
+        reassert = core.reasserting and not self._reasserting  # one cut short goes on first
+        settle = reassert or bool(core.outstanding)
         request_id = core.next_id()
         token_built = core.token
         payload = proto.encode(build(request_id))
         booked = bool(track and track.get("booked"))
         if track is not None:
-            # Tracked before the requests in doubt are settled: a resume while settling them
-            # must name this one as settled if the books already show it (a release).
+            # Tracked before the requests in doubt are settled (and a re-assertion cut short
+            # goes on): a resume meanwhile must name this one as settled if the books already
+            # show it (a release), and a failure leaves it in doubt, never forgotten.
             core.track(request_id, payload, **track)
         try:
             if settle:
+                if reassert:
+                    yield from self._reassert()
                 yield from self.settle_in_doubt(total_s)
                 if track is not None and request_id not in core.outstanding:
                     if booked:  # the books the broker took up already show it: moot
@@ -331,7 +338,7 @@ class Operations:
     def _exchange(self, request_id: int, payload: bytes, build: Callable[[int], Any] | None, *,
                   total_s: float | None, resume: bool, booked: bool) -> Op:
         core = self.core
-        for _ in range(3):
+        for _ in range(MAX_RESUMES_PER_REQUEST + 1):
             token_used = core.token
             reply = yield Send(request_id, payload, total_s)
             if reply.ok:

@@ -362,6 +362,25 @@ def test_not_owner_resumes_the_same_session_and_sends_the_request_again():
     assert s.core.token == "token-one" and s.books_match()
 
 
+def test_a_broker_that_restarts_again_and_again_while_a_call_waits_is_followed():
+    """The chaos run's restarts in a row: each resend found a broker restarted once more, and a
+    release gave up with not_owner after its third resume, the caller told it failed while its
+    pages had gone to the reserve (a book drift).  Every resume is answered: it is followed."""
+    s = Script(credit_pages=0)
+    s.acquire(4)
+    restarts = iter(range(5))
+    handle = s.broker._handle
+
+    def restarting(req):
+        if not isinstance(req, proto.Hello) and next(restarts, None) is not None:
+            s.broker.rebound = True  # restarted again: not_owner until the next resume
+        return handle(req)
+
+    s.broker._handle = restarting
+    s.release(2)
+    assert s.resumes == 5 and s.broker.applied == ["acquire", "release"] and s.books_match()
+
+
 def test_a_resume_names_the_booked_release_in_doubt_as_settled():
     s = Script(credit_pages=0)
     s.acquire(4)
@@ -634,7 +653,7 @@ IN_DOUBT_CALLS = ("acquire", "acquire_min", "release", "reserve", "refill", "pre
 
 
 def _run_order(tmp_path, credit_pages: int, first: str, first_fault: str, second: str,
-               second_fault: tuple[int, str] | None, report_mapping: bool = False) -> str | None:
+               second_fault: tuple[int, str] | None, report_mapping: bool = False, third: str | None = None) -> str | None:
     """One order; returns what went wrong, or None."""
     broker = RestartingBroker(tmp_path / "state", 64 << 30)
     core = ClientCore(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES, credit_pages=credit_pages,
@@ -648,7 +667,7 @@ def _run_order(tmp_path, credit_pages: int, first: str, first_fault: str, second
     if second_fault is not None:
         driver.plan[(1, second_fault[0])] = second_fault[1]
     refused: list[str] = []
-    for name in (first, second, "heartbeat", "status"):
+    for name in (first, second, *([third] if third else []), "heartbeat", "status"):
         driver.next_call()
         try:
             driver.run(calls[name]())
@@ -698,6 +717,26 @@ def test_every_order_of_calls_around_faults_and_restarts_applies_each_request_on
                     if problem is not None:
                         failures.append(f"{first}/{first_fault} then {second}/{second_fault}: {problem}")
     assert orders == len(IN_DOUBT_CALLS) * len(FAULTS) * len(names) * (1 + 3 * len(FAULTS))
+    assert not failures, f"{len(failures)} of {orders} orders went wrong, e.g.:\n" + "\n".join(failures[:12])
+
+
+def test_a_reassertion_cut_short_goes_on_before_any_next_call_and_loses_none_of_it(state_root):
+    """The broker lost the session (its state wiped) while an acquire was in doubt; the next
+    call's re-assertion is cut short on one of its sends; then each call: the re-assertion goes
+    on first, and the call's own request (a release booked already) is neither lost nor
+    applied twice."""
+    failures, orders = [], 0
+    names = list(_calls(Operations(ClientCore(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES,
+                                              credit_pages=0, device_uuid=None))))
+    for credit_pages, report_mapping in ((0, False), (2, True)):
+        for send in (1, 2, 3):
+            for fault in FAULTS:
+                for third in names:
+                    orders += 1
+                    problem = _run_order(state_root / f"order-{orders}", credit_pages, "acquire", "wiped_before",
+                                         "heartbeat", (send, fault), report_mapping, third=third)
+                    if problem is not None:
+                        failures.append(f"heartbeat/({send}, {fault}) then {third}: {problem}")
     assert not failures, f"{len(failures)} of {orders} orders went wrong, e.g.:\n" + "\n".join(failures[:12])
 
 
