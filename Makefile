@@ -12,7 +12,7 @@ BUILD_CONSTRAINTS := constraints/build.txt
 PINNED := -c $(CONSTRAINTS) --build-constraint $(BUILD_CONSTRAINTS)
 
 ENVS := .adapter-envs
-# The hand-over demo and benchmark (tools/kvcached_sim): torch, a CPU build (the pin resolves to
+# The demo and the hand-over benchmark (tools/kvcached_sim): torch, a CPU build (the pin resolves to
 # the local CPU wheel; never unpinned), and kvcached 0.1.6's Python code (scripts/fetch-kvcached.py).
 TORCH_PIN := torch==2.13.0
 KVCACHED_SIM := $(ENVS)/kvcached-0.1.6
@@ -69,15 +69,16 @@ $(CSTAMP): pyproject.toml setup.py $(wildcard broker/*.py client/*.py) $(CONSTRA
 
 # Idempotent: once stamped it is not run again (`make clean` or deleting the stamp redoes it).
 $(SIM_STAMP): $(STAMP) scripts/fetch-kvcached.py
-	@echo "preparing the hand-over demo: torch (CPU) and kvcached 0.1.6's Python code (log: $(SIM_LOG))"
+	@echo "preparing the demo: torch (CPU) and kvcached 0.1.6's Python code, once (log: $(SIM_LOG))"
 	@{ $(PY) -m pip show torch >/dev/null 2>&1 || $(PY) -m pip install --quiet -c $(CONSTRAINTS) '$(TORCH_PIN)'; } >$(SIM_LOG) 2>&1
 	@$(PY) scripts/fetch-kvcached.py $(ENVS) >>$(SIM_LOG) 2>&1
 	@touch $(SIM_STAMP)
 
-# The hand-over, live (tools/demo.py); if torch or kvcached cannot be had, the three-worker demo
-# (the demo says which it shows, and why, in one line).
+# The whole mission on one simulated GPU, live (tools/demo.py): a DeepSeek-V4-shaped server beside
+# two kvcached pools; if torch or kvcached cannot be had, the three-worker demo (the demo says
+# which it shows, and why, in one line).
 demo: $(STAMP)
-	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over demo (see $(SIM_LOG))"
+	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare the demo's kvcached pools (see $(SIM_LOG))"
 	KVCACHED_BROKER_KVCACHED_PATH=$(abspath $(KVCACHED_SIM)) $(VENV)/bin/kvcached-broker demo $(DEMO_ARGS)
 
 # The whole suite: the environments first (so the core's torch-using tests run too), then the

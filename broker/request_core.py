@@ -234,8 +234,8 @@ class RequestCore:
 
     def _release(self, req: proto.Release, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)
-        if req.mapped_pages is not None and req.mapped_pages > session.mapped_pages:
-            self.device.observe(self.ledger, now)  # credit newly mapped pages against a fresh reading
+        if req.mapped_pages is not None and req.mapped_pages != session.mapped_pages:
+            self.device.observe(self.ledger, now)  # a mapping change against a fresh reading (see _mapped)
         remaining = self.ledger.release(session.id, req.pages, req.mapped_pages)
         if self.pressure.pending:
             self.pressure.on_release(session.id, req.pages)
@@ -245,10 +245,12 @@ class RequestCore:
         return self._answer(binding, req.id, result)
 
     def _mapped(self, req: proto.Mapped, rid: bytes, peer: Peer, now: float) -> bytes:
-        """Pages the session mapped or unmapped.  A page is taken off its promised charge only
-        against a device reading made now: the last periodic one may not show it yet."""
+        """Pages the session mapped or unmapped, against a device reading made now: a page comes
+        off the promised charge only once a reading can show it (the last periodic one may not
+        yet), and a page unmapped goes back on it as the reading stops showing it (else it would
+        be charged twice, measured and promised, until the next periodic reading)."""
         binding, session = self._session_request(req, rid, now)
-        if session.report_mapping and req.mapped_pages > session.mapped_pages:
+        if session.report_mapping and req.mapped_pages != session.mapped_pages:
             self.device.observe(self.ledger, now)
         unmapped = self.ledger.set_mapped(session.id, req.mapped_pages)
         return self._answer(binding, req.id, {"granted_pages": session.granted_pages, "unmapped_pages": unmapped})

@@ -6,7 +6,8 @@ functions are recorders, so the counting rules are checked without kvcached: a m
 bound is refused whole and maps nothing, unmaps and committed unmaps lower the count and are
 never refused, an aborted unmap changes nothing, and nothing is bounded unless an engine governs.
 Boards live in a temporary directory; "another process" is a real child process (liveness is a
-pid with its start time).  kvcached's modules, where registration reads them, are stubs.
+pid with its start time and PID namespace).  kvcached's modules, where registration reads them,
+are stubs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 
 from kvcached_broker.adapters import patching
 from kvcached_broker.adapters.kvcached import board as board_mod
-from kvcached_broker.adapters.kvcached import map_gate, worker_grants
+from kvcached_broker.adapters.kvcached import liveness, map_gate, worker_grants
 from kvcached_broker.adapters.kvcached.board_grants import BoardGrants
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
 from kvcached_broker.adapters.kvcached.map_gate import MapGate, MapRefused
@@ -71,8 +72,9 @@ def test_a_reader_never_sees_a_torn_record(board):
 
 
 def test_liveness_is_a_pid_with_its_start_time(board):
-    pid, ticks = board_mod.own_identity()
-    assert board_mod.alive(pid, ticks) and not board_mod.alive(pid, ticks + 1) and not board_mod.alive(0, 0)
+    me = board_mod.own_identity()
+    assert liveness.alive(me) and not liveness.alive(liveness.ProcessIdentity(me.pid, me.start_ticks + 1, me.pidns))
+    assert not liveness.alive(liveness.ProcessIdentity(0, 0, me.pidns))
 
 
 class Recorder:
@@ -155,34 +157,38 @@ def test_wrapping_the_listener_twice_gates_it_once():
 # ------------------------------------------------------------------ the board's lifetime
 @pytest.fixture
 def other_process():
-    """A live process other than this one: (pid, start ticks); it ends when the test does."""
+    """A live process other than this one: (its identity fields as a record carries them, end());
+    it ends when the test does."""
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     ticks = None
     while ticks is None:  # /proc/PID/stat exists once the child is forked
-        ticks = board_mod.start_ticks(child.pid)
+        ticks = liveness.start_ticks(child.pid)
 
     def end() -> None:
         child.stdin.close()
         child.wait(timeout=30)
 
-    yield child.pid, ticks, end
+    yield board_mod.identity_fields(liveness.ProcessIdentity(child.pid, ticks, liveness.pid_namespace())), end
     if child.poll() is None:
         end()
 
 
+def mine() -> dict[str, int]:
+    return board_mod.identity_fields(board_mod.own_identity())
+
+
 def claim_slot(index: int):
-    pid, ticks = board_mod.own_identity()
-    return lambda b: b.write_slot(index, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED)
+    return lambda b: b.write_slot(index, **mine(), state=board_mod.SLOT_REGISTERED)
 
 
 def test_a_leaving_process_never_removes_a_board_another_live_process_writes_on(tmp_path, other_process):
-    pid, ticks, end = other_process
+    other, end = other_process
     path = str(tmp_path / "kvcached-broker-tp-g0.board")
-    mine = board_mod.Board.join(path, claim_slot(0))
+    joined = board_mod.Board.join(path, claim_slot(0))
     reader = board_mod.Board(path)
-    reader.write_slot(1, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED, granted_pages=7)
+    reader.write_slot(1, **other, state=board_mod.SLOT_GOVERNED, granted_pages=7)
 
-    assert mine.leave() is False and os.path.exists(path) and mine.closed
+    assert joined.leave() is False and os.path.exists(path) and joined.closed
     assert reader.slot(0).pid == 0 and reader.slot(0).state == board_mod.SLOT_EMPTY  # its own record cleared
     assert reader.slot(1).granted_pages == 7  # the other's untouched
 
@@ -193,16 +199,16 @@ def test_a_leaving_process_never_removes_a_board_another_live_process_writes_on(
 
 
 def test_the_next_join_sweeps_boards_whose_every_writer_died(tmp_path, other_process):
-    pid, ticks, end = other_process
+    other, end = other_process
     dead = board_mod.Board(str(tmp_path / "kvcached-broker-a-g0.board"))
-    dead.write_engine(pid=pid, start_ticks=ticks, state=board_mod.ENGINE_GOVERNING)
-    dead.write_slot(0, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED)
+    dead.write_engine(**other, state=board_mod.ENGINE_GOVERNING)
+    dead.write_slot(0, **other, state=board_mod.SLOT_GOVERNED)
     live = board_mod.Board(str(tmp_path / "kvcached-broker-b-g0.board"))
-    live.write_slot(0, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED)  # one dies, one runs
-    live.write_slot(1, pid=os.getpid(), start_ticks=board_mod.own_identity()[1], state=board_mod.SLOT_GOVERNED)
+    live.write_slot(0, **other, state=board_mod.SLOT_GOVERNED)  # one dies, one runs
+    live.write_slot(1, **mine(), state=board_mod.SLOT_GOVERNED)
     unwritten = board_mod.Board(str(tmp_path / "kvcached-broker-c-g0.board"))
     busy = board_mod.Board(str(tmp_path / "kvcached-broker-d-g0.board"))
-    busy.write_slot(0, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED)
+    busy.write_slot(0, **other, state=board_mod.SLOT_GOVERNED)
     (tmp_path / "unrelated.board").write_bytes(b"")
     end()  # SIGKILL-like: nobody left the boards
 
@@ -228,9 +234,10 @@ def test_a_closed_board_reads_empty_and_drops_writes(tmp_path):
 def test_a_forked_child_does_not_keep_its_parents_doorbell():
     code = textwrap.dedent("""
         import os, sys
-        from kvcached_broker.adapters.kvcached import doorbell
-        assert doorbell.start()
-        name = "@" + doorbell.address(os.getpid())[1:]
+        from kvcached_broker.adapters.kvcached import doorbell, liveness
+        token = doorbell.start()
+        assert token
+        name = "@" + doorbell.address(liveness.own(), token)[1:]
         inode = next(line.split()[6] for line in open("/proc/net/unix") if line.split()[-1] == name)
         child = os.fork()
         if child == 0:
@@ -250,8 +257,7 @@ def test_a_forked_child_does_not_keep_its_parents_doorbell():
 # ------------------------------------------------------------------ the worker's grant holder
 def test_a_worker_bounds_its_maps_from_registration_before_any_grant(tmp_path):
     board = board_mod.Board(str(tmp_path / "kvcached-broker-g-g0.board"))
-    pid, ticks = board_mod.own_identity()
-    board.write_engine(pid=pid, start_ticks=ticks, state=board_mod.ENGINE_GOVERNING)  # EngineCore governs
+    board.write_engine(**mine(), state=board_mod.ENGINE_GOVERNING)  # EngineCore governs
     gate, vmm = MapGate(0), Recorder()
     worker_grants.WorkerGrants(board, 1, WorkerIdentity("vllm", 0, tp_rank=1, tp_size=2), GEOMETRY, gate)
     with pytest.raises(MapRefused):
@@ -325,16 +331,15 @@ class Allocator:
 
 def test_engine_core_gives_back_when_a_counted_worker_holds_less_than_its_limit(tmp_path):
     board = board_mod.Board(str(tmp_path / "kvcached-broker-h-g0.board"))
-    pid, ticks = board_mod.own_identity()
-    board.write_engine(pid=pid, start_ticks=ticks, state=board_mod.ENGINE_GOVERNING)
-    board.write_slot(0, pid=pid, start_ticks=ticks, state=board_mod.SLOT_GOVERNED, granted_pages=10)
+    board.write_engine(**mine(), state=board_mod.ENGINE_GOVERNING)
+    board.write_slot(0, **mine(), state=board_mod.SLOT_GOVERNED, granted_pages=10)
     real = Allocator(10)
     grants = BoardGrants(board, GEOMETRY, 2, real)
     grants.wanted = 10
     grants.sized()
     assert grants.pages == 10 and grants.poll() == 0
 
-    board.write_slot(1, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED)  # a worker registers late
+    board.write_slot(1, **mine(), state=board_mod.SLOT_REGISTERED)  # a worker registers late
     assert grants.pages == 0 and grants.poll() == 10  # the limit comes down through the give-back
     real.pages = 1  # the governor lowered it to its floor (kvcached's null block)
     assert grants.poll() == 0  # asked once for this level: no deferred limit stacked on another

@@ -1,9 +1,10 @@
-"""``kvcached-broker demo``: the kvcached hand-over live, or three co-located workers.
+"""``kvcached-broker demo``: the whole mission on one simulated GPU, or three co-located workers.
 
 With torch and kvcached 0.1.6's Python code importable (``make demo`` installs them; a plain
-install finds kvcached on the path or at ``$KVCACHED_BROKER_KVCACHED_PATH``), the demo is the
-hand-over (:mod:`.kvcached_sim.handover_demo`): two real kvcached pools in kvcached mode, an
-idle model's memory flowing to a bursting one, kvcached's limits beside the broker's grants.
+install finds kvcached on the path or at ``$KVCACHED_BROKER_KVCACHED_PATH``), the demo is
+:mod:`.kvcached_sim.mission_demo`: a DeepSeek-V4-shaped server whose side pools are reported
+per pool and held static, beside two servers with real kvcached pools in kvcached mode whose
+KV memory moves under pressure, every frame checked.
 
 Without them, or with ``KVCACHED_BROKER_DEMO=classic``, it is the three-worker demo (it says
 which, and why, in one line), a simulated 80 GiB GPU shared by:
@@ -47,19 +48,19 @@ DEMO_ENV = "KVCACHED_BROKER_DEMO"
 
 
 def run_demo(seconds: float = 8.0, keep: bool = False) -> int:
-    """The hand-over demo if it can run here, else the three-worker demo, saying why in one line."""
+    """The mission demo if it can run here, else the three-worker demo, saying why in one line."""
     if os.environ.get(DEMO_ENV, "").strip().lower() == "classic":
         return run_classic(seconds, keep)
     from .kvcached_sim import missing
 
     why = missing()
     if why:
-        print(f"kvcached-broker demo: three co-located workers (no kvcached hand-over demo here: {why}; "
-              f"`make demo` installs what it needs)", flush=True)
+        print(f"kvcached-broker demo: three co-located workers (the demo with kvcached pools needs what is "
+              f"missing here: {why}; `make demo` installs it)", flush=True)
         return run_classic(seconds, keep)
-    from .kvcached_sim import handover_demo
+    from .kvcached_sim import mission_demo
 
-    return handover_demo.run(seconds, keep)
+    return mission_demo.run(seconds, keep)
 
 
 def run_classic(seconds: float = 8.0, keep: bool = False) -> int:

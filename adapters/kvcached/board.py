@@ -21,6 +21,18 @@ file's ``flock`` (so a process leaving or sweeping never races it), and stops wi
 still runs (the last one out removes it, never one another live process still maps).  Every
 board this process joined is left at exit.  A board whose every writer died without leaving
 (SIGKILL) is removed by the next :meth:`Board.join` on the host (:func:`sweep`).
+
+Who wrote a record, and whether it still runs: its pid, start time and PID namespace
+(:mod:`.liveness`).  A writer in another PID namespace is never judged dead (its pid means
+nothing here), so a board with such a writer is never swept from here.
+
+Trust.  The board is this user's own file, mode ``0600`` (or ``0660`` with
+``KVCACHED_BROKER_SHM_GROUP``), opened only after :mod:`.shm_files` checked it (owner, mode,
+a regular file, no symbolic link); one that fails raises :class:`~.shm_files.UnsafeFile` and
+is never mapped, so its values are never applied (the pool then runs as kvcached alone, with one
+warning).  Its name carries this user's uid and PID namespace (EngineCore and its workers share
+both), so engines of different users or containers sharing ``/dev/shm`` never meet on one board.
+Each record publishes its process's doorbell (:mod:`.doorbell`) by its random token.
 """
 
 from __future__ import annotations
@@ -35,6 +47,9 @@ import time
 import weakref
 from dataclasses import dataclass, fields
 from typing import Callable
+
+from . import doorbell, liveness, shm_files
+from .liveness import ProcessIdentity
 
 FIELD = struct.Struct("<q")
 RECORD_FIELDS = 16  # every record is 16 int64 fields (128 bytes), the unused ones zero
@@ -73,6 +88,8 @@ class EngineRecord:
     ask_seq: int = 0  # bumped with every new ask; a worker answers by echoing it
     limit_pages: int = 0  # kvcached's allocator size in EngineCore (what the pool may map)
     expected_slots: int = 0
+    pidns: int = 0  # the writer's PID namespace (inode)
+    doorbell: int = 0  # the writer's doorbell token (0: none)
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,8 @@ class SlotRecord:
     pressure_pages_total: int = 0  # cumulative: pages its broker asked back that it could not release alone
     refused_maps: int = 0  # cumulative: broadcast maps its gate refused
     page_bytes: int = 0  # one pool page in this worker (for status)
+    pidns: int = 0  # the writer's PID namespace (inode)
+    doorbell: int = 0  # the writer's doorbell token (0: none)
 
 
 ENGINE_FIELDS = [f.name for f in fields(EngineRecord)]
@@ -97,40 +116,41 @@ assert len(ENGINE_FIELDS) <= RECORD_FIELDS and len(SLOT_FIELDS) <= RECORD_FIELDS
 
 
 def board_path(group_id: int, socket_dir: str | None = None) -> str:
-    """The board of ``group_id``'s pool for this engine instance (kvcached's TP socket dir name)."""
+    """The board of ``group_id``'s pool for this engine instance: kvcached's TP socket dir name,
+    with this user's uid and PID namespace (which EngineCore and its workers share)."""
     if socket_dir is None:
         from kvcached.utils import get_tp_socket_dir
 
         socket_dir = get_tp_socket_dir()
-    name = f"{BOARD_PREFIX}{os.path.basename(socket_dir.rstrip('/'))}-g{group_id}{BOARD_SUFFIX}"
+    engine = os.path.basename(socket_dir.rstrip('/'))
+    name = f"{BOARD_PREFIX}u{os.geteuid()}-n{liveness.pid_namespace()}-{engine}-g{group_id}{BOARD_SUFFIX}"
     return os.path.join(SHM_DIR, name)
 
 
-def start_ticks(pid: int) -> int | None:
-    """When ``pid`` started (``/proc/PID/stat`` field 22), or None if it does not run (or is a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rfind(b")") + 2:].split()
-    if len(rest) < 20 or rest[0] in (b"Z", b"X"):
-        return None
-    try:
-        return int(rest[19])
-    except ValueError:
-        return None
+def writer(record: "EngineRecord | SlotRecord") -> ProcessIdentity:
+    """The process a record names (pid 0: none)."""
+    return ProcessIdentity(record.pid, record.start_ticks, record.pidns)
 
 
-def alive(pid: int, ticks: int) -> bool:
-    """True if ``pid`` runs and is the process that wrote ``ticks`` (not a later one with its pid)."""
-    return pid > 0 and start_ticks(pid) == ticks
+def alive(record: "EngineRecord | SlotRecord") -> bool:
+    """True unless the record's writer is known to be gone (see :mod:`.liveness`): a writer in
+    another PID namespace counts as running."""
+    return liveness.alive(writer(record))
 
 
-def own_identity() -> tuple[int, int]:
-    """``(pid, start_ticks)`` of this process, as records carry it."""
-    pid = os.getpid()
-    return pid, start_ticks(pid) or 0
+def ring(record: "EngineRecord | SlotRecord") -> None:
+    """Wake the record's writer at the doorbell it published (never blocks, never raises)."""
+    doorbell.ring(writer(record), record.doorbell)
+
+
+def own_identity() -> ProcessIdentity:
+    """This process, as its records name it."""
+    return liveness.own()
+
+
+def identity_fields(who: ProcessIdentity, doorbell_token: int = 0) -> dict[str, int]:
+    """The identity fields of a record ``who`` writes (with its doorbell token)."""
+    return {"pid": who.pid, "start_ticks": who.start_ticks, "pidns": who.pidns, "doorbell": doorbell_token}
 
 
 class Board:
@@ -142,10 +162,10 @@ class Board:
     its process left it never touches unmapped memory).
     """
 
-    def __init__(self, path: str, *, create: bool = True):
+    def __init__(self, path: str, *, create: bool = True, policy: shm_files.Policy | None = None):
         self.path = path
         self._write_lock = threading.Lock()
-        self._fd, self._identity = _open_locked(path, create)
+        self._fd, self._identity = _open_locked(path, create, policy or shm_files.Policy.from_env())
         try:
             if self._identity.st_size < BOARD_BYTES:
                 os.ftruncate(self._fd, BOARD_BYTES)
@@ -159,16 +179,18 @@ class Board:
 
     # ------------------------------------------------------------------ taking part
     @classmethod
-    def join(cls, path: str, claim: Callable[["Board"], None]) -> "Board":
+    def join(cls, path: str, claim: Callable[["Board"], None], policy: shm_files.Policy | None = None) -> "Board":
         """Take part in the board at ``path``: ``claim(board)`` writes this process's record under
         the file's lock (no leaver or sweeper can remove the file meanwhile).  Boards left behind
-        by processes that all died are swept first."""
-        sweep(os.path.dirname(path) or ".")
-        board = cls(path)
+        by processes that all died are swept first.  Raises :class:`~.shm_files.UnsafeFile` for a
+        file at ``path`` that is not this user's own private board."""
+        policy = policy or shm_files.Policy.from_env()
+        sweep(os.path.dirname(path) or ".", policy)
+        board = cls(path, policy=policy)
         with board.locked():
             if not board.same_file():  # the last leaver removed it between open and lock: again
                 board.close()
-                return cls.join(path, claim)
+                return cls.join(path, claim, policy)
             claim(board)
             board.joined = True
         with _joined_lock:
@@ -182,14 +204,12 @@ class Board:
             return False
         removed = False
         with self.locked():
-            pid, ticks = own_identity()
-            engine = self.engine()
-            if engine.pid == pid and engine.start_ticks == ticks:
-                self.write_engine(pid=0, start_ticks=0, state=ENGINE_NONE, wanted_pages=0, floor_pages=0,
-                                  limit_pages=0)
+            me = own_identity()
+            if writer(self.engine()) == me:
+                self.write_engine(**identity_fields(ProcessIdentity(0, 0, 0)), state=ENGINE_NONE, wanted_pages=0,
+                                  floor_pages=0, limit_pages=0)
             for index in range(MAX_SLOTS):
-                slot = self.slot(index)
-                if slot.pid == pid and slot.start_ticks == ticks:
+                if writer(self.slot(index)) == me:
                     self.write_slot(index, **{name: 0 for name in SLOT_FIELDS if name != "seq"})
             if not self.live_writers() and self.same_file():
                 os.unlink(self.path)
@@ -201,14 +221,10 @@ class Board:
         return removed
 
     def live_writers(self) -> list[int]:
-        """Pids of the processes with a record here that still run (the engine's, then slots')."""
-        engine = self.engine()
-        found = [engine.pid] if alive(engine.pid, engine.start_ticks) else []
-        for index in range(MAX_SLOTS):
-            slot = self.slot(index)
-            if slot.pid and alive(slot.pid, slot.start_ticks):
-                found.append(slot.pid)
-        return found
+        """Pids of the processes with a record here not known to be gone (the engine's, then
+        slots'; a writer in another PID namespace counts as running)."""
+        return [record.pid for record in (self.engine(), *(self.slot(i) for i in range(MAX_SLOTS)))
+                if record.pid > 0 and alive(record)]
 
     def recorded_writers(self) -> int:
         """How many records name a process at all (dead or alive)."""
@@ -217,7 +233,7 @@ class Board:
     def same_file(self) -> bool:
         """True while ``path`` still names the file this process mapped (not removed, not a newer one)."""
         try:
-            return os.path.samestat(os.stat(self.path), self._identity)
+            return os.path.samestat(os.stat(self.path, follow_symlinks=False), self._identity)
         except FileNotFoundError:
             return False
 
@@ -340,17 +356,18 @@ class Board:
         return self._mm is None
 
 
-def _open_locked(path: str, create: bool) -> tuple[int, os.stat_result]:
+def _open_locked(path: str, create: bool, policy: shm_files.Policy) -> tuple[int, os.stat_result]:
     """An fd on ``path`` with its ``flock`` held, and the file's identity; the file is the one
-    ``path`` names once locked (a file removed between open and lock is opened again)."""
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    ``path`` names once locked (a file removed between open and lock is opened again).  Only a
+    file :mod:`.shm_files` trusts is opened (:class:`~.shm_files.UnsafeFile` otherwise)."""
     while True:
-        fd = os.open(path, flags, 0o600)
+        opened = shm_files.open_checked(path, policy, create=create)
+        fd = opened.fd
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             identity = os.fstat(fd)
             try:
-                current = os.stat(path)
+                current = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 current = None
         except BaseException:
@@ -370,10 +387,12 @@ def _unlock(fd: int) -> None:
         pass
 
 
-def sweep(directory: str = SHM_DIR) -> list[str]:
-    """Remove the boards in ``directory`` whose every writer died (SIGKILL: nobody left them);
-    the paths removed.  A board being joined, left or swept by someone else (its lock held) is
-    skipped, and so is one no process ever wrote a record on."""
+def sweep(directory: str = SHM_DIR, policy: shm_files.Policy | None = None) -> list[str]:
+    """Remove the boards in ``directory`` whose every writer is known dead (SIGKILL: nobody left
+    them); the paths removed.  Only this user's own boards (:mod:`.shm_files`) are looked at; a
+    board being joined, left or swept by someone else (its lock held) is skipped, and so is one
+    no process ever wrote a record on, and one with a writer in another PID namespace."""
+    policy = policy or shm_files.Policy.from_env()
     removed = []
     try:
         names = [n for n in os.listdir(directory) if n.startswith(BOARD_PREFIX) and n.endswith(BOARD_SUFFIX)]
@@ -382,22 +401,23 @@ def sweep(directory: str = SHM_DIR) -> list[str]:
     for name in names:
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
+            fd = shm_files.open_checked(path, policy, writable=False).fd
+        except (shm_files.UnsafeFile, OSError):
+            continue  # gone, or not ours to judge
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # in use right now: not stale
             try:
-                if not os.path.samestat(os.stat(path), os.fstat(fd)) or os.fstat(fd).st_size < BOARD_BYTES:
+                if (not os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))
+                        or os.fstat(fd).st_size < BOARD_BYTES):
                     continue
             except FileNotFoundError:
                 continue
             with mmap.mmap(fd, BOARD_BYTES, prot=mmap.PROT_READ) as mm:
-                pids = _writers(mm)
-            if pids and not any(alive(pid, ticks) for pid, ticks in pids):
+                writers = _writers(mm)
+            if writers and all(liveness.judge(who) is False for who in writers):
                 os.unlink(path)
                 removed.append(path)
         finally:
@@ -405,17 +425,16 @@ def sweep(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _writers(mm: mmap.mmap) -> list[tuple[int, int]]:
-    """``(pid, start_ticks)`` of every record that names a process (engine header, then slots)."""
+def _writers(mm: mmap.mmap) -> list[ProcessIdentity]:
+    """Every process a record names (engine header, then slots)."""
     found = []
-    pid_index, ticks_index = ENGINE_FIELDS.index("pid"), ENGINE_FIELDS.index("start_ticks")
-    slot_pid, slot_ticks = SLOT_FIELDS.index("pid"), SLOT_FIELDS.index("start_ticks")
     for record in range(1 + MAX_SLOTS):
         base = RECORD_BYTES * record
-        pi, ti = (pid_index, ticks_index) if record == 0 else (slot_pid, slot_ticks)
-        pid = FIELD.unpack_from(mm, base + pi * FIELD.size)[0]
+        names = ENGINE_FIELDS if record == 0 else SLOT_FIELDS
+        pid, ticks, pidns = (FIELD.unpack_from(mm, base + names.index(n) * FIELD.size)[0]
+                             for n in ("pid", "start_ticks", "pidns"))
         if pid > 0:
-            found.append((pid, FIELD.unpack_from(mm, base + ti * FIELD.size)[0]))
+            found.append(ProcessIdentity(pid, ticks, pidns))
     return found
 
 

@@ -87,11 +87,10 @@ class BoardGrants:
         slots = expected_slots(geometry)
         if slots > board_mod.MAX_SLOTS:
             return None, f"{slots} ranks, more than the board's {board_mod.MAX_SLOTS} slots"
-        pid, ticks = board_mod.own_identity()
+        fields = board_mod.identity_fields(board_mod.own_identity(), doorbell.start())
         board = board_mod.Board.join(board_mod.board_path(geometry.group_id), lambda b: b.write_engine(
-            pid=pid, start_ticks=ticks, state=board_mod.ENGINE_NONE, wanted_pages=0, floor_pages=0, limit_pages=0,
+            **fields, state=board_mod.ENGINE_NONE, wanted_pages=0, floor_pages=0, limit_pages=0,
             expected_slots=slots))
-        doorbell.start()
         grants = cls(board, geometry, slots, real)
         registered = grants._wait_for(lambda: grants._registered() >= slots, REGISTER_WAIT_S)
         if not grants._counted() and not grants._unprotected_slots():
@@ -207,13 +206,13 @@ class BoardGrants:
 
     def _ring_workers(self) -> None:
         for _, slot in self._live_slots():
-            doorbell.ring(slot.pid)
+            board_mod.ring(slot)
 
     def _live_slots(self) -> list[tuple[int, board_mod.SlotRecord]]:
         found = []
         for index in range(self.slots):
             slot = self.board.slot(index)
-            if slot.state != board_mod.SLOT_EMPTY and board_mod.alive(slot.pid, slot.start_ticks):
+            if slot.state != board_mod.SLOT_EMPTY and board_mod.alive(slot):
                 found.append((index, slot))
         return found
 

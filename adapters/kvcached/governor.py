@@ -15,7 +15,9 @@ at every moment:
   most it), never more than the grant (:mod:`.segment`, :mod:`.allocator`); so is a
   ``set_memory_limit`` from outside the broker (``kvcached.control.set_instance_memory_limit``,
   an operator's script): :meth:`PoolGovernor.outside_limit`, and the governor's own revisions
-  are always newer than any it saw;
+  are always newer than any it saw.  A segment or record that is not this user's own private
+  file (:mod:`.shm_files`) is never read for a cap nor written: one warning, and kvctl has no
+  effect on the pool (not even through kvcached's watcher once the pool is ungoverned);
 * a broker restart whose re-assertion came back short (the client books held pages the broker
   no longer charges as *uncharged*): the pools of that session are asked for them back as
   under pressure, and the engine's allocations miss until they were asked (:mod:`.pressure`);
@@ -53,10 +55,10 @@ import math
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from ...client import BudgetExceeded, SessionEvicted
-from . import eviction, pressure, runner, segment
+from . import eviction, pressure, runner, segment, shm_files
 from .geometry import PoolGeometry
 from .grants import SessionGrants
 from .limits import DirectLimits, LimitChannel
@@ -97,6 +99,10 @@ class PoolGovernor:
         self.operator_cap_pages: int | None = None
         self._segment_bytes: int | None = None  # total_size the governor last wrote
         self._segment_seq: int | None = None  # the segment's cap sequence last taken (None: not shown yet)
+        self.shm_policy = shm_files.Policy.from_env()
+        #: this process's part in the segment (:func:`.segment.attach`, taken before kvcached opened it)
+        self.segment_member: segment.Membership | None = None
+        self.shm_unsafe = ""  # why the segment or its record is not trusted (empty: trusted)
         self.pending_limit: int | None = None  # a deferred limit, waiting for frees
         self.blocked = ""  # why the pool could not give back what was asked, if it could not
         self._asks = threading.Lock()  # guards the two fields below (set from other threads)
@@ -141,9 +147,20 @@ class PoolGovernor:
         self._manager = weakref.ref(manager)
         self.pool_name = str(getattr(manager, "pool_name", "") or "")
         if self.pool_name:
-            self.key = f"kvcached:{self.pool_name}:g{self.geometry.group_id}:{self.key.rsplit(':', 1)[1]}"
+            self._rename(f"kvcached:{self.pool_name}:g{self.geometry.group_id}:{self.key.rsplit(':', 1)[1]}")
         self._write_segment()
         self._note_segment()
+
+    def _rename(self, key: str) -> None:
+        """Report under ``key`` from now on; the zero page reported under the old key moves to it
+        (reported again first, then the old entry forgotten: never charged twice, never zero)."""
+        old, self.key = self.key, key
+        if old == key or not self._zero_reported or self.grants is None:
+            return
+        self._zero_reported = False
+        self._report_zero_page()
+        if self._zero_reported:
+            self.grants.forget(old)
 
     # ------------------------------------------------------------ engine path (any thread)
     def note_alloc(self, need_blocks: int, result: Any, block_mem_size: int) -> bool:
@@ -191,8 +208,9 @@ class PoolGovernor:
         pool's limits change only where its TP ranks agree (``at_sync_points``, SGLang): the
         segment is shared by the ranks, so the target may be a governed peer's limit, and a
         resize on this rank alone would leave the ranks' capacities unequal."""
-        if self.governed or target in self._own_targets or getattr(self.limits, "at_sync_points", False):
-            return -1
+        if (self.governed or target in self._own_targets or getattr(self.limits, "at_sync_points", False)
+                or self.shm_unsafe):
+            return -1  # (an untrusted segment's value is never applied)
         return target
 
     def outside_limit(self, manager: Any, limit_bytes: int, revision: int) -> dict:
@@ -513,7 +531,28 @@ class PoolGovernor:
         from an operator's and keeps the cap for every pool on it."""
         if self._segment_seq is None:
             return  # nothing shown yet: the segment holds kvcached's own start-up value
-        self._take_operator_cap(segment.exchange(self.geometry.ipc_name))
+        self._take_operator_cap(self._exchange())
+
+    def _exchange(self, show_bytes: int | None = None,
+                  own_start: "Callable[[int], bool] | None" = None) -> "segment.Shared | None":
+        """:func:`.segment.exchange` on this pool's segment; None (one warning per reason, no
+        value taken, nothing written) if the segment or its record is not this user's own."""
+        try:
+            shared = segment.exchange(self.geometry.ipc_name, show_bytes, own_start=own_start,
+                                      policy=self.shm_policy, member=self.segment_member)
+        except shm_files.UnsafeFile as exc:
+            self.untrusted_segment(str(exc))
+            return None
+        self.shm_unsafe = ""
+        return shared
+
+    def untrusted_segment(self, why: str) -> None:
+        """The segment (or its record) is not this user's own private file: kvctl caps are not taken
+        from it and nothing is written there (said once per reason)."""
+        if why != self.shm_unsafe:
+            log.warning("event=kvcached_shm_unsafe pool=%s file=%r detail=not_trusted_kvctl_caps_ignored_"
+                        "the_grant_still_bounds_the_pool", self.key, why)
+        self.shm_unsafe = why
 
     def _take_operator_cap(self, shared: "segment.Shared | None") -> None:
         if shared is None or shared.seq == self._segment_seq:
@@ -542,7 +581,7 @@ class PoolGovernor:
             return
         joining = self._segment_seq is None
         own_start = (lambda total: self.geometry.pages_of(total) == self.geometry.virtual_pages) if joining else None
-        shared = segment.exchange(self.geometry.ipc_name, size, own_start=own_start)
+        shared = self._exchange(size, own_start)
         if shared is None:
             return
         self._segment_bytes = size
@@ -562,7 +601,7 @@ class PoolGovernor:
         governor's write, so the governors of pools sharing the segment take it for no cap)."""
         size = self.geometry.limit_bytes(self.geometry.virtual_pages)
         try:
-            if segment.exchange(self.geometry.ipc_name, size) is not None:
+            if self._exchange(size) is not None:
                 self._segment_bytes = size
                 self._note_segment()
         except OSError as exc:
@@ -666,6 +705,8 @@ class PoolGovernor:
         if self.closed:
             return
         self.closed = True
+        if self.segment_member is not None:
+            self.segment_member.leave()  # kvcached removes its segment at shutdown
         if not (self.governed and self.grants is not None):
             return
         self._release_unmapped()
@@ -717,6 +758,7 @@ class PoolGovernor:
             "pending_limit_bytes": None if self.pending_limit is None else g.limit_bytes(self.pending_limit),
             "blocked": self.blocked, "revision": self._revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
             "uncharged_pages": self._uncharged_pages(), "reported_mapped_pages": self._reported_mapped,
+            "segment_untrusted": self.shm_unsafe,
             **self.counters,
         }
 

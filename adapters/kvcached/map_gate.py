@@ -191,5 +191,5 @@ def engine_governs(board: "board_mod.Board") -> Callable[[], bool]:
     """A gate's ``engine_governs``: the board's engine governs and is the process that said so."""
     def governs() -> bool:
         engine = board.engine()
-        return engine.state == board_mod.ENGINE_GOVERNING and board_mod.alive(engine.pid, engine.start_ticks)
+        return engine.state == board_mod.ENGINE_GOVERNING and board_mod.alive(engine)
     return governs

@@ -39,7 +39,7 @@ from ...client.units import parse_size
 from .. import flags
 from ..patching import Patch, wrap_methods, wrap_once
 from ..worker import BrokerRequired
-from . import board_grants, identity, limits, map_gate, pressure, runner, worker_grants
+from . import board_grants, identity, limits, map_gate, pressure, runner, segment, shm_files, worker_grants
 from .allocator import GovernedPageAllocator
 from .geometry import PoolGeometry
 from .governor import PoolGovernor
@@ -142,11 +142,34 @@ def _ungoverned(geometry: PoolGeometry, real: Any, marks: Watermarks, why: str) 
 
 def _allocator_factory(real_class: type):
     def build(*args: Any, **kwargs: Any) -> GovernedPageAllocator:
-        real = real_class(*args, **kwargs)
         geometry = geometry_of(args, kwargs)
-        return GovernedPageAllocator(real, _governor_or_ungoverned(geometry, real))
+        member, untrusted = _attach_segment(geometry)  # before kvcached's tracker opens it
+        try:
+            real = real_class(*args, **kwargs)
+        except BaseException:
+            if member is not None:
+                member.leave()
+            raise
+        governor = _governor_or_ungoverned(geometry, real)
+        governor.segment_member = member
+        if untrusted:
+            governor.untrusted_segment(untrusted)
+        return GovernedPageAllocator(real, governor)
 
     return build
+
+
+def _attach_segment(geometry: PoolGeometry) -> "tuple[segment.Membership | None, str]":
+    """Make the pool's segment this user's own before kvcached opens it (so kvcached's ``0666``
+    never applies), collect the segments of servers that are gone, and take part in it:
+    (membership, "") or (None, why the segment is not trusted).  Never raises."""
+    try:
+        return segment.attach(geometry.ipc_name), ""
+    except shm_files.UnsafeFile as exc:
+        return None, str(exc)
+    except OSError as exc:  # no /dev/shm to write: kvcached finds out for itself
+        log.warning("event=kvcached_segment_unattached ipc=%s error=%r", geometry.ipc_name, str(exc))
+        return None, ""
 
 
 def _governor_or_ungoverned(geometry: PoolGeometry, real: Any) -> PoolGovernor:

@@ -106,7 +106,7 @@ class WorkerGrants:
         if self.closed:
             return
         engine = self.board.engine()
-        governing = engine.state == board_mod.ENGINE_GOVERNING and board_mod.alive(engine.pid, engine.start_ticks)
+        governing = engine.state == board_mod.ENGINE_GOVERNING and board_mod.alive(engine)
         if not self._active:
             if not governing:
                 return
@@ -167,7 +167,7 @@ class WorkerGrants:
             self._pressure_total += rest
             self.counters["pressure_posted"] += rest
             self.board.write_slot(self.slot, pressure_pages_total=self._pressure_total)
-            doorbell.ring(engine.pid)
+            board_mod.ring(engine)
 
     def _follow(self, engine: board_mod.EngineRecord) -> None:
         if engine.ask_seq != self._answered:
@@ -218,7 +218,7 @@ class WorkerGrants:
         self.board.write_slot(self.slot, granted_pages=self._bound(), answered_seq=self._answered,
                               mapped_pages=self.gate.mapped_pages())
         self._published = state
-        doorbell.ring(engine.pid)
+        board_mod.ring(engine)
 
     def _unprotected(self, why: str) -> None:
         """No broker: the gate lets maps through (kvcached alone) and EngineCore stops counting us."""
@@ -227,7 +227,7 @@ class WorkerGrants:
         with self.gate.lock:
             self.gate.bound_pages = None
         self.board.write_slot(self.slot, state=board_mod.SLOT_UNPROTECTED)
-        doorbell.ring(self.board.engine().pid)
+        board_mod.ring(self.board.engine())
         log.warning("event=kvcached_pool_ungoverned pool=%s reason=%r detail=runs_as_kvcached_alone", self.key, why)
 
     def close(self) -> None:
@@ -306,20 +306,19 @@ def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrant
         if previous is not None:  # another board or slot: the old one is left (removed only if unused)
             del _holders[group_id]
             previous.close()
-        pid, ticks = board_mod.own_identity()
+        fields = board_mod.identity_fields(board_mod.own_identity(), doorbell.start())
         gate = map_gate.gate(group_id)
         with gate.lock:  # bounded before the slot is counted: no map lands unbounded meanwhile
             gate.bound_pages = 0
             board = board_mod.Board.join(path, lambda b: b.write_slot(
-                slot, pid=pid, start_ticks=ticks, state=board_mod.SLOT_REGISTERED, granted_pages=0,
+                slot, **fields, state=board_mod.SLOT_REGISTERED, granted_pages=0,
                 mapped_pages=gate.mapped_pages(), answered_seq=0, pressure_pages_total=0, refused_maps=0,
                 page_bytes=geometry.page_bytes))
             holder = _holders[group_id] = WorkerGrants(board, slot, who, geometry, gate)
         if not _atexit_registered:
             atexit.register(_close_all)
             _atexit_registered = True
-    doorbell.start()
-    doorbell.ring(board.engine().pid)
+    board_mod.ring(board.engine())
     runner.enlist(holder)
     log.info("event=kvcached_worker_registered group=%d slot=%d board=%s", group_id, slot, board.path)
     return holder

@@ -26,13 +26,13 @@ class PoolProcess(SimPool):
 
     @classmethod
     def start(cls, broker, usage: Path, total_bytes: int, instance: str, extra_env: dict | None = None,
-              wait: bool = True) -> "PoolProcess":
+              wait: bool = True, ipc_name: str | None = None) -> "PoolProcess":
         env = python_env()
         for flag in ("ENABLE_KVCACHED", "KVCACHED_AUTOPATCH", "KVCACHED_REQUIRE"):
             env.pop(flag, None)  # the patch is applied explicitly unless a test asks for the .pth hook
         env.update(extra_env or {})
         return super().start(broker.endpoint, usage, total_bytes, instance, env=env,
-                             stderr=usage.parent / f"{instance}.err", wait=wait)
+                             stderr=usage.parent / f"{instance}.err", wait=wait, ipc_name=ipc_name)
 
 
 class Sampler:

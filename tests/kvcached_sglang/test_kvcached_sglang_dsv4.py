@@ -10,11 +10,18 @@ side (a V4 server's MHA draft, or another model's pool: what matters is both kin
 
 from __future__ import annotations
 
+from helpers import wait_for
+
 from helpers import MIB
 
 ADAPTER = "kvcached_broker.adapters.sglang.paged_allocator"
 #: The names a later kvcached would report itself (``dsv4.<pool>``) when it owns or reports them.
 SWA = "swa_kv_pool"
+
+
+def _usage(broker, name: str = "model-v4") -> dict:
+    (inst,) = [i for i in broker.status()["instances"] if i["name"] == name]
+    return inst["usage_breakdown"]
 
 
 def instance_pools(broker, name: str = "model-v4") -> dict:
@@ -35,6 +42,8 @@ def test_dsv4_pools_fall_back_and_stay_reserved_per_pool_and_no_virtual_buffer_i
     mha = rank.request("build")
     assert mha["pool"] == "ElasticMHATokenToKVPool" and mha["pools"][0]["governed"]
     rank.request("charge")  # what the pool builder does once the pools exist
+    wait_for(lambda: any(view.startswith("kvcached.mha.") for view in _usage(broker)),
+             what="the pool's governor to show its limit (it reports under the pool's name from then on)")
     pools = instance_pools(broker)
     assert "kv_static" not in pools  # kvcached's whole-GPU virtual buffer is not a reservation
     reserved = sum(size for name, size in pools.items() if name not in ("runtime_base", "kvcached_zero_page"))

@@ -9,14 +9,17 @@ import os
 
 from tp_harness import BLOCKS_PER_PAGE, Processes
 
+from kvcached_broker.adapters.kvcached import liveness
+
 DOORBELL = "@kvcached-broker-doorbell-"
 
 
 def doorbells(pids: list[int]) -> list[str]:
-    """The doorbell sockets of ``pids`` still bound on this host."""
-    names = {f"{DOORBELL}{pid}" for pid in pids}
+    """The doorbell sockets of ``pids`` (of this PID namespace) still bound on this host:
+    ``<prefix><pid namespace>-<pid>-<token>``."""
+    prefixes = tuple(f"{DOORBELL}{liveness.pid_namespace()}-{pid}-" for pid in pids)
     with open("/proc/net/unix") as f:
-        return [line.split()[-1] for line in f if line.split() and line.split()[-1] in names]
+        return [line.split()[-1] for line in f if line.split() and line.split()[-1].startswith(prefixes)]
 
 
 def start(gpus, processes: Processes):

@@ -1,11 +1,9 @@
-"""Part: the co-located start of the whole-footprint issue (issue 25), once that work has landed.
+"""Part: the co-located start of the whole-footprint issue (issue 25).
 
-Issue 25 starts several servers at the same moment on one device, each taking weights,
-activations, CUDA graphs and KV, and checks that none overbooks it.  On a GPU the same start
-runs with real allocations standing in for weights, activations and graphs.  That work is not
-in the tree yet, so this part looks for the module it is to add, :data:`MODULE`, and its entry
-point :data:`ENTRY` (``ENTRY(ctx)``, a part's function: :mod:`.parts`); until both exist the
-part is skipped and says why.
+Several servers start at the same moment on one device, each taking weights, activations,
+CUDA graphs and KV, and none may overbook it (:mod:`kvcached_broker.tools.colocation`, whose
+entry point :data:`ENTRY` is this part's function).  Found by name, so that a tree without that
+module says so and skips rather than failing to import.
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ line, each answered by one line (``{"error": "..."}`` if the request failed):
   ``"settle_s": S`` first waits (up to S) until this process's figure stops changing;
 * ``{"op": "report", "endpoint": E, "instance": I, "pools": {...}, "measured_base": B}``: open
   a broker session (once) and ``reserve`` those pools;
+* ``{"op": "start_up", ...}``: a serving process's start-up under the broker
+  (:func:`kvcached_broker.tools.colocation.start_up`), answered ``serving``, ``refused`` or
+  ``crashed``; ``{"op": "batch", "bytes": N}``: a later batch's activations (``crashed`` on an
+  out-of-memory error);
 * ``{"op": "lag", "bytes": N, "trials": K, "wait_s": T}``: K times, allocate N bytes and
   poll the device (as the broker reads it) until it shows them, then free them (and only them)
   and poll until it shows that: how long each took and how many reads it took (None: not within T);
@@ -224,6 +228,8 @@ class Worker:
             "own": self.memory.own,
             "device": lambda: device_now(self.probe, float(request.get("settle_s", 0.0))),
             "report": lambda: self._report(request),
+            "start_up": lambda: colocation().start_up(self.memory, request),
+            "batch": lambda: colocation().batch(self.memory, int(request["bytes"])),
             "lag": lambda: lag(self.memory, self.probe, int(request["bytes"]), int(request["trials"]),
                                float(request.get("wait_s", 2.0))),
         }
@@ -247,6 +253,12 @@ class Worker:
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+
+
+def colocation() -> Any:
+    from .. import colocation as module
+
+    return module
 
 
 def build(argv: list[str]) -> Worker:

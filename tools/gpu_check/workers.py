@@ -44,12 +44,20 @@ class WorkerProcess:
 
     def request(self, op: str, timeout_s: float = 60.0, **args: Any) -> dict[str, Any]:
         """Send one request and return its reply; WorkerFailed on an error reply, an exit or a timeout."""
+        self.send(op, **args)
+        return self.receive(timeout_s, op)
+
+    def send(self, op: str, **args: Any) -> None:
+        """Send one request without waiting (several workers can be started on something at once)."""
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise WorkerFailed(f"worker {self.name} is gone (exit {self.proc.poll()}){self._stderr_tail()}") from None
+
+    def receive(self, timeout_s: float = 60.0, op: str = "request") -> dict[str, Any]:
+        """The reply to the request sent last; WorkerFailed as :meth:`request`."""
         answer = self._receive(timeout_s)
         if "error" in answer:
             raise WorkerFailed(f"worker {self.name}: {op}: {answer['error']}")

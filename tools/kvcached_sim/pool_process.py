@@ -1,7 +1,7 @@
 """A serving process with one real kvcached ``KVCacheManager``, driven over stdin.
 
     python -m kvcached_broker.tools.kvcached_sim.pool_process USAGE_DIR TOTAL_BYTES IPC_NAME ENDPOINT
-        [--layers 4] [--virtual-tokens 4194304] [--evict all|oldest]
+        [--layers 4] [--virtual-tokens 4194304] [--evict all|oldest] [--weights-bytes N]
 
 It does what an SGLang rank does with kvcached mode on: the broker adapter's kvcached patch
 is applied (by the ``.pth`` hook when ``ENABLE_KVCACHED=1`` is in its environment, as on a
@@ -37,7 +37,9 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
   them): ``{kind: {"s": seconds, "calls": n}}``.
 
 The prefix cache's eviction hook frees every cached block (``--evict all``) or the oldest ones,
-only as many as the broker asked for (``--evict oldest``, an LRU cache).
+only as many as the broker asked for (``--evict oldest``, an LRU cache).  ``--weights-bytes N``
+(the simulated device only): before its pool exists the process touches the GPU (a CUDA
+context, torch's first segment) and loads N bytes of weights, as a server does.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--virtual-tokens", type=int, default=1 << 22)
     parser.add_argument("--evict", choices=("all", "oldest"), default="all")
+    parser.add_argument("--weights-bytes", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -84,9 +87,15 @@ def connect_to(endpoint: str):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from ..shared_gpu import Footprint
     from . import kvcached_cpu
 
-    run_pool(args, kvcached_cpu.install(args.usage_dir, args.total_bytes, args.ipc_name))
+    gpu = kvcached_cpu.install(args.usage_dir, args.total_bytes, args.ipc_name)
+    if args.weights_bytes > 0:
+        memory = Footprint(gpu)
+        memory.touch()
+        memory.allocate("weights", args.weights_bytes)
+    run_pool(args, gpu)
 
 
 def run_pool(args: argparse.Namespace, gpu) -> None:

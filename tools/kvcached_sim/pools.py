@@ -36,11 +36,12 @@ class PoolProcess:
     @classmethod
     def start(cls, endpoint: str, usage: Path, total_bytes: int, instance: str, *, env: dict | None = None,
               stderr: Path | None = None, args: tuple[str, ...] = (), wait: bool = True,
-              module: str = MODULE) -> "PoolProcess":
+              module: str = MODULE, ipc_name: str | None = None) -> "PoolProcess":
         """Start the process for ``instance`` on the shared GPU at ``usage``; ``endpoint`` is its broker
         (give ``KVCACHED_BROKER=off`` in ``env`` for kvcached alone).  ``wait``: read its ready line.
-        ``module``: the program (the GPU check runs the same pool on a real GPU with its own)."""
-        ipc_name = f"kvb-sim-{uuid.uuid4().hex[:10]}"
+        ``module``: the program (the GPU check runs the same pool on a real GPU with its own).
+        ``ipc_name``: its segment's name (``KVCACHED_IPC_NAME``; default: a new one)."""
+        ipc_name = ipc_name or f"kvb-sim-{uuid.uuid4().hex[:10]}"
         env = child_env(env)
         env.update({"KVCACHED_BROKER_INSTANCE": instance, "KVCACHED_LOG_LEVEL": "WARNING"})
         err = open(stderr, "w") if stderr is not None else subprocess.DEVNULL
@@ -91,3 +92,4 @@ class PoolProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=15)
         (Path("/dev/shm") / self.ipc_name).unlink(missing_ok=True)
+        (Path("/dev/shm") / f"{self.ipc_name}.kvcached-broker").unlink(missing_ok=True)  # the governors' record
