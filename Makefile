@@ -21,7 +21,7 @@ SIM_LOG := $(VENV)/kvcached-sim.log
 
 # The request core compiled by mypyc (setup.py, KVCACHED_BROKER_COMPILE=1), in a venv of its own:
 # the editable .venv stays interpreted, so an edited source is never shadowed by a stale extension.
-# Rebuilt when a source changes.
+# Rebuilt when any source of the package changes (it is installed as a wheel, not editable).
 CVENV := .venv-compiled
 CPY := $(CVENV)/bin/python
 CSTAMP := $(CVENV)/.installed
@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PY) -m pip install --quiet $(PINNED) -e '.[test]'
 	touch $(STAMP)
 
-$(CSTAMP): pyproject.toml setup.py $(wildcard broker/*.py client/*.py) $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
+$(CSTAMP): pyproject.toml setup.py $(shell find broker client adapters tools -name '*.py' -o -name '*.json' -o -name '*.toml' 2>/dev/null) $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	test -x $(CPY) || $(PYTHON) -m venv $(CVENV)
 	$(CPY) -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
 	rm -rf $(WHEELS)

@@ -17,7 +17,9 @@ by the broker before it is allocated (docs/accounting.md, "A co-located start-up
   granted as they are mapped, and its virtual size is capped at what the broker could ever
   give the instance (the answer's ``ever_bytes``).
 
-A refusal raises :class:`StartupRefused`, whose one-line message names the broker, the ask,
+A refusal while other instances hold memory for their own start-ups (servers started together)
+is asked again as they settle, for at most ``KVCACHED_BROKER_STARTUP_WAIT_S``.  A refusal raises
+:class:`StartupRefused`, whose one-line message names the broker, the ask,
 the room and the instances that hold the rest (all from the broker's answer: nothing here
 re-derives the ledger's arithmetic or reads the status document).  What happens next is the
 runtime's (``adapters/sglang/kv_sizing``, ``adapters/vllm/kv_sizing``): its pools turn the KV
@@ -32,7 +34,11 @@ All sizes are bytes.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import time
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
@@ -40,6 +46,9 @@ from . import worker
 from .worker import KV_SIZING_HOLD, SLACK_HOLD, WorkerIdentity
 
 log = logging.getLogger("kvcached_broker.adapters")
+
+STARTUP_WAIT_ENV = "KVCACHED_BROKER_STARTUP_WAIT_S"
+DEFAULT_STARTUP_WAIT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -97,10 +106,7 @@ def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
         min_holds = {KV_SIZING_HOLD: max(0, min(ask.kv_min_bytes, ask.kv_bytes))}
     else:
         holds[KV_SIZING_HOLD] = 0
-    try:
-        answer = worker.hold_what_fits(identity, holds, min_holds, phase="sizing")
-    except BudgetExceeded as exc:
-        raise refusal(identity, ask, exc.message) from exc
+    answer = _hold_waiting_for_start_ups(identity, ask, holds, min_holds)
     if answer is None:
         return None
     read = worker.guard(identity, "read the broker's answer", lambda: _read(answer))
@@ -119,6 +125,58 @@ def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
              ask.runtime, identity.device, identity.tp_rank, format_bytes(ask.kv_bytes), format_bytes(sized.kv_bytes),
              format_bytes(sized.slack_bytes), format_bytes(ever_bytes), ask.elastic)
     return sized
+
+
+def _hold_waiting_for_start_ups(identity: WorkerIdentity, ask: StartupAsk, holds: dict[str, int],
+                                min_holds: dict[str, int] | None) -> dict | None:
+    """:func:`~.worker.hold_what_fits`; refused while other instances hold memory for their own
+    start-ups (the refusal's ``starting``), ask again as they settle, for at most
+    ``KVCACHED_BROKER_STARTUP_WAIT_S``.  Servers started together are then admitted as if they
+    had started one after the other: a neighbour between allocating a pool and reporting it is
+    charged for both a moment, and its slack turns into what its warm-up allocated."""
+    wait_s = startup_wait_s()
+    deadline_s = time.monotonic() + wait_s
+    pause_s = 0.05
+    told = False
+    while True:
+        try:
+            return worker.hold_what_fits(identity, holds, min_holds, phase="sizing")
+        except BudgetExceeded as exc:
+            starting = _starting(exc)
+            left_s = deadline_s - time.monotonic()
+            if not starting or left_s <= 0 or exc.code == "limit_exceeded":
+                waited = f" (after waiting {wait_s:g} s for start-ups in progress)" if told else ""
+                raise refusal(identity, ask, exc.message + waited) from exc
+            if not told:
+                log.warning("event=startup_waiting device=%s rank=%d for=%s wait_s=%g: %s", identity.device,
+                            identity.tp_rank, ",".join(starting), wait_s, exc.message)
+                told = True
+            time.sleep(min(pause_s, left_s))
+            pause_s = min(1.0, pause_s * 2)
+
+
+def _starting(exc: BudgetExceeded) -> list[str]:
+    """The instances a refusal says hold memory for start-ups in progress (none from an older broker)."""
+    entries = exc.details.get("starting")
+    if not isinstance(entries, list):
+        return []
+    return [str(e["instance"]) for e in entries if isinstance(e, dict) and isinstance(e.get("instance"), str)]
+
+
+def startup_wait_s(env: Mapping[str, str] | None = None) -> float:
+    """``KVCACHED_BROKER_STARTUP_WAIT_S`` (default 300): how long a refused start-up waits for
+    other instances' start-ups in progress; 0 never waits.  Anything but a finite number of
+    seconds >= 0 is a one-line :class:`StartupRefused`."""
+    raw = (os.environ if env is None else env).get(STARTUP_WAIT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_STARTUP_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise StartupRefused(f"{STARTUP_WAIT_ENV}={raw[:40]!r} is not a number of seconds >= 0")
+    return value
 
 
 def _read(answer: dict) -> tuple[dict[str, int], int, int, tuple[tuple[str, int], ...]]:

@@ -164,6 +164,16 @@ class Ledger:
                          if name != exclude and inst.charge_bytes > 0))
         return [(name, -negative) for negative, name in ranked[:count]]
 
+    def holds_of_others(self, exclude: str) -> list[tuple[str, int]]:
+        """Each instance other than ``exclude`` with holds, and their bytes, most first: memory
+        promised to start-ups in progress, which turns into their pools or is given back (a
+        refused start-up can wait for it).  O(sessions): for refusals only."""
+        held: dict[str, int] = {}
+        for session in self.sessions.values():
+            if session.instance != exclude and session.held_bytes > 0:
+                held[session.instance] = held.get(session.instance, 0) + session.held_bytes
+        return sorted(held.items(), key=lambda item: (-item[1], item[0]))
+
     def unfilled_floor_bytes(self, instance: str) -> int:
         limits = self.limits.get(instance)
         if limits is None or not limits.min_bytes:

@@ -2,8 +2,9 @@
 
 The ledger's rules decide *whether* a request fits (:mod:`.ledger`); this module words the
 answer.  A refusal names what was asked, for which instance, and the room there is (details:
-``instance``, ``asked_bytes``, ``free_bytes``, ``budget_bytes``, plus ``held`` while growth is
-held after damaged state).  The pool maps a request carries are checked here too: bytes are
+``instance``, ``asked_bytes``, ``free_bytes``, ``budget_bytes``, ``holders``, ``starting``: the
+other instances' holds, promised to start-ups in progress; plus ``held`` while growth is held
+after damaged state).  The pool maps a request carries are checked here too: bytes are
 non-negative ints, zero entries are dropped, and a usage view is never larger than what the
 session holds.
 """
@@ -87,8 +88,13 @@ def refusal(
     holders = ledger.top_charges(exclude=instance) if code in ("budget_exceeded", "overcommitted") else []
     if holders:
         message += "; held by " + ", ".join(f"{name} {format_bytes(size)}" for name, size in holders)
+    starting = ledger.holds_of_others(exclude=instance) if code in ("budget_exceeded", "overcommitted") else []
+    if starting:
+        message += (f"; start-ups in progress hold {format_bytes(sum(size for _, size in starting))} "
+                    f"({', '.join(name for name, _ in starting[:3])}{', ...' if len(starting) > 3 else ''})")
     details = {
         **details,
+        "starting": [{"instance": name, "held_bytes": size} for name, size in starting],
         "instance": instance,
         "asked_bytes": asked_bytes,
         "free_bytes": room_bytes,

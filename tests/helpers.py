@@ -336,6 +336,12 @@ class Worker:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
+    def reserve(self, pools: dict, holds: dict | None = None, phase: str | None = None) -> dict:
+        """Reserve ``pools`` and ``holds`` (the worker's whole maps) in the worker process."""
+        self.proc.stdin.write(json.dumps({"pools": pools, "holds": holds, "phase": phase}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
     def signal(self, sig) -> None:
         self.proc.send_signal(sig)
 

@@ -11,7 +11,9 @@ the device does not have.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 import pytest
 
@@ -111,3 +113,83 @@ def test_the_end_of_the_warm_up_pins_the_base_and_keeps_the_slack_it_did_not_all
 
 def _charged(broker) -> int:
     return sum(i["charged_bytes"] for i in broker.status()["instances"])
+
+
+class _Said(logging.Handler):
+    """Sets ``event`` when a log line carrying ``marker`` is emitted."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker, self.event, self.lines = marker, threading.Event(), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if self.marker in line:
+            self.lines.append(line)
+            self.event.set()
+
+
+@pytest.fixture
+def waiting_said():
+    said = _Said("event=startup_waiting")
+    logger = logging.getLogger("kvcached_broker.adapters")
+    logger.addHandler(said)
+    yield said
+    logger.removeHandler(said)
+
+
+def test_a_start_up_refused_while_a_neighbour_starts_waits_for_it_and_is_admitted_as_if_it_came_after(
+        adapter_broker, device, workers, waiting_said):
+    # the neighbour between allocating its pool and reporting it: its 6 GiB KV hold is charged on
+    # top of what it measures (the pool, 3 GiB of it allocated); 10 - 2 - 3 - 6 leaves nothing
+    workers.append(Worker(adapter_broker.endpoint, "neighbour", {}, 0))
+    neighbour = workers[-1]
+    neighbour.reserve({"weights": GIB}, holds={KV_SIZING_HOLD: 6 * GIB}, phase="sizing")
+    with AdminClient(adapter_broker.endpoint, timeout_s=30) as admin:
+        admin.simulate(process_bytes={PID: 2 * GIB, neighbour.proc.pid: 4 * GIB})
+    outcome: dict = {}
+
+    def start() -> None:
+        try:
+            outcome["sized"] = sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, 1, GIB))
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    assert waiting_said.event.wait(60), outcome
+    assert "for=neighbour" in waiting_said.lines[0] and "start-ups in progress hold 6.00 GiB" in waiting_said.lines[0]
+    # its pool reported: the hold turns into kv_static (3 GiB) and the double count ends
+    neighbour.reserve({"weights": GIB, "kv_static": 3 * GIB}, holds={}, phase="warming")
+    thread.join(60)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    sized = outcome["sized"]
+    assert (sized.kv_bytes, sized.slack_bytes) == (10 * GIB - 2 * GIB - 4 * GIB - GIB, GIB)
+    assert sized.holders == (("neighbour", 4 * GIB),)
+
+
+def test_a_refusal_with_no_start_up_in_progress_does_not_wait(adapter_broker, device, neighbour, waiting_said):
+    neighbour(7 * GIB)  # pools, no holds: nothing will come back by waiting
+    with pytest.raises(sizing.StartupRefused) as refused:
+        sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, 1, 2 * GIB))
+    assert not waiting_said.lines and "start-ups in progress" not in str(refused.value)
+
+
+def test_with_no_wait_a_refusal_names_the_start_ups_in_progress_at_once(
+        adapter_broker, device, workers, waiting_said, monkeypatch):
+    monkeypatch.setenv(sizing.STARTUP_WAIT_ENV, "0")
+    workers.append(Worker(adapter_broker.endpoint, "neighbour", {}, 0))
+    workers[-1].reserve({}, holds={SLACK_HOLD: 7 * GIB}, phase="warming")
+    with pytest.raises(sizing.StartupRefused) as refused:
+        sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, 1, 2 * GIB))
+    message = str(refused.value)
+    assert "start-ups in progress hold 7.00 GiB (neighbour)" in message and "\n" not in message
+    assert _me(adapter_broker)["holds"] == {}
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "inf", "nan"])
+def test_a_bad_start_up_wait_is_one_line_naming_the_variable(raw):
+    with pytest.raises(sizing.StartupRefused, match=f"^{sizing.STARTUP_WAIT_ENV}=.* is not a number of seconds"):
+        sizing.startup_wait_s({sizing.STARTUP_WAIT_ENV: raw})
+    assert sizing.startup_wait_s({sizing.STARTUP_WAIT_ENV: " 2.5 "}) == 2.5
+    assert sizing.startup_wait_s({}) == sizing.DEFAULT_STARTUP_WAIT_S

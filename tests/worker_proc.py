@@ -5,7 +5,8 @@
 Connects, reserves the pools, acquires PAGES, prints one JSON line ``{"ready": ..., "session_id": ...}``
 and then keeps the session alive (the client's background thread heartbeats) until killed.
 On SessionEvicted it prints ``{"evicted": true}`` and exits 17.  Sending it a line on stdin
-makes it print its current view (``held_pages``, ``pools``, status of its own session).
+makes it print its current view (``held_pages``, ``pools``, status of its own session); a JSON
+line ``{"pools": ..., "holds": ..., "phase": ...}`` reserves them first and prints the result.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ def main() -> int:
     print(json.dumps({"ready": True, "session_id": client.session_id, "granted": got}), flush=True)
 
     def answer_queries() -> None:
-        for _line in sys.stdin:
+        for line in sys.stdin:
             try:
+                if line.startswith("{"):  # {"pools": ..., "holds": ...}: reserve them, print the pools
+                    ask = json.loads(line)
+                    pools = client.reserve(ask["pools"], holds=ask.get("holds"), phase=ask.get("phase"))
+                    print(json.dumps({"pools": pools, "holds": client.holds}), flush=True)
+                    continue
                 status = client.status()
             except SessionEvicted:
                 print(json.dumps({"evicted": True}), flush=True)

@@ -43,7 +43,8 @@ SERVERS: dict[str, dict[str, float]] = {
 def start_up(memory: Any, request: dict[str, Any]) -> dict[str, Any]:
     """One serving process's start-up (in a GPU-check worker process, ``memory`` its device):
     ``request`` names the broker's ``endpoint``, the ``instance`` and the byte figures.  Returns
-    ``{"event": "serving" | "refused" | "crashed", ...}``."""
+    ``{"event": "serving" | "refused" | "crashed", ...}`` (a refusal's or crash's one line in
+    ``message``: an ``error`` key is the worker protocol's own failure)."""
     from ..adapters import sizing, worker
     from ..adapters.worker import WorkerIdentity
 
@@ -72,9 +73,9 @@ def start_up(memory: Any, request: dict[str, Any]) -> dict[str, Any]:
         take("activations", int(request["warmup_bytes"]))
         kept = worker.settle_warm_up(identity)
     except sizing.StartupRefused as exc:
-        return {"event": "refused", "error": str(exc), "taken": taken}
+        return {"event": "refused", "message": str(exc), "taken": taken}
     except (RuntimeError, MemoryError) as exc:  # torch's OutOfMemoryError, the simulated DeviceFull
-        return {"event": "crashed", "error": " ".join(str(exc).split())[:300], "taken": taken}
+        return {"event": "crashed", "message": " ".join(str(exc).split())[:300], "taken": taken}
     return {"event": "serving", "kv_bytes": sized.kv_bytes, "slack_bytes": slack, "slack_kept_bytes": kept,
             "taken": taken}
 
@@ -84,7 +85,7 @@ def batch(memory: Any, size_bytes: int) -> dict[str, Any]:
     try:
         memory.alloc(size_bytes)
     except (RuntimeError, MemoryError) as exc:
-        return {"event": "crashed", "error": " ".join(str(exc).split())[:300]}
+        return {"event": "crashed", "message": " ".join(str(exc).split())[:300]}
     return {"event": "batched"}
 
 
@@ -168,8 +169,8 @@ def gpu_check(ctx: Any) -> None:
         for part, size in outcome.get("taken", {}).items():
             rec.figure(f"{name}_{part}_bytes", size)
         if outcome["event"] == "refused":
-            rec.check(f"{name}_refused_in_one_line", "\n" not in outcome["error"] and broker.endpoint in outcome["error"],
-                      outcome["error"][:300])
+            rec.check(f"{name}_refused_in_one_line", "\n" not in outcome["message"] and broker.endpoint in outcome["message"],
+                      outcome["message"][:300])
     crashed = [n for n, o in {**outcomes, **batches}.items() if o["event"] == "crashed"]
     rec.figures(crashed_servers=len(crashed), samples=sampler.samples,
                 over_total_samples=sum("device holds" in v for v in sampler.violations),

@@ -129,7 +129,10 @@ def kv_sizing_identity():
 
 # ------------------------------------------------------------------ co-located model processes
 def _together(endpoint: str, instance: str, free_bytes: int, pre_load_bytes: int) -> subprocess.Popen:
-    env = {**os.environ, "ENABLE_KVCACHED": "1", "KVCACHED_BROKER": endpoint, "KVCACHED_BROKER_INSTANCE": instance}
+    # the refused one does not wait for the other's start-up to settle (this one never goes on
+    # past sizing): that wait is test_adapter_sizing's
+    env = {**os.environ, "ENABLE_KVCACHED": "1", "KVCACHED_BROKER": endpoint, "KVCACHED_BROKER_INSTANCE": instance,
+           "KVCACHED_BROKER_STARTUP_WAIT_S": "0"}
     return subprocess.Popen([sys.executable, WORKER, "together", str(free_bytes), str(pre_load_bytes)], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -182,3 +185,4 @@ def test_two_models_with_30_gib_of_weights_each_sizing_at_once_stay_within_80_gi
     assert broker.endpoint in error and names[loser] in error and "a KV cache of up to 42.00 GiB" in error
     assert "8.00 GiB beside it for activations and CUDA graphs" in error and "0 B free on GPU 0" in error
     assert "budget 80.00 GiB" in error and f"held by {names[winner]} 50.00 GiB" in error and "\n" not in error
+    assert f"start-ups in progress hold 20.00 GiB ({names[winner]})" in error

@@ -37,7 +37,10 @@ SGLANG_SLACK = GIB
 
 def _start(endpoint: str, name: str):
     runtime, _, asks_bytes = INSTANCES[name]
-    common = {"ENABLE_KVCACHED": "1", "KVCACHED_BROKER": endpoint, "KVCACHED_BROKER_INSTANCE": name}
+    # a refused one does not wait for the others' start-ups to settle (these never go on past
+    # sizing): that wait is test_adapter_sizing's
+    common = {"ENABLE_KVCACHED": "1", "KVCACHED_BROKER": endpoint, "KVCACHED_BROKER_INSTANCE": name,
+              "KVCACHED_BROKER_STARTUP_WAIT_S": "0"}
     if runtime == "sglang":
         return start([str(SGLANG_WORKER), "together", str(asks_bytes), str(10 * GIB)], sglang_env(**common))
     return start([str(VLLM_WORKER), "together", str(asks_bytes)], vllm_env(**common))
@@ -81,4 +84,5 @@ def test_three_instances_sizing_at_once_never_overbook_and_the_refused_ones_say_
         assert outcomes[name]["event"] == "refused" and broker.endpoint in error and name in error
         assert "\n" not in error and "budget 80.00 GiB" in error and "0 B free" in error
         assert f"{started} {INSTANCES[started][1] // GIB + 5}.00 GiB" in error
+        assert f"start-ups in progress hold 5.00 GiB ({started})" in error
         assert session_of(status, pids[name])["holds"] == {}
