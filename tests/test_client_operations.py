@@ -583,6 +583,10 @@ class RestartingBroker:
         self.core = self._make()
         self.connection += 1
 
+    def close(self) -> None:
+        """Close the journal's files, as a broker's exit does (thousands of orders run)."""
+        self.core.journal.store.close()
+
     def charged(self, session_id: str) -> tuple[int, dict, dict] | None:
         session = self.core.ledger.sessions.get(session_id)
         if session is None:
@@ -656,6 +660,14 @@ def _run_order(tmp_path, credit_pages: int, first: str, first_fault: str, second
                second_fault: tuple[int, str] | None, report_mapping: bool = False, third: str | None = None) -> str | None:
     """One order; returns what went wrong, or None."""
     broker = RestartingBroker(tmp_path / "state", 64 << 30)
+    try:
+        return _drive_order(broker, credit_pages, first, first_fault, second, second_fault, report_mapping, third)
+    finally:
+        broker.close()
+
+
+def _drive_order(broker: RestartingBroker, credit_pages: int, first: str, first_fault: str, second: str,
+                 second_fault: tuple[int, str] | None, report_mapping: bool, third: str | None) -> str | None:
     core = ClientCore(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES, credit_pages=credit_pages,
                       device_uuid=None, report_mapping=report_mapping)
     driver = FaultyDriver(broker, core)
