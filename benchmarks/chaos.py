@@ -1121,6 +1121,9 @@ class ChaosRun:
                 self.figures.in_doubt_failures.append(f"{label}: the call was answered by a stopped broker")
             except BrokerUnavailable:
                 pass  # in doubt
+            except BaseException:
+                self.broker.send(signal.SIGCONT)  # recorded below; the broker is not left stopped for the run
+                raise
             finally:
                 _set_timeout(client, 30.0)
             if applied:
