@@ -12,7 +12,12 @@ COPY broker ./broker
 COPY client ./client
 COPY adapters ./adapters
 COPY tools ./tools
-RUN KVCACHED_BROKER_COMPILE=1 pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+COPY constraints ./constraints
+# the build and the install resolve as the tests did (constraints/: make constraints refreshes them)
+RUN pip install --no-cache-dir -c constraints/test.txt --upgrade pip \
+ && KVCACHED_BROKER_COMPILE=1 pip wheel --no-cache-dir --no-deps --build-constraint constraints/build.txt \
+        --wheel-dir /wheels . \
+ && cp constraints/test.txt /wheels/constraints.txt
 
 FROM python:3.11-slim
 
@@ -24,7 +29,8 @@ RUN groupadd --system --gid ${UID} kvcached \
  && chmod 0750 /run/kvcached && chmod 0700 /var/lib/kvcached-broker
 
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir "$(ls /wheels/*.whl)[metrics]" && rm -rf /wheels
+RUN pip install --no-cache-dir -c /wheels/constraints.txt --upgrade pip \
+ && pip install --no-cache-dir -c /wheels/constraints.txt "$(ls /wheels/*.whl)[metrics]" && rm -rf /wheels
 
 ENV KVCACHED_BROKER_RUNTIME_DIR=/run/kvcached \
     KVCACHED_BROKER_STATE_DIR=/var/lib/kvcached-broker \

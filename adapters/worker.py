@@ -106,6 +106,7 @@ class _DeviceSession:
     suspended: set[str] = field(default_factory=set)
     phase: str = ""  # where the worker is in its start-up, as the broker shows it
     mapped: dict[str, int] = field(default_factory=dict)  # page holder -> session pages it has mapped
+    idle: dict[str, int] = field(default_factory=dict)  # page holder -> session pages it holds idle
 
 
 @dataclass(frozen=True)
@@ -373,6 +374,8 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
         pinned = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended), pin_base=True)
         if _send(identity, entry, pinned, "re-pin runtime_base after warm-up") is None:
             return None
+        if not slack_bytes and kept_slack_bytes is None:  # settled before: the re-pin kept its slack
+            return entry.book.get(SLACK_POOL, {}).get(SLACK_POOL, 0)
         grown = max(0, (entry.base_bytes or 0) - base_before)
         kept = max(0, slack_bytes - grown) if kept_slack_bytes is None else min(kept_slack_bytes, slack_bytes)
         book = {**entry.book, SLACK_POOL: {SLACK_POOL: kept} if kept else {}}
@@ -476,6 +479,11 @@ def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: 
         entry.phase = plan.phase
     if plan.pin_base:
         entry.base_bytes = pinned_bytes
+        if SLACK_POOL in pools and result.get(SLACK_POOL, 0) != pools[SLACK_POOL]:
+            # the base grew into the slack kept (activations the device measures): the broker
+            # moved that much from one to the other, and the book follows
+            kept = result.get(SLACK_POOL, 0)
+            entry.book[SLACK_POOL] = {SLACK_POOL: kept} if kept else {}
         log.info("event=runtime_base_pinned runtime=%s device=%s rank=%d runtime_base=%d",
                  identity.runtime, identity.device, identity.tp_rank, entry.base_bytes)
     elif plan.base_bytes is not None:
@@ -612,6 +620,46 @@ def report_mapped(identity: WorkerIdentity, holder: str, session_pages: int) -> 
         total = max(0, min(sum(entry.mapped.values()), charged))
         if total != client.mapped_pages:
             guard(identity, "report mapped pages", lambda: client.mapped(total))
+
+
+def release_mapped(identity: WorkerIdentity, holder: str, session_pages: int, mapped_session_pages: int) -> bool:
+    """``holder`` gives ``session_pages`` back and keeps ``mapped_session_pages`` mapped: one
+    release that says the session's new mapped total (the broker reads the device at once, so
+    the memory is free for others in the same round).  False if the worker is unprotected."""
+    if session(identity) is None:
+        return False
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        client = entry.client
+        if mapped_session_pages > 0:
+            entry.mapped[holder] = mapped_session_pages
+        else:
+            entry.mapped.pop(holder, None)
+        left = client.held_pages + client.reserve_pages - client.uncharged_pages - session_pages
+        total = max(0, min(sum(entry.mapped.values()), left)) if client.report_mapping else None
+    return guard(identity, "release pages", lambda: _release(client, session_pages, total)) is not None
+
+
+def _release(client: BrokerClient, session_pages: int, mapped_pages: int | None) -> bool:
+    client.release(session_pages, mapped_pages=mapped_pages)
+    return True
+
+
+def report_idle(identity: WorkerIdentity, holder: str, session_pages: int) -> None:
+    """``holder`` holds ``session_pages`` of the session's pages idle (free, or unused cache): the
+    session says the sum over its holders with its next request (``BrokerClient.report_idle``; no
+    round trip), and the broker asks sessions with idle pages first when memory must come back."""
+    client = session(identity)
+    if client is None:
+        return
+    with _lock:
+        entry = _sessions[str(identity.device)]
+        if session_pages > 0:
+            entry.idle[holder] = session_pages
+        else:
+            entry.idle.pop(holder, None)
+        total = sum(entry.idle.values())
+    client.report_idle(total)
 
 
 def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:

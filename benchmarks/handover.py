@@ -1,8 +1,9 @@
 """``make bench`` (hand-over): an idle model's kvcached memory moving to a bursting one.
 
     python benchmarks/handover.py [--trials 5] [--out bench-results] [--setups broker,static,alone]
+                                  [--traces burst,overlap,three,replay]
 
-Two models share one simulated 80 GiB GPU.  Each is a real process with a real kvcached 0.1.6
+Models share one simulated 80 GiB GPU.  Each is a real process with a real kvcached 0.1.6
 ``KVCacheManager`` built through kvcached's SGLang integration (only ``kvcached.vmm_ops`` is a
 double, which charges mapped pages to the shared device: ``kvcached_broker.tools.kvcached_sim``).
 The model is Llama-3.1-8B's KV shape (32 layers, 8 KV heads of 128 fp16 values, 16-token blocks:
@@ -10,28 +11,33 @@ The model is Llama-3.1-8B's KV shape (32 layers, 8 KV heads of 128 fp16 values, 
 device with fresh processes, and in each the pools may map 95% of the device together (the
 broker's default headroom, kvcached's default ``KVCACHED_GPU_UTILIZATION``):
 
-* ``broker``: kvcached mode: each pool's memory limit is its broker grant; a refused pool
-  puts pressure on the one above its fair share, whose prefix cache evicts its oldest blocks;
-* ``static``: static partitioning: no broker, each pool capped at half the usable memory by
-  kvcached's own ``set_memory_limit`` (what ``kvctl limit`` does);
+* ``broker``: kvcached mode: each pool's memory limit is its broker grant; an ask that does not
+  fit waits at the broker while the others give back (their prefix caches evict their oldest
+  blocks);
+* ``static``: static partitioning: no broker, each pool capped at an equal part of the usable
+  memory by kvcached's own ``set_memory_limit`` (what ``kvctl limit`` does);
 * ``alone``: kvcached alone (``KVCACHED_BROKER=off``: the pools are ungoverned): first come,
   first served against the device's free memory.
 
 What is measured:
 
-* **the hand-over**, ``--trials`` times: A fills 56 GiB and its requests finish into its prefix
-  cache (idle); then B asks for 28 GiB of blocks.  (a) the time from B's first refused ask (the
-  first broker refusal its governor met, or the first allocation that missed, whichever came
-  first) to B holding all 28 GiB, p50/p99; and B's whole burst, from its first allocation;
-  (b) the bytes moved: what A unmapped while B burst, and what B took beyond the usable memory
-  that was free when it started.  A burst that allocates nothing for 2 s (1 s without a
-  broker, where nothing can change) is over, incomplete.
-* **demand served over a burst trace**: both models follow a demand curve (GiB of live KV over
-  time, :data:`TRACE`) sampled every 50 ms; a sample serves ``min(demand, live)``; served is the
-  sum over samples divided by the summed demand (per model and in all).
+* **the hand-over**, ``--trials`` times (two models): A fills 56 GiB and its requests finish
+  into its prefix cache (idle); then B asks for 28 GiB of blocks.  (a) the time from B's first
+  ask that did not fit at once (the first broker ask its governor met that was refused or had
+  to wait for memory, or, without a broker, the first allocation that missed) to B holding all
+  28 GiB, p50/p99; and B's whole burst, from its first allocation; (b) the bytes moved: what A
+  unmapped while B burst, and what B took beyond the usable memory that was free when it
+  started.  A burst that allocates nothing for 2 s (1 s without a broker, where nothing can
+  change) is over, incomplete.
+* **demand served over traces** (:data:`TRACES`, ``--traces``): the models follow demand curves
+  (GiB of live KV over time) sampled every 50 ms; a sample serves ``min(demand, live)``; served
+  is the sum over samples divided by the summed demand (per model and in all).  The oracle is
+  what a policy that knew the trace could serve: at each sample, all the demand up to the
+  memory the pools may map together.
 
-Prints a table with ratios against the baselines measured in the same run, and writes
-``handover.json`` and ``handover.png`` (matplotlib, if installed) under ``--out``.
+Prints a table with ratios against the baselines measured in the same run, and the targets of
+issue 31 as met or not, and writes ``handover.json`` and ``handover.png`` (matplotlib, if
+installed) under ``--out``.
 """
 
 from __future__ import annotations
@@ -64,32 +70,127 @@ B_BURST_BYTES = 28 * GIB
 #: refused ask after up to 0.5 s, so they get longer; without a broker a stall is final.
 STALL_S = {"broker": 2.0, "static": 1.0, "alone": 1.0}
 SAMPLE_S = 0.05
-#: Live KV demand in GiB, ``(from t_s, GiB)`` steps: A peaks then idles (its finished requests
-#: stay cached) and comes back; B bursts while A idles.
-TRACE = {
-    "A": [(0.0, 4), (1.0, 56), (5.0, 6), (13.0, 30)],
-    "B": [(0.0, 4), (6.0, 44), (12.0, 8)],
-}
-TRACE_END_S = 16.0
 SETUPS = {
     "broker": "kvcached mode (grants + pressure)",
-    "static": "static partitioning (half each)",
+    "static": "static partitioning (equal parts)",
     "alone": "kvcached alone (first come, first served)",
 }
 KVCACHED_OVERLAY = HERE.parent / ".adapter-envs" / "kvcached-0.1.6"
 
 
+@dataclass(frozen=True)
+class Model:
+    """One serving process of a trace: its demand steps ``(from t_s, GiB of live KV)``, the
+    static memory it allocates before its pool (weights), and its broker limits."""
+
+    name: str
+    steps: tuple[tuple[float, float], ...]
+    weights_bytes: int = 0
+    min_bytes: int = 0
+    weight: float = 1.0
+
+    @property
+    def instance(self) -> str:
+        return self.name if len(self.name) > 1 else f"model-{self.name.lower()}"
+
+    def demand_gib(self, t_s: float) -> float:
+        demand = 0.0
+        for at_s, gib in self.steps:
+            if at_s > t_s:
+                break
+            demand = gib
+        return demand
+
+
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    description: str
+    models: tuple[Model, ...]
+    end_s: float
+
+    def oracle(self) -> float:
+        """The share of the demand an oracle serves: at each sample all of it, up to what the
+        pools may map together (the usable memory less the models' static memory)."""
+        room = (USABLE_BYTES - sum(m.weights_bytes for m in self.models)) / GIB
+        served = wanted = 0.0
+        t = 0.0
+        while t <= self.end_s:
+            demand = sum(m.demand_gib(t) for m in self.models)
+            served += min(demand, room)
+            wanted += demand
+            t += SAMPLE_S
+        return served / wanted if wanted else 1.0
+
+
+def _replay_trace() -> Trace:
+    """``make replay``'s generated trace (tools/replay.py, seed 7: three Llama-3.1-8B and a
+    DeepSeek-V4 with static side pools, floors and weights on one 80 GiB GPU), 120 trace seconds
+    replayed ten times faster, as ``make replay`` replays it: each model a kvcached pool here."""
+    from kvcached_broker.tools import replay
+
+    lines = replay.generate(seed=7, duration_s=120.0)
+    speed = 10.0
+    models = []
+    for spec in (line for line in lines if line["kind"] == "model"):
+        page = spec["page_bytes"]
+        steps = tuple((line["t"] / speed, line["pages"] * page / GIB) for line in lines
+                      if line["kind"] == "demand" and line["model"] == spec["name"])
+        models.append(Model(spec["name"], steps, weights_bytes=sum(spec["pools"].values()),
+                            min_bytes=spec["min_bytes"], weight=spec["weight"]))
+    return Trace("replay", "make replay's trace: 4 models, floors, static pools (12 s)", tuple(models), 12.0)
+
+
+#: Live KV demand in GiB, ``(from t_s, GiB)`` steps.  ``burst`` is the hand-over's own: A peaks
+#: then idles (its finished requests stay cached) and comes back; B bursts while A idles.  The
+#: others have peaks the hand-over does not use: two models that peak twice, partly together,
+#: once past what the device holds (``overlap``); three models with staggered peaks, each past
+#: its third (``three``); and ``make replay``'s trace (``replay``).
+TRACES: dict[str, Trace] = {
+    "burst": Trace("burst", "A peaks, idles, comes back; B bursts while A idles", (
+        Model("A", ((0.0, 4), (1.0, 56), (5.0, 6), (13.0, 30))),
+        Model("B", ((0.0, 4), (6.0, 44), (12.0, 8))),
+    ), 16.0),
+    "overlap": Trace("overlap", "two models peak twice; the peaks partly overlap", (
+        Model("A", ((0.0, 4), (1.0, 44), (4.0, 8), (8.0, 40), (11.0, 6))),
+        Model("B", ((0.0, 4), (3.0, 30), (6.0, 6), (9.5, 44), (13.0, 6))),
+    ), 16.0),
+    "three": Trace("three", "three models, staggered peaks past their thirds", (
+        Model("A", ((0.0, 3), (1.0, 40), (4.0, 5), (12.0, 26))),
+        Model("B", ((0.0, 3), (3.0, 30), (7.0, 5), (13.0, 22))),
+        Model("C", ((0.0, 3), (5.0, 40), (9.0, 4), (14.0, 26))),
+    ), 16.0),
+}
+#: Built on first use (it imports the replay tool).
+LAZY_TRACES = {"replay": _replay_trace}
+TRACE_NAMES = ("burst", "overlap", "three", "replay")
+
+
+def trace_named(name: str) -> Trace:
+    if name not in TRACES:
+        TRACES[name] = LAZY_TRACES[name]()
+    return TRACES[name]
+
+
 # ----------------------------------------------------------------------------- a rig
 @dataclass
 class Rig:
-    """One set-up: the shared device's usage directory, a broker (or none), pools A and B."""
+    """One set-up: the shared device's usage directory, a broker (or none), one pool per model."""
 
     setup: str
     usage: Path
-    a: object
-    b: object
+    pools: list
+    models: tuple[Model, ...]
     block_bytes: int
     broker_endpoint: str | None = None
+
+    @property
+    def a(self):
+        return self.pools[0]
+
+    @property
+    def b(self):
+        return self.pools[1]
 
     def blocks(self, size_bytes: float) -> int:
         return int(size_bytes // self.block_bytes)
@@ -99,36 +200,44 @@ class Rig:
 
 
 @contextmanager
-def rig(setup: str, workdir: Path) -> Iterator[Rig]:
-    """Start ``setup``'s broker (kvcached mode only) and two pool processes; stop them after."""
+def rig(setup: str, workdir: Path, models: tuple[Model, ...]) -> Iterator[Rig]:
+    """Start ``setup``'s broker (kvcached mode only, with the models' limits) and one pool process
+    per model (after its static memory); stop them after."""
+    from kvcached_broker.client.admin import AdminClient
     from kvcached_broker.tools.kvcached_sim.pools import PoolProcess
     from kvcached_broker.tools.launch import BrokerLauncher
 
-    usage = workdir / setup / "gpu-usage"
+    tag = f"{setup}-{len(models)}-{len(list(workdir.iterdir()))}"
+    usage = workdir / tag / "gpu-usage"
     usage.mkdir(parents=True)
-    endpoint = f"ipc://{workdir}/{setup}.sock"
+    endpoint = f"ipc://{workdir}/{tag}.sock"
     env = {k: v for k, v in os.environ.items() if k != "KVCACHED_BROKER"}
     if setup != "broker":
         env["KVCACHED_BROKER"] = "off"
     launcher = None
     if setup == "broker":
-        launcher = BrokerLauncher(endpoint, simulate=f"{DEVICE_BYTES // GIB}GiB", state_dir=workdir / "state",
+        launcher = BrokerLauncher(endpoint, simulate=f"{DEVICE_BYTES // GIB}GiB", state_dir=workdir / tag / "state",
                                   args=["--headroom", "5%", "--simulate-usage-dir", str(usage), "--log-level", "warning"],
-                                  log=workdir / "broker.log")
+                                  log=workdir / f"{tag}-broker.log")
         launcher.start()
-    args = ("--layers", str(LAYERS), "--virtual-tokens", str(VIRTUAL_TOKENS), "--evict", "oldest")
-    pools = [PoolProcess.start(endpoint, usage, DEVICE_BYTES, f"model-{name.lower()}", env=env, args=args,
-                               stderr=workdir / f"{setup}-{name}.err", wait=False) for name in ("A", "B")]
+        limited = [m for m in models if m.min_bytes or m.weight != 1.0]
+        if limited:
+            with AdminClient(endpoint) as admin:
+                for m in limited:
+                    admin.limit(m.instance, min_bytes=m.min_bytes, weight=m.weight)
+    base = ("--layers", str(LAYERS), "--virtual-tokens", str(VIRTUAL_TOKENS), "--evict", "oldest")
+    pools = [PoolProcess.start(endpoint, usage, DEVICE_BYTES, m.instance, env=env, wait=False,
+                               args=base + (("--weights-bytes", str(m.weights_bytes)) if m.weights_bytes else ()),
+                               stderr=workdir / f"{tag}-{m.name}.err") for m in models]
     try:
         for pool in pools:
             pool.wait_ready()
-        a, b = pools
-        page_bytes = a.ready["pools"][0]["page_bytes"]
-        rig_ = Rig(setup, usage, a, b, page_bytes // a.ready["blocks_per_page"],
+        page_bytes = pools[0].ready["pools"][0]["page_bytes"]
+        rig_ = Rig(setup, usage, pools, models, page_bytes // pools[0].ready["blocks_per_page"],
                    endpoint if launcher is not None else None)
         if setup == "static":
             for pool in pools:
-                pool.request("limit", bytes=static_limit_bytes(page_bytes))
+                pool.request("limit", bytes=static_limit_bytes(page_bytes, models))
         yield rig_
     finally:
         for pool in pools:
@@ -137,9 +246,12 @@ def rig(setup: str, workdir: Path) -> Iterator[Rig]:
             launcher.stop()
 
 
-def static_limit_bytes(page_bytes: int) -> int:
-    """Half of the usable memory less both pools' zero pages, in whole pages."""
-    return (USABLE_BYTES - 2 * page_bytes) // 2 // page_bytes * page_bytes
+def static_limit_bytes(page_bytes: int, models: tuple[Model, ...]) -> int:
+    """An equal part of the usable memory less the models' static memory and every pool's zero
+    page, in whole pages."""
+    n = len(models)
+    room = USABLE_BYTES - sum(m.weights_bytes for m in models) - n * page_bytes
+    return room // n // page_bytes * page_bytes
 
 
 def device_bytes(pool) -> int:
@@ -161,14 +273,14 @@ def pressure_on_a(r: Rig) -> dict:
 
     with AdminClient(r.broker_endpoint) as admin:
         for inst in admin.status()["instances"]:
-            if inst["name"] == "model-a":
+            if inst["name"] == r.models[0].instance:
                 return dict(inst.get("pressure") or {})
     return {}
 
 
 def reset(r: Rig) -> None:
-    """Both pools empty: every block freed, the governors have given back what is idle."""
-    for pool in (r.b, r.a):
+    """Every pool empty: every block freed, the governors have given back what is idle."""
+    for pool in reversed(r.pools):
         pool.request("drop_cache")
         pool.request("free", blocks=1 << 30)
         pool.request("settle")
@@ -178,7 +290,7 @@ def reset(r: Rig) -> None:
 def handover_trial(r: Rig) -> dict:
     """A fills 56 GiB and idles (all cached); B bursts 28 GiB.  Times, bytes moved, completion."""
     reset(r)
-    a_fill = r.a.request("fill", blocks=r.blocks(A_FILL_BYTES), stall_s=0.5)
+    a_fill = r.a.request("fill", blocks=r.blocks(A_FILL_BYTES), stall_s=STALL_S[r.setup])
     r.a.request("cache", blocks=a_fill["held_blocks"])
     r.a.request("settle")
     a_before, b_before, free_before = device_bytes(r.a), device_bytes(r.b), free_usable_bytes(r.usage)
@@ -191,51 +303,69 @@ def handover_trial(r: Rig) -> dict:
     # Refused: by the broker in kvcached mode (a miss there is only the pool growing); without
     # one, the first allocation that missed.
     refused_at = burst["first_refusal_s"] if r.setup == "broker" else burst["first_miss_s"]
+    handover = burst["elapsed_s"] - refused_at if complete and refused_at is not None else None
+    # What of the hand-over B spent mapping (kvcached's alloc, on the simulated device): the rest
+    # is protocol (broker round trips, waiting for A's pages, the engine's retries).
+    mapping = (burst.get("after_refusal") or {}).get("alloc", {}).get("s", 0.0)
     return {
         "a_cached_gib": r.gib(a_fill["held_blocks"]), "b_held_gib": r.gib(burst["held_blocks"]),
         "complete": complete, "burst_s": burst["elapsed_s"] if complete else None,
-        "refused_at_s": refused_at,
-        "handover_s": burst["elapsed_s"] - refused_at if complete and refused_at is not None else None,
+        "refused_at_s": refused_at, "handover_s": handover,
+        "handover_mapping_s": mapping if handover is not None else None,
+        "handover_protocol_s": max(0.0, handover - mapping) if handover is not None else None,
         "a_released_bytes": max(0, a_before - a_after),
         "taken_beyond_free_bytes": max(0, (b_after - b_before) - free_before),
         "free_before_bytes": free_before, "pressure_on_a": pressure,
     }
 
 
-# ----------------------------------------------------------------------------- the trace
-def schedule_blocks(r: Rig, steps: list[tuple[float, float]]) -> list[list[float]]:
-    return [[t, r.blocks(gib * GIB)] for t, gib in steps] + [[TRACE_END_S, r.blocks(steps[-1][1] * GIB)]]
+# ----------------------------------------------------------------------------- the traces
+def schedule_blocks(r: Rig, model: Model, end_s: float) -> list[list[float]]:
+    return [[t, r.blocks(gib * GIB)] for t, gib in model.steps] + [[end_s, r.blocks(model.steps[-1][1] * GIB)]]
 
 
-def run_trace(r: Rig) -> dict:
-    """Both pools follow :data:`TRACE` at once, from the same instant; served and demand per model."""
+def run_trace(r: Rig, trace: Trace) -> dict:
+    """Every model follows its demand at once, from the same instant; served and demand per model."""
     reset(r)
     start_at = time.time() + 0.5
-    for pool, name in ((r.a, "A"), (r.b, "B")):
-        pool.send("track", schedule=schedule_blocks(r, TRACE[name]), start_at=start_at, sample_s=SAMPLE_S)
+    for pool, model in zip(r.pools, trace.models):
+        pool.send("track", schedule=schedule_blocks(r, model, trace.end_s), start_at=start_at, sample_s=SAMPLE_S)
     out = {}
-    for pool, name in ((r.a, "A"), (r.b, "B")):
+    for pool, model in zip(r.pools, trace.models):
         result = pool.receive()
-        out[name] = {
+        out[model.name] = {
             "served_gib_s": r.gib(result["served_block_s"]), "demand_gib_s": r.gib(result["demand_block_s"]),
             "samples": [[t, r.gib(d), r.gib(live), r.gib(cached), dev / GIB] for t, d, live, cached, dev in result["samples"]],
         }
     return out
 
 
-def served_fraction(trace: dict, names=("A", "B")) -> float:
+def served_fraction(trace: dict, names=None) -> float:
+    names = list(trace) if names is None else names
     return sum(trace[n]["served_gib_s"] for n in names) / sum(trace[n]["demand_gib_s"] for n in names)
 
 
 # ----------------------------------------------------------------------------- one set-up
-def run_setup(setup: str, workdir: Path, trials: int) -> dict:
+def run_setup(setup: str, workdir: Path, trials: int, traces: list[str]) -> dict:
+    """The hand-over trials, then every trace; one rig (fresh device and processes) per set of models."""
     started = time.monotonic()
-    with rig(setup, workdir) as r:
-        results = [handover_trial(r) for _ in range(trials)]
-        trace = run_trace(r)
+    results: list[dict] = []
+    runs: dict[str, dict] = {}
+    groups: dict[tuple[Model, ...], list[str]] = {}
+    two = TRACES["burst"].models
+    if trials:
+        groups[two] = []
+    for name in traces:
+        groups.setdefault(trace_named(name).models, []).append(name)
+    for models, names in groups.items():
+        with rig(setup, workdir, models) as r:
+            if models == two:
+                results = [handover_trial(r) for _ in range(trials)]
+            for name in names:
+                runs[name] = run_trace(r, trace_named(name))
     took = time.monotonic() - started
-    print(f"  {SETUPS[setup]}: {trials} trials and the trace in {took:.0f} s", flush=True)
-    return {"setup": setup, "label": SETUPS[setup], "trials": results, "trace": trace, "wall_s": took}
+    print(f"  {SETUPS[setup]}: {trials} trials and {len(runs)} trace(s) in {took:.0f} s", flush=True)
+    return {"setup": setup, "label": SETUPS[setup], "trials": results, "traces": runs, "wall_s": took}
 
 
 def summary(result: dict) -> dict:
@@ -245,52 +375,113 @@ def summary(result: dict) -> dict:
     handovers = [t["handover_s"] for t in trials if t["handover_s"] is not None]
     refused = [t["refused_at_s"] for t in trials if t["refused_at_s"] is not None]
     bursts = [t["burst_s"] for t in done]
-    return {
+    every = bool(trials) and len(handovers) == len(trials)
+    # Protocol time over every trial (all complete), a trial that never waited spending none.
+    waited = [t for t in done if t.get("handover_protocol_s") is not None]
+    protocol = [t["handover_protocol_s"] if t.get("handover_protocol_s") is not None else 0.0 for t in done]
+    protocol_ok = bool(waited) and len(done) == len(trials)
+    mapping = [t["handover_mapping_s"] for t in waited]
+    out = {
         "complete": len(done), "trials": len(trials),
-        "b_held_gib_max": max(t["b_held_gib"] for t in trials),
+        "b_held_gib_max": max((t["b_held_gib"] for t in trials), default=0.0),
         "burst_p50_s": percentile(bursts, 0.5) if bursts else None,
-        "handover_p50_s": percentile(handovers, 0.5) if len(handovers) == len(trials) else None,
-        "handover_p99_s": percentile(handovers, 0.99) if len(handovers) == len(trials) else None,
+        "handover_p50_s": percentile(handovers, 0.5) if handovers and len(done) == len(trials) else None,
+        "handover_p99_s": percentile(handovers, 0.99) if handovers and len(done) == len(trials) else None,
+        "handovers": len(handovers),
+        "handover_mapping_p50_s": percentile(mapping, 0.5) if mapping else None,
+        "protocol_p50_s": percentile(protocol, 0.5) if protocol_ok else None,
+        "protocol_p99_s": percentile(protocol, 0.99) if protocol_ok else None,
         "refused": sum(t["refused_at_s"] is not None for t in trials),
-        "refused_at_p50_s": percentile(refused, 0.5) if len(refused) == len(trials) else None,
+        "refused_at_p50_s": percentile(refused, 0.5) if refused else None,
         "pressure_asks": sum(t["pressure_on_a"].get("asks", 0) for t in trials) / len(trials) if trials else 0,
-        "a_released_gib": sum(t["a_released_bytes"] for t in trials) / len(trials) / GIB,
-        "taken_beyond_free_gib": sum(t["taken_beyond_free_bytes"] for t in trials) / len(trials) / GIB,
-        "served": served_fraction(result["trace"]),
-        "served_a": served_fraction(result["trace"], ("A",)),
-        "served_b": served_fraction(result["trace"], ("B",)),
+        "a_released_gib": sum(t["a_released_bytes"] for t in trials) / len(trials) / GIB if trials else 0,
+        "taken_beyond_free_gib": sum(t["taken_beyond_free_bytes"] for t in trials) / len(trials) / GIB if trials else 0,
     }
+    for name, run in result["traces"].items():
+        out[f"served:{name}"] = served_fraction(run)
+        for model in trace_named(name).models:
+            out[f"served:{name}:{model.name}"] = served_fraction(run, [model.name])
+    return out
 
 
 # ----------------------------------------------------------------------------- output
-def rows(summaries: dict) -> list[dict]:
+def rows(summaries: dict, traces: list[str]) -> list[dict]:
     """The table: each figure for every set-up, with broker/static and broker/alone ratios."""
     def why_none(s: dict, key: str) -> str:
-        if key.startswith(("handover", "refused")) and s["refused"] == 0:
+        if key not in s:
+            return "-"
+        if key.startswith(("handover", "refused", "protocol")) and s["refused"] == 0 and s["trials"]:
             return "no refusal"
         if s["complete"] < s["trials"]:
             return f"never ({s['b_held_gib_max']:.1f} of {B_BURST_BYTES / GIB:.0f} GiB)"
         return "-"
 
-    def row(figure: str, key: str, unit: str, scale: float = 1.0, ratios: bool = True) -> dict:
-        values = {name: (None if s[key] is None else s[key] * scale) for name, s in summaries.items()}
+    def row(figure: str, key: str, unit: str, scale: float = 1.0, ratios: bool = True,
+            oracle: float | None = None) -> dict:
+        values = {name: (None if s.get(key) is None else s[key] * scale) for name, s in summaries.items()}
         shown = {name: _shown(v, unit) if v is not None else why_none(s, key)
                  for (name, s), v in zip(summaries.items(), values.values())}
-        return {"figure": figure, "key": key, "unit": unit, "values": values, "shown": shown, "ratios": ratios}
+        return {"figure": figure, "key": key, "unit": unit, "values": values, "shown": shown, "ratios": ratios,
+                "oracle": oracle}
 
     burst_gib = B_BURST_BYTES / GIB
-    return [
-        row(f"B's burst ({burst_gib:.0f} GiB), start to held, p50", "burst_p50_s", "s"),
-        row("B's first refused ask, from the burst's start, p50", "refused_at_p50_s", "s", ratios=False),
-        row("hand-over: B's first refused ask to held, p50", "handover_p50_s", "s", ratios=False),
-        row("hand-over: B's first refused ask to held, p99", "handover_p99_s", "s", ratios=False),
-        row("bytes A released while B burst (mean)", "a_released_gib", "GiB", ratios=False),
-        row("B's burst beyond the free memory (mean)", "taken_beyond_free_gib", "GiB", ratios=False),
-        row("broker pressure asks to A per burst (mean)", "pressure_asks", "", ratios=False),
-        row("demand served over the trace, both models", "served", "%", 100.0),
-        row("demand served over the trace, model A", "served_a", "%", 100.0),
-        row("demand served over the trace, model B", "served_b", "%", 100.0),
-    ]
+    table = []
+    if any(s["trials"] for s in summaries.values()):
+        table += [
+            row(f"B's burst ({burst_gib:.0f} GiB), start to held, p50", "burst_p50_s", "s"),
+            row("B's first ask that did not fit, from the burst's start, p50", "refused_at_p50_s", "s", ratios=False),
+            row("hand-over: B's first ask that did not fit to held, p50", "handover_p50_s", "s", ratios=False),
+            row("hand-over: B's first ask that did not fit to held, p99", "handover_p99_s", "s", ratios=False),
+            row("  of which B mapping what it got (kvcached's alloc), p50", "handover_mapping_p50_s", "s", ratios=False),
+            row("hand-over protocol time (the rest; 0 if none waited), p50", "protocol_p50_s", "s", ratios=False),
+            row("hand-over protocol time (0 if none waited), p99", "protocol_p99_s", "s", ratios=False),
+            row("trials in which B's ask did not fit at once", "handovers", "", ratios=False),
+            row("bytes A released while B burst (mean)", "a_released_gib", "GiB", ratios=False),
+            row("B's burst beyond the free memory (mean)", "taken_beyond_free_gib", "GiB", ratios=False),
+            row("broker pressure asks to A per burst (mean)", "pressure_asks", "", ratios=False),
+        ]
+    for name in traces:
+        trace = trace_named(name)
+        table.append(row(f"demand served, {name} trace, all models", f"served:{name}", "%", 100.0,
+                         oracle=100.0 * trace.oracle()))
+        for model in trace.models:
+            table.append(row(f"demand served, {name} trace, {model.instance}", f"served:{name}:{model.name}", "%", 100.0))
+    return table
+
+
+def checks(summaries: dict, traces: list[str]) -> list[dict]:
+    """Issue 31's targets, each met or not (only where every set-up it compares ran)."""
+    out: list[dict] = []
+    broker, static, alone = (summaries.get(k) for k in ("broker", "static", "alone"))
+    if broker is None:
+        return out
+    if static is not None and broker.get("burst_p50_s") and static.get("burst_p50_s"):
+        ratio = broker["burst_p50_s"] / static["burst_p50_s"]
+        out.append({"target": "B's burst p50 <= 1.2x static's", "value": f"{ratio:.2f}x", "met": ratio <= 1.2})
+    if broker.get("trials"):
+        p50 = broker.get("protocol_p50_s")
+        no_wait = broker["refused"] == 0 and broker["complete"] == broker["trials"]
+        out.append({"target": "hand-over protocol time p50 <= 100 ms",
+                    "value": "no ask waited" if no_wait else ("-" if p50 is None else f"{p50 * 1e3:.0f} ms"),
+                    "met": no_wait or (p50 is not None and p50 <= 0.1)})
+    for name in traces:
+        trace = trace_named(name)
+        total = broker.get(f"served:{name}")
+        if total is None:
+            continue
+        target_all = min(0.97, trace.oracle())
+        out.append({"target": f"{name}: all models >= {100 * target_all:.1f}%"
+                              + (" (the oracle's)" if target_all < 0.97 else ""),
+                    "value": f"{100 * total:.1f}%", "met": total >= target_all - 1e-9})
+        for model in trace.models:
+            key = f"served:{name}:{model.name}"
+            ours = broker[key]
+            best = max((s[key] for s in (static, alone) if s is not None and s.get(key) is not None), default=0.0)
+            floor = max(best, 0.95 if trace.oracle() >= 0.97 else 0.0)
+            out.append({"target": f"{name}: {model.instance} >= max(best alternative, 95%)"
+                                  if trace.oracle() >= 0.97 else f"{name}: {model.instance} >= best alternative",
+                        "value": f"{100 * ours:.1f}% (best alternative {100 * best:.1f}%)", "met": ours >= floor - 1e-9})
+    return out
 
 
 def _shown(value: float, unit: str) -> str:
@@ -307,22 +498,27 @@ def ratio(row: dict, base: str) -> str:
     return f"{ours / theirs:.2f}"
 
 
-def render(table: list[dict], setups: list[str]) -> str:
-    width = 52
-    head = f"{'figure':<{width}}" + "".join(f"{name:>24}" for name in setups)
+def render(table: list[dict], setups: list[str], met: list[dict] | None = None) -> str:
+    width = 60
+    head = f"{'figure':<{width}}" + "".join(f"{name:>24}" for name in setups) + f"{'oracle':>9}"
     if "broker" in setups:
         head += "".join(f"{'vs ' + base:>10}" for base in ("static", "alone") if base in setups)
     lines = [head]
     for r in table:
-        line = f"{r['figure']:<{width}}" + "".join(f"{r['shown'][name]:>24}" for name in setups)
+        oracle = f"{r['oracle']:.1f} %" if r.get("oracle") is not None else "-"
+        line = f"{r['figure']:<{width}}" + "".join(f"{r['shown'][name]:>24}" for name in setups) + f"{oracle:>9}"
         if "broker" in setups:
             line += "".join(f"{ratio(r, base):>10}" for base in ("static", "alone") if base in setups)
         lines.append(line)
+    if met:
+        lines.append("")
+        lines.append("issue 31's targets (kvcached mode):")
+        lines += [f"  [{'met' if c['met'] else 'NOT met'}] {c['target']}: {c['value']}" for c in met]
     return "\n".join(lines)
 
 
 def plot(results: dict, path: Path) -> bool:
-    """One panel per set-up: each model's demand (dashed) and live KV (solid), GiB over time."""
+    """One panel per set-up and trace: each model's demand (dashed) and live KV (solid), GiB over time."""
     try:
         import matplotlib
 
@@ -330,22 +526,30 @@ def plot(results: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), sharey=True, squeeze=False)
-    for ax, (setup, result) in zip(axes[0], results.items()):
-        for name, color in (("A", "tab:blue"), ("B", "tab:orange")):
-            samples = result["trace"][name]["samples"]
-            t = [s[0] for s in samples]
-            ax.plot(t, [s[1] for s in samples], "--", color=color, linewidth=1, label=f"{name} demand")
-            ax.plot(t, [s[2] for s in samples], "-", color=color, linewidth=2, label=f"{name} served (live KV)")
-        ax.axhline(USABLE_BYTES / GIB / 2, color="grey", linewidth=0.5)
-        ax.set_title(f"{SETUPS[setup]}\nserved {100 * served_fraction(result['trace']):.1f}%", fontsize=9)
-        ax.set_xlabel("seconds")
-        ax.set_ylim(0, DEVICE_BYTES / GIB)
-    axes[0][0].set_ylabel("GiB of KV")
-    axes[0][0].legend(fontsize=7, loc="upper right")
+    names = [n for n in TRACE_NAMES if any(n in r["traces"] for r in results.values())]
+    if not names:
+        return False
+    fig, axes = plt.subplots(len(names), len(results), figsize=(5 * len(results), 3.4 * len(names)),
+                             sharey=True, squeeze=False)
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+    for row_axes, name in zip(axes, names):
+        for ax, (setup, result) in zip(row_axes, results.items()):
+            run = result["traces"].get(name)
+            if run is None:
+                continue
+            for model, color in zip(run, colors):
+                samples = run[model]["samples"]
+                t = [s[0] for s in samples]
+                ax.plot(t, [s[1] for s in samples], "--", color=color, linewidth=1, label=f"{model} demand")
+                ax.plot(t, [s[2] for s in samples], "-", color=color, linewidth=2, label=f"{model} served")
+            ax.set_title(f"{name}: {SETUPS[setup]}\nserved {100 * served_fraction(run):.1f}%", fontsize=9)
+            ax.set_xlabel("seconds")
+            ax.set_ylim(0, DEVICE_BYTES / GIB)
+        row_axes[0].set_ylabel("GiB of KV")
+        row_axes[0].legend(fontsize=6, loc="upper right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     return True
 
 
@@ -359,23 +563,33 @@ def prerequisites() -> str:
     return missing()
 
 
-def run(out: Path, trials: int, setups: list[str]) -> tuple[list[dict], dict]:
+def run(out: Path, trials: int, setups: list[str], traces: list[str] | None = None) -> tuple[list[dict], dict]:
     """Run every set-up; print the table; write handover.json and handover.png.  (rows, results)."""
+    traces = list(TRACE_NAMES) if traces is None else traces
     workdir = Path(tempfile.mkdtemp(prefix="kb-handover-", dir="/tmp"))
     results = {}
+    load_before = os.getloadavg()
     try:
         for setup in setups:
-            results[setup] = run_setup(setup, workdir, trials)
+            results[setup] = run_setup(setup, workdir, trials, traces)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     summaries = {name: summary(result) for name, result in results.items()}
-    table = rows(summaries)
-    print(render(table, setups))
+    table = rows(summaries, traces)
+    met = checks(summaries, traces)
+    print(render(table, setups, met))
+    load_after = os.getloadavg()
+    print(f"machine load (1-minute average) before and after: {load_before[0]:.1f}, {load_after[0]:.1f} "
+          f"on {os.cpu_count()} CPUs")
     meta = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "when": time.strftime("%Y-%m-%d %H:%M:%S"), "device_bytes": DEVICE_BYTES, "layers": LAYERS,
-            "a_fill_bytes": A_FILL_BYTES, "b_burst_bytes": B_BURST_BYTES, "trace": TRACE,
+            "a_fill_bytes": A_FILL_BYTES, "b_burst_bytes": B_BURST_BYTES, "load_before": load_before,
+            "load_after": load_after, "traces": {n: {"oracle": trace_named(n).oracle(),
+                                                    "models": {m.name: m.steps for m in trace_named(n).models}}
+                                                for n in traces},
             "kv_batch": os.environ.get("KVCACHED_BROKER_KV_BATCH", "512MiB (default)")}
-    write_json(out / "handover.json", {"meta": meta, "summaries": summaries, "rows": table, "results": results})
+    write_json(out / "handover.json", {"meta": meta, "summaries": summaries, "rows": table, "checks": met,
+                                       "results": results})
     png = out / "handover.png"
     print(f"plot: {png}" if plot(results, png) else "plot skipped: pip install matplotlib")
     return table, results
@@ -383,20 +597,28 @@ def run(out: Path, trials: int, setups: list[str]) -> tuple[list[dict], dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=5, help="hand-over trials per set-up (default 5)")
+    parser.add_argument("--trials", type=int, default=5, help="hand-over trials per set-up (default 5; 0: none)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated: " + ",".join(SETUPS))
+    parser.add_argument("--traces", default=",".join(TRACE_NAMES),
+                        help="comma-separated demand traces: " + ",".join(TRACE_NAMES) + " (default all; '' none)")
     args = parser.parse_args(argv)
-    why = prerequisites()
-    if why:
-        print(f"hand-over benchmark skipped: {why}")
-        return 2
     setups = [s for s in args.setups.split(",") if s]
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
         parser.error(f"unknown set-up(s): {', '.join(unknown)}")
+    traces = [t for t in args.traces.split(",") if t]
+    unknown = [t for t in traces if t not in TRACE_NAMES]
+    if unknown:
+        parser.error(f"unknown trace(s): {', '.join(unknown)} (known: {', '.join(TRACE_NAMES)})")
+    if args.trials < 0:
+        parser.error("--trials must be 0 or more")
+    why = prerequisites()
+    if why:
+        print(f"hand-over benchmark skipped: {why}")
+        return 2
     started = time.monotonic()
-    run(args.out, args.trials, setups)
+    run(args.out, args.trials, setups, traces)
     print(f"hand-over benchmark: {time.monotonic() - started:.0f} s")
     return 0
 

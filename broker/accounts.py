@@ -39,6 +39,9 @@ class Limits:
     file) or ``hello`` (the instance's own worker asked; such limits give way to an admin's or
     the config's, and leave with the instance).  ``owner_uid``: the uid of the worker whose hello
     set them; they hold only while every session of the instance is that uid's.
+
+    ``priority`` orders reclaim, never shares: when memory must come back, instances of the
+    lowest priority are asked first (``policy.PressureBook``).
     """
 
     max_bytes: int | None = None
@@ -46,11 +49,12 @@ class Limits:
     weight: float = 1.0
     revision: int = 0
     source: LimitSource = "admin"
+    priority: int = 0
     owner_uid: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,
-                "revision": self.revision, "source": self.source}
+                "priority": self.priority, "revision": self.revision, "source": self.source}
 
 
 @dataclass(eq=False)
@@ -82,6 +86,11 @@ class Session:
     #: Where the worker says it is in its start-up (``sizing``, ``warming``, ``serving``, ...);
     #: shown in status, never used in a decision.
     phase: str = ""
+    #: Of its granted pages, how many the worker says it could give back without touching memory
+    #: a running request uses (its reserve, free pages, unused prefix-cache blocks); at most
+    #: ``granted_pages``.  Informational (never charged, never journaled): it only chooses whom
+    #: the broker asks for memory back, and how much.
+    idle_pages: int = 0
     restored: bool = False  # loaded from a checkpoint and not yet resumed by its worker
     #: While the ledger holds growth, how much more this session may still grow to re-assert
     #: what it held: set only for a session opened by a resume hello whose record was lost

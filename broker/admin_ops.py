@@ -44,11 +44,12 @@ class AdminOps:
             max_bytes=KEEP if req.max_bytes is proto.UNSET else req.max_bytes,
             min_bytes=KEEP if req.min_bytes is proto.UNSET else req.min_bytes,
             weight=KEEP if req.weight is proto.UNSET else req.weight,
+            priority=KEEP if req.priority is proto.UNSET else req.priority,
             revision=req.revision,
         )
         log.info(
-            "event=limits instance=%s max_bytes=%s min_bytes=%d weight=%s revision=%d uid=%s",
-            req.instance, limits.max_bytes, limits.min_bytes, limits.weight, limits.revision, peer.uid,
+            "event=limits instance=%s max_bytes=%s min_bytes=%d weight=%s priority=%d revision=%d uid=%s",
+            req.instance, limits.max_bytes, limits.min_bytes, limits.weight, limits.priority, limits.revision, peer.uid,
         )
         return proto.ok_reply(req.id, {"instance": req.instance, **limits.to_dict()})
 

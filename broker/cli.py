@@ -57,6 +57,7 @@ _positive_float = _arg_type(serve_config.OPTIONS["lease"][0], "number")
 _endpoint = _arg_type(serve_config.OPTIONS["endpoint"][0], "endpoint")
 _group = _arg_type(serve_config.OPTIONS["socket_group"][0], "group")
 _directory = _arg_type(serve_config.OPTIONS["curve_dir"][0], "directory")
+_priority = _arg_type(serve_config.LIMIT_KEYS["priority"], "priority")
 
 
 def _size_or_none(text: str) -> int | None:
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     limit.add_argument("--max", type=_size_or_none, default=UNSET, metavar="SIZE|none", help="cap; 'none' clears it")
     limit.add_argument("--min", type=_size, default=UNSET, metavar="SIZE", help="guaranteed floor")
     limit.add_argument("--weight", type=_positive_float, default=UNSET, metavar="W", help="share weight (default 1)")
+    limit.add_argument("--priority", type=_priority, default=UNSET, metavar="P",
+                       help="reclaim order, -1000..1000 (default 0): the lowest is asked for memory back first")
     limit.add_argument("--revision", type=_non_negative_int, default=None, metavar="R", help="apply only at revision R")
 
     evict = sub.add_parser("evict", help="free a session's memory and fence it (admin)")
@@ -205,7 +208,9 @@ def _nvml_uuid(index: int) -> str | None:
 
 
 def _all_endpoints() -> list[str]:
-    """Every broker endpoint on this host: per-device sockets that exist."""
+    """Every broker endpoint on this host: the sockets that exist for a per-device template
+    (``{device}`` and/or ``{uuid}`` in ``KVCACHED_BROKER``), else the runtime dir's ``gpuN.sock``."""
+    import glob
     import re as _re
 
     from ..client.endpoint import ipc_path, runtime_dir
@@ -213,22 +218,30 @@ def _all_endpoints() -> list[str]:
     template = os.environ.get("KVCACHED_BROKER", "").strip()
     if template.lower() == "off":
         raise UsageError("KVCACHED_BROKER=off: the broker is disabled in this environment")
-    if template and "{device}" not in template:
+    if template and "{device}" not in template and "{uuid}" not in template:
         return [template]
     if template:
-        found = []
-        for index in range(64):
-            endpoint = template.format(device=index, uuid="")
-            path = ipc_path(endpoint)
-            if path is None or path.exists():
-                found.append(endpoint)
-        return found if any(ipc_path(e) for e in found) else found[:1]
+        try:
+            pattern = ipc_path(template.format(device="*", uuid="*"))
+        except (KeyError, IndexError, ValueError) as exc:
+            raise UsageError(f"KVCACHED_BROKER={template[:80]!r} is not an endpoint template: {exc}") from None
+        if pattern is None:  # tcp: nothing on disk says which devices have a broker
+            return [_target_endpoint(argparse.Namespace(endpoint=None, device=0))]
+        return [f"ipc://{path}" for path in sorted(glob.glob(glob.escape(str(pattern)).replace("[*]", "*")),
+                                                     key=_natural_key)]
     sockets = []
     for path in runtime_dir().glob("gpu*.sock"):
         match = _re.fullmatch(r"gpu(\d+)\.sock", path.name)
         if match:
             sockets.append((int(match.group(1)), f"ipc://{path}"))
     return [endpoint for _, endpoint in sorted(sockets)]
+
+
+def _natural_key(text: str) -> list[Any]:
+    """``gpu2`` before ``gpu10``."""
+    import re as _re
+
+    return [int(part) if part.isdigit() else part for part in _re.split(r"(\d+)", text)]
 
 
 def _fetch(endpoints: list[str], timeout_s: float, strict: bool) -> list[dict[str, Any]]:
@@ -290,10 +303,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_limit(args: argparse.Namespace) -> int:
-    if args.max is UNSET and args.min is UNSET and args.weight is UNSET:
-        raise UsageError("limit: give at least one of --max, --min, --weight")
+    if args.max is UNSET and args.min is UNSET and args.weight is UNSET and args.priority is UNSET:
+        raise UsageError("limit: give at least one of --max, --min, --weight, --priority")
     with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
-        result = admin.limit(args.instance, max_bytes=args.max, min_bytes=args.min, weight=args.weight, revision=args.revision)
+        result = admin.limit(args.instance, max_bytes=args.max, min_bytes=args.min, weight=args.weight,
+                             priority=args.priority, revision=args.revision)
     print(json.dumps(result))
     return EXIT_OK
 

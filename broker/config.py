@@ -10,6 +10,7 @@ per-instance limits, applied at startup (and so to an instance whenever it regis
     [limits.dsv4-prod]
     min = "30GiB"
     weight = 2
+    priority = 10
     [limits.batch]
     max = "10GiB"
 
@@ -119,6 +120,19 @@ def _non_negative_int(value: Any) -> int:
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+#: An instance's reclaim priority (``limit --priority``, ``[limits.X] priority``): the protocol's bounds.
+PRIORITY_RANGE = (-1000, 1000)
+
+
+def _priority(value: Any) -> int:
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value.strip())
+    low, high = PRIORITY_RANGE
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"expected an integer from {low} to {high}, got {value!r}")
     return value
 
 
@@ -254,7 +268,7 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     "hello_max_floor_share": (_share, "KVCACHED_BROKER_HELLO_MAX_FLOOR_SHARE", 0.5),
     "hello_max_weight": (_positive_float, "KVCACHED_BROKER_HELLO_MAX_WEIGHT", 4.0),
 }
-LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float}
+LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float, "priority": _priority}
 
 
 @dataclass
@@ -263,6 +277,7 @@ class LimitConfig:
     min_bytes: int = 0
     weight: float = 1.0
     clear_max: bool = False
+    priority: int = 0
 
 
 @dataclass
@@ -353,11 +368,11 @@ def _load_file(path: Path) -> tuple[dict[str, Any], dict[str, LimitConfig]]:
 def _limit(path: Path, instance: str, table: Any) -> LimitConfig:
     where = f"config {path}: key 'limits.{instance}"
     if not isinstance(table, dict):
-        raise ConfigError(f"{where}' must be a table with max, min and/or weight")
+        raise ConfigError(f"{where}' must be a table with max, min, weight and/or priority")
     limit = LimitConfig()
     for key, value in table.items():
         if key not in LIMIT_KEYS:
-            raise ConfigError(f"{where}.{key}': unknown key (use max, min, weight)")
+            raise ConfigError(f"{where}.{key}': unknown key (use max, min, weight, priority)")
         try:
             if key == "max" and isinstance(value, str) and value.strip().lower() == "none":
                 limit.clear_max = True
@@ -369,6 +384,8 @@ def _limit(path: Path, instance: str, table: Any) -> LimitConfig:
             limit.max_bytes = parsed
         elif key == "min":
             limit.min_bytes = parsed
+        elif key == "priority":
+            limit.priority = parsed
         else:
             limit.weight = parsed
     return limit

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
+from ..client.procfs import running_start_ticks
 from .accounts import DeviceInfo
 
 log = logging.getLogger(__name__)
@@ -190,25 +191,6 @@ class NvmlDevice:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def running_start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat`` field 22), or
-    None if it does not run: no such process, or a zombie (its memory is freed at exit, so
-    NVML no longer lists it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may itself contain spaces or ')'.
-    fields = data[data.rfind(b")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):  # fields[0] is field 3, the state
-        return None
-    try:
-        return int(fields[19])
-    except ValueError:
-        return None
 
 
 def format_shared_usage(size_bytes: int, start_ticks: int | None) -> str:

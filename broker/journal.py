@@ -415,7 +415,7 @@ class Journal:
         for name, limit in limits.items():
             self._ledger.restore_limits(
                 name, Limits(limit.max_bytes, limit.min_bytes, limit.weight, limit.revision, limit.source,
-                             limit.owner_uid)
+                             limit.priority, limit.owner_uid)
             )
         self._table.fenced.update(fenced)
         if loaded.secret_problem is not None:
@@ -477,7 +477,7 @@ def _charged_bytes(pools: dict[str, int], holds: dict[str, int], granted_pages: 
 def limit_record(instance: str, limits: Limits) -> LimitRecord:
     return LimitRecord(instance=instance, max_bytes=limits.max_bytes, min_bytes=limits.min_bytes,
                        weight=limits.weight, revision=limits.revision, source=limits.source,
-                       owner_uid=limits.owner_uid)
+                       priority=limits.priority, owner_uid=limits.owner_uid)
 
 
 def replay(

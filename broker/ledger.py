@@ -67,6 +67,9 @@ KEEP: Any = object()
 #: The pool that ``reserve(..., measured_base=True)`` sets: what a process had allocated
 #: before it reported anything (weights, CUDA context, runtime buffers).
 RUNTIME_BASE_POOL = "runtime_base"
+#: The pool a worker keeps, once its warm-up is over, for the activations of later batches:
+#: reserved, and allocated only as they come (see ``_with_measured_base``).
+RUNTIME_SLACK_POOL = "runtime_slack"
 
 
 class Ledger:
@@ -529,13 +532,25 @@ class Ledger:
         return account.measured_bytes if account is not None else 0
 
     def _with_measured_base(self, session: Session, pools: dict[str, int]) -> dict[str, int]:
+        """``pools`` with ``runtime_base`` set to what the process measures beyond everything
+        else it reports.  Once a base is pinned, a ``runtime_slack`` pool (room kept for later
+        activations, allocated as they come) is not counted as allocated: the base grows into
+        it by what the device measures beyond the base and the other pools, and it shrinks by as
+        much, so a re-pin never gives away the part of the slack not allocated yet."""
         account = session.account
         assert account is not None
         others_bytes = account.reported_bytes - session.resident_bytes  # the process's other sessions
         mapped_bytes = session.mapped_pages * session.page_bytes
-        mine_bytes = sum(size for name, size in pools.items() if name != RUNTIME_BASE_POOL) + mapped_bytes
+        old_base_bytes = session.pools.get(RUNTIME_BASE_POOL)
+        slack_bytes = pools.get(RUNTIME_SLACK_POOL, 0) if old_base_bytes is not None else 0
+        mine_bytes = sum(size for name, size in pools.items() if name != RUNTIME_BASE_POOL) + mapped_bytes - slack_bytes
         base_bytes = max(0, account.measured_bytes - others_bytes - mine_bytes)
         pools = {name: size for name, size in pools.items() if name != RUNTIME_BASE_POOL}
+        if slack_bytes:
+            kept_bytes = max(0, slack_bytes - max(0, base_bytes - (old_base_bytes or 0)))
+            pools[RUNTIME_SLACK_POOL] = kept_bytes
+            if not kept_bytes:
+                del pools[RUNTIME_SLACK_POOL]
         if base_bytes:
             pools[RUNTIME_BASE_POOL] = base_bytes
         return pools
@@ -573,6 +588,11 @@ class Ledger:
         if session.reassert_allowance_bytes:
             self._use_allowance(session, fit_pages * session.page_bytes)
         return SMALL_GRANTS[fit_pages] if fit_pages < len(SMALL_GRANTS) else Grant(fit_pages)
+
+    def fit_pages(self, session_id: str, pages: int, mapped: bool = False) -> int:
+        """How many of ``pages`` an ``acquire`` would grant now (changes nothing; O(1))."""
+        session = self._session(session_id)
+        return self._pages_that_fit(session, pages, mapped or not session.report_mapping)[0]
 
     def release(self, session_id: str, pages: int, mapped_pages: int | None = None) -> int:
         """Return pages; releasing more than the session holds is ``bad_request``.
@@ -641,6 +661,7 @@ class Ledger:
         weight: Any = KEEP,  # float, or KEEP
         revision: int | None = None,
         source: LimitSource = "admin",
+        priority: Any = KEEP,  # int, or KEEP
         owner_uid: int | None = None,
     ) -> Limits:
         """Change an instance's limits (the instance need not be registered yet).
@@ -660,6 +681,7 @@ class Ledger:
             weight=current.weight if weight is KEEP else weight,
             revision=current.revision + 1,
             source=source,
+            priority=current.priority if priority is KEEP else priority,
             owner_uid=owner_uid,
         )
         if new.max_bytes is not None and new.min_bytes > new.max_bytes:

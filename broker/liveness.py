@@ -3,32 +3,19 @@
 A pidfd (``pidfd_open(2)``) becomes readable when its process exits and has no pid-reuse
 race; the broker's wake-up thread (``wakeups``) waits on them and posts each exit to the
 broker's socket, so a SIGKILLed worker's memory is reclaimed in the round after its death.  Across a broker
-restart, pids are matched with their start time (``/proc/PID/stat`` field 22) so a recycled
-pid is not mistaken for the worker that held the memory.
+restart, pids are matched with their start time (``client.procfs``) so a recycled pid is not mistaken
+for the worker that held the memory, and a zombie counts as gone: its memory is freed.
 """
 
 from __future__ import annotations
 
 import os
 
-
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, or None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) is in parentheses and may itself contain spaces or ')'.
-    fields = data[data.rindex(b")") + 2 :].split()
-    try:
-        return int(fields[19])  # field 22 overall; fields[0] here is field 3
-    except (IndexError, ValueError):
-        return None
+from ..client.procfs import running_start_ticks as process_start_ticks
 
 
 def process_alive(pid: int, start_ticks: int | None) -> bool:
-    """Is ``pid`` still the process that started at ``start_ticks``?"""
+    """Is ``pid`` still the process that started at ``start_ticks`` (running: not a zombie)?"""
     current = process_start_ticks(pid)
     if current is None:
         return False

@@ -73,10 +73,8 @@ def refusal(
         cls = Overcommitted
     elif code == "limit_exceeded":
         limits = ledger.limits.get(instance, Limits())
-        message = (
-            f"{what} for {instance!r} refused: its cap of {format_bytes(limits.max_bytes)} leaves "
-            f"{format_bytes(room_bytes)}"
-        )
+        asked, room = format_bytes_apart(asked_bytes, room_bytes)
+        message = f"{what} for {instance!r} refused: asked {asked}, its cap of {format_bytes(limits.max_bytes)} leaves {room}"
         cls = LimitExceeded
     else:
         asked, room = format_bytes_apart(asked_bytes, room_bytes)

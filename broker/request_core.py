@@ -29,23 +29,33 @@ from .counters import Counters
 from .device import DeviceProbe
 from .device_monitor import DeviceMonitor
 from .journal import Journal, NullJournal, Restored, record_bytes, records_may_be_lost, restore_session
-from .accounts import Session, SessionState
+from .accounts import Grant, Session, SessionState
 from .ledger import Ledger
 from .lifecycle import ProcessOps, SessionLifecycle
-from .policy import PressureBook, fair_shares
+from .policy import Ask, PressureBook, fair_shares
 from .security import Peer
 from .session_opener import SessionOpener, SessionQuotas
 from .sessions import Binding, SessionTable
 from .status import build_status
+from .waiting import WaitingAsk, WaitingAsks
 
 log = logging.getLogger("kvcached_broker")
 
 #: At most one device reading per this many seconds on behalf of pressure planning.
 PRESSURE_READ_S = 0.05
+#: At most one device reading per this many seconds on behalf of asks waiting for memory that
+#: a release (not yet shown by the last reading) may have freed.
+WAITING_READ_S = 0.002
 
 _decode_request = msgspec.msgpack.Decoder(proto.AnyRequest).decode
 _encode = msgspec.msgpack.Encoder().encode
 _LIVE = SessionState.LIVE  # bound once: no enum member lookup per request (docs/performance.md)
+
+
+def _may_wait(refusal: BrokerError) -> bool:
+    """Whether a refused ask may wait for memory to come back: one refused for room (the budget,
+    or an overcommit that a reading may end), not for its own cap or a recovery hold."""
+    return refusal.code in ("budget_exceeded", "overcommitted") and not refusal.details.get("held")
 
 
 class _Retried(Exception):
@@ -79,6 +89,9 @@ class RequestCore:
         self.counters = Counters()
         self.pressure = PressureBook()
         self._pressure_read_s = -1.0
+        self.waiting = WaitingAsks()
+        self._waiting_read_s = -1.0
+        self._freed_since_read = False  # a release or unmapping since the last reading for waiting asks
         self.lifecycle = SessionLifecycle(ledger, table, self.pressure, processes, self.counters)
         self.opener = SessionOpener(ledger, table, self.lifecycle, journal, quotas,
                                     broker_start_ticks=processes.start_ticks(os.getpid()))
@@ -177,6 +190,9 @@ class RequestCore:
         reserve = getattr(request, "reserve_pages", None)
         if reserve is not None and reserve != session.reserve_pages:
             self.ledger.set_reserve_pages(session.id, reserve)
+        idle = getattr(request, "idle_pages", None)
+        if idle is not None:
+            session.idle_pages = idle
         return binding, session
 
     def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
@@ -212,25 +228,91 @@ class RequestCore:
                                  for name, size in self.ledger.top_charges(exclude=session.instance)]
         return self._answer(binding, req.id, result)
 
-    def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes:
+    def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes | None:
         binding, session = self._session_request(req, rid, now)
+        if self.waiting and self.waiting.waiting(session.id, req.id):
+            return None  # a resend of an ask that waits: it is answered once, when it ends
         if req.mapped and session.report_mapping:
             self.device.observe(self.ledger, now)  # mapped pages are covered only by what a reading shows now
+        self.pressure.note_active(session.instance, now)
         grant = self.ledger.acquire(session.id, req.pages, req.min_pages, req.mapped)
-        if req.caller_pages is not None:  # the client's reserve after this grant, as it books it
-            _, reserve_after = split_grant(session.reserve_pages, grant.pages, req.caller_pages, req.caller_min_pages)
+        if grant.refusal is not None and req.wait_s and _may_wait(grant.refusal):
+            self._wait(req, session, now)
+            return None
+        return self._granted(binding, session, req.id, grant, req.pages, req.min_pages, req.caller_pages,
+                             req.caller_min_pages, now, hash(self._body))
+
+    def _granted(self, binding: Binding, session: Session, request_id: int, grant: Grant, pages: int,
+                 min_pages: int | None, caller_pages: int | None, caller_min_pages: int | None, now: float,
+                 body_hash: int, waited_s: float | None = None) -> bytes:
+        """The reply to an ``acquire`` (granted or refused), cached; a refusal may press others.
+        ``waited_s``: how long the ask waited for memory (said in the reply)."""
+        if caller_pages is not None:  # the client's reserve after this grant, as it books it
+            _, reserve_after = split_grant(session.reserve_pages, grant.pages, caller_pages, caller_min_pages)
             self.ledger.set_reserve_pages(session.id, reserve_after)
         result: dict[str, Any] = {"granted": grant.pages, "granted_pages": session.granted_pages}
+        if waited_s is not None:
+            result["waited_s"] = round(waited_s, 6)
         if grant.refusal is not None:
             refusal = grant.refusal
             log.info("event=refusal session=%s op=acquire code=%s detail=%r", binding.session_id, refusal.code, refusal.message)
             self.counters.refused(refusal.code)
             result["refused"] = {"code": refusal.code, "message": refusal.message, "details": refusal.details}
-            floor_pages = req.pages if req.min_pages is None else max(1, req.min_pages)
+            floor_pages = pages if min_pages is None else max(1, min_pages)
             self._press_for(session.instance, floor_pages * session.page_bytes, refusal, now)
         else:
             self.counters.grants += 1
-        return self._answer(binding, req.id, result)
+        reply = _encode(proto.Reply(id=request_id, ok=True, result=result))
+        binding.remember_reply(request_id, body_hash, reply, self.table.reply_cache)
+        return reply
+
+    def _wait(self, req: proto.Acquire, session: Session, now: float) -> None:
+        """Park a refused ask until memory comes back, and ask the others for all of it at once."""
+        assert req.wait_s is not None
+        self.waiting.add(WaitingAsk(session.id, req.id, hash(self._body), req.pages, req.min_pages, req.mapped,
+                                    req.caller_pages, req.caller_min_pages, now, now + req.wait_s))
+        free = self.ledger.fit_pages(session.id, req.pages, req.mapped) * session.page_bytes
+        self._plan_pressure(session.instance, req.pages * session.page_bytes - free, now)
+
+    def serve_waiting(self, now: float) -> None:
+        """Grant the asks that fit now, the most starved instance's first; answer those whose
+        time is up with their refusal.  The replies go to the outbox (sent after the journal
+        commit of this round).  Cheap when nothing waits."""
+        if not self.waiting:
+            return
+        if self._freed_since_read and now - self._waiting_read_s >= WAITING_READ_S:
+            # A release's pages may still show in the last reading (charged as measured): read
+            # the device, so that what came back is seen in the round it came back.
+            self._waiting_read_s = now
+            self._freed_since_read = False
+            self.device.observe(self.ledger, now)
+        shares = fair_shares(self.ledger)
+        asks = self.waiting.all()
+        asks.sort(key=lambda a: self._starvation(a, shares))
+        for ask in asks:
+            binding = self.table.by_id(ask.session_id)
+            session = self.ledger.sessions.get(ask.session_id)
+            if binding is None or session is None:
+                self.waiting.remove(ask)  # its session ended: nobody to answer
+                continue
+            fits = self.ledger.fit_pages(session.id, ask.pages, ask.mapped)
+            if fits < ask.floor_pages and now < ask.deadline_s:
+                continue
+            self.waiting.remove(ask)
+            grant = self.ledger.acquire(session.id, ask.pages, ask.min_pages, ask.mapped)
+            if grant.refusal is None:
+                log.info("event=waited session=%s instance=%s pages=%d waited_s=%.3f", session.id, session.instance,
+                         grant.pages, now - ask.since_s)
+            reply = self._granted(binding, session, ask.request_id, grant, ask.pages, ask.min_pages, ask.caller_pages,
+                                  ask.caller_min_pages, now, ask.body_hash, waited_s=now - ask.since_s)
+            if binding.routing_id is not None:
+                self._pushes.append((binding.routing_id, reply))
+
+    def _starvation(self, ask: WaitingAsk, shares: dict[str, int]) -> tuple[int, float]:
+        session = self.ledger.sessions.get(ask.session_id)
+        if session is None:
+            return 0, ask.since_s
+        return self.ledger.instance_charge_bytes(session.instance) - shares.get(session.instance, 0), ask.since_s
 
     def _release(self, req: proto.Release, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)
@@ -239,6 +321,9 @@ class RequestCore:
         remaining = self.ledger.release(session.id, req.pages, req.mapped_pages)
         if self.pressure.pending:
             self.pressure.on_release(session.id, req.pages)
+        if self.waiting:
+            self._freed_since_read = True
+            self.serve_waiting(now)
         result: dict[str, Any] = {"granted_pages": remaining}
         if session.report_mapping:
             result["unmapped_pages"] = session.unmapped_pages
@@ -253,6 +338,9 @@ class RequestCore:
         if session.report_mapping and req.mapped_pages != session.mapped_pages:
             self.device.observe(self.ledger, now)
         unmapped = self.ledger.set_mapped(session.id, req.mapped_pages)
+        if self.waiting:
+            self._freed_since_read = True
+            self.serve_waiting(now)
         return self._answer(binding, req.id, {"granted_pages": session.granted_pages, "unmapped_pages": unmapped})
 
     def _heartbeat(self, req: proto.Heartbeat, rid: bytes, peer: Peer, now: float) -> bytes:
@@ -273,24 +361,45 @@ class RequestCore:
         return proto.ok_reply(req.id, self.status(now))
 
     def _press_for(self, instance: str, asked_bytes: int, refusal: BrokerError, now: float) -> None:
-        """A refused instance below its floor or fair share: ask those above theirs for pages."""
+        """A refused instance: ask those above their share (if it is below its floor or share),
+        then idle pages elsewhere, for what the ask lacked."""
         if refusal.code != "budget_exceeded" or refusal.details.get("held"):
             return  # its own cap, external overcommit or a recovery hold: taking from others would not help
-        need = asked_bytes - int(refusal.details.get("free_bytes", 0))
+        self._plan_pressure(instance, asked_bytes - int(refusal.details.get("free_bytes", 0)), now)
+
+    def _plan_pressure(self, instance: str, need_bytes: int, now: float) -> None:
+        if need_bytes <= 0:
+            return
         if now - self._pressure_read_s >= PRESSURE_READ_S:
             # What others were asked for before may be unmapped already: read the device, so
             # that their excess is not a reading old and they are not asked for it twice.
             self._pressure_read_s = now
             self.device.observe(self.ledger, now)
-        for ask in self.pressure.plan(self.ledger, instance, need, now):
+        self._push(self.pressure.plan(self.ledger, instance, need_bytes, now, self._reachable), instance)
+
+    def replenish(self, now: float) -> None:
+        """The watermarks (a timer): keep memory free for instances below their share."""
+        if self.ledger.sessions:
+            self._push(self.pressure.replenish(self.ledger, now, self._reachable), "")
+
+    def _reachable(self, session_id: str) -> bool:
+        binding = self.table.by_id(session_id)
+        return binding is not None and binding.routing_id is not None
+
+    def _push(self, asks: list[Ask], for_instance: str) -> None:
+        for ask in asks:
             binding = self.table.by_id(ask.session_id)
             if binding is None or binding.routing_id is None:
                 continue
-            push = proto.Pressure(session_id=ask.session_id, pages=ask.pages, reason=f"{instance} is below its share")
+            reason = f"{for_instance} is below its share" if ask.kind == "share" else (
+                f"{for_instance} needs memory; give back idle pages" if for_instance
+                else "keeping memory free for instances below their share")
+            push = proto.Pressure(session_id=ask.session_id, pages=ask.pages, reason=reason, soft=ask.soft)
             self._pushes.append((binding.routing_id, proto.encode(push)))
             log.info(
-                "event=pressure for=%s session=%s instance=%s pages=%d bytes=%d",
-                instance, ask.session_id, ask.instance, ask.pages, ask.pages * ask.page_bytes,
+                "event=pressure for=%s session=%s instance=%s priority=%d kind=%s pages=%d bytes=%d",
+                for_instance or "-", ask.session_id, ask.instance, ask.priority, ask.kind, ask.pages,
+                ask.pages * ask.page_bytes,
             )
 
     # ---------------------------------------------------------------- time
@@ -404,8 +513,16 @@ class RequestCore:
         }
         shares = fair_shares(self.ledger)
 
+        page_bytes = {s.id: s.page_bytes for s in self.ledger.sessions.values()} if self.waiting else {}
+
         def policy_view(instance: str) -> dict[str, Any]:
-            return {"fair_share_bytes": shares.get(instance, 0), "pressure": self.pressure.instance_view(instance)}
+            view = self.pressure.instance_view(instance)
+            if self.waiting:
+                ids = {s.id for s in self.ledger.sessions.values() if s.instance == instance}
+                view["waiting_asks"], view["waiting_bytes"] = self.waiting.of_instance_bytes(page_bytes, ids)
+            else:
+                view["waiting_asks"], view["waiting_bytes"] = 0, 0
+            return {"fair_share_bytes": shares.get(instance, 0), "pressure": view}
 
         return build_status(self.ledger, self.table, broker_meta, now, policy_view)
 

@@ -1,7 +1,7 @@
 """The broker daemon's shell: lifecycle, the receive loop, framing and timers.
 
-Everything the broker decides is decided by its collaborators, wired here once
-(:class:`BrokerServer` is the composition root):
+Everything the broker decides is decided by its collaborators: the request core's are wired by
+:func:`.request_core.build_core`, the shell's here, once, by :class:`BrokerServer`:
 
 * ``RequestCore`` (``request_core``): requests in, replies out, no I/O;
 * ``Journal`` / ``NullJournal`` (``journal``): group commit, deferral, snapshots and replay;
@@ -14,7 +14,8 @@ One thread runs :meth:`BrokerServer.serve_forever`.  Each round it
 1. waits in one blocking ``recv`` on the ROUTER socket (up to a timeout), then reads the
    requests waiting behind the first (up to ``max_batch``) and hands each to the core; a
    message from the wake-up thread hands the core a pid that exited, or just wakes the loop,
-2. runs the timers that are due,
+2. runs the timers that are due, and grants the asks waiting for memory that fit now (or
+   answers those whose wait is over),
 3. commits what changed to the journal with one ``write()`` (group commit), and only then
 4. sends the round's replies and pushes,
 
@@ -78,6 +79,10 @@ _POLLIN = int(zmq.POLLIN)
 #: for SERVER/RADIO sockets (docs/performance.md has what it saves).
 _raw_send = zmq.backend.Socket.send
 _POLL_TIMEOUT_MS = 100
+#: While asks wait for memory, a round runs at least this often (their deadlines, readings).
+_WAITING_TIMEOUT_MS = 10
+#: How often the watermarks are checked (``RequestCore.replenish``).
+REPLENISH_S = 0.01
 #: A first receive that took longer than this waited for its message: the queue was empty,
 #: so unless the round before was a batch, the round does not ask whether more wait behind it
 #: (a ``ZMQ_EVENTS`` read is about a tenth of a ping-pong's instructions, docs/performance.md);
@@ -155,6 +160,7 @@ class BrokerServer:
             _Timer(0.0, self.journal.flush_due),
             _Timer(RETRY_WRITE_S, self.journal.retry_failed_write),
             _Timer(0.0, self.core.expire_pressure),
+            _Timer(REPLENISH_S, self.core.replenish),
         ]
 
     @property
@@ -198,7 +204,7 @@ class BrokerServer:
         for instance, limit in self.config.limits.items():
             limits = self.ledger.set_limits(
                 instance, max_bytes=None if limit.clear_max else limit.max_bytes, min_bytes=limit.min_bytes,
-                weight=limit.weight, source="config",
+                weight=limit.weight, source="config", priority=limit.priority,
             )
             log.info("event=limits source=config instance=%s %s", instance,
                      " ".join(f"{key}={value}" for key, value in limits.to_dict().items()))
@@ -363,6 +369,8 @@ class BrokerServer:
         replies: list[tuple[bytes, bytes]] = []
         sock = self._sock
         assert sock is not None
+        if self.core.waiting:
+            timeout_ms = min(timeout_ms, _WAITING_TIMEOUT_MS)
         if timeout_ms != self._rcvtimeo_ms:
             sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._rcvtimeo_ms = timeout_ms
@@ -381,6 +389,8 @@ class BrokerServer:
             self._timers_due_s = now + 0.001
             for timer in self._timers:
                 timer.run(now)
+        if self.core.waiting:
+            self.core.serve_waiting(now)
         self.journal.commit(now)
         self._send(replies)
         if replies:

@@ -281,6 +281,7 @@ class SessionOpener:
                 instance,
                 max_bytes=KEEP if asked.max_bytes is proto.UNSET else asked.max_bytes,
                 min_bytes=floor, weight=weight, source="hello", owner_uid=uid,
+                priority=KEEP if asked.priority is proto.UNSET else asked.priority,
             )
         except BrokerError as exc:
             return self._limits_outcome(instance, uid, "ignored", exc.message)

@@ -79,6 +79,7 @@ class LimitRecord(Record, tag="limit", kw_only=True):
     weight: proto.Weight = 1.0
     revision: Annotated[int, Meta(ge=0)] = 0
     source: LimitSource = "admin"
+    priority: proto.Priority = 0
     owner_uid: Uid | None = None  # the uid whose hello set them (source "hello")
 
 

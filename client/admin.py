@@ -46,10 +46,12 @@ class AdminClient:
         min_bytes: int | Any = UNSET,
         weight: float | Any = UNSET,
         revision: int | None = None,
+        priority: int | Any = UNSET,
     ) -> dict[str, Any]:
         return self._call(
             lambda rid: proto.SetLimit(
-                id=rid, instance=instance, max_bytes=max_bytes, min_bytes=min_bytes, weight=weight, revision=revision
+                id=rid, instance=instance, max_bytes=max_bytes, min_bytes=min_bytes, weight=weight,
+                priority=priority, revision=revision,
             )
         )
 

@@ -17,7 +17,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from . import protocol as proto
-from .core import ClientCore, package_version, prepare
+from .core import ClientCore, check_pages, package_version, prepare
 from .errors import BrokerError
 from .operations import BACKGROUND_TICK_S, BackgroundHealth, Invoke, Op, Operations, Resume, Send
 from .session_view import SessionView
@@ -40,6 +40,7 @@ class AsyncBrokerClient(SessionView):
         self._resuming: asyncio.Future | None = None
         self._next_heartbeat_s = 0.0
         self._pressure_callback: AsyncPressureCallback | None = None
+        self._soft_pressure_callback: AsyncPressureCallback | None = None
         self._pushes: list[proto.Pressure] = []
         self._wake = asyncio.Event()
         self.pressure_log: list[dict[str, int]] = []
@@ -95,9 +96,9 @@ class AsyncBrokerClient(SessionView):
         """As :meth:`BrokerClient.reserve`."""
         return await self._run(self._ops.reserve(pools, usage, holds, measured_base, min_holds, phase))
 
-    async def acquire(self, pages: int, min_pages: int | None = None) -> int:
+    async def acquire(self, pages: int, min_pages: int | None = None, *, wait_s: float | None = None) -> int:
         """As :meth:`BrokerClient.acquire`."""
-        return await self._run(self._ops.acquire(pages, min_pages))
+        return await self._run(self._ops.acquire(pages, min_pages, wait_s))
 
     async def release(self, pages: int, mapped_pages: int | None = None) -> None:
         """As :meth:`BrokerClient.release`."""
@@ -121,9 +122,14 @@ class AsyncBrokerClient(SessionView):
         """As :meth:`BrokerClient.heartbeat`."""
         await self._run(self._ops.heartbeat())
 
-    def on_pressure(self, callback: AsyncPressureCallback | None) -> None:
-        """As :meth:`BrokerClient.on_pressure`; the callback may be a coroutine function."""
+    def on_pressure(self, callback: AsyncPressureCallback | None, *, soft: AsyncPressureCallback | None = None) -> None:
+        """As :meth:`BrokerClient.on_pressure`; the callbacks may be coroutine functions."""
         self._pressure_callback = callback
+        self._soft_pressure_callback = soft
+
+    def report_idle(self, pages: int) -> None:
+        """As :meth:`BrokerClient.report_idle`."""
+        self._core.idle_pages = check_pages("pages", pages, minimum=0)
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """As :meth:`BrokerClient.close`."""
@@ -206,7 +212,8 @@ class AsyncBrokerClient(SessionView):
             pushes, self._pushes = self._pushes, []
             try:
                 await self._run(self._ops.background_round(
-                    pushes, self._pressure_callback, self._heartbeat_due, self.pressure_log))
+                    pushes, self._pressure_callback, self._heartbeat_due, self.pressure_log,
+                    self._soft_pressure_callback))
                 health.ok()
             except BrokerError as exc:
                 if health.failed(exc):

@@ -123,8 +123,14 @@ class ClientCore:
         self.uncharged_pages = 0
         self.report_mapping = bool(report_mapping)
         self.mapped_pages = 0
+        #: What the runtime says is idle of what it holds (``report_idle``; None: never said),
+        #: and the figure last sent (reserve included) with a request.
+        self.idle_pages: int | None = None
+        self.idle_sent: int | None = None
         #: The answer to the last reserve (``pools``, ``holds``, ``grantable_bytes``, ...).
         self.last_reserve: dict[str, Any] = {}
+        #: The answer to the last acquire that went to the broker (``granted``, ``waited_s``, ...).
+        self.last_acquire: dict[str, Any] = {}
         self.pools: dict[str, int] = {}
         self.holds: dict[str, int] = {}
         self.token: str | None = None
@@ -174,6 +180,22 @@ class ClientCore:
         if self._hello_nonce is None:
             self._hello_nonce = secrets.token_urlsafe(12)
         return self._hello_nonce
+
+    def idle_to_send(self) -> int | None:
+        """The ``idle_pages`` a request carries: what the runtime said is idle plus the credit
+        reserve, at most what the session holds (None until the runtime said anything)."""
+        if self.idle_pages is None:
+            return None
+        credit = self.credit
+        self.idle_sent = min(credit.granted_pages, self.idle_pages + credit.reserve_pages)
+        return self.idle_sent
+
+    def idle_unsent(self) -> bool:
+        """The idle figure changed since a request last carried it."""
+        if self.idle_pages is None:
+            return False
+        credit = self.credit
+        return min(credit.granted_pages, self.idle_pages + credit.reserve_pages) != self.idle_sent
 
     def holdings(self) -> proto.Holdings:
         return proto.Holdings(
@@ -463,22 +485,28 @@ def package_version() -> str:
 
 
 def _limits_request(limits: dict[str, Any] | None) -> proto.LimitsRequest | None:
-    """``{"max_bytes": .., "min_bytes": .., "weight": ..}`` asked for at hello (admin policy may clamp)."""
+    """``{"max_bytes": .., "min_bytes": .., "weight": .., "priority": ..}`` asked for at hello (admin
+    policy may clamp)."""
     if limits is None:
         return None
-    unknown = set(limits) - {"max_bytes", "min_bytes", "weight"}
+    unknown = set(limits) - {"max_bytes", "min_bytes", "weight", "priority"}
     if unknown:
-        raise BadRequest(f"unknown limit {sorted(unknown)[0]!r}; use max_bytes, min_bytes, weight")
+        raise BadRequest(f"unknown limit {sorted(unknown)[0]!r}; use max_bytes, min_bytes, weight, priority")
     for key in ("max_bytes", "min_bytes"):
         if key in limits and limits[key] is not None:
             _check_int(key, limits[key], minimum=0)
     weight = limits.get("weight", proto.UNSET)
     if weight is not proto.UNSET and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0):
         raise BadRequest(f"weight must be a positive number, got {weight!r}")
+    priority = limits.get("priority", proto.UNSET)
+    if priority is not proto.UNSET and (isinstance(priority, bool) or not isinstance(priority, int)
+                                        or not -1000 <= priority <= 1000):
+        raise BadRequest(f"priority must be an integer from -1000 to 1000, got {priority!r}")
     return proto.LimitsRequest(
         max_bytes=limits.get("max_bytes", proto.UNSET),
         min_bytes=limits.get("min_bytes", proto.UNSET) if limits.get("min_bytes") is not None else proto.UNSET,
         weight=float(weight) if weight is not proto.UNSET else proto.UNSET,
+        priority=priority,
     )
 
 
@@ -512,6 +540,15 @@ def check_pages(name: str, value: Any, *, minimum: int) -> int:
     if value > proto.MAX_PAGES:
         raise BadRequest(f"{name} must be at most {proto.MAX_PAGES}, got {value}")
     return value
+
+
+def check_wait(wait_s: Any) -> float | None:
+    """``acquire``'s ``wait_s``: None, or seconds above 0 and at most the protocol's bound."""
+    if wait_s is None:
+        return None
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 < wait_s <= proto.MAX_WAIT_S:
+        raise BadRequest(f"wait_s must be a number of seconds above 0 and at most {proto.MAX_WAIT_S:g}, got {wait_s!r}")
+    return float(wait_s)
 
 
 def check_ask(pages: Any, min_pages: Any) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
 from . import protocol as proto
-from .core import RESUME_CODES, ClientCore, check_ask, check_pages
+from .core import RESUME_CODES, ClientCore, check_ask, check_pages, check_wait
 from .errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted, UntrustedEndpoint
 
 log = logging.getLogger("kvcached_broker.client")
@@ -84,6 +84,9 @@ MAX_RESUMES_PER_REQUEST = 8
 
 #: How often a driver's background wakes to answer pushes, refill the reserve and heartbeat.
 BACKGROUND_TICK_S = 0.05
+#: The sync client's tick while its session could give pages back when asked: a pressure push
+#: waits at most this long for its answer to start.
+PUSH_TICK_S = 0.005
 
 
 class Operations:
@@ -127,13 +130,16 @@ class Operations:
         core.book_pools(result)
         return dict(result["pools"])
 
-    def acquire(self, pages: int, min_pages: int | None) -> Op:
+    def acquire(self, pages: int, min_pages: int | None, wait_s: float | None = None) -> Op:
         """Take ``pages`` (or, with ``min_pages``, the most that fit in between); 0: refused.
 
         The credit reserve serves it with no round trip when it holds enough and no request
         is in doubt (those are settled first: a late grant may be what serves this one).
+        ``wait_s``: if it does not fit now, the broker keeps the ask up to that long and
+        answers as soon as it fits (0 only once the time is up).
         """
         check_ask(pages, min_pages)
+        wait_s = check_wait(wait_s)
         core = self.core
         core.check_usable()
         if core.outstanding:
@@ -146,9 +152,11 @@ class Operations:
             lambda rid: proto.Acquire(
                 id=rid, session=core.session_token(), pages=ask, min_pages=ask_min,
                 reserve_pages=credit.reserve_pages, caller_pages=pages, caller_min_pages=min_pages,
+                wait_s=wait_s, idle_pages=core.idle_to_send(),
             ),
             track={"on_answer": core.book_late_grant},
         )
+        core.last_acquire = dict(result)
         return credit.settle(pages, min_pages, int(result["granted"]))
 
     def release(self, pages: int, mapped_pages: int | None = None) -> Op:
@@ -177,7 +185,7 @@ class Operations:
         core.mapped_pages = mapped_pages
         result = yield from self.call(
             lambda rid: proto.Mapped(id=rid, session=core.session_token(), mapped_pages=mapped_pages,
-                                     reserve_pages=core.credit.reserve_pages),
+                                     reserve_pages=core.credit.reserve_pages, idle_pages=core.idle_to_send()),
             track={},
         )
         return int(result.get("unmapped_pages", 0))
@@ -192,7 +200,8 @@ class Operations:
         try:
             yield from self.call(
                 lambda rid: proto.Release(id=rid, session=core.session_token(), pages=pages,
-                                          reserve_pages=credit.reserve_pages, mapped_pages=mapped_pages),
+                                          reserve_pages=credit.reserve_pages, mapped_pages=mapped_pages,
+                                          idle_pages=core.idle_to_send()),
                 track={"booked": True, "on_refusal": lambda: credit.reattach(pages)},
             )
         except BrokerUnavailable:
@@ -233,7 +242,8 @@ class Operations:
     def heartbeat(self) -> Op:
         core = self.core
         return (yield from self.call(
-            lambda rid: proto.Heartbeat(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages),
+            lambda rid: proto.Heartbeat(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages,
+                                        idle_pages=core.idle_to_send()),
             total_s=max(1.0, core.heartbeat_s),
         ))
 
@@ -251,32 +261,38 @@ class Operations:
             credit.reattach(int(result["granted"]))
 
     def background_round(self, pushes: list[proto.Pressure], callback: Callable[[int], Any] | None,
-                         heartbeat_due: Callable[[], bool], pressure_log: list[dict[str, int]]) -> Op:
+                         heartbeat_due: Callable[[], bool], pressure_log: list[dict[str, int]],
+                         soft_callback: Callable[[int], Any] | None = None) -> Op:
         """One round of a driver's background work, in this order: answer the pressure pushes
         that came (each answer appended to ``pressure_log`` as it is made), top the reserve up,
-        then heartbeat if ``heartbeat_due()`` (the driver's clock) says so."""
+        then heartbeat if ``heartbeat_due()`` (the driver's clock) says so, or if the idle figure
+        the runtime reported has not reached the broker yet."""
         for push in pushes:
-            pressure_log.append((yield from self.answer_pressure(push, callback)))
+            pressure_log.append((yield from self.answer_pressure(push, callback, soft_callback)))
         yield from self.refill()
-        if (yield Invoke(heartbeat_due, ())):
+        if self.core.idle_unsent() or (yield Invoke(heartbeat_due, ())):
             yield from self.heartbeat()
 
-    def answer_pressure(self, push: proto.Pressure, callback: Callable[[int], Any] | None) -> Op:
-        """The broker asks for pages back: the credit reserve first, then what the runtime frees."""
+    def answer_pressure(self, push: proto.Pressure, callback: Callable[[int], Any] | None,
+                        soft_callback: Callable[[int], Any] | None = None) -> Op:
+        """The broker asks for pages back: the credit reserve first, then what the runtime frees
+        (a soft ask: only what ``soft_callback`` frees of idle memory; none without one)."""
         core = self.core
         from_reserve = core.credit.detach(push.pages)
         if from_reserve:
             yield from self.return_pages(from_reserve)
         from_runtime = 0
         rest = push.pages - from_reserve
+        if push.soft:
+            callback = soft_callback
         if rest > 0 and callback is not None:
             try:
                 from_runtime = max(0, int((yield Invoke(callback, (rest,)))))
             except Exception:
                 log.exception("event=pressure_callback_failed session=%s", core.session_id)
         log.info(
-            "event=pressure session=%s asked_pages=%d returned_reserve=%d returned_runtime=%d",
-            core.session_id, push.pages, from_reserve, from_runtime,
+            "event=pressure session=%s asked_pages=%d soft=%s returned_reserve=%d returned_runtime=%d",
+            core.session_id, push.pages, push.soft, from_reserve, from_runtime,
         )
         return {"asked": push.pages, "from_reserve": from_reserve, "from_runtime": from_runtime}
 

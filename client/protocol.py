@@ -52,6 +52,11 @@ Weight = Annotated[float, Meta(gt=0.0, le=1e6)]
 FreeText = Annotated[str, Meta(max_length=256)]
 #: Where a worker says it is in its start-up (shown in status): ``sizing``, ``warming``, ``serving``.
 Phase = Annotated[str, Meta(max_length=32, pattern=r"^[a-z_]*$")]
+#: Who is asked first when memory must be reclaimed: the lowest priority first (default 0).
+Priority = Annotated[int, Meta(ge=-1000, le=1000)]
+#: The longest an ``acquire`` may wait at the broker for memory to come back.
+MAX_WAIT_S = 5.0
+WaitSeconds = Annotated[float, Meta(ge=0.0, le=MAX_WAIT_S)]
 
 
 class Holdings(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
@@ -71,6 +76,7 @@ class LimitsRequest(Struct, kw_only=True, gc=False):
     max_bytes: Bytes | None | UnsetType = UNSET
     min_bytes: Bytes | UnsetType = UNSET
     weight: Weight | UnsetType = UNSET
+    priority: Priority | UnsetType = UNSET
 
 
 class AdapterInfo(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
@@ -147,6 +153,12 @@ class Acquire(Request, tag="acquire", kw_only=True):
     #: A session that reports mapping: these pages are mapped already (a client asking a broker
     #: that lost its session for what it holds), so they are charged as resident, not promised.
     mapped: bool = False
+    #: Wait up to this long at the broker for room (a release, a reading) instead of a refusal
+    #: now; the reply comes when the ask is granted, or with the refusal when the time is up.
+    wait_s: WaitSeconds | None = None
+    #: Of its granted pages, how many the session could give back without touching memory a
+    #: running request uses (its reserve, free pages, unused prefix-cache blocks); informational.
+    idle_pages: Pages | None = None
 
 
 class Release(Request, tag="release", kw_only=True):
@@ -155,6 +167,7 @@ class Release(Request, tag="release", kw_only=True):
     reserve_pages: Pages | None = None
     #: A session that reports mapping: how many of the pages it keeps are mapped afterwards.
     mapped_pages: Pages | None = None
+    idle_pages: Pages | None = None
 
 
 class Mapped(Request, tag="mapped", kw_only=True):
@@ -163,11 +176,13 @@ class Mapped(Request, tag="mapped", kw_only=True):
     session: SessionToken
     mapped_pages: Pages
     reserve_pages: Pages | None = None
+    idle_pages: Pages | None = None
 
 
 class Heartbeat(Request, tag="heartbeat", kw_only=True):
     session: SessionToken
     reserve_pages: Pages | None = None
+    idle_pages: Pages | None = None
 
 
 class Close(Request, tag="close", kw_only=True):
@@ -186,6 +201,7 @@ class SetLimit(Request, tag="limit", kw_only=True):
     max_bytes: Bytes | None | UnsetType = UNSET
     min_bytes: Bytes | UnsetType = UNSET
     weight: Weight | UnsetType = UNSET
+    priority: Priority | UnsetType = UNSET
     revision: Annotated[int, Meta(ge=0)] | None = None
 
 
@@ -222,11 +238,15 @@ class Reply(Struct, tag_field="type", tag="reply", kw_only=True, omit_defaults=T
 
 
 class Pressure(Struct, tag_field="type", tag="pressure", kw_only=True, omit_defaults=True, gc=False):
-    """Push: the broker asks this session to give back ``pages`` (credit reserve first)."""
+    """Push: the broker asks this session to give back ``pages`` (credit reserve first).
+
+    ``soft``: only what it holds idle (its reserve, free pages, unused prefix-cache blocks), never
+    memory a running request uses; the session is at or below its fair share."""
 
     session_id: str
     pages: int
     reason: str = ""
+    soft: bool = False
 
 
 BrokerMessage = Union[Reply, Pressure]

@@ -69,5 +69,12 @@ class SessionView:
         return dict(self._core.last_reserve)
 
     @property
+    def last_acquire(self) -> dict[str, Any]:
+        """The broker's whole answer to this session's last ``acquire`` that made a round trip:
+        ``granted``, ``granted_pages``, ``refused`` (a refusal), ``waited_s`` (an ask that waited
+        for memory: how long)."""
+        return dict(self._core.last_acquire)
+
+    @property
     def lease_s(self) -> float:
         return self._core.lease_s

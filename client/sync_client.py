@@ -15,9 +15,19 @@ import threading
 import time
 from typing import Any, Callable
 
-from .core import ClientCore, package_version, prepare
+from .core import ClientCore, check_pages, package_version, prepare
 from .errors import BrokerError
-from .operations import BACKGROUND_TICK_S, BackgroundHealth, Invoke, Op, Operations, Resume, Send, drive
+from .operations import (
+    BACKGROUND_TICK_S,
+    PUSH_TICK_S,
+    BackgroundHealth,
+    Invoke,
+    Op,
+    Operations,
+    Resume,
+    Send,
+    drive,
+)
 from .session_view import SessionView
 from .transport import CurveKeys, SyncTransport, Timeouts
 from .trust import endpoint_guard
@@ -38,6 +48,7 @@ class BrokerClient(SessionView):
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._pressure_callback: PressureCallback | None = None
+        self._soft_pressure_callback: PressureCallback | None = None
         self._next_heartbeat_s = 0.0
         self._thread: threading.Thread | None = None
         self.pressure_log: list[dict[str, int]] = []
@@ -113,13 +124,16 @@ class BrokerClient(SessionView):
         with self._lock:
             return self._run(self._ops.reserve(pools, usage, holds, measured_base, min_holds, phase))
 
-    def acquire(self, pages: int, min_pages: int | None = None) -> int:
+    def acquire(self, pages: int, min_pages: int | None = None, *, wait_s: float | None = None) -> int:
         """Take ``pages`` (all or nothing), or with ``min_pages`` the most that fit in between.
 
-        Returns the pages granted; 0 means refused (no room, a cap, or overcommit).
+        Returns the pages granted; 0 means refused (no room, a cap, or overcommit).  With
+        ``wait_s`` (seconds, at most 5) an ask that does not fit waits at the broker, which
+        answers it as soon as memory comes back (it asks the others for it at once); 0 only
+        once ``wait_s`` has passed.  The call blocks meanwhile.
         """
         with self._lock:
-            return self._run(self._ops.acquire(pages, min_pages))
+            return self._run(self._ops.acquire(pages, min_pages, wait_s))
 
     def release(self, pages: int, mapped_pages: int | None = None) -> None:
         """Give back ``pages``; more than held is ``BrokerError(bad_request)``.
@@ -157,9 +171,21 @@ class BrokerClient(SessionView):
         with self._lock:
             self._run(self._ops.heartbeat())
 
-    def on_pressure(self, callback: PressureCallback | None) -> None:
-        """Register what the runtime can free when the broker asks for pages back."""
+    def on_pressure(self, callback: PressureCallback | None, *, soft: PressureCallback | None = None) -> None:
+        """Register what the runtime can free when the broker asks for pages back.
+
+        ``soft`` answers the broker's soft asks (``pressure.soft``: another instance needs memory,
+        and this session is at or below its share): it frees only idle memory (unused cache,
+        free pages), never what a running request uses.  Without it a soft ask is answered from
+        the credit reserve alone."""
         self._pressure_callback = callback
+        self._soft_pressure_callback = soft
+
+    def report_idle(self, pages: int) -> None:
+        """Say how many of this session's pages the runtime holds idle (free pages, unused prefix
+        cache): the broker asks sessions with idle pages first when another needs memory.  No
+        round trip: the figure goes with the next request (the background sends one if none)."""
+        self._core.idle_pages = check_pages("pages", pages, minimum=0)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Release everything this session holds and end it.  Safe to call twice.
@@ -206,10 +232,19 @@ class BrokerClient(SessionView):
     def _heartbeat_due(self) -> bool:
         return time.monotonic() >= self._next_heartbeat_s
 
+    def _tick_s(self) -> float:
+        """How long the background sleeps: briefly while the session could give pages back when
+        asked (it holds some, and a runtime callback frees them), so a pressure push is answered
+        within a few milliseconds; otherwise the regular tick."""
+        core = self._core
+        if core.credit.granted_pages and (self._pressure_callback or self._soft_pressure_callback):
+            return PUSH_TICK_S
+        return BACKGROUND_TICK_S
+
     def _run_background(self) -> None:
         """Every tick, one background round, skipped while a caller holds the lock."""
         health = BackgroundHealth(self._core, self._transport.endpoint)
-        while not self._stop.wait(BACKGROUND_TICK_S):
+        while not self._stop.wait(self._tick_s()):
             if not self._lock.acquire(blocking=False):
                 continue
             try:
@@ -225,6 +260,10 @@ class BrokerClient(SessionView):
 
     def _background_step(self) -> None:
         self._transport.drain()
+        if not (self._transport.pushes or self._heartbeat_due() or self._core.idle_unsent()
+                or self._core.credit.refill_wanted()):
+            return  # a quick tick with nothing to do
         pushes, self._transport.pushes = self._transport.pushes, []
-        self._run(self._ops.background_round(pushes, self._pressure_callback, self._heartbeat_due, self.pressure_log))
+        self._run(self._ops.background_round(pushes, self._pressure_callback, self._heartbeat_due, self.pressure_log,
+                                             self._soft_pressure_callback))
 

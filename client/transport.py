@@ -193,6 +193,9 @@ class SyncTransport:
 
     def drain(self) -> None:
         """Read whatever is waiting (pushes, late replies) without blocking."""
+        events = self._sock.get(zmq.EVENTS)
+        if isinstance(events, int) and not events & zmq.POLLIN:
+            return  # cheaper than a receive that fails (docs/performance.md)
         while True:
             try:
                 frame = self._sock.recv(zmq.NOBLOCK)

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import GIB, MIB, Worker
 
-from kvcached_broker.adapters import sizing, worker
+from kvcached_broker.adapters import handback, sizing, worker
 from kvcached_broker.adapters.worker import KV_SIZING_HOLD, SLACK_HOLD, SLACK_POOL, WorkerIdentity
 from kvcached_broker.client.admin import AdminClient
 
@@ -193,3 +193,65 @@ def test_a_bad_start_up_wait_is_one_line_naming_the_variable(raw):
         sizing.startup_wait_s({sizing.STARTUP_WAIT_ENV: raw})
     assert sizing.startup_wait_s({sizing.STARTUP_WAIT_ENV: " 2.5 "}) == 2.5
     assert sizing.startup_wait_s({}) == sizing.DEFAULT_STARTUP_WAIT_S
+
+
+def _serving_after_warm_up(broker) -> int:
+    """Sized, the pool built, warmed up (384 MiB of graphs and activations): free bytes then."""
+    sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
+    worker.report(ME, "pool", {"kv_static": 4 * GIB}, holds=sizing.holds_after_pool(ME, 4 * GIB, last=True))
+    _measure(broker, 6 * GIB + 384 * MIB)
+    assert worker.settle_warm_up(ME) == GIB - 384 * MIB
+    return broker.status()["free_bytes"]
+
+
+def _measure(broker, size_bytes: int) -> None:
+    with AdminClient(broker.endpoint, timeout_s=30) as admin:
+        admin.simulate(process_bytes={PID: size_bytes})
+
+
+def test_a_re_pin_after_the_warm_up_keeps_the_slack_not_allocated_yet(adapter_broker, device):
+    free = _serving_after_warm_up(adapter_broker)
+    handback.before_release(ME, {"weights", "kv_cache"})  # SGLang's release pins the base first
+    assert adapter_broker.status()["free_bytes"] == free  # it once gave the 640 MiB kept away
+    assert _me(adapter_broker)["pools"][SLACK_POOL] == GIB - 384 * MIB
+
+
+def test_a_re_pin_moves_activations_the_device_measures_from_the_slack_into_the_base(adapter_broker, device):
+    free = _serving_after_warm_up(adapter_broker)
+    _measure(adapter_broker, 6 * GIB + 512 * MIB)  # 128 MiB more cached activations, inside the slack
+    worker.repin_base(ME)
+    me = _me(adapter_broker)
+    assert me["pools"]["runtime_base"] == 2 * GIB + 512 * MIB and me["pools"][SLACK_POOL] == GIB - 512 * MIB
+    assert adapter_broker.status()["free_bytes"] == free  # nothing given away, nothing counted twice
+    worker.report(ME, "pool", {"kv_static": 4 * GIB})  # the adapter's book follows the broker's slack
+    assert _me(adapter_broker)["pools"][SLACK_POOL] == GIB - 512 * MIB
+
+
+def test_a_release_and_resume_cycle_keeps_the_slack_for_a_later_prefill(adapter_broker, device):
+    free = _serving_after_warm_up(adapter_broker)
+    tags = {"weights", "kv_cache"}
+    handback.before_release(ME, tags)
+    _measure(adapter_broker, 384 * MIB)  # weights and KV handed back
+    handback.after_release(ME, tags, ["pool"])
+    handback.admit(ME, tags, ["pool"])
+    _measure(adapter_broker, 6 * GIB + 384 * MIB)  # mapped again
+    handback.settle(ME, tags)
+    assert adapter_broker.status()["free_bytes"] == free
+    _measure(adapter_broker, 7 * GIB)  # a long prefill inside the slack it was promised
+    assert adapter_broker.status()["unreported_bytes"] == 0
+
+
+def test_a_pool_refused_a_little_past_its_hold_says_how_little(adapter_broker, device):
+    from kvcached_broker.adapters.sglang import kv_budget, reporting
+
+    with adapter_broker.admin() as admin:
+        admin.limit("me", max_bytes=6 * GIB)
+    sizing.size(ME, sizing.StartupAsk("SGLang", 8 * GIB, 1, 0))  # the KV held up to the cap: 4 GiB
+
+    class Pool:
+        pass
+
+    with pytest.raises(kv_budget.BrokerBudgetError) as refused:
+        reporting.report_pool(ME, Pool(), "kv_static", {"kv_static": 4 * GIB + 13 * 1024}, "its static KV pool",
+                              last=True)
+    assert "cannot give SGLang instance 'me' 13.00 KiB more for its static KV pool" in str(refused.value)

@@ -107,6 +107,21 @@ def test_limit_max_refuses_grants_beyond_it_and_none_clears_it(broker):
         assert inst["max_bytes"] is None
 
 
+def test_limit_priority_is_kept_shown_and_checked(broker):
+    """--priority alone is a limit change (the reclaim order); a bad one is a usage error that
+    changes nothing."""
+    out = cli("limit", "batch", "--endpoint", broker.endpoint, "--priority", "-7")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["priority"] == -7
+    out = cli("limit", "batch", "--endpoint", broker.endpoint, "--weight", "2")
+    assert json.loads(out.stdout)["priority"] == -7  # kept when another limit changes
+    for bad in ("1001", "x", "1.5"):
+        out = cli("limit", "batch", "--endpoint", broker.endpoint, "--priority", bad)
+        assert out.returncode == 2 and "--priority" in out.stderr, out.stderr
+    (inst,) = [i for i in broker.status()["instances"] if i["name"] == "batch"]
+    assert inst["priority"] == -7 and inst["weight"] == 2.0
+
+
 def test_refused_limit_exits_1_with_limit_exceeded(broker):
     out = cli("limit", "m", "--endpoint", broker.endpoint, "--max", "1GiB", "--min", "2GiB")
     assert out.returncode == 1 and "limit_exceeded" in out.stderr
@@ -141,6 +156,28 @@ def test_demo_runs_and_exits_0():
     assert out.returncode == 0, out.stderr
     for name in ("deepseek-v4", "llama-a", "llama-b", "swa_kv_pool", "c4_indexer_kv_pool"):
         assert name in out.stdout
+
+
+def test_status_all_finds_every_broker_of_a_uuid_endpoint_template(short_tmp):
+    """The Helm chart's and the DaemonSet's ``KVCACHED_BROKER=ipc:///run/kvcached/{uuid}.sock``:
+    ``status --all`` lists the sockets that exist (it once asked the template itself)."""
+    from helpers import python_env
+
+    env = {**python_env(), "KVCACHED_BROKER": f"ipc://{short_tmp}/{{uuid}}.sock"}
+    uuids = ["GPU-0b1e", "GPU-7f3a"]
+    brokers = [BrokerLauncher(f"ipc://{short_tmp}/{uuid}.sock", device=i, simulate=f"{8 * (i + 1)}GiB", env=env)
+               for i, uuid in enumerate(uuids)]
+    try:
+        for b in brokers:
+            b.start()
+        out = cli("status", "--all", "--json", env=env)
+        assert out.returncode == 0, out.stderr
+        assert sorted(d["total_bytes"] for d in json.loads(out.stdout)) == [8 * GIB, 16 * GIB]
+    finally:
+        for b in brokers:
+            b.stop()
+    gone = cli("status", "--all", "--json", env=env)  # no broker: said in one line
+    assert gone.returncode != 0 and "no kvcached-broker sockets" in gone.stderr and "\n" not in gone.stderr.strip()
 
 
 def test_status_all_shows_every_gpus_broker_in_the_runtime_dir(short_tmp):

@@ -20,7 +20,7 @@ from kvcached_broker.client import AsyncBrokerClient, BrokerClient
 from helpers import GIB
 
 #: Methods that are plain functions on both clients (registering a callback does no I/O).
-PLAIN_ON_BOTH = {"on_pressure"}
+PLAIN_ON_BOTH = {"on_pressure", "report_idle"}
 
 
 def _public(cls: type) -> set[str]:

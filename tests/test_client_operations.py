@@ -756,3 +756,52 @@ def test_a_release_after_a_restart_with_another_request_in_doubt_is_applied_once
     """The issue's own order, deterministic: the client holds 6 pages, an acquire times out
     while the broker is down, the broker comes back, the next call releases 2."""
     assert _run_order(tmp_path, 0, "acquire", "restart_before", "release", None) is None
+
+
+# ------------------------------------------------------------------- waiting, idle pages, soft asks
+def test_an_acquire_that_may_wait_says_so_and_a_bad_wait_changes_nothing():
+    s = Script(credit_pages=0)
+    assert s.run(s.ops.acquire(2, None, 1.5)) == 2
+    assert s.last_sent().wait_s == 1.5 and s.core.last_acquire["granted"] == 2
+    s.sent.clear()
+    for bad in (0, -1, proto.MAX_WAIT_S + 0.5, True, "1"):
+        with pytest.raises(BadRequest):
+            s.run(s.ops.acquire(1, None, bad))
+    assert s.sent == [] and s.books_match()
+
+
+def test_idle_pages_the_runtime_reports_go_with_the_next_request_or_a_heartbeat():
+    """No round trip of its own: the figure (with the reserve) rides on the next request; a
+    background round with nothing else to send heartbeats once to carry it."""
+    s = Script(credit_pages=2)
+    s.acquire(4)  # held 4, reserve 2
+    assert s.last_sent().idle_pages is None  # never reported: nothing said
+    s.core.idle_pages = 3
+    assert s.core.idle_unsent()
+    s.run(s.ops.background_round([], None, lambda: False, []))
+    assert s.ops_sent()[-1] == "heartbeat" and s.last_sent().idle_pages == 5  # 3 idle + the reserve of 2
+    assert not s.core.idle_unsent()
+    s.sent.clear()
+    s.run(s.ops.background_round([], None, lambda: False, []))
+    assert s.sent == []  # unchanged: nothing to send
+    s.core.idle_pages = 6
+    s.release(1)  # into the reserve (3): no request
+    s.acquire(9)
+    assert s.last_sent().idle_pages is not None
+
+
+def test_a_soft_ask_goes_to_the_soft_callback_only():
+    s = Script(credit_pages=0)
+    s.acquire(6)
+    hard, soft = [], []
+
+    def soft_callback(pages: int) -> int:
+        soft.append(pages)
+        s.release(1)
+        return 1
+
+    push = proto.Pressure(session_id=s.core.session_id, pages=3, soft=True)
+    answer = s.run(s.ops.answer_pressure(push, hard.append, soft_callback))
+    assert soft == [3] and hard == [] and answer["from_runtime"] == 1
+    s.run(s.ops.answer_pressure(push, hard.append))  # no soft callback: the reserve only (empty)
+    assert hard == [] and s.books_match()

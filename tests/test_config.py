@@ -14,7 +14,7 @@ def test_config_file_options_limits_and_precedence(short_tmp):
     config = short_tmp / "gpu0.toml"
     config.write_text(
         'simulate = "16GiB"\nheadroom = "1GiB"\nlease = 3\n'
-        '[limits.capped]\nmax = "2GiB"\n[limits.floored]\nmin = "4GiB"\nweight = 2\n'
+        '[limits.capped]\nmax = "2GiB"\n[limits.floored]\nmin = "4GiB"\nweight = 2\npriority = -5\n'
     )
     endpoint = f"ipc://{short_tmp}/gpu0.sock"
     with BrokerLauncher(endpoint, simulate=None, args=["--config", str(config), "--headroom", "2GiB"],
@@ -26,6 +26,7 @@ def test_config_file_options_limits_and_precedence(short_tmp):
         by_name = {i["name"]: i for i in status["instances"]}
         assert by_name["capped"]["max_bytes"] == 2 * GIB
         assert by_name["floored"]["min_bytes"] == 4 * GIB and by_name["floored"]["weight"] == 2.0
+        assert by_name["floored"]["priority"] == -5 and by_name["capped"]["priority"] == 0
         with BrokerClient.connect("capped", endpoint=endpoint, page_bytes=GIB, credit_pages=0) as c:
             assert c.acquire(3) == 0 and c.acquire(2) == 2  # the configured cap applies on arrival
 
@@ -38,6 +39,8 @@ def test_config_file_options_limits_and_precedence(short_tmp):
         ('leese = 3\n', "unknown key 'leese'"),
         ('[limits.x]\nmax = "lots"\n', "limits.x.max"),
         ('[limits.x]\ncap = "1GiB"\n', "limits.x.cap"),
+        ('[limits.x]\npriority = 1001\n', "limits.x.priority"),
+        ('[limits.x]\npriority = 1.5\n', "limits.x.priority"),
         ("lease = [\n", "not valid TOML"),
         ("hello_max_floor_share = 2\n", "key 'hello_max_floor_share'"),
         ('hello_max_floor_share = "lots"\n', "key 'hello_max_floor_share'"),

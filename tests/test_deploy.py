@@ -51,10 +51,15 @@ def test_kubernetes_manifests_wire_the_socket_and_pids():
 def _dockerfile_stages() -> list[list[str]]:
     """The Dockerfile's instructions, one list per ``FROM``."""
     stages: list[list[str]] = []
+    pending = ""
     for line in (ROOT / "Dockerfile").read_text().splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
+        if line.endswith("\\"):  # a continued instruction: one entry
+            pending += line[:-1].strip() + " "
+            continue
+        line, pending = pending + line, ""
         if line.startswith("FROM"):
             stages.append([])
         stages[-1].append(line)
@@ -68,7 +73,14 @@ def test_dockerfile_builds_the_wheel_from_every_package_directory():
     copied = {source for l in build if l.startswith("COPY") for source in l.split()[1:-1]}
     needed = set(pyproject["tool"]["setuptools"]["package-dir"].values()) | {"pyproject.toml", "setup.py", "README.md"}
     assert needed <= copied, f"the wheel stage does not copy {sorted(needed - copied)}"
-    assert any(l.startswith("RUN KVCACHED_BROKER_COMPILE=1 pip wheel") for l in build)
+    (wheel,) = [l for l in build if l.startswith("RUN") and "KVCACHED_BROKER_COMPILE=1 pip wheel" in l]
+    assert "--build-constraint constraints/build.txt" in wheel  # built as the tests' build was
+
+
+def test_dockerfile_installs_what_the_tests_resolved():
+    *_, lines = _dockerfile_stages()
+    (install,) = [l for l in lines if l.startswith("RUN") and "[metrics]" in l]
+    assert install.count("-c /wheels/constraints.txt") == 2  # pip itself, then the wheel and its dependencies
 
 
 def test_dockerfile_runs_the_broker_as_non_root_with_a_healthcheck():

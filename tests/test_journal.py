@@ -381,7 +381,8 @@ def test_restore_brings_back_sessions_limits_and_fences(short_tmp):
     kept.result("reserve", pools={"weights": GIB})
     kept.acquire(2)
     admin = CoreConnection(core)
-    assert admin.ask({"op": "limit", "id": 1, "instance": "kept", "max_bytes": 4 * GIB, "weight": 2.0})["ok"]
+    assert admin.ask({"op": "limit", "id": 1, "instance": "kept", "max_bytes": 4 * GIB, "weight": 2.0,
+                      "priority": -3})["ok"]
     assert admin.ask({"op": "evict", "id": 2, "session_id": evicted.session_id})["ok"]
     core.journal.commit(0.0)  # no close: the next core reads the journal, not a snapshot
 
@@ -391,6 +392,7 @@ def test_restore_brings_back_sessions_limits_and_fences(short_tmp):
     (record,) = restored.sessions
     assert record.id == kept.session_id and record.granted_pages == 2 and record.pools == {"weights": GIB}
     assert fresh.ledger.limits["kept"].max_bytes == 4 * GIB and fresh.ledger.limits["kept"].weight == 2.0
+    assert fresh.ledger.limits["kept"].priority == -3
     assert fresh.table.fenced == {evicted.token: evicted.session_id}
     assert not fresh.ledger.sessions  # sessions come back only through the core (their processes checked)
     fresh.restore(restored, 1.0)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from kvcached_broker.adapters.kvcached import segment
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry, session_pages_per_page
 from kvcached_broker.adapters.kvcached.policy import (
-    Grow, Hold, PoolPages, Shrink, Watermarks, decide, give_back_plan, initial_pages,
+    RAMP_AHEAD_S, RAMP_MAX, RAMP_WINDOW_S, Grow, Hold, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan,
+    initial_pages,
 )
 
 MARKS = Watermarks(batch_pages=8, low_pages=4, high_pages=16)
@@ -61,6 +62,41 @@ def test_the_first_grant_is_the_null_blocks_page_and_a_batch_within_the_virtual_
     assert initial_pages(MARKS, 3) == 3
     marks = Watermarks.for_page_bytes(128 << 20)  # a 32-layer model's compound page
     assert marks.batch_pages == 4 and marks.low_pages == 2 and marks.high_pages == 8
+
+
+def test_a_burst_asks_for_what_it_uses_in_a_moment_at_its_rate_and_a_pause_ends_it():
+    ramp = Ramp(MARKS)
+    assert ramp.current(0.0) == MARKS  # not bursting: one batch
+    ramp.grew(1.0, inuse_pages=10)  # a first growth: a burst may begin, at one batch
+    assert ramp.current(1.0) == MARKS
+    ramp.grew(1.1, inuse_pages=10 + 400)  # 400 pages in 0.1 s: 4000 pages/s
+    batch = round(4000 * RAMP_AHEAD_S)
+    assert ramp.current(1.1) == Watermarks(batch_pages=batch, low_pages=batch // 2, high_pages=2 * batch)
+    grow = decide(PoolPages(inuse=410, limit=410 + batch // 2 - 1, granted=500, ceiling=10_000), ramp.current(1.1))
+    assert grow == Grow(batch, 1)  # grows by the burst's batch, before it runs short
+    ramp.starved(1.1 + RAMP_WINDOW_S)  # it waited for memory: the burst is not over
+    assert ramp.current(1.1 + RAMP_WINDOW_S + 0.1).batch_pages == batch
+    ramp.grew(1.2 + RAMP_WINDOW_S, inuse_pages=420)  # its rate fell while it waited: the batch stays
+    assert ramp.current(1.2 + RAMP_WINDOW_S).batch_pages == batch
+    assert ramp.current(1.3 + 2 * RAMP_WINDOW_S) == MARKS  # a pause: back to one batch
+    ramp.grew(10.0, inuse_pages=0)
+    ramp.grew(10.01, inuse_pages=10**7)  # never past RAMP_MAX batches
+    assert ramp.current(10.01).batch_pages == MARKS.batch_pages * RAMP_MAX
+
+
+def test_a_burst_that_runs_short_at_least_doubles_its_batch():
+    """Growths the engine ran out before: the rate so far is what the grants allowed, so the
+    batch doubles (up to RAMP_MAX batches) even when the measured rate says less."""
+    ramp = Ramp(MARKS)
+    ramp.grew(1.0, inuse_pages=10, short=True)  # a burst begins: one batch
+    assert ramp.current(1.0) == MARKS
+    batches = []
+    for i in range(1, 9):
+        ramp.grew(1.0 + 0.02 * i, inuse_pages=10 + i, short=True)  # a slow measured rate
+        batches.append(ramp.current(1.0 + 0.02 * i).batch_pages)
+    assert batches == [16, 32, 64, 128, 256, 512, 512, 512]  # 8 * RAMP_MAX = 512
+    ramp.grew(1.2, inuse_pages=20)  # grown ahead of need: the batch is kept, not doubled
+    assert ramp.current(1.2).batch_pages == 512
 
 
 def test_pool_pages_convert_to_session_pages_only_when_they_divide():

@@ -20,9 +20,13 @@ class Pool:
         self.grants = SimpleNamespace(pages=granted, ratio=ratio)
         self.real = SimpleNamespace(get_num_inuse_pages=lambda: inuse)
         self.asked = 0
+        self.soft_asked = 0
 
-    def ask_back(self, pages: int) -> None:
-        self.asked += pages
+    def ask_back(self, pages: int, *, soft: bool = False) -> None:
+        if soft:
+            self.soft_asked += pages
+        else:
+            self.asked += pages
 
 
 class Client:
@@ -32,13 +36,15 @@ class Client:
         self._core = SimpleNamespace(uncharged_pages=0)
         self.session_id = "s-test"
         self.callback = None
+        self.soft_callback = None
 
     @property
     def uncharged_pages(self) -> int:
         return self._core.uncharged_pages
 
-    def on_pressure(self, callback) -> None:
+    def on_pressure(self, callback, *, soft=None) -> None:
         self.callback = callback
+        self.soft_callback = soft
 
 
 def test_a_short_reassertion_is_asked_of_the_pools_once_most_idle_first():
@@ -68,3 +74,18 @@ def test_a_short_reassertion_is_asked_of_the_pools_once_most_idle_first():
 def test_a_client_without_an_uncharged_book_has_none():
     assert pressure.uncharged_pages(SimpleNamespace()) == 0
     assert pressure.uncharged_pages(SimpleNamespace(uncharged_pages=3)) == 3
+
+
+def test_a_soft_ask_is_split_as_a_hard_one_and_marked_soft():
+    """The broker's soft ask (idle memory only) reaches the pools through the client's soft
+    callback, split most idle first, and never counts as a hard ask."""
+    client = Client()
+    busy, idle = Pool(granted=10, inuse=9), Pool(granted=10, inuse=2)
+    pressure.enlist(client, busy)
+    pressure.enlist(client, idle)
+    assert client.soft_callback is not None
+    assert client.soft_callback(96) == 0  # 12 pool pages; the pages go back on the governors' thread
+    assert (idle.soft_asked, busy.soft_asked) == (10, 2)
+    assert idle.asked == busy.asked == 0
+    client.callback(8)
+    assert (idle.asked, busy.asked) == (1, 0)

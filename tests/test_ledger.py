@@ -608,6 +608,26 @@ def test_a_refusal_names_the_ask_the_room_and_who_holds_the_rest_without_contrad
     assert info.value.details["holders"] == [{"instance": "b", "charged_bytes": 50 * GIB - 13_108}]
 
 
+def test_a_cap_refusal_says_the_ask_and_the_room_without_contradicting_itself():
+    ledger = _colocated()
+    ledger.set_limits("a", max_bytes=32 * GIB)  # a is charged 30: its cap leaves 2 GiB
+    with pytest.raises(LimitExceeded) as info:
+        ledger.reserve("a", {}, holds={"kv_sizing_hold": 2 * GIB + 13 * 1024})
+    message = info.value.message
+    assert "asked 2,147,496,960 B, its cap of 32.00 GiB leaves 2,147,483,648 B" in message, message
+    assert info.value.details["asked_bytes"] == 2 * GIB + 13 * 1024 and "starting" in info.value.details
+    assert ledger.sessions["a"].holds == {}
+
+
+def test_a_refusal_names_the_start_ups_in_progress_that_hold_memory():
+    ledger = _colocated()
+    ledger.reserve("b", {}, holds={"kv_sizing_hold": 20 * GIB})
+    with pytest.raises(BudgetExceeded) as info:
+        ledger.reserve("a", {}, holds={"runtime_slack_hold": GIB})
+    assert info.value.details["starting"] == [{"instance": "b", "held_bytes": 20 * GIB}]
+    assert info.value.message.endswith("; start-ups in progress hold 20.00 GiB (b)")
+
+
 def test_ever_bytes_is_what_the_instance_could_have_once_the_others_are_at_their_floors():
     ledger = _colocated()
     ledger.set_limits("b", min_bytes=35 * GIB)

@@ -56,8 +56,8 @@ def test_pressure_asks_those_above_their_share_and_counts_what_comes_back():
     ledger.release("s0", 4)
     assert book.on_release("s0", 4) == 4
     view = book.instance_view("idle")
-    assert view == {"pending_bytes": 6 * GIB, "asks": 1, "asked_bytes": 10 * GIB, "returned_bytes": 4 * GIB,
-                    "ignored_bytes": 0}
+    assert view == {"pending_bytes": 6 * GIB, "asks": 1, "soft_asks": 0, "asked_bytes": 10 * GIB,
+                    "returned_bytes": 4 * GIB, "ignored_bytes": 0}
     assert [sid for sid, _ in book.expire(now_s=6.0)] == ["s0"]
     assert book.instance_view("idle")["ignored_bytes"] == 6 * GIB
     assert ledger.sessions["s0"].granted_pages == 86  # ignoring an ask never cuts what it holds

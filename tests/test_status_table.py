@@ -12,7 +12,7 @@ from helpers import CLI, GIB, connect
 
 #: The per-instance and per-session fields of ``status --json`` before name collisions were shown.
 INSTANCE_FIELDS = {
-    "name", "max_bytes", "min_bytes", "weight", "limits_revision", "reserved_bytes", "granted_bytes",
+    "name", "max_bytes", "min_bytes", "weight", "priority", "limits_revision", "reserved_bytes", "granted_bytes",
     "unreported_bytes", "charged_bytes", "grantable_bytes", "held_bytes", "pools", "holds", "usage_breakdown",
     "sessions", "fair_share_bytes", "pressure",
 }
@@ -20,6 +20,7 @@ SESSION_FIELDS = {
     "id", "rank", "tp_size", "pid", "pid_verified", "state", "page_bytes", "granted_pages", "reserve_pages",
     "reserved_bytes", "granted_bytes", "held_bytes", "measured_bytes", "pools", "holds", "usage_breakdown",
     "idle_s", "client", "adapter", "report_mapping", "unmapped_pages", "phase",
+    "idle_pages",
 }
 
 

@@ -208,10 +208,12 @@ class EventLog:
     keep: int = 4
     lines: list[str] = field(default_factory=list)
     _last: Frame | None = None
+    added: int = 0  # every event ever added (a transcript prints a frame before one scrolls away)
 
     def add(self, t_s: float, text: str) -> None:
         self.lines.append(f"{t_s:5.1f} s  {text}")
         del self.lines[:-self.keep]
+        self.added += 1
 
     def observe(self, frame: Frame, servers: list[Server]) -> None:
         """Add what changed since the previous frame: phases, pressure asks, pages returned."""

@@ -110,9 +110,10 @@ class BoardGrants:
         held = self._counted_grants()
         return min([self.wanted, *held]) if held else 0
 
-    def acquire(self, pages: int, min_pages: int) -> int | None:
+    def acquire(self, pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None:
         """Raise every worker to ``pages`` more (no fewer than ``min_pages`` more); the pages every
-        counted worker now holds above the old level (0: refused); None if none is counted."""
+        counted worker now holds above the old level (0: refused); None if none is counted.
+        (``wait_s`` is not used: each worker asks its own broker, within ``ANSWER_WAIT_S``.)"""
         if not self._counted():
             return self._unprotected()
         old = self.pages

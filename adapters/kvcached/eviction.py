@@ -18,6 +18,12 @@ Contract for an :class:`EvictionHook`:
 
 The governor does not trust the return value for accounting: it re-reads what kvcached has
 in use and releases only what kvcached reports unmapped.
+
+A hook may also have ``cached_pages() -> int``: about how many pool pages its cache could free
+now (on any thread, cheap, never raising).  The governor then tells the broker those pages are
+idle (``BrokerClient.report_idle``: the broker asks idle pages first, and asks pools at or
+below their share for idle pages only), and a limit deferred below what is in use evicts what
+requests leave in the cache as they finish, at its next round.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any, Protocol
 
 
 class EvictionHook(Protocol):
-    def evict(self, pages: int) -> int: ...
+    def evict(self, pages: int) -> int: ...  # optional: def cached_pages(self) -> int
 
 
 _hooks: "weakref.WeakKeyDictionary[Any, EvictionHook]" = weakref.WeakKeyDictionary()

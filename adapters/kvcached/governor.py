@@ -62,12 +62,15 @@ from . import eviction, pressure, runner, segment, shm_files
 from .geometry import PoolGeometry
 from .grants import SessionGrants
 from .limits import DirectLimits, LimitChannel
-from .policy import Grow, PoolPages, Shrink, Watermarks, decide, give_back_plan, initial_pages
+from .policy import Grow, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan, initial_pages
 
 log = logging.getLogger("kvcached_broker.adapters")
 
 ZERO_PAGE_POOL = "kvcached_zero_page"
 GROW_RETRY_S = (0.05, 0.5)  # first and longest wait after a refused growth
+#: A growth the engine is waiting for (it missed) waits at the broker this long for memory to
+#: come back (``acquire(wait_s=)``) rather than taking a refusal and a back-off.
+GROW_WAIT_S = 0.5
 #: After a pressure ask, a pool grows only on a refused allocation (not ahead of need) for this
 #: long, so what it gave back goes to the pool that asked rather than straight back to it.
 PRESSURE_QUIET_S = 2.0
@@ -83,6 +86,7 @@ class PoolGovernor:
         self.grants = grants
         self.limits = limits or DirectLimits()
         self.marks = marks
+        self.ramp = Ramp(marks)
         self.governed = grants is not None
         self.why_ungoverned = why_ungoverned
         self.sequence = next(_sequence)  # creation order in this process
@@ -108,6 +112,7 @@ class PoolGovernor:
         self._asks = threading.Lock()  # guards the two fields below (set from other threads)
         self._short_pages = 0
         self._pressure_pages = 0
+        self._soft_pages = 0  # asked back of idle memory only (a soft ask: never defer below use)
         self._next_grow_s = 0.0
         self._grow_wait_s = GROW_RETRY_S[0]
         self._refusal_streak = 0
@@ -118,6 +123,7 @@ class PoolGovernor:
         self._zero_reported = False
         self._zero_refusals = 0
         self._reported_mapped = 0  # the mapped pool pages the broker was last told
+        self._reported_idle: int | None = None  # the idle pool pages the session was last told
         self.closed = False
         self._forgotten = False  # a closed pool's grant and reports are all given back
 
@@ -173,12 +179,13 @@ class PoolGovernor:
                 self._short_pages = max(self._short_pages, math.ceil(need_blocks / blocks_per_page))
                 self.counters["misses"] += 1
             return True
-        return self._free_pages() < self.marks.low_pages
+        return self._free_pages() < self.ramp.current(now_s()).low_pages
 
     def note_free(self) -> bool:
         """After ``free``: True if the governor's thread should run (too much free, deferred, or
         kvcached unmapped pages the broker still counts as mapped)."""
-        return self.governed and (self.pending_limit is not None or self._free_pages() > self.marks.high_pages
+        return self.governed and (self.pending_limit is not None
+                                  or self._free_pages() > self.ramp.current(now_s()).high_pages
                                   or self._mapped_pages() < self._reported_mapped)
 
     def note_miss(self) -> None:
@@ -237,10 +244,14 @@ class PoolGovernor:
         return {**state, "status": "deferred" if lowers else "applied",
                 "reason": "kvcached_broker_operator_cap", "operator_cap_bytes": self.geometry.limit_bytes(cap)}
 
-    def ask_back(self, pages: int) -> None:
-        """The broker wants ``pages`` pool pages back (recorded; the governor's thread acts)."""
+    def ask_back(self, pages: int, *, soft: bool = False) -> None:
+        """The broker wants ``pages`` pool pages back (recorded; the governor's thread acts);
+        ``soft``: only idle ones (free pages, the prefix cache's unused blocks)."""
         with self._asks:
-            self._pressure_pages += pages
+            if soft:
+                self._soft_pages += pages
+            else:
+                self._pressure_pages += pages
             self.counters["pressure_asks"] += 1
 
     def release_standing(self) -> None:
@@ -290,20 +301,26 @@ class PoolGovernor:
         polled = self.grants.poll() if self.grants is not None else 0
         with self._asks:
             asked, self._pressure_pages = self._pressure_pages + polled, 0
+            soft, self._soft_pages = self._soft_pages, 0
             short, self._short_pages = self._short_pages, 0
             if polled:  # pressure that came through the grants object (a broadcast pool's board)
                 self.counters["pressure_asks"] += 1
-        if asked:
+        if asked or soft:
             self._quiet_until_s = now_s + PRESSURE_QUIET_S
-            asked -= self._release_above_limit(asked)  # a grant held above the limit first
+            asked -= self._release_above_limit(asked + soft)  # a grant held above the limit first
+            if asked < 0:
+                soft, asked = max(0, soft + asked), 0
         if asked > 0:
             self._give_back(manager, asked, evict=True)
+        elif soft > 0:
+            self._give_back(manager, soft, evict=True, defer=False)
         if self.pending_limit is None:
             self._follow_policy(manager, short, now_s)
         self._write_segment()
         self._note_segment()
         self._publish()
         self._report_mapped()
+        self._report_idle(manager)
         self._seen_limit_pages = self._limit_pages()
 
     def _mapped_pages(self) -> int:
@@ -321,24 +338,46 @@ class PoolGovernor:
             report(self.key, mapped)
             self._reported_mapped = mapped
 
+    def _report_idle(self, manager: Any) -> None:
+        """Tell the session how many of the pool's granted pages are idle: its free pages and what
+        its prefix cache could evict (the hook's ``cached_pages()``, if it has one).  No round
+        trip: it goes with the session's next request; the broker asks idle pages first."""
+        report = getattr(self.grants, "idle", None)
+        if report is None or self.grants is None:
+            return
+        idle = min(self.grants.pages, max(0, self.grants.pages - self.real.get_num_inuse_pages())
+                   + self._cached_pages(manager))
+        if idle != self._reported_idle:
+            report(self.key, idle)
+            self._reported_idle = idle
+
+    def _cached_pages(self, manager: Any) -> int:
+        """About how many pool pages the prefix cache could free now: its hook's ``cached_pages()``
+        (0 for a hook without that figure, or none)."""
+        cached = getattr(eviction.hook_for(manager), "cached_pages", None)
+        if cached is None:
+            return 0
+        try:
+            return max(0, int(cached()))
+        except Exception:  # noqa: BLE001 - a figure for the broker's choice, never a failure
+            return 0
+
     def _follow_policy(self, manager: Any, short_pages: int, now_s: float) -> None:
         pages = self.pages()
-        decision = decide(pages, self.marks, short_pages=short_pages)
+        decision = decide(pages, self.ramp.current(now_s), short_pages=short_pages)
         if isinstance(decision, Grow):
             if not short_pages and (now_s < self._next_grow_s or now_s < self._quiet_until_s):
                 return
-            if now_s < self._next_grow_s:
-                with self._asks:
-                    self._short_pages = max(self._short_pages, short_pages)  # keep it for the retry
-                return
-            self._grow(manager, decision, now_s)
+            # An ask the engine is waiting for waits at the broker (it paces itself there), so a
+            # back-off after refused asks ahead of need does not delay it.
+            self._grow(manager, decision, now_s, waiting=short_pages > 0)
         elif isinstance(decision, Shrink):
             if pages.limit > pages.ceiling:
                 self._give_back(manager, pages.limit - pages.ceiling, evict=False)
             else:
                 self._lower_now(manager, decision.limit)
 
-    def _grow(self, manager: Any, decision: Grow, now_s: float) -> None:
+    def _grow(self, manager: Any, decision: Grow, now_s: float, *, waiting: bool = False) -> None:
         assert self.grants is not None
         standing = min(self.grants.pages, self.pages().ceiling)
         if standing > self._limit_pages():
@@ -346,20 +385,27 @@ class PoolGovernor:
             # peers agree has not raised it yet): use it before asking the broker for more.
             self._set_limit(manager, standing)
             return
+        # What the engine mapped since the last round first: a page mapped but not reported is
+        # charged twice (measured, and promised) until it is, and would take the room asked for.
+        self._report_mapped()
         # After a refusal, every other ask is for the whole batch: the broker sizes the pressure
         # it puts on pools above their share from what a refused ask needed at least.
         whole = self._refusal_streak % 2 == 1
-        got = self.grants.acquire(decision.pages, decision.pages if whole else decision.min_pages)
+        got = self.grants.acquire(decision.pages, decision.pages if whole and not waiting else decision.min_pages,
+                                  wait_s=GROW_WAIT_S if waiting else None)
         if got is None:
             self._ungovern("broker unusable while growing")
             return
         if got == 0:
+            if waiting:
+                self.ramp.starved(now_s)
             self._refusal_streak += 1
             self._refused()
             self._next_grow_s = now_s + self._grow_wait_s
             self._grow_wait_s = min(GROW_RETRY_S[1], 2 * self._grow_wait_s)
             return
         self._count_grant(got)
+        self.ramp.grew(now_s, self.real.get_num_inuse_pages(), short=waiting)
         self._refusal_streak = 0
         self._grow_wait_s = GROW_RETRY_S[0]
         self._next_grow_s = 0.0
@@ -402,9 +448,10 @@ class PoolGovernor:
             real.resize(size)
 
     # ------------------------------------------------------------ giving back
-    def _give_back(self, manager: Any, wanted: int, *, evict: bool) -> None:
+    def _give_back(self, manager: Any, wanted: int, *, evict: bool, defer: bool = True) -> None:
         """Lower the limit by ``wanted`` pages: over free pages at once, then (after asking the
-        prefix cache to evict) below what is in use, deferred until blocks are freed."""
+        prefix cache to evict) below what is in use, deferred until blocks are freed (not for
+        ``defer=False``, a soft ask: only what the eviction freed)."""
         pages = self.pages()
         now, later = give_back_plan(pages, wanted, self.marks.floor_pages)
         if now < pages.limit:
@@ -421,6 +468,9 @@ class PoolGovernor:
                 return
             if inuse < self._limit_pages():
                 self._lower_now(manager, inuse)
+        if not defer:
+            self.blocked = ""
+            return
         self._defer(manager, later)
 
     def _lower_now(self, manager: Any, limit_pages: int) -> None:
@@ -453,6 +503,11 @@ class PoolGovernor:
         finishes it on a ``free``, but a prealloc refill racing that resize can leave it pending)."""
         state = manager.memory_limit_state()
         assert self.pending_limit is not None
+        above = self.real.get_num_inuse_pages() - self.pending_limit
+        if state.get("status") == "deferred" and above > 0 and self._cached_pages(manager) > 0:
+            # Requests finished into the prefix cache since the limit was deferred: what they
+            # left there goes now, rather than at the next ask.
+            self._evict(manager, above)
         if state.get("status") == "deferred" and self.real.get_num_inuse_pages() <= self.pending_limit:
             state = self._set_limit(manager, self.pending_limit)
         self._release_above_limit()
@@ -480,11 +535,23 @@ class PoolGovernor:
             surplus = min(surplus, at_most)
         if surplus <= 0:
             return 0
-        if not self.grants.release(surplus):
+        if not self._release(surplus):
             self._ungovern("broker unusable while releasing")
             return 0
         self.counters["pages_released"] += surplus
         return surplus
+
+    def _release(self, pages: int) -> bool:
+        """Give ``pages`` back, saying in the same request how many the pool still maps (the
+        broker then reads the device at once: the memory is free for others in this round)."""
+        assert self.grants is not None
+        if getattr(self.grants, "mapped", None) is None:
+            return self.grants.release(pages)
+        mapped = min(self._mapped_pages(), max(0, self.grants.pages - pages))
+        if not self.grants.release(pages, mapped=mapped, key=self.key):
+            return False
+        self._reported_mapped = mapped
+        return True
 
     def _adopt_lowered_limit(self, now_s: float) -> None:
         """kvcached's size fell since the last round without this governor lowering it (a limit

@@ -53,11 +53,12 @@ class SessionGrants:
         failure of any reporter of the process counts), or None while it can."""
         return worker.unprotected_reason(self.identity)
 
-    def acquire(self, pages: int, min_pages: int) -> int | None:
-        """Pool pages granted (between ``min_pages`` and ``pages``, or 0); None if unprotected."""
+    def acquire(self, pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None:
+        """Pool pages granted (between ``min_pages`` and ``pages``, or 0); None if unprotected.
+        ``wait_s``: an ask that does not fit waits at the broker up to that long."""
         ratio = self.ratio
         got = worker.guard(self.identity, "kvcached acquire",
-                           lambda: self.client.acquire(pages * ratio, min_pages=min_pages * ratio))
+                           lambda: self.client.acquire(pages * ratio, min_pages=min_pages * ratio, wait_s=wait_s))
         if got is None:
             return None
         whole, odd = divmod(got, ratio)
@@ -66,17 +67,25 @@ class SessionGrants:
         self.pages += whole
         return whole
 
-    def release(self, pages: int) -> bool:
-        """Give ``pages`` pool pages back; False if the process turned unprotected."""
+    def release(self, pages: int, *, mapped: int | None = None, key: str | None = None) -> bool:
+        """Give ``pages`` pool pages back; False if the process turned unprotected.  ``mapped``
+        (with the pool's ``key``): the pool pages it still maps, said in the same request."""
         pages = min(pages, self.pages)
         if pages <= 0:
             return True
-        if worker.guard(self.identity, "kvcached release",
-                        lambda: _released(self.client, pages * self.ratio)) is None:
+        if mapped is not None and key is not None:
+            if not worker.release_mapped(self.identity, key, pages * self.ratio, min(mapped, self.pages) * self.ratio):
+                return False
+        elif worker.guard(self.identity, "kvcached release",
+                          lambda: _released(self.client, pages * self.ratio)) is None:
             return False
         self.pages -= pages
         return True
 
+    def idle(self, key: str, pages: int) -> None:
+        """The pool ``key`` holds ``pages`` pool pages idle (free, or its prefix cache's unused
+        blocks): said with the session's next request."""
+        worker.report_idle(self.identity, key, min(pages, self.pages) * self.ratio)
 
     def mapped(self, key: str, pages: int) -> None:
         """The pool ``key`` has ``pages`` pool pages mapped now (in use and kvcached's reserve):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ...client.procfs import running_start_ticks
+
 
 @dataclass(frozen=True)
 class ProcessIdentity:
@@ -28,20 +30,8 @@ class ProcessIdentity:
 
 
 def start_ticks(pid: int | str) -> int | None:
-    """When ``pid`` (or ``"self"``) started (``/proc/PID/stat`` field 22), or None if it does
-    not run (or is a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rfind(b")") + 2:].split()
-    if len(rest) < 20 or rest[0] in (b"Z", b"X"):
-        return None
-    try:
-        return int(rest[19])
-    except ValueError:
-        return None
+    """When ``pid`` (or ``"self"``) started; None if it does not run (``client.procfs``)."""
+    return running_start_ticks(pid)
 
 
 def pid_namespace() -> int:

@@ -11,14 +11,32 @@ Hysteresis: a pool grows by ``batch_pages`` once fewer than ``low_pages`` of its
 free, so the engine's allocation path rarely waits on the broker; it gives back what is free
 beyond ``high_pages``, down to ``batch_pages`` free, so a pool that oscillates around a size
 makes no round trip per allocation.
+
+Ramp: a pool that grows again within ``RAMP_WINDOW_S`` of its last growth is in a burst: its
+batch becomes what it consumed in the burst per second times ``RAMP_AHEAD_S`` (at least one
+batch, at most ``RAMP_MAX``), and its marks scale with it.  A burst of many GiB then takes a
+few round trips, each granted before the engine runs short, and asks the broker (and so the
+pools it takes memory from) for about what the next ``RAMP_AHEAD_S`` will use, not a
+doubling's overshoot.  Once it pauses for the window, the batch is back to one, and what the
+ramp left free goes back.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DEFAULT_BATCH_BYTES = 512 << 20
+#: Growths this close together are one burst (seconds).
+RAMP_WINDOW_S = 0.5
+#: A burst's batch covers what it uses in this long, at its rate so far (seconds): about one
+#: hand-over's protocol time, so the next grant is there before the engine runs short.
+RAMP_AHEAD_S = 0.1
+#: The largest batch a burst ramps to, in batches (32 GiB at the default 512 MiB).
+RAMP_MAX = 64
+#: A burst's rate is measured over at least this long (seconds): two growths a moment apart say
+#: little about it.
+RAMP_MIN_ELAPSED_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -34,6 +52,53 @@ class Watermarks:
     def for_page_bytes(cls, page_bytes: int, batch_bytes: int = DEFAULT_BATCH_BYTES) -> "Watermarks":
         batch = max(2, math.ceil(batch_bytes / page_bytes))
         return cls(batch_pages=batch, low_pages=max(1, batch // 2), high_pages=2 * batch)
+
+
+@dataclass
+class Ramp:
+    """A pool's growth batch (pool pages): one batch, or, in a burst (growths within
+    ``RAMP_WINDOW_S`` of each other), what the burst uses in ``RAMP_AHEAD_S`` at its rate so
+    far (in-use pages gained per second since it began), between one and ``RAMP_MAX`` batches.
+    Times on the monotonic clock."""
+
+    marks: Watermarks
+    batch_pages: int = 0  # in a burst, the batch (0: one batch of the marks)
+    last_grow_s: float = -math.inf
+    burst_start_s: float = -math.inf
+    burst_start_inuse: int = 0
+
+    def current(self, now_s: float) -> Watermarks:
+        """The marks in force: the batch, and the low and high marks scaled with it."""
+        m = self.marks
+        if now_s - self.last_grow_s > RAMP_WINDOW_S or self.batch_pages <= m.batch_pages:
+            return m
+        batch = self.batch_pages
+        return replace(m, batch_pages=batch, low_pages=max(m.low_pages, batch // 2),
+                       high_pages=max(m.high_pages, 2 * batch))
+
+    def grew(self, now_s: float, inuse_pages: int, *, short: bool = False) -> None:
+        """A growth was granted now, with ``inuse_pages`` in use: the next batch follows the
+        burst's rate, never below the batch before (a growth after a pause starts a new burst at
+        one batch).  ``short``: the engine ran out before this growth (the batch was too small
+        for the burst): the batch at least doubles, as TCP's slow start does, since the rate so
+        far is limited by the grants themselves."""
+        m = self.marks
+        if now_s - self.last_grow_s > RAMP_WINDOW_S:
+            self.burst_start_s, self.burst_start_inuse = now_s, inuse_pages
+            self.batch_pages = m.batch_pages
+        else:
+            elapsed = max(RAMP_MIN_ELAPSED_S, now_s - self.burst_start_s)
+            rate = max(0, inuse_pages - self.burst_start_inuse) / elapsed
+            floor = 2 * self.batch_pages if short else self.batch_pages
+            self.batch_pages = min(m.batch_pages * RAMP_MAX,
+                                   max(floor, m.batch_pages, math.ceil(rate * RAMP_AHEAD_S)))
+        self.last_grow_s = now_s
+
+    def starved(self, now_s: float) -> None:
+        """An ask the engine waited for was not granted: the burst goes on (its batch is kept
+        for when memory comes back), however long the pool waits."""
+        if now_s - self.last_grow_s <= RAMP_WINDOW_S:
+            self.last_grow_s = now_s
 
 
 @dataclass(frozen=True)

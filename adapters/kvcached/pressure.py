@@ -39,20 +39,20 @@ def enlist(client, governor) -> None:
         if pools is None:
             pools = _pools[client] = weakref.WeakSet()
             ref = weakref.ref(client)
-            client.on_pressure(lambda pages: _answer(ref, pages))
+            client.on_pressure(lambda pages: _answer(ref, pages), soft=lambda pages: _answer(ref, pages, soft=True))
         pools.add(governor)
 
 
-def _answer(client_ref, session_pages: int) -> int:
+def _answer(client_ref, session_pages: int, soft: bool = False) -> int:
     client = client_ref()
     with _lock:
         pools = list(_pools.get(client, ())) if client is not None else []
-    split(pools, session_pages)
+    split(pools, session_pages, soft=soft)
     runner.wake()
     return 0
 
 
-def split(governors, session_pages: int) -> dict[object, int]:
+def split(governors, session_pages: int, *, soft: bool = False) -> dict[object, int]:
     """Ask ``governors`` for ``session_pages`` back, most idle first; ``{governor: pool pages}``."""
     live = [g for g in governors if g.governed and g.grants is not None and g.grants.pages > 0]
     live.sort(key=lambda g: g.grants.pages - g.real.get_num_inuse_pages(), reverse=True)
@@ -62,7 +62,7 @@ def split(governors, session_pages: int) -> dict[object, int]:
         if left <= 0:
             break
         pages = min(governor.grants.pages, math.ceil(left / governor.grants.ratio))
-        governor.ask_back(pages)
+        governor.ask_back(pages, soft=soft)
         asked[governor] = pages
         left -= pages * governor.grants.ratio
     return asked

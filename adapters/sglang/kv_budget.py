@@ -19,8 +19,14 @@ class BrokerBudgetError(RuntimeError):
 def explain_refusal(
     identity: worker.WorkerIdentity, client: BrokerClient, needed_bytes: int, what: str, exc: BudgetExceeded
 ) -> BrokerBudgetError:
-    """The error for a refused reservation, in the broker's words."""
+    """The error for a refused reservation, in the broker's words.  The size said is what the
+    charge would have grown by (the broker's ``asked_bytes``): a pool that replaces a hold
+    grows by far less than its size."""
+    asked = exc.details.get("asked_bytes")
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
+        needed_bytes = asked
+    more = " more" if needed_bytes < int(exc.details.get("pool_asked_bytes") or 0) else ""
     return BrokerBudgetError(
         f"kvcached-broker at {client.endpoint} cannot give SGLang instance {identity.instance_name()!r} "
-        f"{format_bytes(needed_bytes)} for {what}: {exc.message}"
+        f"{format_bytes(needed_bytes)}{more} for {what}: {exc.message}"
     )

@@ -60,10 +60,13 @@ def test_pressure_moves_memory_from_an_idle_pool_to_a_bursting_one(shared_gpu, p
         granted_a = a.pool()["granted_bytes"]
         assert granted_a >= pages_of(5500) * POOL_PAGE_BYTES > GIB  # above its fair share (1 GiB)
 
+        free_before = broker.status()["free_bytes"]  # A alone: no watermark frees anything for B yet
         b = pools(broker, usage, 2 * GIB, "model-b")
         burst = b.request("fill", blocks=3500)
         assert burst["held_blocks"] == 3500
-        assert burst["misses"] > 0  # B was refused at first: the room was A's
+        # The room was A's: B holds more than was free (B may never have missed, its pool growing
+        # ahead of need on what the broker's watermarks and pressure took back from A's cache).
+        assert b.pool()["granted_bytes"] > free_before
 
         after_a = a.pool()
         assert after_a["pressure_asks"] >= 1 and after_a["pages_released"] > 0

@@ -282,6 +282,7 @@ class Show:
         thread.start()
         frames: list[Frame] = []
         last_plain_s = -PLAIN_FRAME_S
+        shown_events = 0  # events added up to the last plain frame
         while True:
             frame = self.read_frame()
             frames.append(frame)
@@ -292,10 +293,12 @@ class Show:
             if interactive and text.count("\n") + 2 <= rows:  # a shorter terminal gets plain frames
                 self.out.write(CLEAR_HOME + text + "\n")
                 self.out.flush()
-            elif problems or finished or frame.t_s - last_plain_s >= PLAIN_FRAME_S:
+            elif (problems or finished or frame.t_s - last_plain_s >= PLAIN_FRAME_S
+                  or self.script.events.added - shown_events >= self.script.events.keep - 1):
+                # also before the event log scrolls past an event the transcript has not shown
                 self.out.write(f"\n{text}\n")
                 self.out.flush()
-                last_plain_s = frame.t_s
+                last_plain_s, shown_events = frame.t_s, self.script.events.added
             if problems:
                 print(f"kvcached-broker demo: FAILED at t = {frame.t_s:.1f} s: {problems[0]}", file=sys.stderr)
                 self.out.write(f"kvcached-broker demo: FAILED at t = {frame.t_s:.1f} s: {'; '.join(problems)}\n")

@@ -17,7 +17,8 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
   ``"reuse_cache": true`` a miss first frees the pool's own prefix cache, as a runtime's does;
   ``"stall_s": S`` gives up once nothing was allocated for S seconds.  The reply times the
   fill (``elapsed_s``, and ``first_miss_s``/``first_refusal_s``: the first allocation that
-  missed and the first broker ask that was refused, from the fill's start), gives its start,
+  missed and the first broker ask that did not fit at once, refused or waiting for memory,
+  from the fill's start), gives its start,
   first refusal and end on this machine's monotonic clock (``started_at``, ``refused_at``,
   ``done_at``), and what the calls below took from the first refusal on (``after_refusal``);
   ``{"op": "free", "blocks": N}``: free the N newest; ``{"op": "cache", "blocks": N}``: the
@@ -177,7 +178,7 @@ class Engine:
         self.cached: list[list[int]] = []  # oldest first
         self.lock = threading.Lock()
         self.misses = 0
-        self.refusals: list[float] = []  # monotonic times of refused broker asks
+        self.refusals: list[float] = []  # monotonic times of broker asks that did not fit at once
         self.evicted_blocks = 0
         self.spans = CallSpans()
 
@@ -250,6 +251,10 @@ class Engine:
             self.spans.call("free", self.manager.free, taken)
         return len(taken)
 
+    def cached_pages(self) -> int:
+        """The hook's idle figure: about how many pool pages the prefix cache could free now."""
+        return self.cached_count() // self.blocks_per_page()
+
     def drop_cache(self) -> int:
         """Free every cached block (a reset between trials); blocks freed."""
         return self._free_cached(None)
@@ -310,11 +315,17 @@ class Engine:
         if grants is None:
             return
         real_acquire, real_release = grants.acquire, grants.release
+        core = getattr(getattr(grants, "client", None), "_core", None)  # its last answer, by identity
 
         def acquire(*args, **kwargs):
+            before = core.last_acquire if core is not None else None
+            started = time.monotonic()
             got = self.spans.call("acquire", real_acquire, *args, **kwargs)
+            answer = core.last_acquire if core is not None else before
             if got == 0:
                 self.refusals.append(time.monotonic())
+            elif answer is not before and answer.get("waited_s") is not None:
+                self.refusals.append(started)  # it did not fit at once: it waited at the broker
             return got
 
         def release(*args, **kwargs):
