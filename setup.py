@@ -75,7 +75,7 @@ COMPILED_MODULES = [
     "broker/accounts.py", "broker/admin_ops.py", "broker/counters.py", "broker/device_monitor.py",
     "broker/histogram.py", "broker/journal.py", "broker/ledger.py", "broker/lifecycle.py",
     "broker/policy.py", "broker/refusals.py", "broker/request_core.py", "broker/session_opener.py",
-    "broker/sessions.py", "broker/status.py", "client/credit.py", "client/units.py",
+    "broker/sessions.py", "broker/status.py", "broker/tokens.py", "client/credit.py", "client/units.py",
 ]
 #: What the compiled build needs at build time: mypy (with mypyc), and the libraries whose
 #: types the compiled modules use, so that mypy checks them against their real signatures.

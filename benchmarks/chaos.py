@@ -24,7 +24,23 @@ draws N random events:
   go on; the broker must refuse the excess, stay up, and admit connections again once they
   are closed;
 * ``status_flood``: send 2,000 status requests on a connection that never reads; the broker
-  must drop the replies past its bounds rather than keep them (its memory is checked).
+  must drop the replies past its bounds rather than keep them (its memory is checked);
+* ``damaged_restart``: stop the broker (SIGKILL, or a clean stop for the snapshot's kinds),
+  damage its state one way (a bit of the first journal record's length, a zero-filled journal,
+  a bit of the snapshot, the snapshot, the journal or both deleted) and start it again: the
+  damage must be reported with ``records_lost`` and growth held; meanwhile a resume with a
+  made-up token (from the runner, a process older than the restart) must get no allowance, and
+  a newcomer nothing; the workers whose records were lost re-assert, and the quiet point after
+  must find every worker's books charged;
+* ``in_doubt_orders``: a client of the runner's leaves a call in doubt while the broker is
+  stopped (the request then lost with a SIGKILL, or applied after a SIGCONT), the broker is
+  restarted, and the next call follows: every order of acquire, release and reserve in doubt,
+  applied or not, then acquire, release, reserve or a heartbeat; after each, the broker must
+  charge exactly the client's books;
+* ``hello_limits``: as another user (uid 65534, when the run is root's), a hello under a
+  worker's instance name asks for ``max_bytes: 0``, the whole budget as a floor and a weight of
+  1e6: the instance's limits must not change; a hello for an instance of the runner's own asks
+  for the same and must be cut to the broker's bounds.
 
 A thread samples status every 20 ms and checks its own invariants at each sample
 (``budget = total - headroom - external``, ``free = max(0, budget - reserved - granted -
@@ -55,6 +71,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import logging
 import os
 import queue
 import random
@@ -75,8 +92,10 @@ from typing import Any, Callable, Iterable
 import msgspec
 import zmq
 
+from kvcached_broker.client import BrokerClient
 from kvcached_broker.client.admin import AdminClient
-from kvcached_broker.client.errors import BrokerError, BrokerUnavailable
+from kvcached_broker.client.errors import BrokerError, BrokerUnavailable, BudgetExceeded
+from kvcached_broker.client.transport import Timeouts
 from kvcached_broker.client.units import format_bytes, parse_size
 from kvcached_broker.tools.launch import BrokerLauncher
 
@@ -95,7 +114,17 @@ EVENT_WEIGHTS = {
     "limit": 30,
     "connection_flood": 3,
     "status_flood": 3,
+    "damaged_restart": 4,
+    "in_doubt_orders": 1,
+    "hello_limits": 2,
 }
+#: How ``damaged_restart`` damages the state (issue 26, item 1).
+DAMAGE_KINDS = ("journal_first_length_bit", "zero_filled_journal", "snapshot_bit", "deleted_snapshot",
+                "deleted_journal", "deleted_snapshot_and_journal")
+#: ``in_doubt_orders``: the call left in doubt, whether the broker applied it, and the next call.
+IN_DOUBT_FIRST = ("acquire", "release", "reserve")
+IN_DOUBT_NEXT = ("acquire", "release", "reserve", "heartbeat")
+NOBODY_UID = 65534
 
 SAMPLE_INTERVAL_S = 0.02
 WORKER_REPLY_TIMEOUT_S = 120.0  # generous: a loaded 2-core machine, and nothing here depends on speed
@@ -170,6 +199,15 @@ class Figures:
     status_flood_dropped: int = 0  # replies it dropped during status floods
     status_flood_growth_bytes: list[int] = field(default_factory=list)
     flood_failures: list[str] = field(default_factory=list)
+    damaged_restarts: Counter = field(default_factory=Counter)  # by kind of damage
+    damage_failures: list[str] = field(default_factory=list)
+    forged_resumes_refused: int = 0
+    newcomers_held: int = 0
+    overcommitted_reasserting: int = 0  # samples over budget while lost records are re-asserted
+    in_doubt_orders: int = 0
+    in_doubt_failures: list[str] = field(default_factory=list)
+    hello_limit_checks: int = 0
+    hello_limit_failures: list[str] = field(default_factory=list)
     worker_starts: int = 0
     worker_crashes: list[str] = field(default_factory=list)
     worker_unresponsive: list[str] = field(default_factory=list)
@@ -199,6 +237,9 @@ class Figures:
             "worker_unresponsive": len(self.worker_unresponsive),
             "broker_crashes": len(self.broker_crashes),
             "flood_failures": len(self.flood_failures),
+            "damage_failures": len(self.damage_failures),
+            "in_doubt_failures": len(self.in_doubt_failures),
+            "hello_limit_failures": len(self.hello_limit_failures),
         }
 
     def to_json(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -253,6 +294,15 @@ class Figures:
             "status_flood_replies_dropped": self.status_flood_dropped,
             "status_flood_growth_bytes_max": max(self.status_flood_growth_bytes, default=None),
             "flood_failures": self.flood_failures[:MAX_EXAMPLES],
+            "damaged_restarts": dict(self.damaged_restarts),
+            "damage_failures": self.damage_failures[:MAX_EXAMPLES],
+            "forged_resumes_refused": self.forged_resumes_refused,
+            "newcomers_held": self.newcomers_held,
+            "status_samples_overcommitted_reasserting": self.overcommitted_reasserting,
+            "in_doubt_orders": self.in_doubt_orders,
+            "in_doubt_failures": self.in_doubt_failures[:MAX_EXAMPLES],
+            "hello_limit_checks": self.hello_limit_checks,
+            "hello_limit_failures": self.hello_limit_failures[:MAX_EXAMPLES],
             "worker_starts": self.worker_starts,
             "worker_crashes": self.worker_crashes[:MAX_EXAMPLES],
             "worker_unresponsive": self.worker_unresponsive[:MAX_EXAMPLES],
@@ -292,12 +342,20 @@ def status_violations(doc: dict[str, Any]) -> list[tuple[str, str]]:
         found.append(("free_bytes", f"free {free} != max(0, budget {budget} - charges {charges})"))
     if bool(doc["overcommitted"]) != (charges > budget):
         found.append(("overcommitted", f"overcommitted={doc['overcommitted']} with charges {charges}, budget {budget}"))
-    if charges > budget and external == 0 and unreported == 0:
+    if charges > budget and external == 0 and unreported == 0 and not reasserting_lost_records(doc):
         found.append(("overbooked", f"charges {charges} exceed budget {budget} with no external usage"))
     found.extend(_instance_sum_violations(doc))
     for instance in doc["instances"]:
         found.extend(_session_sum_violations(instance))
     return found
+
+
+def reasserting_lost_records(doc: dict[str, Any]) -> bool:
+    """Growth held after damage that may have lost whole records: what the workers re-assert
+    is charged whether or not it fits (restored records may over-charge until their own
+    workers re-assert lower), so charges past the budget are honest then, not an overbooking."""
+    broker = doc.get("broker", {})
+    return bool(broker.get("growth_held") and (broker.get("state_damage") or {}).get("records_lost"))
 
 
 def _instance_sum_violations(doc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -354,6 +412,8 @@ class StatusSampler(threading.Thread):
                 self.figures.samples_unavailable += 1
                 continue
             self.figures.samples += 1
+            if doc["overcommitted"] and reasserting_lost_records(doc):
+                self.figures.overcommitted_reasserting += 1
             for kind, detail in status_violations(doc):
                 self.figures.violation(kind, detail)
         if self._admin is not None:
@@ -378,9 +438,16 @@ class BrokerProc:
     def __init__(self, workdir: Path, simulate: str, lease_s: float, max_connections: int):
         self.log_path = workdir / "broker.log"
         self.max_connections = max_connections
+        self.state_dir = workdir / "state"
+        # Run as root, the socket is open to NOBODY_UID's group too (the hello_limits event
+        # speaks as another user); its directory is the broker's own.
+        self.other_user_group = _nobody_group() if os.getuid() == 0 else None
+        group_args = ["--socket-group", self.other_user_group] if self.other_user_group else []
+        if self.other_user_group:
+            os.chmod(workdir, 0o755)
         self.launcher = BrokerLauncher(
-            f"ipc://{workdir}/gpu0.sock", simulate=simulate, state_dir=workdir / "state",
-            args=["--lease", str(lease_s), "--log-level", "info"], log=self.log_path,
+            f"ipc://{workdir}/run/gpu0.sock", simulate=simulate, state_dir=self.state_dir,
+            args=["--lease", str(lease_s), "--log-level", "info", *group_args], log=self.log_path,
             prefix=[sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid())], new_session=True,
             extra_env={"KVCACHED_BROKER_MAX_CONNECTIONS": str(max_connections)},
         )
@@ -398,6 +465,13 @@ class BrokerProc:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         self.launcher.stop(sig)
+
+    def send(self, sig: int) -> None:
+        """A signal without waiting (SIGSTOP, SIGCONT)."""
+        self.launcher.send(sig)
+
+    def log(self) -> str:
+        return self.launcher.log()
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.launcher.log().splitlines()[-lines:])
@@ -511,6 +585,8 @@ class WorkerProc:
             except queue.Empty:
                 return None
             if message.get("seq") == seq:
+                if message.get("session_id"):
+                    self.session_id = message["session_id"]  # a session lost to damage is a new one
                 return message
             self._absorb(message)
         return None
@@ -715,6 +791,9 @@ class ChaosRun:
             "limit": self.ev_limit,
             "connection_flood": self.ev_connection_flood,
             "status_flood": self.ev_status_flood,
+            "damaged_restart": self.ev_damaged_restart,
+            "in_doubt_orders": self.ev_in_doubt_orders,
+            "hello_limits": self.ev_hello_limits,
         }
         began_s = time.monotonic()
         if handlers[kind]():
@@ -766,7 +845,7 @@ class ChaosRun:
         worker = self.pick(self.live_workers())
         if worker is None:
             return False
-        if not self.ask(worker, "pause") or not self.wait_settled({worker.session_id: worker}, whole=False):
+        if not self.ask(worker, "pause") or not self.wait_settled([worker], whole=False):
             self.ask(worker, "resume")
             return False
         books = self.ask(worker, "snapshot")
@@ -847,11 +926,11 @@ class ChaosRun:
             self.figures.resume_timeouts += 1
         return True
 
-    def wait_recovered(self) -> bool:
-        """Until no session but a stopped worker's is recovering."""
+    def wait_recovered(self, ignore: frozenset[str | None] = frozenset()) -> bool:
+        """Until no session but a stopped worker's (or one in ``ignore``) is recovering."""
         deadline_s = time.monotonic() + SETTLE_TIMEOUT_S
         while time.monotonic() < deadline_s:
-            stopped = {w.session_id for w in self.workers.values() if w.stop is not None}
+            stopped = {w.session_id for w in self.workers.values() if w.stop is not None} | ignore
             recovering = {sid for sid, s in sessions_by_id(self.status()).items() if s["state"] == "recovering"}
             if recovering <= stopped:
                 return True
@@ -918,6 +997,228 @@ class ChaosRun:
             self.figures.flood_failures.append(
                 f"status flood: answered={bool(answered)} growth={growth_bytes} bytes, dropped={dropped}")
         return True
+
+    # ------------------------------------------------ damage, forged resumes (issue 26, items 1 and 3)
+    def ev_damaged_restart(self) -> bool:
+        """The broker stopped, its state damaged one way, started again: damage reported with
+        ``records_lost`` and growth held; a made-up resume and a newcomer get nothing meanwhile;
+        the workers re-assert (the quiet point then compares their books)."""
+        self.service_stopped(force=True)  # a stopped worker's check expects its session to stay
+        kind = self.rng.choice(DAMAGE_KINDS)
+        clean = kind in ("snapshot_bit", "deleted_snapshot")  # the sessions in the snapshot alone
+        self.note(f"broker {'stopped' if clean else 'SIGKILL'} to damage its state: {kind}")
+        self.broker.kill(signal.SIGTERM if clean else signal.SIGKILL)
+        self.reset_admin()
+        kind = damage_state(self.broker.state_dir, kind)
+        ready_s = self.broker.start()
+        restarted_s = time.monotonic()
+        self.figures.broker_restarts += 1
+        self.figures.ready_after_restart_s.append(ready_s)
+        self.figures.damaged_restarts[kind] += 1
+        broker = self.status()["broker"]
+        damage = broker.get("state_damage") or {}
+        if not (damage.get("records_lost") and broker.get("growth_held")):
+            self.figures.damage_failures.append(f"{kind}: not held as damage that lost records: {damage}, "
+                                                f"growth_held={broker.get('growth_held')!r}")
+        self.check_forged_resume(kind)
+        self.check_newcomer_held(kind)
+        if self.wait_recovered():
+            self.figures.resumed_after_restart_s.append(time.monotonic() - restarted_s)
+        else:
+            self.figures.resume_timeouts += 1
+        return True
+
+    def held(self) -> bool:
+        return bool(self.status()["broker"].get("growth_held"))
+
+    def check_forged_resume(self, kind: str) -> None:
+        """A resume with a made-up token, claiming much, from the runner (a process older than
+        the restart), while growth is held: its session gets no allowance, and no page."""
+        if not self.held():
+            return
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(self.broker.endpoint)
+        try:
+            forged = "".join(self.rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdef0123456789") for _ in range(32))
+            hello = {"op": "hello", "id": 1, "versions": [1], "instance": "chaos-forger", "pid": os.getpid(),
+                     "page_bytes": MIB, "nonce": f"forger-{self.rng.randrange(1 << 40)}", "resume": forged,
+                     "holdings": {"pools": {}, "granted_pages": self.total_bytes // MIB, "reserve_pages": 0}}
+            sock.send(msgspec.msgpack.encode(hello))
+            opened = msgspec.msgpack.decode(sock.recv())
+            if not opened.get("ok"):
+                self.figures.damage_failures.append(f"{kind}: forged resume hello refused: {opened}")
+                return
+            token = opened["result"]["session"]
+            sock.send(msgspec.msgpack.encode({"op": "acquire", "id": 2, "session": token, "pages": 64, "min_pages": 1}))
+            got = msgspec.msgpack.decode(sock.recv())["result"]
+            sock.send(msgspec.msgpack.encode({"op": "close", "id": 3, "session": token}))
+            sock.recv()
+        except zmq.Again:
+            self.figures.damage_failures.append(f"{kind}: no answer to the forged resume")
+            return
+        finally:
+            sock.close(0)
+        if got["granted"]:
+            self.figures.damage_failures.append(f"{kind}: a forged resume was granted {got['granted']} page(s)")
+        else:
+            self.figures.forged_resumes_refused += 1
+            self.note(f"forged resume refused: {got.get('refused', {}).get('code')}")
+
+    def check_newcomer_held(self, kind: str) -> None:
+        """A process with no record asks for a page while the workers re-assert: nothing."""
+        held_before = self.held()
+        try:
+            with BrokerClient.connect("chaos-newcomer", endpoint=self.broker.endpoint, page_bytes=MIB,
+                                      credit_pages=0, background=False, timeout_s=30.0) as newcomer:
+                granted = newcomer.acquire(1)
+        except BrokerError as exc:
+            self.figures.damage_failures.append(f"{kind}: the newcomer could not ask: {exc}")
+            return
+        if held_before and self.held():
+            if granted:
+                self.figures.damage_failures.append(f"{kind}: a newcomer was granted a page while growth was held")
+            else:
+                self.figures.newcomers_held += 1
+
+    # ------------------------------------------------------ every order in doubt (issue 26, item 2)
+    def ev_in_doubt_orders(self) -> bool:
+        """A client of the runner's leaves a call in doubt across a restart, then calls again;
+        the first time every order, later a random third of them."""
+        self.service_stopped(force=True)
+        orders = [(first, applied, then) for first in IN_DOUBT_FIRST for applied in (False, True)
+                  for then in IN_DOUBT_NEXT]
+        if self.figures.in_doubt_orders:
+            orders = self.rng.sample(orders, len(orders) // 3)
+        try:
+            client = BrokerClient.connect("chaos-doubt", endpoint=self.broker.endpoint, page_bytes=MIB,
+                                          credit_pages=0, background=False, timeout_s=30.0)
+        except BrokerError as exc:
+            self.figures.in_doubt_failures.append(f"connect: {exc}")
+            return True
+        try:
+            for first, applied, then in orders:
+                self.in_doubt_order(client, first, applied, then)
+        finally:
+            try:
+                client.close()
+            except BrokerError:
+                pass
+        return True
+
+    def in_doubt_order(self, client: BrokerClient, first: str, applied: bool, then: str) -> None:
+        label = f"{first} in doubt ({'applied' if applied else 'lost'}), broker restarted, then {then}"
+        try:
+            if client.held_pages < 4:
+                client.acquire(8)
+            call = self._doubt_call(client, first)
+            before = self._charged(client)
+            self.broker.send(signal.SIGSTOP)
+            _set_timeout(client, 0.3)
+            try:
+                call()
+                self.figures.in_doubt_failures.append(f"{label}: the call was answered by a stopped broker")
+            except BrokerUnavailable:
+                pass  # in doubt
+            except BaseException:
+                self.broker.send(signal.SIGCONT)  # recorded below; the broker is not left stopped for the run
+                raise
+            finally:
+                _set_timeout(client, 30.0)
+            if applied:
+                self.broker.send(signal.SIGCONT)
+                if not self.wait_for(lambda: self._charged(client) != before):
+                    self.note(f"{label}: the broker did not apply it after SIGCONT")
+            self.broker.kill()
+            self.reset_admin()
+            self.broker.start()
+            self.figures.broker_restarts += 1
+            if not self.wait_recovered(frozenset({client.session_id})):  # the workers resume before the next restart
+                self.figures.resume_timeouts += 1
+            try:
+                self._doubt_call(client, then)()
+            except BudgetExceeded:
+                pass  # no room: refused, and so booked as nothing
+            client.heartbeat()
+        except BrokerError as exc:
+            self.figures.in_doubt_failures.append(f"{label}: {exc}")
+            return
+        self.figures.in_doubt_orders += 1
+        session = sessions_by_id(self.status()).get(client.session_id)
+        books = (client.held_pages + client.reserve_pages - client.uncharged_pages,
+                 {k: v for k, v in client.pools.items() if v})
+        charged = None if session is None else (session["granted_pages"], book_pools(session))
+        if charged != books or client.uncharged_pages:
+            self.figures.in_doubt_failures.append(
+                f"{label}: the broker charges {charged}, the books say {books} (uncharged {client.uncharged_pages})")
+            self.note(f"IN DOUBT MISMATCH {label}")
+
+    def _doubt_call(self, client: BrokerClient, name: str) -> Callable[[], Any]:
+        if name == "acquire":
+            return lambda: client.acquire(3)
+        if name == "release":
+            return lambda: client.release(2)
+        if name == "reserve":
+            size = self.rng.randint(1, 32) * MIB
+            return lambda: client.reserve({"weights": size})
+        return client.heartbeat
+
+    def _charged(self, client: BrokerClient) -> tuple[int, dict[str, int]] | None:
+        try:
+            session = sessions_by_id(self.status()).get(client.session_id)
+        except BrokerError:
+            return None
+        return None if session is None else (session["granted_pages"], book_pools(session))
+
+    # --------------------------------------------------- limits a hello asks for (issue 26, item 5)
+    def ev_hello_limits(self) -> bool:
+        """As another user, a hello under a worker's instance asks for crippling limits: the
+        instance's limits must not move.  The runner's own instance asks for a floor of the
+        whole budget and a weight of 1e6: cut to the broker's bounds."""
+        if self.broker.other_user_group is None:
+            return False  # not root: no other user to speak as
+        worker = self.pick(self.live_workers())
+        if worker is None:
+            return False
+        instance = worker.config["instance"]
+        budget = self.status()["budget_bytes"]
+        greedy = {"max_bytes": 0, "min_bytes": budget, "weight": 1e6}
+        before = self.instance_limits(instance)
+        script = (
+            "import os, sys;"
+            "from kvcached_broker.client import BrokerClient;"
+            f"os.setgid({NOBODY_UID}); os.setuid({NOBODY_UID});"
+            f"c = BrokerClient.connect({instance!r}, endpoint={self.broker.endpoint!r}, page_bytes={MIB},"
+            f" credit_pages=0, background=False, timeout_s=30.0, limits={greedy!r});"
+            "c.close()"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        self.figures.hello_limit_checks += 1
+        after = self.instance_limits(instance)
+        if out.returncode != 0:
+            self.figures.hello_limit_failures.append(f"uid {NOBODY_UID} on {instance}: {out.stderr[-500:]}")
+        elif after != before:
+            self.figures.hello_limit_failures.append(
+                f"uid {NOBODY_UID}'s hello moved {instance}'s limits from {before} to {after}")
+        else:
+            self.note(f"uid {NOBODY_UID}'s hello limits on {instance}: refused")
+        bounds = self.status()["broker"]["hello_limits"]
+        with BrokerClient.connect("chaos-own-limits", endpoint=self.broker.endpoint, page_bytes=MIB,
+                                  credit_pages=0, background=False, timeout_s=30.0,
+                                  limits={"min_bytes": budget, "weight": 1e6}) as own:
+            mine = self.instance_limits("chaos-own-limits")
+            own.close()
+        self.figures.hello_limit_checks += 1
+        if mine["min_bytes"] > budget * bounds["max_floor_share"] or mine["weight"] > bounds["max_weight"]:
+            self.figures.hello_limit_failures.append(f"a hello's own limits past the bounds {bounds}: {mine}")
+        return True
+
+    def instance_limits(self, instance: str) -> dict[str, Any]:
+        for entry in self.status()["instances"]:
+            if entry["name"] == instance:
+                return {key: entry[key] for key in ("max_bytes", "min_bytes", "weight")}
+        return {}
 
     def wait_for(self, predicate: Callable[[], Any]) -> Any:
         """``predicate()`` once it is truthy, polling status's pace; its last value after SETTLE_TIMEOUT_S."""
@@ -989,8 +1290,7 @@ class ChaosRun:
         workers = self.live_workers()
         paused = self.ask_all(workers, "pause")
         workers = [w for w in workers if paused[w] and paused[w].get("ok")]
-        expected = {w.session_id: w for w in workers}
-        if not self.wait_settled(expected, whole=True):
+        if not self.wait_settled(workers, whole=True):
             self.figures.quiet_timeouts += 1
             self.note("quiet point: status did not settle")
         books = self.ask_all(workers, "snapshot")
@@ -1001,17 +1301,23 @@ class ChaosRun:
         self.recent_events = []
         self.figures.seconds_in["quiet_point"] += time.monotonic() - began_s
 
-    def wait_settled(self, expected: dict[str | None, WorkerProc], whole: bool) -> bool:
-        """Until every expected session is live, and (``whole``) nothing recovers and no orphan remains."""
+    def wait_settled(self, workers: list[WorkerProc], whole: bool) -> bool:
+        """Until every (paused) worker's session is live, and (``whole``) nothing recovers and no
+        orphan remains.  A worker whose session was lost to damage opens a new one when its
+        client next speaks (a heartbeat), so the ids are asked for again now and then."""
         deadline_s = time.monotonic() + SETTLE_TIMEOUT_S
+        refresh_s = time.monotonic() + 1.0
         while time.monotonic() < deadline_s:
             sessions = sessions_by_id(self.status())
-            ok = all(sessions.get(sid, {}).get("state") == "live" for sid in expected)
+            ok = all(sessions.get(w.session_id, {}).get("state") == "live" for w in workers)
             if ok and whole:
                 known_pids = {w.pid for w in self.workers.values()}
                 ok = all(s["state"] != "recovering" and s["pid"] in known_pids for s in sessions.values())
             if ok:
                 return True
+            if time.monotonic() >= refresh_s:
+                self.ask_all(workers, "pause")  # parked already: it answers with its session id now
+                refresh_s = time.monotonic() + 1.0
             time.sleep(SAMPLE_INTERVAL_S)
         return False
 
@@ -1123,6 +1429,43 @@ def _session_text(session: dict[str, Any]) -> str:
     return f"granted {session['granted_pages']} pages (reserve {session['reserve_pages']}), pools {book_pools(session)}"
 
 
+def damage_state(state_dir: Path, kind: str) -> str:
+    """Damage the state of a broker that is down, one of ``DAMAGE_KINDS``; returns the kind
+    done (a journal with nothing to damage is deleted instead)."""
+    journal, snapshot = state_dir / "gpu0.journal", state_dir / "gpu0.snapshot"
+    if kind in ("journal_first_length_bit", "zero_filled_journal"):
+        data = journal.read_bytes() if journal.exists() else b""
+        if len(data) < 8:
+            kind = "deleted_journal"
+        elif kind == "journal_first_length_bit":
+            journal.write_bytes(bytes([data[0] ^ 0x01]) + data[1:])
+        else:
+            journal.write_bytes(bytes(len(data)))
+    if kind == "snapshot_bit":
+        data = bytearray(snapshot.read_bytes())
+        data[len(data) - 5] ^= 0x01
+        snapshot.write_bytes(bytes(data))
+    elif kind.startswith("deleted_"):
+        for name in kind.removeprefix("deleted_").split("_and_"):
+            (state_dir / f"gpu0.{name}").unlink(missing_ok=True)
+    return kind
+
+
+def _set_timeout(client: BrokerClient, total_s: float) -> None:
+    """Another request timeout for a connected client (a private attribute, on purpose: the
+    harness makes a call time out only while the broker is stopped)."""
+    client._transport.timeouts = Timeouts.from_env(total_s)
+
+
+def _nobody_group() -> str | None:
+    import grp
+
+    try:
+        return grp.getgrgid(NOBODY_UID).gr_name
+    except KeyError:
+        return None
+
+
 def _rss_bytes(pid: int) -> int:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -1169,6 +1512,16 @@ def render(report: dict[str, Any]) -> str:
         ("  broker growth per status flood, max", None if report["status_flood_growth_bytes_max"] is None
          else format_bytes(report["status_flood_growth_bytes_max"])),
         ("  flood checks failed", len(report["flood_failures"])),
+        ("damaged restarts", sum(report["damaged_restarts"].values())),
+        *((f"  {kind}", n) for kind, n in sorted(report["damaged_restarts"].items())),
+        ("  forged resumes refused", report["forged_resumes_refused"]),
+        ("  newcomers held while workers re-asserted", report["newcomers_held"]),
+        ("  samples over budget while re-asserting", report["status_samples_overcommitted_reasserting"]),
+        ("  damage checks failed", len(report["damage_failures"])),
+        ("orders in doubt across a restart checked", report["in_doubt_orders"]),
+        ("  failed (charge != books)", len(report["in_doubt_failures"])),
+        ("hello limits checked (another uid, bounds)", report["hello_limit_checks"]),
+        ("  failed", len(report["hello_limit_failures"])),
         ("worker starts", report["worker_starts"]),
         ("worker crashes", len(report["worker_crashes"])),
         ("workers that stopped answering", len(report["worker_unresponsive"])),
@@ -1203,7 +1556,8 @@ def _render_problems(report: dict[str, Any]) -> list[str]:
     for title, key in (("status violation", "status_violation_examples"), ("stop check failed", "stop_failures"),
                        ("evict check failed", "evict_failures"), ("worker crash", "worker_crashes"),
                        ("worker unresponsive", "worker_unresponsive"), ("broker crash", "broker_crashes"),
-                       ("flood check failed", "flood_failures")):
+                       ("flood check failed", "flood_failures"), ("damage check failed", "damage_failures"),
+                       ("in-doubt order failed", "in_doubt_failures"), ("hello limits check failed", "hello_limit_failures")):
         lines += [f"{title}: {text}" for text in report[key][:5]]
     if report["worker_errors"]:
         lines.append(f"worker errors: {json.dumps(report['worker_errors'], sort_keys=True)}")
@@ -1243,6 +1597,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The runner's own clients (a newcomer, a client left in doubt, a hello asking for limits)
+    # warn as a worker's would; the run judges what they got, and prints its figures alone.
+    logging.getLogger("kvcached_broker").addHandler(logging.NullHandler())
     config = RunConfig(args.events, args.workers, args.seed, args.simulate, args.lease, args.quiet_every, args.keep, args.verbose)
     print(f"chaos run: {config.events} events, {config.workers} workers, seed {config.seed} ...", flush=True)
     run = ChaosRun(config)

@@ -37,7 +37,8 @@ class Limits:
 
     ``source`` says who set them: ``admin`` (the ``limit`` command), ``config`` (the config
     file) or ``hello`` (the instance's own worker asked; such limits give way to an admin's or
-    the config's, and leave with the instance).
+    the config's, and leave with the instance).  ``owner_uid``: the uid of the worker whose hello
+    set them; they hold only while every session of the instance is that uid's.
 
     ``priority`` orders reclaim, never shares: when memory must come back, instances of the
     lowest priority are asked first (``policy.PressureBook``).
@@ -49,6 +50,7 @@ class Limits:
     revision: int = 0
     source: LimitSource = "admin"
     priority: int = 0
+    owner_uid: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,

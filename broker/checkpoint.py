@@ -33,7 +33,13 @@ What a load makes of damage (every case is one log line from the server, never a
 * a snapshot that fails its checksum or schema is ignored (``snapshot_damage``);
 * a snapshot marked stale (``KVBSTALE``: the broker went on serving after a write failed, so
   the state on disk may not cover everything it answered since) is restored, and reported as
-  damage (``snapshot_damage``), so that the server holds growth until the workers re-assert.
+  damage (``snapshot_damage``), so that the server holds growth until the workers re-assert;
+* a file missing from a directory a broker ran in before (its secret, below, is there): a
+  journal (every start creates one), or a snapshot (every start writes one) unless the journal's
+  records begin at seq 1, which only follow a first, empty snapshot (``missing``);
+* records missing from the journal's sequence (their seqs run on from the snapshot's, one
+  by one): a record skipped as damaged, or a snapshot deleted with records after it
+  (``lost_records``).
 
 The files must be regular files of this user's, opened without following a symlink and read
 no further than their size (at most ``MAX_STATE_FILE_BYTES``): a FIFO, a device, a symlink or
@@ -42,6 +48,12 @@ a read that hangs or runs until memory is gone.
 
 Whatever the damage, the server then treats what it restored as untrusted until the workers
 have reconnected and re-asserted what they hold (see ``server``).
+
+* ``gpuN.secret``: 32 random bytes, mode 0600, made at the first start in this directory and
+  kept from then on: the key of the session tokens (``tokens``), so that a broker that lost a
+  session's record can still verify its token.  A secret that other users could read refuses
+  the start (one line); one of the wrong size is replaced (``secret_problem``), and so are the
+  tokens it verified.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from pathlib import Path
 import msgspec
 
 from .state_records import JournalRecord, Snapshot
+from .tokens import SECRET_BYTES
 
 SNAPSHOT_MAGIC = b"KVBSNAP2"
 #: Written over ``SNAPSHOT_MAGIC`` in place (no new blocks: it works on a full disk) when a
@@ -84,10 +97,16 @@ class LoadedState:
     damaged_records: int = 0  # records whose checksum or schema failed
     damaged_bytes: int = 0  # bytes skipped as damaged (those records, and any unreadable rest)
     snapshot_damage: str | None = None  # why the snapshot was ignored
+    missing: list[str] = field(default_factory=list)  # state files a broker that ran here must have left
+    lost_records: int = 0  # seqs missing between the snapshot's and the journal's last
+    secret: bytes | None = None  # the key of the session tokens (None: none could be kept)
+    secret_problem: str | None = None  # why the secret on disk was replaced or could not be written
 
     @property
     def damaged(self) -> bool:
-        return bool(self.damaged_records or self.damaged_bytes or self.snapshot_damage)
+        """Whether whole records may be gone (a torn tail is not: it was never answered)."""
+        return bool(self.damaged_records or self.damaged_bytes or self.snapshot_damage or self.missing
+                    or self.lost_records)
 
 
 class StateStore:
@@ -97,6 +116,7 @@ class StateStore:
         self.state_dir = Path(state_dir)
         self.snapshot_path = self.state_dir / f"gpu{device_index}.snapshot"
         self.journal_path = self.state_dir / f"gpu{device_index}.journal"
+        self.secret_path = self.state_dir / f"gpu{device_index}.secret"
         self.compact_after_bytes = compact_after_bytes
         self._encoder = msgspec.msgpack.Encoder()
         self._journal_fd: int | None = None
@@ -108,7 +128,10 @@ class StateStore:
         read what is there, and open the journal."""
         _ensure_private_dir(self.state_dir)
         self.remove_temp_files()
-        loaded = self._load()
+        ran_here_before = self.secret_path.exists() or self.secret_path.is_symlink()
+        secret, problem = self._secret()
+        loaded = self._load(ran_here_before)
+        loaded.secret, loaded.secret_problem = secret, problem
         self._journal_fd = _open_regular(
             self.journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         if loaded.torn_bytes:
@@ -186,19 +209,58 @@ class StateStore:
     def remove_temp_files(self) -> int:
         """Remove this device's snapshot temp files (a broker killed inside a snapshot, or an
         old version that left one on a failed write); the caller holds the state lock."""
-        prefix = self.snapshot_path.name + _TMP_INFIX
+        prefixes = (self.snapshot_path.name + _TMP_INFIX, self.secret_path.name + _TMP_INFIX)
         removed = 0
         for entry in os.scandir(self.state_dir):
-            if entry.name.startswith(prefix) and not entry.is_dir(follow_symlinks=False):
+            if entry.name.startswith(prefixes) and not entry.is_dir(follow_symlinks=False):
                 removed += _unlink_quietly(Path(entry.path))
         return removed
+
+    def _secret(self) -> tuple[bytes | None, str | None]:
+        """The secret on disk, made if there is none: ``(secret, problem)``."""
+        path = self.secret_path
+        try:
+            fd = _open_regular(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return self._new_secret(None)
+        try:
+            mode = os.fstat(fd).st_mode
+            if mode & 0o077:
+                raise CheckpointError(
+                    f"{path} can be read by other users (mode {stat.S_IMODE(mode):04o}); it keys the session "
+                    "tokens: chmod 600 it, or remove it (tokens issued before then are no longer verified)")
+            data = os.read(fd, SECRET_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) != SECRET_BYTES:
+            return self._new_secret(f"the secret held {len(data)} bytes, not {SECRET_BYTES}: replaced")
+        return data, None
+
+    def _new_secret(self, problem: str | None) -> tuple[bytes | None, str | None]:
+        """A new secret, written 0600 under a temporary name and renamed into place."""
+        secret = os.urandom(SECRET_BYTES)
+        tmp = self.secret_path.with_name(f"{self.secret_path.name}{_TMP_INFIX}{os.getpid()}")
+        _unlink_quietly(tmp)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                if os.write(fd, secret) != SECRET_BYTES:
+                    raise OSError(errno.ENOSPC, "short write")
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.secret_path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            why = f"cannot write {self.secret_path.name} ({exc.strerror or exc}): tokens issued now verify only until a restart"
+            return secret, why if problem is None else f"{problem}; {why}"
+        return secret, problem
 
     def close(self) -> None:
         if self._journal_fd is not None:
             os.close(self._journal_fd)
             self._journal_fd = None
 
-    def _load(self) -> LoadedState:
+    def _load(self, ran_here_before: bool) -> LoadedState:
         loaded = LoadedState(snapshot=None)
         snapshot = _read_regular(self.snapshot_path)
         if snapshot is not None:
@@ -207,7 +269,13 @@ class StateStore:
         journal = _read_regular(self.journal_path)
         if journal is not None:
             self._read_journal(journal, snapshot_seq, loaded)
-        self.seq = max([snapshot_seq] + [r.seq for r in loaded.records])
+        last_seq = max([snapshot_seq] + [r.seq for r in loaded.records])
+        loaded.lost_records = last_seq - snapshot_seq - len(loaded.records)
+        if ran_here_before and snapshot is None and not loaded.records:
+            loaded.missing.append(self.snapshot_path.name)
+        if ran_here_before and journal is None:
+            loaded.missing.append(self.journal_path.name)
+        self.seq = last_seq
         return loaded
 
     @staticmethod

@@ -374,6 +374,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=opts.limits,
         max_connections=opts.max_connections,
         max_connections_per_uid=opts.max_connections_per_uid,
+        hello_max_floor_share=opts.hello_max_floor_share,
+        hello_max_weight=opts.hello_max_weight,
     )
     if opts.metrics_port:
         from .metrics import missing_package

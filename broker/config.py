@@ -14,6 +14,9 @@ per-instance limits, applied at startup (and so to an instance whenever it regis
     [limits.batch]
     max = "10GiB"
 
+What a worker's hello may ask for its own instance is bounded here too
+(``hello_max_floor_share = 0.25``, ``hello_max_weight = 2``; no flags).
+
 A bad value, from any source, is a one-line error naming the key and where it came from.
 """
 
@@ -68,6 +71,10 @@ class ServeConfig:
     #: flight would leave all clients idle until it ends); still enough to share one write.
     max_batch: int = 16
     limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
+    #: What a worker's hello may ask for its own instance: a floor of at most this share of the
+    #: budget, a weight of at most this (the ``limit`` command and the config file are not bound).
+    hello_max_floor_share: float = 0.5
+    hello_max_weight: float = 4.0
 
     def connection_limits(self) -> tuple[int, int]:
         """``(in all, per peer)`` before the open-file limit has its say."""
@@ -82,7 +89,8 @@ class ServeConfig:
         return SessionQuotas(
             lease_s=self.lease_s, max_sessions=self.max_sessions, max_sessions_per_pid=self.max_sessions_per_pid,
             max_sessions_per_uid=self.max_sessions_per_uid, hello_rate_per_s=self.hello_rate_per_s,
-            hello_burst=self.hello_burst,
+            hello_burst=self.hello_burst, hello_max_floor_share=self.hello_max_floor_share,
+            hello_max_weight=self.hello_max_weight,
         )
 
 
@@ -149,6 +157,23 @@ def _positive_float(value: Any) -> float:
         raise ValueError(f"expected a positive number, got {value!r}") from None
     if not number > 0 or number == float("inf"):
         raise ValueError(f"expected a positive number, got {value!r}")
+    return number
+
+
+def _share(value: Any) -> float:
+    """A share from 0 to 1: ``0.25`` or ``"25%"``."""
+    text = value.strip() if isinstance(value, str) else value
+    try:
+        if isinstance(text, str) and text.endswith("%"):
+            number = float(text[:-1]) / 100.0
+        elif isinstance(text, bool):
+            raise ValueError
+        else:
+            number = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a share from 0 to 1 (0.25) or a percentage (25%), got {value!r}") from None
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"expected a share from 0 to 1 (0.25) or a percentage (25%), got {value!r}")
     return number
 
 
@@ -240,6 +265,8 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     # No flags: the config file or the environment (defaults derived from the session quotas).
     "max_connections": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS", None),
     "max_connections_per_uid": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS_PER_UID", None),
+    "hello_max_floor_share": (_share, "KVCACHED_BROKER_HELLO_MAX_FLOOR_SHARE", 0.5),
+    "hello_max_weight": (_positive_float, "KVCACHED_BROKER_HELLO_MAX_WEIGHT", 4.0),
 }
 LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float, "priority": _priority}
 

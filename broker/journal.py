@@ -121,6 +121,7 @@ class Restored:
     sessions: list[SessionRecord] = field(default_factory=list)
     damage: dict[str, Any] | None = None  # None: the state was read whole
     found_state: bool = False
+    secret: bytes | None = None  # the key of the session tokens, kept in the state directory
 
 
 class NullJournal:
@@ -413,13 +414,20 @@ class Journal:
         sessions, limits, fenced = replay(snap, records)
         for name, limit in limits.items():
             self._ledger.restore_limits(
-                name, Limits(limit.max_bytes, limit.min_bytes, limit.weight, limit.revision, limit.source, limit.priority)
+                name, Limits(limit.max_bytes, limit.min_bytes, limit.weight, limit.revision, limit.source,
+                             limit.priority, limit.owner_uid)
             )
         self._table.fenced.update(fenced)
-        return Restored(list(sessions.values()), _damage(loaded), found_state=snap is not None or bool(records))
+        if loaded.secret_problem is not None:
+            log.warning("event=state_secret_problem state_dir=%s detail=%r", self.store.state_dir, loaded.secret_problem)
+        return Restored(list(sessions.values()), _damage(loaded), found_state=snap is not None or bool(records),
+                        secret=loaded.secret)
 
 
 def _damage(loaded: LoadedState) -> dict[str, Any] | None:
+    """What the load found wrong (status ``broker.state_damage``), or None.  ``records_lost``:
+    whole records may be gone (anything but a torn tail), so that the broker cannot tell which
+    processes held memory (``RequestCore``)."""
     if not (loaded.damaged or loaded.torn_bytes):
         return None
     return {
@@ -427,7 +435,16 @@ def _damage(loaded: LoadedState) -> dict[str, Any] | None:
         "damaged_bytes": loaded.damaged_bytes,
         "torn_bytes": loaded.torn_bytes,
         "snapshot": loaded.snapshot_damage,
+        "missing": list(loaded.missing),
+        "lost_records": loaded.lost_records,
+        "records_lost": loaded.damaged,
     }
+
+
+def records_may_be_lost(damage: dict[str, Any]) -> bool:
+    """Whether ``damage`` (as :func:`_damage` words it) may have taken whole records with it."""
+    return bool(damage.get("records_lost", damage.get("damaged_records") or damage.get("damaged_bytes")
+                             or damage.get("snapshot") or damage.get("missing") or damage.get("lost_records")))
 
 
 def restore_session(ledger: Ledger, table: SessionTable, record: SessionRecord, now_s: float) -> None:
@@ -460,7 +477,7 @@ def _charged_bytes(pools: dict[str, int], holds: dict[str, int], granted_pages: 
 def limit_record(instance: str, limits: Limits) -> LimitRecord:
     return LimitRecord(instance=instance, max_bytes=limits.max_bytes, min_bytes=limits.min_bytes,
                        weight=limits.weight, revision=limits.revision, source=limits.source,
-                       priority=limits.priority)
+                       priority=limits.priority, owner_uid=limits.owner_uid)
 
 
 def replay(

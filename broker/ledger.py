@@ -30,7 +30,12 @@ Vocabulary (docs/accounting.md has the model with a worked example):
 Invariant: at every decision that adds charge, ``sum(charges) <= budget`` afterwards, and
 also ``sum(charges) + unfilled floors of every other instance <= budget``.  A request that would
 break it is refused and changes nothing.  Decreases are always allowed, so a ledger pushed
-over budget by external usage (``overcommitted``) can only move back towards it.
+over budget by external usage (``overcommitted``) can only move back towards it.  One
+exception: while growth is held after state damage that may have lost whole records
+(``hold_growth(..., records_lost=True)``), a re-assertion within its allowance is memory its
+process already holds, and is charged whether or not it fits (refusing it would only hide it:
+the room would go to someone else); the ledger may then be overcommitted until the restored
+figures that over-charge are re-asserted lower.
 
 Units: ``*_bytes`` are ints of bytes, ``*_pages`` ints of pages, ``*_s`` float seconds.
 """
@@ -90,6 +95,9 @@ class Ledger:
         #: adds no charge is exempt, and so is a session's re-assertion within its allowance
         #: (``Session.reassert_allowance_bytes``), and the adoption of a restored session's claims.
         self.growth_hold: str | None = None
+        #: The hold is for damage that may have lost whole records: the broker cannot tell
+        #: who held what, so re-assertions within their allowances are charged as they come.
+        self.records_lost = False
 
     # ----------------------------------------------------------------- totals
     @property
@@ -333,13 +341,20 @@ class Ledger:
             resident_delta = (sum(pools.values()) + (holdings.granted_pages - unmapped) * page_bytes
                               - session.resident_bytes)
             held_delta = sum(holds.values()) + unmapped * page_bytes - session.promised_bytes
-            if self._fits(session, resident_delta, held_delta, resuming=True) is None:
+            if self.growth_hold is not None and self.records_lost:
+                # whole records may be lost: the restored figures may be an older, smaller or
+                # larger record; what the worker re-asserts (within its allowance) is charged
+                fits = max(0, resident_delta) + max(0, held_delta) <= self._reassertion_left_bytes(session)
+            else:
+                fits = self._fits(session, resident_delta, held_delta, resuming=True) is None
+            if fits:
                 self._apply(session, pools=pools, granted_pages=holdings.granted_pages, holds=holds,
                             unmapped_pages=unmapped)
                 session.reserve_pages = min(holdings.reserve_pages, session.granted_pages)
                 adopted = True
             session.resume_claims = "adopted" if adopted else "refused"
         session.restored = False
+        session.reassert_allowance_bytes = 0  # a restored session grows no further than its claims
         session.state = SessionState.LIVE
         session.last_seen_s = now_s
         self._changed(session)
@@ -354,13 +369,19 @@ class Ledger:
         mapped = holdings.mapped_pages or 0
         return max(0, holdings.granted_pages - min(mapped, holdings.granted_pages))
 
-    def hold_growth(self, reason: str) -> None:
+    def hold_growth(self, reason: str, *, records_lost: bool = False) -> None:
         """Refuse growth that adds charge, except a re-assertion within its allowance
-        (:meth:`allow_reassertion`) and a restored session's claims (:meth:`resume`)."""
+        (:meth:`allow_reassertion`) and a restored session's claims (:meth:`resume`).
+
+        ``records_lost``: whole records may be gone, so the figures restored are no measure of
+        who holds what: a re-assertion within its allowance (a restored session's claims
+        likewise, within the allowance it is given) is charged whether or not it fits."""
         self.growth_hold = reason
+        self.records_lost = records_lost
 
     def release_growth(self) -> None:
         self.growth_hold = None
+        self.records_lost = False
         for session in self.sessions.values():
             session.reassert_allowance_bytes = 0
 
@@ -641,6 +662,7 @@ class Ledger:
         revision: int | None = None,
         source: LimitSource = "admin",
         priority: Any = KEEP,  # int, or KEEP
+        owner_uid: int | None = None,
     ) -> Limits:
         """Change an instance's limits (the instance need not be registered yet).
 
@@ -660,6 +682,7 @@ class Ledger:
             revision=current.revision + 1,
             source=source,
             priority=current.priority if priority is KEEP else priority,
+            owner_uid=owner_uid,
         )
         if new.max_bytes is not None and new.min_bytes > new.max_bytes:
             raise LimitExceeded(
@@ -703,6 +726,11 @@ class Ledger:
 
     def instance_names(self) -> Iterable[str]:
         return self._instances.keys()
+
+    def instance_session_ids(self, instance: str) -> list[str]:
+        """The ids of a registered instance's sessions (none if it is not registered)."""
+        inst = self._instances.get(instance)
+        return sorted(inst.session_ids) if inst is not None else []
 
     def instance_totals(self, instance: str) -> tuple[int, int, int]:
         """``(reserved_bytes, granted_bytes, unreported_bytes)`` of a registered instance."""
@@ -843,11 +871,13 @@ class Ledger:
         instance_delta = device_delta if own_excess else held_delta + resident_delta
         if device_delta <= 0 and instance_delta <= 0:
             return None
-        if self.overcommitted:
-            return "overcommitted", 0
         if self.growth_hold is not None and not resuming:
             if max(0, resident_delta) + max(0, held_delta) > self._reassertion_left_bytes(session):
                 return "held", 0
+            if self.records_lost:
+                return None  # memory the process already holds, re-asserted: charged as it is
+        if self.overcommitted:
+            return "overcommitted", 0
         limits = self.limits.get(session.instance)
         if limits is not None and limits.max_bytes is not None:
             cap_room = limits.max_bytes - self.instance_charge_bytes(session.instance)
@@ -904,6 +934,8 @@ class Ledger:
         exempt_pages = min(pages, exempt_bytes // session.page_bytes)
         if not exempt_pages:
             return 0, "held", 0
+        if self.records_lost:  # re-asserted (or covered by measured usage): charged as it is
+            return exempt_pages, (None if exempt_pages == pages else "held"), 0
         fit, code, room_bytes = self._pages_within(session, exempt_pages, resident)
         if code is None and exempt_pages < pages:
             return fit, "held", 0

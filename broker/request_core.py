@@ -28,7 +28,7 @@ from .checkpoint import StateStore
 from .counters import Counters
 from .device import DeviceProbe
 from .device_monitor import DeviceMonitor
-from .journal import Journal, NullJournal, Restored, record_bytes, restore_session
+from .journal import Journal, NullJournal, Restored, record_bytes, records_may_be_lost, restore_session
 from .accounts import Grant, Session, SessionState
 from .ledger import Ledger
 from .lifecycle import ProcessOps, SessionLifecycle
@@ -100,6 +100,9 @@ class RequestCore:
         self.started_s = started_s
         self.state_damage: dict[str, Any] | None = None  # what the restore found damaged
         self._hold_until_s = 0.0  # growth held (damaged state) until then at the latest
+        #: The damage may have taken whole records: nobody can say which processes held memory,
+        #: so the hold lasts until ``_hold_until_s`` (every live worker re-asserts well within it).
+        self._records_lost = False
         self._pushes: list[tuple[bytes, bytes]] = []
         #: The shell's bounds and what they met (open files, connections...), for status.
         self.shell_view: Callable[[], dict[str, Any]] | None = None
@@ -417,12 +420,19 @@ class RequestCore:
                 )
 
     def lift_growth_hold(self, now: float) -> None:
-        """A hold after damaged state ends once no restored session waits for its worker
-        (``recovering``, or ``stale`` without having resumed), or when its time is up."""
-        if self.ledger.growth_hold is not None and (now >= self._hold_until_s or not self.awaiting_workers()):
-            log.warning("event=growth_hold_lifted recovering_sessions=%d awaiting_workers=%d",
-                        self.recovering(), self.awaiting_workers())
+        """A hold after damaged state ends when its time is up (twice the lease), or before then
+        once no restored session waits for its worker (``recovering``, or ``stale`` without
+        having resumed) if the damage took no whole record (a torn tail).  When records may be
+        lost, the broker cannot tell which live processes had sessions, so it waits the time
+        within which every live client talks to it (a heartbeat each quarter lease) and, finding
+        its session lost, re-asserts."""
+        if self.ledger.growth_hold is None:
+            return
+        if now >= self._hold_until_s or (not self._records_lost and not self.awaiting_workers()):
+            log.warning("event=growth_hold_lifted recovering_sessions=%d awaiting_workers=%d records_lost=%s",
+                        self.recovering(), self.awaiting_workers(), self._records_lost)
             self.ledger.release_growth()
+            self._records_lost = False
 
     def recovering(self) -> int:
         return sum(1 for s in self.ledger.sessions.values() if s.state is SessionState.RECOVERING)
@@ -436,7 +446,10 @@ class RequestCore:
         """Bring back the sessions a journal replay found, except those whose process is gone."""
         processes = self.lifecycle.processes
         kept = dropped = 0
+        if restored.secret is not None:
+            self.opener.tokens.rekey(restored.secret)  # tokens issued before this start verify again
         for record in restored.sessions:
+            self.opener.spend(record.id)
             if record.pid_verified and not processes.alive(record.pid, record.pid_start_ticks):
                 dropped += 1
                 self.counters.reclaimed("exited_while_down")
@@ -453,16 +466,33 @@ class RequestCore:
             self._distrust(restored.damage, now)
 
     def _distrust(self, damage: dict[str, Any], now: float) -> None:
-        """Damaged or cut-short state may under-count what the restored sessions hold: until
-        their workers have re-asserted it (or twice the lease has passed), nobody else grows."""
+        """Damaged or cut-short state may under-count what the restored sessions hold, and
+        damage that took whole records (a session's own record, a deleted file) leaves processes
+        that hold memory with no session at all.  Nobody else grows until the restored sessions'
+        workers have re-asserted (a torn tail: nothing answered was lost), or for twice the lease
+        when records may be lost.  Meanwhile the memory re-asserted (within each allowance, to
+        a verified token) is charged whether or not it fits, and each live registered process
+        is charged at least what the device measures it using, as always."""
         hold_s = 2 * self.quotas.lease_s
         self.state_damage = damage
+        self._records_lost = records_may_be_lost(damage)
         log.warning(
-            "event=state_damaged damaged_records=%d damaged_bytes=%d torn_bytes=%d snapshot=%r "
-            "detail=growth_held_until_restored_sessions_reassert_or_%.0fs",
-            damage["damaged_records"], damage["damaged_bytes"], damage["torn_bytes"], damage["snapshot"], hold_s,
+            "event=state_damaged damaged_records=%d damaged_bytes=%d torn_bytes=%d snapshot=%r missing=%s "
+            "lost_records=%d records_lost=%s detail=growth_held_until_%s",
+            damage.get("damaged_records", 0), damage.get("damaged_bytes", 0), damage.get("torn_bytes", 0),
+            damage.get("snapshot"), ",".join(damage.get("missing", [])) or "-", damage.get("lost_records", 0),
+            self._records_lost,
+            f"{hold_s:.0f}s_have_passed" if self._records_lost else f"restored_sessions_reassert_or_{hold_s:.0f}s",
         )
-        self.ledger.hold_growth("the broker restarted from damaged state and waits for its workers to re-assert what they hold")
+        if self._records_lost:
+            self.ledger.hold_growth(
+                "the broker restarted from damaged state that may have lost whole records; it waits for every "
+                "worker to re-assert what it holds", records_lost=True)
+            for session in self.ledger.sessions.values():  # their records may be older than what they hold
+                self.ledger.allow_reassertion(session.id, self.ledger.budget_bytes)
+        else:
+            self.ledger.hold_growth("the broker restarted from damaged state and waits for its workers to re-assert "
+                                    "what they hold")
         self._hold_until_s = now + hold_s
 
     # --------------------------------------------------------------- status
@@ -475,6 +505,8 @@ class RequestCore:
             "recovering_sessions": self.recovering(),
             "state_damage": self.state_damage,
             "growth_held": self.ledger.growth_hold,
+            "hello_limits": {"max_floor_share": self.quotas.hello_max_floor_share,
+                             "max_weight": self.quotas.hello_max_weight},
             "state_writes": self.journal.write_status(),
             "limits": self.shell_view() if self.shell_view is not None else None,
             "counters": self.counters.to_dict(),

@@ -2,17 +2,26 @@
 
 * A hello is refused for an unknown protocol version, a pid that is not the connection's (the
   kernel's peer credentials), or a GPU that is not this broker's.
-* The same nonce from the same process gets the same session (a retried hello).
+* The same nonce from the same process gets the same session (a retried hello; the client
+  sends a hello whose answer it never got again with the same nonce).  After a restart, a
+  hello that had resumed a session before it is a resume again: its claims are adopted anew.
 * ``resume=token`` from the session's own process re-binds it to the new connection.  A
   session restored from the journal adopts the holdings the worker re-asserts, through
   admission, and answers the ids the worker names as ``settled`` from its reply cache.
 * Otherwise a new session opens, empty whatever the hello claims, within the per-peer hello
-  rate and the session quotas (in total, per pid, per uid).  While growth is held after
-  damaged state, a new session opened by a resume hello (its record was lost) may grow back
-  by what that hello claimed, and no more (``Ledger.allow_reassertion``); a process that
-  started after this broker did cannot have held memory before it, and gets no allowance.
-* Limits a hello asks for apply only where no admin or config has set any, and leave with
-  the instance.
+  rate and the session quotas (in total, per pid, per uid).  Its token is one the broker can
+  verify later without its record (``tokens``).  While growth is held after damaged state, a
+  new session opened by a resume hello (its record was lost) may grow back by what that hello
+  claimed, and no more (``Ledger.allow_reassertion``), but only if its token verifies: issued
+  by this broker's secret to this very process, for a session this broker incarnation did not
+  issue itself, and not re-asserted already.  A made-up or borrowed token gets nothing; so does
+  a process that started after this broker did (it cannot have held memory before it).
+* Limits a hello asks for apply only where no admin or config has set any, only to an
+  instance whose sessions all belong to the asker's uid (``forbidden`` otherwise: the session
+  opens, the limits do not apply), within the bounds an admin sets (``SessionQuotas``: a floor
+  of at most a share of the budget, a weight of at most a maximum; past them they are cut
+  down), and leave with the instance, or as soon as a session of another uid joins it.  The
+  hello's answer says what became of them (``hello_limits``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from .ledger import KEEP, Ledger
 from .lifecycle import SessionLifecycle
 from .security import Peer
 from .sessions import Binding, HelloRateLimiter, SessionTable
+from .tokens import SessionTokens, holder_of
 
 log = logging.getLogger("kvcached_broker")
 
@@ -44,11 +54,16 @@ class SessionQuotas:
     max_sessions_per_uid: int = 1024
     hello_rate_per_s: float = 50.0
     hello_burst: int = 200
+    #: The most a hello may ask for its own instance: a floor of this share of the budget,
+    #: and this weight (an admin's ``limit`` or the config file may set anything).
+    hello_max_floor_share: float = 0.5
+    hello_max_weight: float = 4.0
 
 
 class SessionOpener:
     def __init__(self, ledger: Ledger, table: SessionTable, lifecycle: SessionLifecycle,
-                 journal: Journal | NullJournal, quotas: SessionQuotas, *, broker_start_ticks: int | None = None):
+                 journal: Journal | NullJournal, quotas: SessionQuotas, *, broker_start_ticks: int | None = None,
+                 tokens: SessionTokens | None = None):
         self.ledger = ledger
         self.table = table
         self.lifecycle = lifecycle
@@ -58,6 +73,12 @@ class SessionOpener:
         #: later never held memory from the broker whose state was lost.
         self.broker_start_ticks = broker_start_ticks
         self._hellos = HelloRateLimiter(quotas.hello_rate_per_s, quotas.hello_burst)
+        #: Issues and verifies tokens; keyed by the state directory's secret once restored.
+        self.tokens = tokens if tokens is not None else SessionTokens()
+        #: Session ids that may no longer earn a re-assertion allowance while growth is held:
+        #: those this broker issued itself (a token of one is no lost record), and lost ones
+        #: already re-asserted once.
+        self._spent_ids: set[str] = set()
 
     def hello(self, req: proto.Hello, rid: bytes, peer: Peer, now: float) -> bytes:
         version = max((v for v in req.versions if v in proto.SUPPORTED_VERSIONS), default=None)
@@ -75,9 +96,16 @@ class SessionOpener:
                 details={"worker_uuid": req.device_uuid, "broker_uuid": device.uuid},
             )
         retried = self.table.by_nonce(req.nonce)
-        if retried is not None and _same_process(retried, peer):  # a repeat: the same answer again
-            retried.routing_id = rid
-            return proto.ok_reply(req.id, self._result(retried, version, resumed=retried.resumed))
+        if retried is not None and _same_process(retried, peer):
+            restored = self.ledger.sessions[retried.session_id].restored
+            if not restored or retried.token != req.resume:
+                # A repeat: the same answer again.  Restored from the state, the session this
+                # hello opened before a restart is taken up as it stands (its worker never
+                # learnt its token); one it resumed is resumed again below, claims and all.
+                if restored:
+                    self.ledger.resume(retried.session_id, now, holdings=None)
+                retried.routing_id = rid
+                return proto.ok_reply(req.id, self._result(retried, version, resumed=retried.resumed))
         if req.resume is not None:
             binding = self.table.by_token(req.resume)
             if binding is None and req.resume in self.table.fenced:
@@ -140,68 +168,131 @@ class SessionOpener:
             # Claims are a resume's business: a session this broker never knew starts empty,
             # and its worker asks again for what it holds, through admission like anyone.
             log.info("event=hello_claims_ignored instance=%s pid=%d resume=%s", req.instance, req.pid, req.resume is not None)
-        session_id, token = self.table.new_ids()
+        session_id = self.table.new_session_id()
         verified = peer.pid_known
+        start_ticks = self.lifecycle.processes.start_ticks(req.pid) if verified else None
+        holder = holder_of(req.pid, verified, start_ticks, peer.uid)
         self.ledger.open_session(
             session_id, instance=req.instance, pid=req.pid, pid_verified=verified, tp_rank=req.tp_rank,
             tp_size=req.tp_size, page_bytes=req.page_bytes, now_s=now, report_mapping=req.report_mapping,
         )
         binding = Binding(
-            session_id=session_id, token=token, nonce=req.nonce, pid=req.pid, pid_verified=verified,
-            pid_start_ticks=self.lifecycle.processes.start_ticks(req.pid) if verified else None,
-            uid=peer.uid, version=version, client=req.client,
+            session_id=session_id, token=self.tokens.issue(session_id, holder), nonce=req.nonce, pid=req.pid,
+            pid_verified=verified, pid_start_ticks=start_ticks, uid=peer.uid, version=version, client=req.client,
             adapter=None if req.adapter is None else msgspec.structs.asdict(req.adapter), routing_id=rid,
         )
         self.table.add(binding)
-        if req.resume is not None and claimed_bytes and self.ledger.growth_hold is not None:
-            if self._started_after_the_broker(binding):
-                log.warning("event=reassertion_refused session=%s instance=%s pid=%d "
-                            "detail=the_process_started_after_this_broker_and_cannot_have_held_memory_before_it",
-                            session_id, req.instance, req.pid)
-            else:
-                allowance_bytes = self.ledger.allow_reassertion(session_id, claimed_bytes)
-                log.info("event=reassertion_allowed session=%s instance=%s pid=%d allowance_bytes=%d",
-                         session_id, req.instance, req.pid, allowance_bytes)
-        if req.limits is not None:
-            self._limits_from_hello(req.instance, req.limits)
+        if self.ledger.growth_hold is not None:
+            self._spent_ids.add(session_id)
+            if req.resume is not None and claimed_bytes:
+                self._allow_reassertion(req, binding, holder, claimed_bytes)
+        self._drop_foreign_hello_limits(req.instance, peer.uid)
+        hello_limits = None if req.limits is None else self._limits_from_hello(req.instance, req.limits, peer.uid)
         log.info(
             "event=session_open session=%s instance=%s pid=%d uid=%s verified=%s rank=%d tp_size=%d page_bytes=%d",
             session_id, req.instance, req.pid, peer.uid, verified, req.tp_rank, req.tp_size, req.page_bytes,
         )
         result = self._result(binding, version, resumed=False)
+        if hello_limits is not None:
+            result["hello_limits"] = hello_limits
         if verified:
             self.lifecycle.watch(req.pid)  # a process already gone is reclaimed at once
         return proto.ok_reply(req.id, result)
+
+    def spend(self, session_id: str) -> None:
+        """``session_id`` was restored from the state: a token of it earns no allowance."""
+        self._spent_ids.add(session_id)
+
+    def _allow_reassertion(self, req: proto.Hello, binding: Binding, holder: str, claimed_bytes: int) -> None:
+        """A resume hello whose session this broker does not know, while growth is held: an
+        allowance to grow back what it claims, if its token proves the session was this
+        process's (issued by this secret to it), lost, and not re-asserted already."""
+        assert req.resume is not None
+        lost_id = self.tokens.verify(req.resume, holder)
+        if lost_id is None:
+            why = "the_token_was_not_issued_to_this_process_by_this_broker"
+        elif lost_id in self._spent_ids:
+            why = f"session_{lost_id}_was_issued_by_this_broker_or_reasserted_already"
+        elif self._started_after_the_broker(binding):
+            why = "the_process_started_after_this_broker_and_cannot_have_held_memory_before_it"
+        else:
+            self._spent_ids.add(lost_id)
+            allowance_bytes = self.ledger.allow_reassertion(binding.session_id, claimed_bytes)
+            log.info("event=reassertion_allowed session=%s lost_session=%s instance=%s pid=%d allowance_bytes=%d",
+                     binding.session_id, lost_id, req.instance, req.pid, allowance_bytes)
+            return
+        log.warning("event=reassertion_refused session=%s instance=%s pid=%d claimed_bytes=%d detail=%s",
+                    binding.session_id, req.instance, req.pid, claimed_bytes, why)
 
     def _started_after_the_broker(self, binding: Binding) -> bool:
         started = binding.pid_start_ticks
         return started is not None and self.broker_start_ticks is not None and started > self.broker_start_ticks
 
-    def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest) -> None:
-        """A worker's requested limits, clamped by admin policy: they apply only to an instance no
-        admin or config has set limits for, and a floor is cut to what the other floors leave."""
+    def _drop_foreign_hello_limits(self, instance: str, uid: int | None) -> None:
+        """A session of another uid joined an instance whose limits a hello set: they were that
+        uid's to ask for its own instance, and the instance is no longer its alone."""
+        current = self.ledger.limits.get(instance)
+        if current is not None and current.source == "hello" and (uid is None or current.owner_uid != uid):
+            self.ledger.forget_limits(instance)
+            log.warning("event=hello_limits instance=%s outcome=dropped reason=a_session_of_uid_%s_joined_"
+                        "limits_asked_by_uid_%s", instance, uid, current.owner_uid)
+
+    def _owned_by(self, instance: str, uid: int | None) -> bool:
+        """Whether every session of ``instance`` (the one just opened included) is ``uid``'s."""
+        if uid is None:
+            return False
+        for session_id in self.ledger.instance_session_ids(instance):
+            binding = self.table.by_id(session_id)
+            if binding is None or binding.uid != uid:
+                return False
+        return True
+
+    def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest, uid: int | None) -> dict[str, str]:
+        """A worker's requested limits, under admin policy: they apply only to an instance no
+        admin or config has set limits for (``ignored``), whose sessions all belong to the
+        asker's uid (``forbidden``); a floor is cut to the admin's share of the budget and to
+        what the other floors leave, a weight to the admin's maximum (``clamped``).  Returns
+        what became of them, as the hello's answer says it."""
         current = self.ledger.limits.get(instance)
         if current is not None and current.source != "hello":
-            log.info("event=hello_limits instance=%s outcome=ignored reason=set_by_%s", instance, current.source)
-            return
-        others = sum(l.min_bytes for name, l in self.ledger.limits.items() if name != instance)
+            return self._limits_outcome(instance, uid, "ignored", f"set by {current.source}")
+        if not self._owned_by(instance, uid):
+            why = ("the peer's uid is unknown (tcp)" if uid is None
+                   else f"instance {instance!r} has sessions of another uid than {uid}")
+            return self._limits_outcome(instance, uid, "forbidden", why)
+        budget = self.ledger.budget_bytes
+        quotas = self.quotas
+        cut: list[str] = []
         floor = KEEP
         if asked.min_bytes is not proto.UNSET:
-            floor = max(0, min(asked.min_bytes, self.ledger.budget_bytes - others))
+            others = sum(l.min_bytes for name, l in self.ledger.limits.items() if name != instance)
+            bound = min(int(budget * quotas.hello_max_floor_share), budget - others)
+            floor = max(0, min(asked.min_bytes, bound))
+            if floor < asked.min_bytes:
+                cut.append(f"floor cut to {floor} bytes (at most {quotas.hello_max_floor_share:g} of the budget, "
+                           "within what the other floors leave)")
+        weight = KEEP
+        if asked.weight is not proto.UNSET:
+            weight = min(asked.weight, quotas.hello_max_weight)
+            if weight < asked.weight:
+                cut.append(f"weight cut to {weight:g} (at most {quotas.hello_max_weight:g})")
         try:
-            limits = self.ledger.set_limits(
+            self.ledger.set_limits(
                 instance,
                 max_bytes=KEEP if asked.max_bytes is proto.UNSET else asked.max_bytes,
-                min_bytes=floor,
-                weight=KEEP if asked.weight is proto.UNSET else asked.weight,
-                source="hello",
+                min_bytes=floor, weight=weight, source="hello", owner_uid=uid,
                 priority=KEEP if asked.priority is proto.UNSET else asked.priority,
             )
         except BrokerError as exc:
-            log.info("event=hello_limits instance=%s outcome=refused reason=%r", instance, exc.message)
-            return
-        log.info("event=hello_limits instance=%s outcome=applied %s", instance,
-                 " ".join(f"{key}={value}" for key, value in limits.to_dict().items()))
+            return self._limits_outcome(instance, uid, "ignored", exc.message)
+        return self._limits_outcome(instance, uid, "clamped" if cut else "applied", "; ".join(cut))
+
+    def _limits_outcome(self, instance: str, uid: int | None, outcome: str, reason: str) -> dict[str, str]:
+        limits = self.ledger.limits.get(instance, Limits())
+        log.log(logging.WARNING if outcome == "forbidden" else logging.INFO,
+                "event=hello_limits instance=%s uid=%s outcome=%s reason=%r %s", instance, uid, outcome, reason,
+                " ".join(f"{key}={value}" for key, value in limits.to_dict().items()))
+        return {"outcome": outcome, "reason": reason}
 
     def _result(self, binding: Binding, version: int, *, resumed: bool) -> dict[str, Any]:
         session = self.ledger.sessions[binding.session_id]

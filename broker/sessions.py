@@ -151,11 +151,16 @@ class SessionTable:
         return iter(list(self._by_id.values()))
 
     def new_ids(self) -> tuple[str, str]:
-        """A fresh ``(public id, secret token)`` pair."""
+        """A fresh ``(public id, random secret token)`` pair (the broker issues verifiable
+        tokens instead: ``tokens.SessionTokens``)."""
+        return self.new_session_id(), secrets.token_urlsafe(24)
+
+    def new_session_id(self) -> str:
+        """A public id (``s-`` and 8 hex digits) no session in the table has."""
         while True:
             session_id = "s-" + secrets.token_hex(4)
             if session_id not in self._by_id:
-                return session_id, secrets.token_urlsafe(24)
+                return session_id
 
     def add(self, binding: Binding) -> None:
         self._by_token[binding.token] = binding

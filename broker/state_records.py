@@ -80,6 +80,7 @@ class LimitRecord(Record, tag="limit", kw_only=True):
     revision: Annotated[int, Meta(ge=0)] = 0
     source: LimitSource = "admin"
     priority: proto.Priority = 0
+    owner_uid: Uid | None = None  # the uid whose hello set them (source "hello")
 
 
 class UnlimitRecord(Record, tag="unlimit", kw_only=True):

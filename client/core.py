@@ -5,8 +5,11 @@ re-asserts when it reconnects to a broker that restarted:
 
 * ``pools``: the reservation map the broker last acknowledged;
 * ``credit.held_pages`` / ``credit.reserve_pages``: pages handed to the caller / kept in reserve;
-* ``uncharged_pages``: held pages the broker does not charge (it lost them and could not
-  grant them again); the caller's next releases give these back first, without a request;
+* ``uncharged_pages``: held pages the broker does not charge (it lost them and has not, or
+  could not, grant them again); the caller's next releases give these back first, without a
+  request.  A broker that lost the session charges nothing: every held page is uncharged
+  until its re-assertion (``reasserting``) charges it again, the reserve is dropped (nobody
+  uses it) and the pools and holds are asked for again (``reassert_pools``);
 * ``mapped_pages`` (a session that reports mapping): how many of its granted pages the caller
   last said are mapped; the rest the broker charges as promised memory.
 
@@ -19,9 +22,11 @@ moment it is built until the broker answers it, whatever happens to the call tha
 broker may or may not have applied it, so it is sent again, with the same id and the same
 bytes, before anything else, and the broker's reply cache makes the repeat harmless; its
 late answer is then booked (``Outstanding.on_answer``).  A release is booked before it is
-sent (the pages leave the books at once); a resume names such requests in
-``Hello.settled``, so a restarted broker that adopts the books answers their repeats
-without applying them twice.
+sent (the pages leave the books at once), and tracked before any request in doubt is sent
+again; a resume names such requests in ``Hello.settled``, so a restarted broker that adopts
+the books answers their repeats without applying them twice.  A hello whose answer never came
+is sent again with the same nonce, so a broker that opened a session for it answers with that
+session instead of opening a second.
 """
 
 from __future__ import annotations
@@ -136,6 +141,13 @@ class ClientCore:
         self.evicted = False
         self.closed = False
         self.outstanding: dict[int, Outstanding] = {}
+        #: A broker that lost the session is being asked for what the books hold again: the
+        #: pools and holds still to re-reserve (None: none, or done), the held pages still
+        #: mapped of those uncharged (a session that reports mapping), and whether it is done.
+        self.reasserting = False
+        self.reassert_pools: tuple[dict[str, int], dict[str, int]] | None = None
+        self.reassert_mapped_pages = 0
+        self._hello_nonce: str | None = None  # the last hello's, until it is answered
         self._ids = itertools.count(1)
 
     # ------------------------------------------------------------- requests
@@ -151,7 +163,7 @@ class ClientCore:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             page_bytes=self.page_bytes,
-            nonce=secrets.token_urlsafe(12),
+            nonce=self.hello_nonce(),
             device_uuid=self.device_uuid,
             resume=self.token if resume else None,
             holdings=self.holdings() if resume else None,
@@ -161,6 +173,13 @@ class ClientCore:
             adapter=self.adapter,
             report_mapping=self.report_mapping,
         )
+
+    def hello_nonce(self) -> str:
+        """A fresh nonce, unless the last hello was never answered: then its own (the broker
+        answers a repeat with the session that hello opened or resumed, and opens no other)."""
+        if self._hello_nonce is None:
+            self._hello_nonce = secrets.token_urlsafe(12)
+        return self._hello_nonce
 
     def idle_to_send(self) -> int | None:
         """The ``idle_pages`` a request carries: what the runtime said is idle plus the credit
@@ -193,6 +212,7 @@ class ClientCore:
         Then the broker had lost the old session (its state did not survive): nothing
         outstanding can be answered any more, and the books must be asked for again.
         """
+        self._hello_nonce = None
         lost = self.token is not None and not result.get("resumed", False)
         if lost:
             log.warning(
@@ -200,8 +220,13 @@ class ClientCore:
                 self.session_id, result["session_id"],
             )
             self.outstanding.clear()
+            self._lost()
         elif result.get("claims") in ("adopted", "refused"):
             self._follow_restored(result)
+        asked = result.get("hello_limits")
+        if isinstance(asked, dict) and asked.get("outcome") != "applied":
+            log.warning("event=hello_limits instance=%s outcome=%s reason=%r", self.instance, asked.get("outcome"),
+                        asked.get("reason"))
         self.token = result["session"]
         self.session_id = result["session_id"]
         self.lease_s = float(result.get("lease_s", self.lease_s))
@@ -236,6 +261,41 @@ class ClientCore:
             "detail=the_broker_kept_its_restored_figures_and_the_books_follow_them",
             result["session_id"], claimed_bytes - self._bytes_of(self.pools, self.holds, charged_pages), uncharged,
         )
+
+    def _lost(self) -> None:
+        """The broker lost the session, and charges the new one nothing: so do the books, and
+        what the caller holds is to be asked for again (``Operations._reassert``)."""
+        if self.pools or self.holds:
+            self.reassert_pools = (dict(self.pools), dict(self.holds))
+        self.pools, self.holds = {}, {}
+        credit = self.credit
+        if self.report_mapping:
+            self.reassert_mapped_pages = min(self.mapped_pages, credit.held_pages)
+        self.mapped_pages = 0
+        credit.reserve_pages = 0  # granted by the lost session, used by nobody
+        self.uncharged_pages = credit.held_pages
+        self.reasserting = True
+
+    def book_reasserted_pools(self, result: dict[str, Any]) -> None:
+        """The answer to the reserve that re-asserts the pools (late or not)."""
+        self.book_pools(result)
+        self.reassert_pools = None
+
+    def book_reasserted_pages(self, granted_pages: int, mapped: bool) -> None:
+        """The answer to an acquire that re-asserts held pages (late or not): they are charged
+        again, and any beyond what is still uncharged (the caller freed some meanwhile) go to
+        the reserve."""
+        charged = min(granted_pages, self.uncharged_pages)
+        self.uncharged_pages -= charged
+        self.credit.reserve_pages += granted_pages - charged
+        if mapped:
+            self.mapped_pages += granted_pages
+            self.reassert_mapped_pages = max(0, self.reassert_mapped_pages - granted_pages)
+
+    def visible_uncharged_pages(self) -> int:
+        """``uncharged_pages`` as the caller sees it: none while a re-assertion is still under
+        way (they are being asked for again), what it came back short by afterwards."""
+        return 0 if self.reasserting else self.uncharged_pages
 
     def _bytes_of(self, pools: dict[str, int], holds: dict[str, int], pages: int) -> int:
         return sum(pools.values()) + sum(holds.values()) + pages * self.page_bytes
@@ -312,19 +372,13 @@ class ClientCore:
         """The answer to an acquire whose caller gave up: its pages go to the credit reserve."""
         self.credit.reattach(int(result["granted"]))
 
-    def reassertion(self) -> tuple[dict[str, int], dict[str, int], int]:
-        """What to ask a broker that lost this session for: ``(pools, holds, pages)``."""
-        return dict(self.pools), dict(self.holds), self.credit.granted_pages
-
-    def book_reasserted(self, result: dict[str, Any] | None, granted_pages: int) -> None:
-        """Book what a re-assertion got back; pages short of what is held stay uncharged."""
-        if result is not None:
-            self.book_pools(result)
-        short = self.charge_pages(granted_pages)
-        if short > 0:
+    def reasserted(self) -> None:
+        """The re-assertion is over: what is still uncharged, the broker could not grant."""
+        self.reasserting = False
+        if self.uncharged_pages > 0:
             log.error(
                 "event=uncharged_pages session=%s pages=%d detail=the_broker_lost_this_session_and_cannot_grant_them_again",
-                self.session_id, short,
+                self.session_id, self.uncharged_pages,
             )
 
     @property

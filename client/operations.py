@@ -76,6 +76,11 @@ def drive(op: Op, do: Callable[[Action], Any]) -> Any:
 
 #: What an exchange returns for a request that a lost session made moot.
 MOOT = object()
+#: How many times one request resumes its session before its ``not_owner`` is raised: each
+#: resume is answered (a broker that restarts again and again while a call waits, as the chaos
+#: run's restarts in a row make it, is followed), but a broker that keeps answering
+#: ``not_owner`` to a session it has just re-bound is not followed for ever.
+MAX_RESUMES_PER_REQUEST = 8
 
 #: How often a driver's background wakes to answer pushes, refill the reserve and heartbeat.
 BACKGROUND_TICK_S = 0.05
@@ -89,6 +94,7 @@ class Operations:
         self.core = core
         #: ``guard(answered)`` refuses an endpoint that may not be the broker's (``client.trust``).
         self.guard = guard
+        self._reasserting = False  # a re-assertion runs now (its own requests must not start another)
 
     # ------------------------------------------------------------ the calls
     def open(self, *, resume: bool) -> Op:
@@ -317,14 +323,29 @@ class Operations:
         """
         core = self.core
         core.check_usable()
-        if core.outstanding:
-            yield from self.settle_in_doubt(total_s)
+        reassert = core.reasserting and not self._reasserting  # one cut short goes on first
+        settle = reassert or bool(core.outstanding)
         request_id = core.next_id()
+        token_built = core.token
         payload = proto.encode(build(request_id))
         booked = bool(track and track.get("booked"))
         if track is not None:
+            # Tracked before the requests in doubt are settled (and a re-assertion cut short
+            # goes on): a resume meanwhile must name this one as settled if the books already
+            # show it (a release), and a failure leaves it in doubt, never forgotten.
             core.track(request_id, payload, **track)
         try:
+            if settle:
+                if reassert:
+                    yield from self._reassert()
+                yield from self.settle_in_doubt(total_s)
+                if track is not None and request_id not in core.outstanding:
+                    if booked:  # the books the broker took up already show it: moot
+                        return {"settled": True}
+                    core.track(request_id, payload, **track)  # a lost session dropped it: anew
+                if core.token != token_built:  # the session was replaced meanwhile
+                    payload = proto.encode(build(request_id))
+                    core.retrack(request_id, core.outstanding.get(request_id), payload)
             result = yield from self._exchange(request_id, payload, build, total_s=total_s, resume=resume, booked=booked)
         finally:
             core.gave_up(request_id)  # nothing if it was answered
@@ -333,7 +354,7 @@ class Operations:
     def _exchange(self, request_id: int, payload: bytes, build: Callable[[int], Any] | None, *,
                   total_s: float | None, resume: bool, booked: bool) -> Op:
         core = self.core
-        for _ in range(3):
+        for _ in range(MAX_RESUMES_PER_REQUEST + 1):
             token_used = core.token
             reply = yield Send(request_id, payload, total_s)
             if reply.ok:
@@ -374,6 +395,9 @@ class Operations:
                 outstanding.waiting = False
                 raise
             except BrokerError:
+                if core.outstanding.get(request_id) is outstanding:  # the resume failed, not this request
+                    outstanding.waiting = False
+                    raise
                 outstanding.on_refusal()
                 continue
             if result is not MOOT:
@@ -383,29 +407,42 @@ class Operations:
             yield from self.return_pages(surplus)
 
     def _reassert(self) -> Op:
-        """The broker lost this session: ask the new one for what the books say is held."""
+        """The broker lost this session: ask the new one for what the books say is held (the
+        pools and holds, then the held pages, which are uncharged until granted again).
+
+        Each request is tracked as any: one left in doubt is sent again before the next
+        request and booked by its late answer, exactly once.  A re-assertion cut short (the
+        broker went away again) stays under way: the next call goes on with what is left."""
         core = self.core
-        pools, holds, pages = core.reassertion()
-        booked_pools = None
-        if pools or holds:
-            try:
-                booked_pools = yield from self.call(core.reserve_request(pools, None, holds),
-                                                    track={"on_answer": core.book_pools})
-            except BrokerError as exc:
-                log.error("event=reassert_refused session=%s what=pools error=%s", core.session_id, exc)
-                booked_pools = {"pools": {}, "holds": {}}
-        # A session that reports mapping asks for its mapped pages as mapped (the device's
-        # measurement covers them), then for the rest, which are promised.
-        mapped = min(core.mapped_pages, pages) if core.report_mapping else 0
-        got = {True: 0, False: 0}
-        for ask, already_mapped in ((mapped, True), (pages - mapped, False)):
-            if ask:
+        self._reasserting = True
+        try:
+            wanted = core.reassert_pools
+            if wanted is not None:
+                pools, holds = wanted
+                try:
+                    result = yield from self.call(core.reserve_request(pools, None, holds),
+                                                  track={"on_answer": core.book_reasserted_pools})
+                    core.book_reasserted_pools(result)
+                except BrokerUnavailable:
+                    raise
+                except BrokerError as exc:
+                    log.error("event=reassert_refused session=%s what=pools error=%s", core.session_id, exc)
+                    core.reassert_pools = None
+            # A session that reports mapping asks for its mapped pages as mapped (the device's
+            # measurement covers them), then for the rest, which are promised.
+            for already_mapped in ((True, False) if core.report_mapping else (False,)):
+                ask = core.uncharged_pages
+                if already_mapped:
+                    ask = min(ask, core.reassert_mapped_pages)
+                if not ask or not core.reasserting:
+                    continue
                 result = yield from self.call(_reasserted_pages(core, ask, already_mapped),
-                                              track={"on_answer": core.book_late_grant})
-                got[already_mapped] = int(result["granted"])
-        core.book_reasserted(booked_pools, got[True] + got[False])
-        if core.report_mapping:
-            core.mapped_pages = got[True]
+                                              track={"on_answer": _booked_reassertion(core, already_mapped)})
+                core.book_reasserted_pages(int(result["granted"]), already_mapped)
+            if core.reasserting:
+                core.reasserted()
+        finally:
+            self._reasserting = False
 
 
 def _reasserted_pages(core: ClientCore, pages: int, mapped: bool) -> Callable[[int], proto.Acquire]:
@@ -415,6 +452,15 @@ def _reasserted_pages(core: ClientCore, pages: int, mapped: bool) -> Callable[[i
         return proto.Acquire(id=rid, session=core.session_token(), pages=pages, min_pages=0, mapped=mapped)
 
     return build
+
+
+def _booked_reassertion(core: ClientCore, mapped: bool) -> Callable[[dict[str, Any]], None]:
+    """How the answer to a re-assertion's acquire is booked, late or not: the pages it grants
+    are charged again (``ClientCore.book_reasserted_pages``)."""
+    def book(result: dict[str, Any]) -> None:
+        core.book_reasserted_pages(int(result["granted"]), mapped)
+
+    return book
 
 
 class BackgroundHealth:

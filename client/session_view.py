@@ -38,7 +38,7 @@ class SessionView:
     def uncharged_pages(self) -> int:
         """Held pages the broker does not charge (it lost this session's state and could not
         grant them again); they are given back first, with no request, as the caller releases."""
-        return self._core.uncharged_pages
+        return self._core.visible_uncharged_pages()
 
     @property
     def reserve_pages(self) -> int:

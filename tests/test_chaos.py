@@ -34,5 +34,9 @@ def test_quick_chaos_run_finds_no_mismatch_and_no_invariant_violation(tmp_path):
     assert figures["events_total"] + sum(figures["events_skipped"].values()) == 40, output
     assert figures["broker_restarts"] >= 1 and figures["quiet_points"] >= 1 and figures["status_samples"] > 0, output
     assert figures["mismatches"] == 0, output
+    # issue 26, items 1, 2, 3 and 5: every kind of event runs once in a quick run
+    assert sum(figures["damaged_restarts"].values()) >= 1 and figures["forged_resumes_refused"] >= 1, output
+    assert figures["in_doubt_orders"] >= 24, output
+    assert (figures["hello_limit_checks"] >= 2) if os.getuid() == 0 else figures["hello_limit_checks"] == 0, output
     assert figures["status_violations"] == 0, output
     assert figures["passed"] and run.returncode == 0, output

@@ -97,7 +97,8 @@ def write_journal(state_dir: Path, data: bytes, device: int = 0) -> Path:
 
 
 def healthy(loaded) -> bool:
-    return (loaded.torn_bytes, loaded.damaged_records, loaded.damaged_bytes, loaded.snapshot_damage) == (0, 0, 0, None)
+    return ((loaded.torn_bytes, loaded.damaged_records, loaded.damaged_bytes, loaded.snapshot_damage, loaded.missing,
+             loaded.lost_records) == (0, 0, 0, None, [], 0))
 
 
 # ----------------------------------------------------------------------------- append and reload
@@ -227,10 +228,11 @@ def test_an_old_seq_record_after_a_snapshot_is_not_replayed(state_dir):
 
 
 def test_records_with_skipped_sequence_numbers_still_load_in_file_order(state_dir):
+    """A broker numbers its records one by one: the seqs missing are records lost (issue 26, item 1)."""
     seqs = [1, 2, 5, 9, 7, 40]
     write_journal(state_dir, b"".join(frame(HoldRecord(session_id="s-1", granted_pages=s, seq=s)) for s in seqs))
     store, loaded = reopen(state_dir)
-    assert [r.seq for r in loaded.records] == seqs and healthy(loaded)
+    assert [r.seq for r in loaded.records] == seqs and loaded.lost_records == 40 - 6 and loaded.damaged
     assert store.seq == 40  # the largest, so new records never reuse a seq
     store.append([hold(1, 0)])
     assert store.seq == 41
@@ -244,8 +246,72 @@ def test_skipped_sequence_numbers_after_a_snapshot_keep_only_the_newer(state_dir
     seqs = [4, 11, 10, 25, 3]
     write_journal(state_dir, b"".join(frame(HoldRecord(session_id="s-1", granted_pages=s, seq=s)) for s in seqs))
     store, loaded = reopen(state_dir)
-    assert [r.seq for r in loaded.records] == [11, 25] and healthy(loaded) and store.seq == 25
+    assert [r.seq for r in loaded.records] == [11, 25] and store.seq == 25
+    assert loaded.lost_records == 25 - 10 - 2 and loaded.damaged
     store.close()
+
+
+# ------------------------------------------- files and records a broker that ran here left (issue 26, item 1)
+def _ran_here(state_dir: Path, *, snapshot_sessions: int = 1, records: int = 2) -> None:
+    """A broker's start (a snapshot) and the records it wrote after it; then it stops (killed)."""
+    store, _ = reopen(state_dir)
+    store.append([session(i) for i in range(1, snapshot_sessions + 1)])
+    store.write_snapshot(Snapshot(device_uuid="GPU-1", sessions=[session(i) for i in range(1, snapshot_sessions + 1)]))
+    store.append([hold(1, 5 + i) for i in range(records)])
+    store.close()
+
+
+@pytest.mark.parametrize("deleted", [["gpu0.snapshot"], ["gpu0.journal"], ["gpu0.snapshot", "gpu0.journal"]])
+def test_a_state_file_deleted_where_a_broker_ran_is_damage(state_dir, deleted):
+    """It used to load as a first start: nothing damaged, nothing logged."""
+    _ran_here(state_dir)
+    for name in deleted:
+        (state_dir / name).unlink()
+    store, loaded = reopen(state_dir)
+    store.close()
+    assert loaded.damaged
+    if deleted == ["gpu0.snapshot"]:  # its records (seqs 2 and 3) now follow nothing: seq 1 is gone
+        assert loaded.lost_records == 1 and loaded.missing == []
+    else:
+        assert loaded.missing == deleted
+
+
+def test_a_snapshot_deleted_after_a_start_with_an_empty_journal_is_missing(state_dir):
+    _ran_here(state_dir, records=0)
+    (state_dir / "gpu0.snapshot").unlink()
+    store, loaded = reopen(state_dir)
+    store.close()
+    assert loaded.missing == ["gpu0.snapshot"] and loaded.damaged
+
+
+def test_a_first_start_and_a_journal_that_begins_at_seq_1_are_no_damage(state_dir):
+    store, loaded = reopen(state_dir)  # nothing here yet: a first start
+    assert healthy(loaded)
+    store.append([session(1), hold(1, 3)])  # the first snapshot (seq 0) held nothing
+    store.close()
+    store, loaded = reopen(state_dir)
+    store.close()
+    assert healthy(loaded) and [r.seq for r in loaded.records] == [1, 2]
+
+
+def test_the_first_record_lost_with_its_length_frame_is_counted_by_its_seq(state_dir):
+    _ran_here(state_dir, records=3)
+    journal = state_dir / "gpu0.journal"
+    data = bytearray(journal.read_bytes())
+    data[0] ^= 0x01  # one bit of the first record's length
+    journal.write_bytes(bytes(data))
+    store, loaded = reopen(state_dir)
+    store.close()
+    assert [r.granted_pages for r in loaded.records] == [6, 7] and loaded.lost_records == 1 and loaded.damaged
+
+
+def test_a_zero_filled_journal_is_damage(state_dir):
+    _ran_here(state_dir)
+    journal = state_dir / "gpu0.journal"
+    journal.write_bytes(bytes(len(journal.read_bytes())))
+    store, loaded = reopen(state_dir)
+    store.close()
+    assert loaded.records == [] and loaded.damaged_bytes and loaded.damaged
 
 
 # ----------------------------------------------------------------------------- damage
@@ -426,7 +492,7 @@ def test_the_state_directory_and_files_are_private(tmp_path):
     store.write_snapshot(Snapshot(device_uuid="GPU-1"))
     store.close()
     assert stat.S_IMODE(state_dir.stat().st_mode) & 0o077 == 0
-    for name in ("gpu0.journal", "gpu0.snapshot"):
+    for name in ("gpu0.journal", "gpu0.snapshot", "gpu0.secret"):
         assert stat.S_IMODE((state_dir / name).stat().st_mode) == 0o600, name
 
 
@@ -501,7 +567,7 @@ def test_snapshot_temp_files_left_behind_are_removed_and_only_this_devices(state
     store.write_snapshot(Snapshot(device_uuid="GPU-1"))
     store.close()
     assert sorted(p.name for p in state_dir.iterdir()) == [
-        "gpu0.journal", "gpu0.snapshot", "gpu1.snapshot.tmp4242"]
+        "gpu0.journal", "gpu0.secret", "gpu0.snapshot", "gpu1.snapshot.tmp4242"]
 
 
 def test_a_snapshot_marked_stale_is_restored_and_reported_as_damage(state_dir):
@@ -516,6 +582,54 @@ def test_a_snapshot_marked_stale_is_restored_and_reported_as_damage(state_dir):
     assert [s.granted_pages for s in loaded.snapshot.sessions] == [5]  # the content is kept
     assert [r.id for r in loaded.records] == ["s-00000002"]
     assert loaded.damaged and loaded.snapshot_damage.startswith("stale")
+
+
+# ------------------------------------------------------ the secret of the session tokens (issue 26, item 3)
+def test_the_secret_is_made_once_private_and_kept_across_starts(state_dir):
+    store, first = reopen(state_dir)
+    store.close()
+    path = state_dir / "gpu0.secret"
+    assert len(first.secret) == 32 and first.secret_problem is None
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_bytes() == first.secret
+    store, again = reopen(state_dir)
+    store.close()
+    assert again.secret == first.secret
+    store, other = reopen(state_dir, device=1)  # each device keys its own tokens
+    store.close()
+    assert other.secret != first.secret
+
+
+def test_a_secret_other_users_can_read_refuses_the_start(state_dir):
+    store, _ = reopen(state_dir)
+    store.close()
+    os.chmod(state_dir / "gpu0.secret", 0o640)
+    with pytest.raises(CheckpointError, match=r"gpu0.secret can be read by other users \(mode 0640\)"):
+        StateStore(state_dir, 0).open()
+
+
+@pytest.mark.parametrize("content", [b"", b"short", bytes(33)])
+def test_a_secret_of_the_wrong_size_is_replaced_and_said(state_dir, content):
+    state_dir.mkdir(mode=0o700)
+    path = state_dir / "gpu0.secret"
+    path.write_bytes(content)
+    os.chmod(path, 0o600)
+    store, loaded = reopen(state_dir)
+    store.close()
+    assert len(loaded.secret) == 32 and path.read_bytes() == loaded.secret
+    assert loaded.secret_problem == f"the secret held {len(content)} bytes, not 32: replaced"
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_secret_that_is_not_a_regular_file_refuses_the_start(tmp_path, state_dir, kind):
+    state_dir.mkdir(mode=0o700)
+    path = state_dir / "gpu0.secret"
+    if kind == "symlink":
+        (tmp_path / "elsewhere").write_bytes(bytes(32))
+        path.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(path, 0o600)
+    with pytest.raises(CheckpointError, match="symbolic link|not a regular file"):
+        StateStore(state_dir, 0).open()
 
 
 def test_marking_stale_without_a_snapshot_says_so(state_dir):

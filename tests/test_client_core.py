@@ -103,10 +103,16 @@ def test_a_refused_resume_follows_the_brokers_figures_and_drops_booked_releases(
 
 
 # ---------------------------------------------------------------------- uncharged pages
+def _lost(core: ClientCore) -> None:
+    assert core.on_hello({"session": "token-two", "session_id": "s-2", "resumed": False}) is True
+
+
 def test_uncharged_pages_are_released_first_without_a_request():
     core = _opened(credit_pages=0)
     core.credit.held_pages = 5
-    core.book_reasserted({"pools": {}, "holds": {}}, granted_pages=2)  # the broker could give back only 2
+    _lost(core)
+    core.book_reasserted_pages(2, mapped=False)  # the broker could give back only 2
+    core.reasserted()
     assert core.uncharged_pages == 3
     assert core.put_back(4) == 1  # 3 leave the books alone; 1 was charged: back to the broker
     assert (core.credit.held_pages, core.uncharged_pages) == (1, 0)
@@ -115,11 +121,32 @@ def test_uncharged_pages_are_released_first_without_a_request():
     assert (core.credit.held_pages, core.uncharged_pages) == (1, 0)
 
 
-def test_a_reassertion_asks_for_the_books():
+def test_a_lost_session_charges_nothing_until_the_books_are_asked_for_again():
+    """The new session is empty: the books say so at once (held pages uncharged, the reserve
+    gone, pools wanted again), and each re-asserted answer, late or not, charges them back."""
     core = _opened()
+    core.report_mapping = True
     core.pools, core.holds = {"w": 1}, {"kv": 2}
-    core.credit.held_pages, core.credit.reserve_pages = 3, 4
-    assert core.reassertion() == ({"w": 1}, {"kv": 2}, 7)
+    core.credit.held_pages, core.credit.reserve_pages, core.mapped_pages = 3, 4, 2
+    _lost(core)
+    assert (core.pools, core.holds, core.credit.reserve_pages, core.uncharged_pages) == ({}, {}, 0, 3)
+    assert core.reassert_pools == ({"w": 1}, {"kv": 2}) and core.reassert_mapped_pages == 2 and core.reasserting
+    assert core.visible_uncharged_pages() == 0  # still being asked for: not short yet
+    core.book_reasserted_pools({"pools": {"w": 1}, "holds": {"kv": 2}})
+    core.book_reasserted_pages(2, mapped=True)
+    assert (core.uncharged_pages, core.mapped_pages, core.reassert_pools) == (1, 2, None)
+    assert core.put_back(1) == 0  # an uncharged page freed meanwhile leaves the books alone
+    core.book_reasserted_pages(1, mapped=False)  # asked for before: it goes to the reserve
+    core.reasserted()
+    assert (core.credit.held_pages, core.credit.reserve_pages, core.uncharged_pages) == (2, 1, 0)
+
+
+def test_a_hello_never_answered_is_sent_again_with_its_nonce():
+    core = _opened()
+    first = core.hello(resume=True).nonce
+    assert core.hello(resume=True).nonce == first  # no answer came: the same hello again
+    core.on_hello({"session": "token-one", "session_id": "s-1", "resumed": True, "claims": "kept"})
+    assert core.hello(resume=True).nonce != first
 
 
 # -------------------------------------------------------------------------- outstanding

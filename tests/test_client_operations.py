@@ -9,7 +9,9 @@ books: after every scenario the broker charges what the client's books say it ho
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -360,6 +362,25 @@ def test_not_owner_resumes_the_same_session_and_sends_the_request_again():
     assert s.core.token == "token-one" and s.books_match()
 
 
+def test_a_broker_that_restarts_again_and_again_while_a_call_waits_is_followed():
+    """The chaos run's restarts in a row: each resend found a broker restarted once more, and a
+    release gave up with not_owner after its third resume, the caller told it failed while its
+    pages had gone to the reserve (a book drift).  Every resume is answered: it is followed."""
+    s = Script(credit_pages=0)
+    s.acquire(4)
+    restarts = iter(range(5))
+    handle = s.broker._handle
+
+    def restarting(req):
+        if not isinstance(req, proto.Hello) and next(restarts, None) is not None:
+            s.broker.rebound = True  # restarted again: not_owner until the next resume
+        return handle(req)
+
+    s.broker._handle = restarting
+    s.release(2)
+    assert s.resumes == 5 and s.broker.applied == ["acquire", "release"] and s.books_match()
+
+
 def test_a_resume_names_the_booked_release_in_doubt_as_settled():
     s = Script(credit_pages=0)
     s.acquire(4)
@@ -381,8 +402,9 @@ def test_unknown_session_reopens_and_reasserts_the_books_once():
     s.sent.clear()
     s.run(s.ops.status())
     assert s.ops_sent() == ["status", "hello", "reserve", "acquire", "status"]
-    assert s.core.token == "token-onex" and s.broker.granted_pages == 5
-    assert s.books_match() and s.core.uncharged_pages == 0
+    # the 3 held pages are asked for again; the lost session's reserve, used by nobody, is not
+    assert s.core.token == "token-onex" and s.broker.granted_pages == 3
+    assert s.books_match() and s.core.uncharged_pages == 0 and not s.core.reasserting
 
 
 def test_a_release_made_moot_by_a_lost_session_is_not_sent_again():
@@ -508,6 +530,232 @@ def test_acquire_tp_served_from_the_reserve_still_calls_reduce_once():
     assert _tp(s, 3, reduce) == 1
     assert reduce.calls == [3] and s.sent == []  # 3 from the reserve, 2 back into it
     assert (s.core.credit.held_pages, s.core.credit.reserve_pages) == (2, 3)
+
+
+# ================================================= every order, against a real broker that restarts
+# Issue 26, item 2: a request that timed out while the broker was down stayed in doubt; after the
+# restart the next call was a release, booked at once; the in-doubt request, sent again first,
+# resumed the session asserting books that already left the release out without naming it as
+# settled, and the broker then applied the release too (the client held 6 pages, the broker
+# charged 2).  Here the client's operations run against a real request core with a state
+# directory, which a fault restarts as a SIGKILL would (what was written stays; the connection
+# is new), and every order a client produces is driven: a call left in doubt in each way, then
+# each next call, with a fault at each of its first sends, then a quiet call.  After each, the
+# broker charges exactly what the books say, and nothing else.
+FAULTS = ("lost_request", "lost_reply", "restart_before", "restart_after", "wiped_before", "wiped_after")
+
+
+class RestartingBroker:
+    """A real :class:`RequestCore` with a journal, as the shell runs it (a group commit before
+    each reply, the deferred records' timer), that a test can SIGKILL and start again."""
+
+    def __init__(self, state_dir, total_bytes: int):
+        from helpers import restarted_core
+
+        from kvcached_broker.broker.session_opener import SessionQuotas
+
+        self._make = lambda: restarted_core(state_dir, total_bytes, now=self.now, quotas=SessionQuotas(lease_s=1e6))
+        self.state_dir = state_dir
+        self.now = 0.0
+        self.connection = 0
+        self.core = self._make()
+
+    def answer(self, payload: bytes) -> proto.Reply:
+        from helpers import local_peer
+
+        self.now += 0.004
+        reply = self.core.handle(b"connection-%d" % self.connection, local_peer(), payload, self.now)
+        self.core.journal.commit(self.now)  # before the reply goes out
+        self.core.journal.flush_due(self.now)
+        self.core.take_pushes()
+        assert reply is not None
+        return proto.decode_broker_message(reply)
+
+    def restart(self, wipe: bool = False) -> None:
+        """SIGKILL (records that wait are lost, what is written stays) and start again; the
+        client's socket reconnects as a new connection."""
+        import shutil
+
+        self.core.journal.store.close()
+        if wipe:
+            shutil.rmtree(self.state_dir)
+        self.now += 1.0
+        self.core = self._make()
+        self.connection += 1
+
+    def close(self) -> None:
+        """Close the journal's files, as a broker's exit does (thousands of orders run)."""
+        self.core.journal.store.close()
+
+    def charged(self, session_id: str) -> tuple[int, dict, dict] | None:
+        session = self.core.ledger.sessions.get(session_id)
+        if session is None:
+            return None
+        return session.granted_pages, dict(session.pools), dict(session.holds)
+
+
+class FaultyDriver:
+    """A driver (as ``BrokerClient._run``) whose sends go to a :class:`RestartingBroker`, with a
+    fault on chosen sends: ``plan[(call, send)] = fault``.  A fault ends the call as the
+    transport's timeout does (``BrokerUnavailable``)."""
+
+    def __init__(self, broker: RestartingBroker, core: ClientCore):
+        self.broker = broker
+        self.core = core
+        self.ops = Operations(core)
+        self.plan: dict[tuple[int, int], str] = {}
+        self.call = -1
+        self.sends = 0
+
+    def run(self, op) -> Any:
+        return drive(op, self.do)
+
+    def next_call(self) -> None:
+        self.call += 1
+        self.sends = 0
+
+    def do(self, action: Send | Resume | Invoke) -> Any:
+        if isinstance(action, Resume):
+            if self.core.token == action.token:
+                self.run(self.ops.open(resume=True))
+            return None
+        if isinstance(action, Invoke):
+            return action.fn(*action.args)
+        fault = self.plan.pop((self.call, self.sends), None)
+        self.sends += 1
+        broker = self.broker
+        if fault in ("restart_before", "wiped_before"):
+            broker.restart(wipe=fault == "wiped_before")
+        if fault in (None, "lost_reply", "restart_after", "wiped_after"):
+            reply = broker.answer(action.payload)
+            if fault is None:
+                return reply
+        if fault in ("restart_after", "wiped_after"):
+            broker.restart(wipe=fault == "wiped_after")
+        raise BrokerUnavailable(f"scripted: {fault}")
+
+
+def _calls(ops: Operations) -> dict[str, Any]:
+    """Every call a client makes, by name (each a fresh operation)."""
+    return {
+        "acquire": lambda: ops.acquire(3, None),
+        "acquire_min": lambda: ops.acquire(9, 1),
+        "release": lambda: ops.release(2),
+        "release_all": lambda: ops.release(ops.core.credit.held_pages or 1),
+        "reserve": lambda: ops.reserve({"weights": 3 * PAGE_BYTES + ops.core.credit.held_pages}, None,
+                                       {"kv_hold": PAGE_BYTES}, False),
+        "refill": lambda: ops.refill(),
+        "pressure": lambda: ops.answer_pressure(proto.Pressure(session_id=ops.core.session_id or "s-1", pages=3), None),
+        "mapped": lambda: ops.mapped(ops.core.credit.granted_pages // 2) if ops.core.report_mapping else ops.status(),
+        "heartbeat": lambda: ops.heartbeat(),
+        "status": lambda: ops.status(),
+    }
+
+
+#: Calls that change holdings: the ones a fault leaves in doubt.
+IN_DOUBT_CALLS = ("acquire", "acquire_min", "release", "reserve", "refill", "pressure", "mapped")
+
+
+def _run_order(tmp_path, credit_pages: int, first: str, first_fault: str, second: str,
+               second_fault: tuple[int, str] | None, report_mapping: bool = False, third: str | None = None) -> str | None:
+    """One order; returns what went wrong, or None."""
+    broker = RestartingBroker(tmp_path / "state", 64 << 30)
+    try:
+        return _drive_order(broker, credit_pages, first, first_fault, second, second_fault, report_mapping, third)
+    finally:
+        broker.close()
+
+
+def _drive_order(broker: RestartingBroker, credit_pages: int, first: str, first_fault: str, second: str,
+                 second_fault: tuple[int, str] | None, report_mapping: bool, third: str | None) -> str | None:
+    core = ClientCore(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES, credit_pages=credit_pages,
+                      device_uuid=None, report_mapping=report_mapping)
+    driver = FaultyDriver(broker, core)
+    driver.run(driver.ops.open(resume=False))
+    driver.run(driver.ops.reserve({"weights": 4 * PAGE_BYTES}, None, None, False))
+    driver.run(driver.ops.acquire(6, None))  # held 6, and a reserve of credit_pages
+    calls = _calls(driver.ops)
+    driver.plan[(0, 0)] = first_fault
+    if second_fault is not None:
+        driver.plan[(1, second_fault[0])] = second_fault[1]
+    refused: list[str] = []
+    for name in (first, second, *([third] if third else []), "heartbeat", "status"):
+        driver.next_call()
+        try:
+            driver.run(calls[name]())
+        except BrokerUnavailable:
+            pass
+        except BrokerError as exc:  # a broker that refuses what the books say is held: a mismatch
+            refused.append(f"{name}: {exc}")
+    charged = broker.charged(core.session_id)
+    books = (core.credit.granted_pages - core.uncharged_pages, core.pools, core.holds)
+    broker.core.ledger.check_invariant()
+    others = sorted(set(broker.core.ledger.sessions) - {core.session_id})
+    if charged != books or core.uncharged_pages or core.outstanding or others or refused:
+        return (f"broker {charged}, books {books} (uncharged {core.uncharged_pages}, outstanding "
+                f"{sorted(core.outstanding)}, other sessions {others}, refused {refused})")
+    return None
+
+
+@pytest.fixture
+def state_root(tmp_path):
+    """Where the orders keep their state directories: in memory where the machine has a tmpfs
+    (thousands of small files come and go), else the test's own directory."""
+    import shutil
+    import tempfile
+
+    shm = "/dev/shm"
+    root = Path(tempfile.mkdtemp(prefix="kb-orders-", dir=shm)) if os.access(shm, os.W_OK) else tmp_path
+    yield root
+    if root != tmp_path:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("credit_pages, report_mapping", [(0, False), (2, True)])
+def test_every_order_of_calls_around_faults_and_restarts_applies_each_request_once(state_root, credit_pages,
+                                                                                  report_mapping):
+    tmp_path = state_root
+    failures: list[str] = []
+    orders = 0
+    names = list(_calls(Operations(ClientCore(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES,
+                                              credit_pages=0, device_uuid=None))))
+    for first in IN_DOUBT_CALLS:
+        for first_fault in FAULTS:
+            for second in names:
+                for second_fault in [None] + [(send, fault) for send in range(3) for fault in FAULTS]:
+                    orders += 1
+                    where = tmp_path / f"order-{orders}"
+                    problem = _run_order(where, credit_pages, first, first_fault, second, second_fault, report_mapping)
+                    if problem is not None:
+                        failures.append(f"{first}/{first_fault} then {second}/{second_fault}: {problem}")
+    assert orders == len(IN_DOUBT_CALLS) * len(FAULTS) * len(names) * (1 + 3 * len(FAULTS))
+    assert not failures, f"{len(failures)} of {orders} orders went wrong, e.g.:\n" + "\n".join(failures[:12])
+
+
+def test_a_reassertion_cut_short_goes_on_before_any_next_call_and_loses_none_of_it(state_root):
+    """The broker lost the session (its state wiped) while an acquire was in doubt; the next
+    call's re-assertion is cut short on one of its sends; then each call: the re-assertion goes
+    on first, and the call's own request (a release booked already) is neither lost nor
+    applied twice."""
+    failures, orders = [], 0
+    names = list(_calls(Operations(ClientCore(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES,
+                                              credit_pages=0, device_uuid=None))))
+    for credit_pages, report_mapping in ((0, False), (2, True)):
+        for send in (1, 2, 3):
+            for fault in FAULTS:
+                for third in names:
+                    orders += 1
+                    problem = _run_order(state_root / f"order-{orders}", credit_pages, "acquire", "wiped_before",
+                                         "heartbeat", (send, fault), report_mapping, third=third)
+                    if problem is not None:
+                        failures.append(f"heartbeat/({send}, {fault}) then {third}: {problem}")
+    assert not failures, f"{len(failures)} of {orders} orders went wrong, e.g.:\n" + "\n".join(failures[:12])
+
+
+def test_a_release_after_a_restart_with_another_request_in_doubt_is_applied_once(tmp_path):
+    """The issue's own order, deterministic: the client holds 6 pages, an acquire times out
+    while the broker is down, the broker comes back, the next call releases 2."""
+    assert _run_order(tmp_path, 0, "acquire", "restart_before", "release", None) is None
 
 
 # ------------------------------------------------------------------- waiting, idle pages, soft asks

@@ -23,9 +23,11 @@ from kvcached_broker.broker.journal import Restored
 from kvcached_broker.broker.ledger import Ledger
 from kvcached_broker.broker.session_opener import SessionQuotas
 from kvcached_broker.broker.state_records import SessionRecord
+from kvcached_broker.broker.tokens import SessionTokens, holder_of
 from kvcached_broker.client import BrokerClient
 
-from helpers import GIB, CoreConnection, FakeProcesses, Worker, local_peer, make_core, session_of
+from helpers import (GIB, CoreConnection, CoreSession, FakeProcesses, Worker, local_peer, make_core, restarted_core,
+                     session_of)
 
 
 # ----------------------------------------------------------------------- the ledger alone
@@ -77,23 +79,33 @@ def test_measured_usage_caps_the_allowance_and_is_never_held():
 # ------------------------------------------------------- the request core, growth held
 HOLDER_PID = 4242
 DAMAGE = {"damaged_records": 1, "damaged_bytes": 40, "torn_bytes": 0, "snapshot": None}
+TORN = {"damaged_records": 0, "damaged_bytes": 0, "torn_bytes": 9, "snapshot": None}  # no whole record lost
+#: The state directory's secret, as the restore hands it over: tokens it issued verify.
+SECRET = bytes(range(32))
 
 
-def _held_core(**kwargs):
+def _held_core(damage=DAMAGE, **kwargs):
     """A 16 GiB core restored from damaged state: the holder's latest record (6 pages) was the
     damaged one, so it comes back with none and, not having re-asserted, keeps growth held."""
     holder = SessionRecord(id="s-00000001", token="token-holder-0001", nonce="nonce-holder", instance="holder",
                            pid=HOLDER_PID, pid_verified=True, page_bytes=GIB, granted_pages=0)
     core = make_core(16 * GIB, quotas=SessionQuotas(lease_s=30.0), **kwargs)
-    core.restore(Restored([holder], damage=DAMAGE, found_state=True), now=0.0)
+    core.restore(Restored([holder], damage=damage, found_state=True, secret=SECRET), now=0.0)
     assert core.status(0.0)["broker"]["growth_held"]
     return core
 
 
-def _resume_hello(core, nonce: str, instance: str, peer=None, **holdings):
-    """A hello naming a session the broker does not know, claiming ``holdings``: (connection, token)."""
+def lost_token(session_id: str, pid: int | None = None, start_ticks: int = 1) -> str:
+    """The token a broker with ``SECRET`` issued to process ``pid`` (this one) for a session whose
+    record was then lost (``FakeProcesses`` says every process started at tick 1)."""
+    return SessionTokens(SECRET).issue(session_id, holder_of(pid or os.getpid(), True, start_ticks, None))
+
+
+def _resume_hello(core, nonce: str, instance: str, peer=None, resume: str | None = None, **holdings):
+    """A hello naming a session the broker does not know (a made-up token unless ``resume``),
+    claiming ``holdings``: (connection, token)."""
     conn = CoreConnection(core, peer)
-    reply = conn.hello(nonce, instance=instance, page_bytes=GIB, resume="Z" * 32, holdings=holdings or None)
+    reply = conn.hello(nonce, instance=instance, page_bytes=GIB, resume=resume or "Z" * 32, holdings=holdings or None)
     assert reply["ok"] and reply["result"]["resumed"] is False
     return conn, reply["result"]["session"]
 
@@ -105,14 +117,71 @@ def _acquire(conn, token: str, request_id: int, pages: int, min_pages: int | Non
 
 def test_a_resume_for_a_lost_record_grows_back_only_what_it_claimed():
     core = _held_core()
-    conn, token = _resume_hello(core, "forger-nonce-1", "forger")
-    forged = _acquire(conn, token, 2, 16, min_pages=1)
-    assert forged["granted"] == 0 and forged["refused"]["details"]["held"]  # it claimed nothing
-    conn, token = _resume_hello(core, "claimer-nonce-1", "claimer", granted_pages=2)
+    conn, token = _resume_hello(core, "empty-nonce-1", "empty", resume=lost_token("s-0000e0e0"))
+    empty = _acquire(conn, token, 2, 16, min_pages=1)
+    assert empty["granted"] == 0 and empty["refused"]["details"]["held"]  # it claimed nothing
+    conn, token = _resume_hello(core, "claimer-nonce-1", "claimer", resume=lost_token("s-0000c1a1"), granted_pages=2)
     assert _acquire(conn, token, 2, 16, min_pages=1)["granted"] == 2
     assert _acquire(conn, token, 3, 1)["refused"]["details"]["held"]
     s = conn.status()
     assert s["granted_bytes"] == 2 * GIB and not s["overcommitted"]
+
+
+def test_a_forged_resume_gets_no_allowance(caplog):
+    """Issue 26, item 3: a process that was running before the restart, resuming with a made-up
+    token, was given the whole budget to re-assert.  A token the broker cannot verify (not made
+    with its secret for this process) earns nothing; nor does another process's token, nor a
+    genuine one re-asserted a second time."""
+    core = _held_core()
+    with caplog.at_level(logging.INFO, logger="kvcached_broker"):
+        forged, forged_token = _resume_hello(core, "forger-nonce-1", "forger", granted_pages=16)
+        borrowed, borrowed_token = _resume_hello(core, "borrower-nonce-1", "borrower",
+                                                 resume=lost_token("s-0000b0b0", pid=HOLDER_PID), granted_pages=16)
+        genuine, genuine_token = _resume_hello(core, "genuine-nonce-1", "genuine",
+                                               resume=lost_token("s-00006e00"), granted_pages=2)
+        again, again_token = _resume_hello(core, "genuine-nonce-2", "genuine",
+                                           resume=lost_token("s-00006e00"), granted_pages=2)
+    for conn, token in ((forged, forged_token), (borrowed, borrowed_token), (again, again_token)):
+        refused = _acquire(conn, token, 2, 16, min_pages=1)
+        assert refused["granted"] == 0 and refused["refused"]["details"]["held"], refused
+    assert _acquire(genuine, genuine_token, 2, 2)["granted"] == 2
+    assert caplog.text.count("event=reassertion_refused") == 3
+    assert "detail=the_token_was_not_issued_to_this_process_by_this_broker" in caplog.text
+    assert "reasserted_already" in caplog.text
+    assert forged.status()["granted_bytes"] == 2 * GIB
+
+
+def test_a_token_of_a_session_this_broker_issued_earns_no_allowance():
+    """A session opened during the hold is no lost record: closing it and resuming its token
+    with claims gets nothing."""
+    core = _held_core()
+    conn = CoreConnection(core)
+    opened = conn.hello("own-nonce-1", instance="own", page_bytes=GIB)["result"]
+    assert conn.ask({"op": "close", "id": 2, "session": opened["session"]})["ok"]
+    conn, token = _resume_hello(core, "own-nonce-2", "own", resume=opened["session"], granted_pages=4)
+    assert _acquire(conn, token, 3, 4)["refused"]["details"]["held"]
+
+
+def test_a_token_issued_before_a_restart_verifies_after_its_record_is_lost(tmp_path):
+    """The secret lives in the state directory: a broker restarted from it verifies the tokens
+    its predecessor issued, with no record of them."""
+    state = tmp_path / "state"
+    quotas = SessionQuotas(lease_s=30.0)
+    core = restarted_core(state, 16 * GIB, quotas=quotas)
+    owner = CoreSession(core, "owner", page_bytes=GIB)
+    assert owner.acquire(4) == 4
+    core.journal.commit(0.0)
+    core.journal.store.close()  # SIGKILLed: nothing more is written
+    journal = state / "gpu0.journal"
+    data = bytearray(journal.read_bytes())
+    data[12] ^= 0x01  # inside the session's own record: the broker loses it whole
+    journal.write_bytes(bytes(data))
+    core = restarted_core(state, 16 * GIB, quotas=quotas)
+    assert not core.ledger.sessions and core.ledger.growth_hold is not None
+    forger, forged_token = _resume_hello(core, "forger-nonce-9", "owner", granted_pages=4)
+    assert _acquire(forger, forged_token, 2, 4)["refused"]["details"]["held"]
+    back, token = _resume_hello(core, "owner-nonce-9", "owner", resume=owner.token, granted_pages=4)
+    assert _acquire(back, token, 2, 4)["granted"] == 4
 
 
 def test_a_process_started_after_the_broker_gets_no_allowance(caplog):
@@ -122,7 +191,8 @@ def test_a_process_started_after_the_broker_gets_no_allowance(caplog):
     processes.ticks[late] = 2  # started after the broker (tick 1)
     core = _held_core(processes=processes)
     with caplog.at_level(logging.INFO, logger="kvcached_broker"):
-        conn, token = _resume_hello(core, "late-forger-nonce", "late", peer=local_peer(pid=late), granted_pages=16)
+        conn, token = _resume_hello(core, "late-forger-nonce", "late", peer=local_peer(pid=late),
+                                    resume=lost_token("s-0000a7e0", pid=late, start_ticks=2), granted_pages=16)
     result = _acquire(conn, token, 2, 16, min_pages=1)
     assert [result["granted"], bool(result.get("refused", {}).get("details", {}).get("held"))] == [0, True]
     assert "event=reassertion_refused" in caplog.text
@@ -131,11 +201,35 @@ def test_a_process_started_after_the_broker_gets_no_allowance(caplog):
 
 def test_measured_usage_caps_what_a_lost_record_may_grow_back():
     core = _held_core(is_admin=lambda peer: True)
-    conn, token = _resume_hello(core, "claimer-nonce-2", "claimer", granted_pages=8)
+    conn, token = _resume_hello(core, "claimer-nonce-2", "claimer", resume=lost_token("s-0000c1a2"), granted_pages=8)
     simulated = conn.ask({"op": "simulate", "id": 9, "process_bytes": {os.getpid(): GIB}})
     assert simulated["ok"], simulated  # the device sees this process using 1 GiB
     assert _acquire(conn, token, 2, 8, min_pages=1)["granted"] == 1
     assert _acquire(conn, token, 3, 1)["refused"]["details"]["held"]
+
+
+def test_after_records_were_lost_a_reassertion_is_charged_even_where_restored_figures_over_charge():
+    """A zero-filled journal leaves the snapshot's older figures: A restored with 8 pages it has
+    since given back to 2, and B's record (8 pages) gone.  B re-asserts before A resumes: were
+    its re-assertion admitted against A's stale 8 pages, 6 of B's pages would stay uncharged
+    and, once A came back, free for a newcomer.  It is charged in full (overcommitted, said so
+    in status) until A re-asserts its real 2 pages."""
+    a = SessionRecord(id="s-0000000a", token="token-a-restored", nonce="nonce-a", instance="a",
+                      pid=HOLDER_PID, pid_verified=True, page_bytes=GIB, granted_pages=8)
+    core = make_core(10 * GIB, quotas=SessionQuotas(lease_s=30.0))
+    core.restore(Restored([a], damage={**DAMAGE, "damaged_records": 0, "damaged_bytes": 4096}, found_state=True,
+                          secret=SECRET), now=0.0)
+    b, token = _resume_hello(core, "b-nonce-1", "b", resume=lost_token("s-0000000b"), granted_pages=8)
+    assert _acquire(b, token, 2, 8, min_pages=0)["granted"] == 8
+    s = b.status()
+    assert s["granted_bytes"] == 16 * GIB and s["overcommitted"]  # honest: A's restored 8 are stale
+    back = CoreConnection(core, local_peer(pid=HOLDER_PID))
+    reply = back.hello("a-nonce-2", instance="a", page_bytes=GIB, resume="token-a-restored",
+                       holdings={"pools": {}, "granted_pages": 2, "reserve_pages": 0})
+    assert reply["result"]["claims"] == "adopted"
+    s = b.status()
+    assert s["granted_bytes"] == 10 * GIB and not s["overcommitted"]
+    core.ledger.check_invariant()
 
 
 # ------------------------------------------------------------------- real brokers
@@ -175,7 +269,7 @@ def test_a_resume_whose_claims_are_refused_books_what_the_broker_charges(broker_
         assert a.acquire(6) == 6
         _damaged_restart(b)  # its 6-page record is lost: it is restored with none
         with b.admin() as admin:
-            admin.simulate(external_bytes=13 * GIB)  # 3 GiB left: a claim of 4 pages cannot fit
+            admin.simulate(process_bytes={os.getpid(): GIB})  # it uses 1 GiB: it cannot hold 4 pages
         with caplog.at_level(logging.ERROR, logger="kvcached_broker.client"):
             a.release(2)  # resumes claiming 4 pages (the release booked): refused
         refused = [r.getMessage() for r in caplog.records if "event=resume_claims_refused" in r.getMessage()]
@@ -213,9 +307,9 @@ def test_a_restored_session_silent_past_its_lease_turns_stale_and_can_be_evicted
 
 
 def test_a_stale_restored_session_keeps_growth_held_and_its_worker_can_still_resume():
-    """Turning stale does not count as having re-asserted: the hold after damaged state lasts
+    """Turning stale does not count as having re-asserted: the hold after a torn tail lasts
     until the worker resumes (or twice the lease), and the resume adopts its claims."""
-    core = _held_core()  # lease 30 s; the holder restored with no pages at t=0
+    core = _held_core(TORN)  # lease 30 s; the holder restored with no pages at t=0
     core.expire_leases(31.0)
     assert session_of(core.status(31.0), "s-00000001")["state"] == "stale"
     core.lift_growth_hold(31.0)

@@ -130,3 +130,83 @@ def test_a_resume_claiming_more_than_its_checkpoint_passes_admission(short_tmp):
     (session,) = core.ledger.sessions.values()
     assert session.granted_pages == 2  # a session resumed once adopts no more claims
     core.journal.close()
+
+
+# ------------------------------------------------------ limits a hello asks for (issue 26, item 5)
+def _peer(uid: int, pid: int):
+    from helpers import local_peer
+
+    return local_peer(pid=pid, uid=uid, gid=uid)
+
+
+def _limited_hello(core, uid: int, pid: int, instance: str, limits: dict | None = None):
+    """A hello of process ``pid`` of user ``uid`` (``FakeProcesses``: every pid runs) under
+    ``instance``: (its answer's result, the instance's limits in status)."""
+    conn = CoreConnection(core, _peer(uid, pid))
+    extra = {} if limits is None else {"limits": limits}
+    reply = conn.hello(f"nonce-{uid}-{pid}-{instance}", instance=instance, page_bytes=GIB, **extra)
+    assert reply["ok"], reply
+    view = next(i for i in conn.status()["instances"] if i["name"] == instance)
+    return reply["result"], {key: view[key] for key in ("max_bytes", "min_bytes", "weight")}
+
+
+UNLIMITED = {"max_bytes": None, "min_bytes": 0, "weight": 1.0}
+
+
+def test_a_hello_may_not_set_limits_on_an_instance_of_another_user():
+    """A non-admin peer opened a session under another user's instance name with max_bytes 0
+    and capped it at 0.  Its session opens; its limits do not apply (``forbidden``)."""
+    core = make_core(16 * GIB)
+    _limited_hello(core, 1000, 5001, "prod")
+    result, limits = _limited_hello(core, 2000, 5002, "prod", {"max_bytes": 0})
+    assert result["hello_limits"]["outcome"] == "forbidden" and "another uid" in result["hello_limits"]["reason"]
+    assert limits == UNLIMITED
+    result, limits = _limited_hello(core, 1000, 5003, "prod", {"max_bytes": 4 * GIB})  # not alone either now
+    assert result["hello_limits"]["outcome"] == "forbidden" and limits == UNLIMITED
+
+
+def test_limits_a_hello_set_go_when_another_users_session_joins():
+    """Squatting the name first does not work either: the limits were the squatter's to ask
+    for an instance of its own, and it is no longer its own."""
+    core = make_core(16 * GIB)
+    result, limits = _limited_hello(core, 2000, 5002, "prod", {"max_bytes": 0})
+    assert result["hello_limits"] == {"outcome": "applied", "reason": ""} and limits["max_bytes"] == 0
+    _, limits = _limited_hello(core, 1000, 5001, "prod")
+    assert limits == UNLIMITED
+
+
+def test_a_hello_of_the_same_user_sets_its_own_instances_limits_within_the_admins_bounds():
+    """Another asked for a floor of the whole budget and weight 1e6, and the broker asked a
+    bystander for 198,968 pages.  A hello's floor is cut to a share of the budget, its weight
+    to a maximum (config ``hello_max_floor_share``, ``hello_max_weight``)."""
+    core = make_core(16 * GIB)
+    _limited_hello(core, 1000, 5001, "mine")
+    result, limits = _limited_hello(core, 1000, 5002, "mine", {"min_bytes": 16 * GIB, "weight": 1e6})
+    assert result["hello_limits"]["outcome"] == "clamped"
+    assert limits == {"max_bytes": None, "min_bytes": 8 * GIB, "weight": 4.0}
+    strict = make_core(16 * GIB, quotas=SessionQuotas(hello_max_floor_share=0.125, hello_max_weight=1.0))
+    result, limits = _limited_hello(strict, 1000, 5001, "mine", {"min_bytes": 16 * GIB, "weight": 2.0})
+    assert limits == {"max_bytes": None, "min_bytes": 2 * GIB, "weight": 1.0}
+    result, limits = _limited_hello(strict, 1000, 5002, "mine", {"max_bytes": 3 * GIB, "weight": 0.5})
+    assert result["hello_limits"]["outcome"] == "applied" and limits["max_bytes"] == 3 * GIB
+
+
+def test_a_peer_whose_uid_is_unknown_sets_no_limits():
+    from kvcached_broker.broker.security import Peer
+
+    core = make_core(16 * GIB)
+    conn = CoreConnection(core, Peer(None, None, 0, "tcp://127.0.0.1:5000"))
+    reply = conn.hello("nonce-tcp-peer", instance="remote", page_bytes=GIB, pid=4242, limits={"max_bytes": 0})
+    assert reply["result"]["hello_limits"]["outcome"] == "forbidden"
+    assert "uid is unknown" in reply["result"]["hello_limits"]["reason"]
+
+
+def test_the_owner_of_hello_limits_survives_a_restart(tmp_path):
+    core = restarted_core(tmp_path / "state", 16 * GIB)
+    _limited_hello(core, 2000, 5002, "prod", {"max_bytes": 0})
+    core.journal.commit(0.0)
+    core.journal.store.close()
+    core = restarted_core(tmp_path / "state", 16 * GIB)
+    assert core.ledger.limits["prod"].owner_uid == 2000
+    _, limits = _limited_hello(core, 1000, 5001, "prod")  # the squatter's session restored; another uid joins
+    assert limits == UNLIMITED

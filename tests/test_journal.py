@@ -424,7 +424,8 @@ def test_damage_found_by_the_load_is_reported(short_tmp):
     _journal(short_tmp).write_bytes(bytes(data))
     restored = make_core(8 * GIB, state_dir=short_tmp).journal.restore()
     assert restored.damage == {"damaged_records": 1, "damaged_bytes": restored.damage["damaged_bytes"],
-                               "torn_bytes": 0, "snapshot": None}
+                               "torn_bytes": 0, "snapshot": None, "missing": [], "lost_records": 0,
+                               "records_lost": True}
     (record,) = restored.sessions
     assert record.granted_pages == 0  # the whole record survived, its later holdings did not
 

@@ -234,7 +234,7 @@ def test_hello_limits_are_a_request_that_admin_policy_clamps(inproc_factory):
     with BrokerClient.connect("self-limited", endpoint=b.endpoint, credit_pages=0,
                               limits={"min_bytes": 50 * GIB, "weight": 3}) as c:
         inst = next(i for i in c.status()["instances"] if i["name"] == "self-limited")
-        assert inst["min_bytes"] == 10 * GIB and inst["weight"] == 3.0  # floor clamped to the budget
+        assert inst["min_bytes"] == 5 * GIB and inst["weight"] == 3.0  # floor cut to half the budget
     assert "self-limited" not in {i["name"] for i in b.status()["instances"]}  # its asked-for floor left with it
     with BrokerClient.connect("admin-set", endpoint=b.endpoint, credit_pages=0, limits={"max_bytes": 5 * GIB}) as c:
         inst = next(i for i in c.status()["instances"] if i["name"] == "admin-set")

@@ -72,10 +72,14 @@ def test_a_restored_session_turns_stale_past_its_lease_and_holds_growth_until_tw
     assert core.ledger.growth_hold is None
 
 
-def test_a_restored_session_whose_worker_is_back_lifts_the_hold():
+TORN = {"damaged_records": 0, "damaged_bytes": 0, "torn_bytes": 7, "snapshot": None}
+
+
+def test_a_restored_session_whose_worker_is_back_lifts_the_hold_after_a_torn_tail():
+    """A torn tail took nothing answered: once the restored sessions' workers are back, all
+    of what anyone holds is known again."""
     core = make_core(8 * GIB)
-    core.restore(Restored([_record()], damage={"damaged_records": 1, "damaged_bytes": 40, "torn_bytes": 0,
-                                                 "snapshot": None}, found_state=True), now=0.0)
+    core.restore(Restored([_record()], damage=TORN, found_state=True), now=0.0)
     neighbour = Peer(1000, 1000, PID + 1, "localhost:1000:1000:4243")
     other = ask(core, proto.Hello(id=1, versions=[1], instance="n", pid=PID + 1, page_bytes=GIB, nonce="nonce-other"),
                 rid=b"o", peer=neighbour)["result"]["session"]
@@ -86,6 +90,39 @@ def test_a_restored_session_whose_worker_is_back_lifts_the_hold():
     assert back["result"]["resumed"] and back["result"]["holdings"]["granted_pages"] == 5  # re-asserted, through admission
     core.lift_growth_hold(1.0)
     assert core.ledger.growth_hold is None
+
+
+@pytest.mark.parametrize("damage", [
+    {"damaged_records": 1, "damaged_bytes": 40, "torn_bytes": 0, "snapshot": None},
+    {"damaged_records": 0, "damaged_bytes": 4096, "torn_bytes": 0, "snapshot": None},  # a zero-filled journal
+    {"damaged_records": 0, "damaged_bytes": 0, "torn_bytes": 0, "snapshot": "checksum mismatch"},
+    {"damaged_records": 0, "damaged_bytes": 0, "torn_bytes": 0, "snapshot": None, "missing": ["gpu0.snapshot"],
+     "lost_records": 0, "records_lost": True},
+    {"damaged_records": 0, "damaged_bytes": 0, "torn_bytes": 0, "snapshot": None, "missing": [],
+     "lost_records": 3, "records_lost": True},
+])
+def test_damage_that_may_have_taken_whole_records_holds_growth_for_twice_the_lease(damage):
+    """Issue 26, item 1: when the damage erased the damaged sessions' own records, nothing was
+    left recovering and the hold lifted at once, so a newcomer was granted what a live worker
+    still held.  Whoever may have lost a record cannot be named, so the hold lasts until every
+    live worker has had the time to re-assert (twice the lease), whoever has resumed meanwhile."""
+    core = make_core(8 * GIB)
+    core.restore(Restored([_record()], damage=damage, found_state=True), now=0.0)
+    back = ask(core, hello(3, nonce="nonce-back", resume="token-000000001", holdings=proto.Holdings(granted_pages=3)),
+               rid=b"b")
+    assert back["result"]["resumed"]
+    core.lift_growth_hold(1.0)
+    assert core.ledger.growth_hold is not None  # the one restored session is back; others may be out there
+    neighbour = Peer(1000, 1000, PID + 1, "localhost:1000:1000:4243")
+    other = ask(core, proto.Hello(id=1, versions=[1], instance="n", pid=PID + 1, page_bytes=GIB, nonce="nonce-other"),
+                rid=b"o", peer=neighbour)["result"]["session"]
+    held = ask(core, proto.Acquire(id=2, session=other, pages=1), rid=b"o", peer=neighbour)
+    assert held["result"]["granted"] == 0 and held["result"]["refused"]["details"]["held"]
+    core.lift_growth_hold(19.9)
+    assert core.ledger.growth_hold is not None
+    core.lift_growth_hold(20.0)
+    assert core.ledger.growth_hold is None
+    assert ask(core, proto.Acquire(id=3, session=other, pages=1), rid=b"o", peer=neighbour)["result"]["granted"] == 1
 
 
 def test_a_process_already_gone_at_hello_is_reclaimed_at_once():

@@ -148,6 +148,36 @@ def test_an_admin_group_member_cannot_kill_another_users_worker(broker_factory, 
     assert w.proc.poll() is None and session_of(b.status(), w.session_id) is not None  # nothing happened
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a worker as another user")
+def test_a_hello_of_another_user_sets_no_limits_on_an_instance_it_does_not_own(broker_factory, workers):
+    """Issue 26, item 5: a non-admin peer opened a session under another user's instance name
+    with limits {max_bytes: 0} and capped it at 0, where the admin CLI said forbidden."""
+    import grp
+
+    nogroup = grp.getgrgid(65534).gr_name
+    os.chmod(broker_factory.workdir, 0o755)
+    b = broker_factory(simulate="16GiB", extra_args=["--socket-group", nogroup, "--headroom", "0"],
+                       socket_subdir="run")
+    w = Worker(b.endpoint, "prod", {}, pages=2, page_bytes=GIB)  # root's server
+    workers.append(w)
+    script = (
+        "import os, json;"
+        "from kvcached_broker.client import BrokerClient;"
+        "os.setgid(65534); os.setuid(65534);"
+        f"c = BrokerClient.connect('prod', endpoint={b.endpoint!r}, page_bytes={GIB}, credit_pages=0,"
+        " limits={'max_bytes': 0}, background=False);"
+        "print(json.dumps(c.acquire(1)))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "event=hello_limits instance=prod outcome=forbidden" in out.stderr  # the client says so
+    prod = next(i for i in b.status()["instances"] if i["name"] == "prod")
+    assert prod["max_bytes"] is None and out.stdout.strip() == "1"  # no cap: the intruder even got its page
+    assert "event=hello_limits instance=prod uid=65534 outcome=forbidden" in b.log()
+    with BrokerClient.connect("prod", endpoint=b.endpoint, page_bytes=GIB, credit_pages=0) as c:
+        assert c.acquire(4) == 4  # root's instance is not capped
+
+
 def test_insecure_tcp_needs_the_flag_and_loopback(short_tmp):
     out = BrokerLauncher("tcp://127.0.0.1:45611", simulate="8GiB").expect_refusal()
     assert out.returncode == 1 and "CURVE" in out.stderr
