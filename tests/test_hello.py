@@ -210,3 +210,22 @@ def test_the_owner_of_hello_limits_survives_a_restart(tmp_path):
     assert core.ledger.limits["prod"].owner_uid == 2000
     _, limits = _limited_hello(core, 1000, 5001, "prod")  # the squatter's session restored; another uid joins
     assert limits == UNLIMITED
+
+
+@pytest.mark.parametrize("others", [0, 1], ids=["alone", "with_the_worker"])
+def test_a_greedy_hello_of_another_uid_leaves_no_limits_behind(others):
+    """The chaos run's check (issue 26, item 5) read a hello of uid 65534 under a worker's
+    instance as leaving default limits behind.  Alone on the name, its greedy ask (a cap of 0
+    under a floor of the whole budget) is ``ignored``; beside the worker's session it is
+    ``forbidden``; either way, once it closes, the instance has no limits entry of any kind, and
+    without the worker no longer appears in status at all."""
+    core = make_core(16 * GIB)
+    if others:
+        _limited_hello(core, 1000, 5001, "prod")
+    greedy = {"max_bytes": 0, "min_bytes": 16 * GIB, "weight": 1e6, "priority": 1000}
+    squatter = CoreSession(core, "prod", page_bytes=GIB, peer=_peer(65534, 5002), limits=greedy)
+    assert squatter.opened["hello_limits"]["outcome"] == ("forbidden" if others else "ignored")
+    _close(squatter)
+    assert "prod" not in core.ledger.limits
+    names = [i["name"] for i in CoreConnection(core).status()["instances"]]
+    assert names == (["prod"] if others else [])
