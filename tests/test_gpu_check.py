@@ -116,10 +116,17 @@ def test_two_kvcached_pools_hand_over_with_mapped_within_granted_at_every_sample
     assert f["device_excess_samples"] == 0  # exact on the simulated device: read under its allocation lock
     assert f["peak_mapped_bytes"] >= f["a_fill_bytes"]  # the samples saw A full
     assert f["trials"] >= 1 and f["trials_complete"] == f["trials"]
-    assert f["handover_p50_s"] is not None and f["a_unmapped_bytes_p50"] > 0  # A gave B pages through the broker
-    # The hand-over's time, split: B's grants after its refusal, B's allocations, A's releases.
-    assert f["trial1_b_acquire_calls"] >= 1 and f["trial1_b_alloc_calls"] >= 1 and f["a_release_p50_s"] > 0
-    assert f["trial1_b_acquire_s"] + f["trial1_b_alloc_s"] + f["trial1_b_waiting_s"] >= f["trial1_handover_s"] - 1e-6
+    assert f["a_unmapped_bytes_p50"] > 0  # A gave B pages through the broker
+    for i in range(1, f["trials"] + 1):
+        assert f[f"trial{i}_b_held_bytes"] > f[f"trial{i}_free_before_bytes"]  # more than was free: A's room
+        if f[f"trial{i}_handover_s"] is None:
+            continue  # B's asks all fitted at once: the broker freed A's cache ahead of them
+        # The hand-over's time, split: B's grants after its first ask that did not fit, B's
+        # allocations, A's releases.
+        assert f[f"trial{i}_b_acquire_calls"] >= 1 and f[f"trial{i}_b_alloc_calls"] >= 1
+        assert (f[f"trial{i}_b_acquire_s"] + f[f"trial{i}_b_alloc_s"] + f[f"trial{i}_b_waiting_s"]
+                >= f[f"trial{i}_handover_s"] - 1e-6)
+    assert (f["handover_p50_s"] is None) == (f["handovers"] == 0)
     names = {c["name"]: c["ok"] for c in p["checks"]}
     assert names["mapped <= granted at every sample (kvcached's count)"] is True
     pages = simulated[1]["parts"]["vmm_pages"]["figures"]
