@@ -81,6 +81,7 @@ class WorkerGrants:
         self._answered = 0
         self._asks = threading.Lock()
         self._pressure_pages = 0
+        self._soft_pages = 0  # asked back of idle pages only (a soft ask)
         self._pressure_total = 0
         self._published: tuple | None = None
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
@@ -91,10 +92,15 @@ class WorkerGrants:
             gate.on_change = self._gate_changed
 
     # ------------------------------------------------------------ any thread
-    def ask_back(self, pages: int) -> None:
-        """This worker's broker wants ``pages`` pool pages back (recorded; the step acts)."""
+    def ask_back(self, pages: int, *, soft: bool = False) -> None:
+        """This worker's broker wants ``pages`` pool pages back (recorded; the step acts);
+        ``soft``: only idle ones (its grant above what EngineCore wants and it maps; never posted
+        to EngineCore, which would free pages in use)."""
         with self._asks:
-            self._pressure_pages += pages
+            if soft:
+                self._soft_pages += pages
+            else:
+                self._pressure_pages += pages
             self.counters["pressure_asks"] += 1
 
     def _gate_changed(self) -> None:
@@ -159,10 +165,11 @@ class WorkerGrants:
     def _answer_pressure(self, engine: board_mod.EngineRecord) -> None:
         with self._asks:
             asked, self._pressure_pages = self._pressure_pages, 0
-        if asked <= 0:
+            soft, self._soft_pages = self._soft_pages, 0
+        if asked <= 0 and soft <= 0:
             return
-        released = self._release_down_to(engine.wanted_pages, at_most=asked)
-        rest = asked - released
+        released = self._release_down_to(engine.wanted_pages, at_most=asked + soft)
+        rest = asked - released  # what a soft ask leaves is never posted: it frees no page in use
         if rest > 0:  # only EngineCore can free pages it may still map: ask it
             self._pressure_total += rest
             self.counters["pressure_posted"] += rest
