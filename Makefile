@@ -40,7 +40,7 @@ else
 $(error CORE must be interpreted or compiled, not '$(CORE)')
 endif
 
-.PHONY: demo test test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints
+.PHONY: demo test test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints canary
 
 $(STAMP): pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -121,6 +121,12 @@ adapter-envs: $(STAMP)
 test-adapters: adapter-envs
 	bash scripts/test-adapters.sh $(PY) $(ENVS)
 
+# The newest SGLang, vLLM and kvcached on the package index, checked statically against every
+# patch target (scripts/canary.py: downloaded into .canary/, parsed, never installed); a table of
+# what still applies.  Exit 1 if a newest release lacks a target; CANARY_ARGS=--report never fails.
+canary: $(STAMP)
+	$(PY) scripts/canary.py $(CANARY_ARGS)
+
 bench: $(BENCH_STAMP)
 	$(BENCH_PY) -m pip install --quiet 'matplotlib>=3.7,<4'
 	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare the hand-over benchmark (see $(SIM_LOG))"
@@ -151,4 +157,4 @@ gpu-check-simulate: $(STAMP)
 	$(PY) scripts/gpu-check --simulate --out bench-results/gpu-check $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CVENV) .venv-py* $(ENVS) build *.egg-info .pytest_cache .hypothesis .gpu-check gpu-check-results
+	rm -rf $(VENV) $(CVENV) .venv-py* $(ENVS) build *.egg-info .pytest_cache .hypothesis .gpu-check gpu-check-results .canary

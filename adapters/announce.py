@@ -1,21 +1,23 @@
-"""The adapter's few lines for operators, on stderr, whatever the runtime does to logging.
+"""The adapters' lines for operators, on stderr, whatever the runtime does to logging.
 
 A runtime configures logging its own way: vLLM gives its ``vllm`` logger a handler and
-``propagate=False`` and leaves the root logger bare, SGLang configures logging only after
-the patches ran, and ``logging.config.dictConfig`` disables every logger it does not name.
-Lines that must be seen therefore do not go through a logger at all: they are formatted as
-log records and handed straight to a handler of this module's own, which writes to
-whatever ``sys.stderr`` is at that moment.  No logger level, ``disabled`` flag, or
-``logging.disable`` call is consulted on the way.
+``propagate=False`` and leaves the root logger bare (so INFO is dropped and a WARNING reaches
+stderr only through ``logging.lastResort``, bare), SGLang calls ``logging.basicConfig(force=True)``
+at its ``--log-level`` after the patches ran, and ``logging.config.dictConfig`` disables every
+logger it does not name.  So the adapters' lines do not go through a configured logger at all:
+they are formatted as log records and handed straight to a handler of this module's own, which
+writes to whatever ``sys.stderr`` is at that moment.  No logger level, ``disabled`` flag,
+``logging.disable`` call or root handler is consulted on the way, and no line is written twice.
 
-There are three such lines, each at most once per process:
+* Every adapter module logs through :func:`logger` (an :class:`AdapterLog`): its INFO, WARNING
+  and ERROR lines always reach stderr; DEBUG goes to the standard logger of the same name, as
+  the process configured it.
+* :func:`once` says a line at most once per process: ``event=adapter_active`` (the patches
+  applied, with runtime, version, patches, broker endpoint, session and instance),
+  ``event=unprotected`` (this process runs without the broker, and why),
+  ``event=instance_default`` (``KVCACHED_BROKER_INSTANCE`` is unset, and the default used).
 
-* ``event=adapter_active``: the patches applied, with runtime, version, patches, broker
-  endpoint, session and instance;
-* ``event=unprotected``: this process runs without the broker, and why;
-* ``event=instance_default``: ``KVCACHED_BROKER_INSTANCE`` is unset, and the default used.
-
-Format: ``kvcached-broker: LEVEL event=NAME key=value ...`` on one line.
+Format: ``kvcached-broker: LEVEL YYYY-MM-DD HH:MM:SS.mmm event=NAME key=value ...``, one line.
 """
 
 from __future__ import annotations
@@ -40,8 +42,56 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
+#: The prefix of every line (and the start of its format: ``kvcached-broker: LEVEL TIME message``).
+PREFIX = "kvcached-broker:"
 _HANDLER = _StderrHandler()
-_HANDLER.setFormatter(logging.Formatter("kvcached-broker: %(levelname)s %(message)s"))
+_HANDLER.setFormatter(logging.Formatter(f"{PREFIX} %(levelname)s %(asctime)s.%(msecs)03d %(message)s",
+                                        "%Y-%m-%d %H:%M:%S"))
+
+
+class AdapterLog:
+    """An adapter module's log, with :class:`logging.Logger`'s calls: INFO and above are written
+    through this module's handler (past any logging configuration); DEBUG goes to the standard
+    logger ``name``, as the process configured it."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._logger = logging.getLogger(name)
+
+    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - logging.Logger's name
+        return level >= logging.INFO or self._logger.isEnabledFor(level)
+
+    def log(self, level: int, msg: object, *args: object, exc_info: object = None, stacklevel: int = 1) -> None:
+        if level < logging.INFO:
+            self._logger.log(level, msg, *args, exc_info=exc_info, stacklevel=stacklevel + 1)
+            return
+        if exc_info is True or isinstance(exc_info, BaseException):
+            exc_info = sys.exc_info() if exc_info is True else (type(exc_info), exc_info, exc_info.__traceback__)
+        frame = sys._getframe(stacklevel)
+        record = self._logger.makeRecord(self.name, level, frame.f_code.co_filename, frame.f_lineno, msg, args,
+                                         exc_info or None, frame.f_code.co_name)
+        _HANDLER.handle(record)
+
+    def debug(self, msg: object, *args: object, **kwargs: object) -> None:
+        self.log(logging.DEBUG, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+
+    def info(self, msg: object, *args: object, **kwargs: object) -> None:
+        self.log(logging.INFO, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+
+    def warning(self, msg: object, *args: object, **kwargs: object) -> None:
+        self.log(logging.WARNING, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, msg: object, *args: object, **kwargs: object) -> None:
+        self.log(logging.ERROR, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+
+    def exception(self, msg: object, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("exc_info", True)
+        self.log(logging.ERROR, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+
+
+def logger(name: str) -> AdapterLog:
+    """The log of adapter module ``name`` (``kvcached_broker.adapters...``)."""
+    return AdapterLog(name)
 
 
 def _value(value: object) -> str:
@@ -69,6 +119,12 @@ def once(key: str, level: int, event: str, **fields: object) -> bool:
         _said.add(key)
     say(level, event, **fields)
     return True
+
+
+def handler() -> logging.Handler:
+    """The handler every adapter line at INFO and above goes through, whatever the process's logging
+    configuration (a filter added to it sees each record as it is written)."""
+    return _HANDLER
 
 
 def reset() -> None:

@@ -15,11 +15,11 @@ import logging
 import os
 from typing import Iterable
 
-from . import announce, flags, instance
+from . import announce, flags, instance, release_check
 from .import_hook import when_imported
 from .patching import RESULTS, PatchError, PatchResult, apply_patch
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 #: runtime -> the module holding its ``PATCHES`` and ``check_flags()``
 RUNTIMES = {
@@ -33,8 +33,20 @@ _hook_ran = False
 
 
 def apply(runtimes: Iterable[str] | None = None) -> list[PatchResult]:
-    """Register (and where possible apply) the patches; returns the results so far."""
+    """Register (and where possible apply) the patches; returns the results so far.
+
+    An installed release outside the supported range registers none of its runtime's patches
+    (:mod:`.release_check`): under ``KVCACHED_REQUIRE=1`` that is :class:`~.release_check.UnsupportedRelease`,
+    else one ``event=unprotected`` line, now or, beside a supported release of the other serving
+    runtime, when it is imported."""
     for runtime in runtimes or RUNTIMES:
+        found = release_check.finding(runtime)
+        if found is not None:
+            if release_check.at_import(found):
+                when_imported(runtime, lambda _mod, f=found: _unsupported(f, at_import=True))
+            else:
+                _unsupported(found)
+            continue
         module = importlib.import_module(RUNTIMES[runtime])
         module.check_flags()
         for patch in module.PATCHES:
@@ -43,6 +55,19 @@ def apply(runtimes: Iterable[str] | None = None) -> list[PatchResult]:
             _registered.add(patch.name)
             when_imported(patch.module, lambda mod, p=patch: apply_patch(p, mod))
     return list(RESULTS)
+
+
+def _unsupported(found: release_check.Finding, at_import: bool = False) -> None:
+    """An unsupported release: under KVCACHED_REQUIRE=1 the start stops (from inside the runtime's
+    import: exit at once, as at interpreter start); else this process says it runs unprotected."""
+    if flags.required():
+        failure = release_check.UnsupportedRelease(f"{found.reason()} (KVCACHED_REQUIRE=1)")
+        if at_import:
+            startup_failed(failure)
+        raise failure
+    announce.once("unprotected", logging.WARNING, "unprotected", pid=os.getpid(), runtime=found.runtime.name,
+                  version=found.version, supported=str(found.runtime.supported), reason=found.reason(),
+                  detail="its patches are not applied: this process's GPU memory is not arbitrated by kvcached-broker")
 
 
 def install_from_env() -> bool:

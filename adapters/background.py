@@ -12,12 +12,12 @@ dropped: it never reaches the runtime.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from typing import Callable
+from . import announce
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 _cond = threading.Condition()
 _pending: OrderedDict[str, Callable[[], None]] = OrderedDict()

@@ -29,15 +29,14 @@ overbooking.  Every function here is a no-op for a worker without a session (unp
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
-from . import worker
+from . import announce, worker
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 KV_CACHE_TAG = "kv_cache"
 

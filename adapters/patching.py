@@ -14,14 +14,35 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-from . import flags
+from . import announce, flags
 from .versions import in_range, installed
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 
 class PatchError(RuntimeError):
     """A patch that cannot apply while ``KVCACHED_REQUIRE=1`` (or is refused outright)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A symbol a patch changes, as the static check of a release reads it (``make canary``).
+
+    ``symbol`` is ``name`` (a function or class the module defines or imports) or
+    ``Class.method`` (a method the class defines itself: a patch never changes an inherited
+    one), in the patch's module.  ``params`` are the leading parameters the wrapper relies on,
+    in order (``self`` included).  ``optional``: the patch applies without it."""
+
+    symbol: str
+    params: tuple[str, ...] = ()
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Targets of which the release must have one (a patch that applies to whichever it has)."""
+
+    targets: tuple[Target, ...]
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,11 @@ class Patch:
     minimum: str | None = None  # first supported version (inclusive)
     below: str | None = None  # first unsupported version (exclusive)
     required: bool = True  # False: optional; a skip is logged but never an error
+    #: what the patch changes in ``module`` (for ``make canary``; empty: nothing it can check)
+    targets: tuple[Target | AnyOf, ...] = ()
+    #: the module layout the patch is for, whatever the supported range (adapters/support.py gates)
+    since: str | None = None
+    until: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,7 +77,11 @@ def _marker(patch: Patch) -> str:
 
 
 def apply_patch(patch: Patch, module: ModuleType) -> PatchResult:
-    """Apply ``patch`` to ``module`` now; raise :class:`PatchError` only under KVCACHED_REQUIRE."""
+    """Apply ``patch`` to ``module`` now; raise :class:`PatchError` only under KVCACHED_REQUIRE.
+
+    Whatever the patch function raises (``Exception``) makes the patch ``failed``, never the
+    runtime's import: a patch half applied is left as it stands, and the runtime's own code
+    where it did not reach."""
     if getattr(module, _marker(patch), False):
         return _record(patch, "already")
     version = installed(patch.distribution)
@@ -64,7 +94,8 @@ def apply_patch(patch: Patch, module: ModuleType) -> PatchResult:
         patch.apply(module)
     except PatchError as exc:
         return _fail_or_skip(patch, "failed", str(exc))
-    except (AttributeError, TypeError, ImportError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a release the patch was not written for may raise anything:
+        # the runtime's import must go on (KVCACHED_REQUIRE=1 alone makes it an error)
         return _fail_or_skip(patch, "failed", f"{type(exc).__name__}: {exc}")
     setattr(module, _marker(patch), True)
     return _record(patch, "applied", f"{patch.distribution} {version}")

@@ -33,7 +33,6 @@ All sizes are bytes.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -42,10 +41,10 @@ from typing import Mapping
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
-from . import worker
+from . import announce, worker
 from .worker import KV_SIZING_HOLD, SLACK_HOLD, WorkerIdentity
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 STARTUP_WAIT_ENV = "KVCACHED_BROKER_STARTUP_WAIT_S"
 DEFAULT_STARTUP_WAIT_S = 300.0

@@ -53,7 +53,7 @@ from ..client import BadRequest, BrokerClient, BrokerError, BudgetExceeded
 from ..client.endpoint import broker_disabled
 from . import announce, autopatch, flags, instance, patching, versions
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 T = TypeVar("T")
 

@@ -12,8 +12,9 @@
 # OUT/<name>.env holds those exports; source it, then run the base python.
 #
 # usage: adapter-envs.sh [options] BASE_PYTHON OUT_DIR [OVERLAY...]
-#   OVERLAY       one of: sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0
-#                 (default: all five; `common` is always built)
+#   OVERLAY       an overlay of the table of supported releases (adapters/support.py, read
+#                 through scripts/support.py), e.g. vllm-0.34.0 (default: all of them; `common` is
+#                 always built); each has its pins below
 #   --install-base  pip-install the pinned torch/triton into BASE_PYTHON if missing
 #   --constraints FILE  install them with pip's -c FILE (constraints/test.txt: their
 #                 dependencies pinned too)
@@ -173,6 +174,34 @@ uvloop==0.23.0
 xgrammar==0.2.9
 "
 
+# vllm 0.30.0 (HiSparse binds allocate_kv_cache; kvcached 0.1.6's newest vLLM, Model Runner V2)
+# pins torch==2.13.0 (the base's) and asks xgrammar<1, transformers>=5.10.4, tokenizers>=0.21.1,
+# openai-harmony>=0.0.3; it resolves to the 0.33.0 pins below.
+PINS_vllm_0_30_0="
+vllm==0.30.0
+annotated-doc==0.0.7
+apache-tvm-ffi==0.1.11
+cachetools==8.0.2
+cbor2==6.3.0
+cloudpickle==3.1.3
+fastapi==0.136.3
+httpcore2==2.16.2
+httpx2==2.16.2
+huggingface-hub==2.4.0
+llguidance==1.7.3
+openai==3.57.0
+openai-harmony==0.0.8
+partial-json-parser==0.2.1.1.post7
+prometheus-client==0.26.0
+py-cpuinfo==9.0.0
+starlette==1.10.0
+tokenizers==0.23.3
+transformers==5.20.2
+truststore==0.10.5
+uvloop==0.23.0
+xgrammar==0.2.8
+"
+
 # vllm 0.33.0 pins xgrammar==0.2.8, llguidance<1.8, transformers<5.21,
 # fastapi<0.137, apache-tvm-ffi==0.1.11.
 PINS_vllm_0_33_0="
@@ -200,11 +229,34 @@ uvloop==0.23.0
 xgrammar==0.2.8
 "
 
-ALL_OVERLAYS="sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0"
+# vllm 0.34.0 asks transformers<5.23, huggingface_hub>=2, tokenizers>=0.23.3 (and torch==2.14.0,
+# which --no-deps leaves to the base's 2.13.0): the 0.33.0 pins satisfy them.
+PINS_vllm_0_34_0="
+vllm==0.34.0
+annotated-doc==0.0.7
+apache-tvm-ffi==0.1.11
+cachetools==8.0.2
+cbor2==6.3.0
+cloudpickle==3.1.3
+fastapi==0.136.3
+httpcore2==2.16.2
+httpx2==2.16.2
+huggingface-hub==2.4.0
+llguidance==1.7.3
+openai==3.57.0
+openai-harmony==0.0.8
+partial-json-parser==0.2.1.1.post7
+prometheus-client==0.26.0
+py-cpuinfo==9.0.0
+starlette==1.10.0
+tokenizers==0.23.3
+transformers==5.20.2
+truststore==0.10.5
+uvloop==0.23.0
+xgrammar==0.2.8
+"
 
-# Modules each overlay must import (used by --check).
-CHECK_sglang="sglang.srt.mem_cache.deepseek_v4_memory_pool sglang.srt.mem_cache.allocator sglang.srt.mem_cache.memory_pool sglang.srt.model_executor.pool_configurator sglang.srt.model_executor.model_runner"
-CHECK_vllm="vllm.v1.core.block_pool vllm.v1.core.kv_cache_manager vllm.v1.kv_cache_interface vllm.v1.request vllm.v1.worker.utils vllm.v1.worker.gpu_model_runner vllm.v1.worker.gpu.attn_utils vllm.v1.worker.gpu_worker"
+SUPPORT="$(dirname "$0")/support.py"  # the table of supported releases (adapters/support.py)
 
 # ---------------------------------------------------------------- helpers
 die() { echo "adapter-envs: $*" >&2; exit 1; }
@@ -234,6 +286,7 @@ while [ $# -gt 0 ]; do
 done
 [ $# -ge 2 ] || die "usage: adapter-envs.sh [options] BASE_PYTHON OUT_DIR [OVERLAY...]"
 PY=$1 OUT=$2; shift 2
+ALL_OVERLAYS=$("$PY" "$SUPPORT" overlays) || die "cannot read the table of supported releases ($SUPPORT)"
 WANT=${*:-$ALL_OVERLAYS}
 for o in $WANT; do
   case " $ALL_OVERLAYS " in *" $o "*) ;; *) die "unknown overlay '$o' (choose from: $ALL_OVERLAYS)";; esac
@@ -277,6 +330,7 @@ build_overlay() {  # build_overlay NAME
   local name=$1 dir="$OUT/$1" req stamp t0 t1 secs bytes prune_here=0
   case $name in vllm-*) prune_here=$PRUNE ;; esac
   req=$(pins_of "$name")
+  [ -n "$req" ] || die "$name: no pins (add PINS_${name//[.-]/_} to $0)"
   stamp=$(printf '%s\nprune=%s\n' "$req" "$prune_here" | sha256sum | cut -d' ' -f1)
   if [ $FORCE = 0 ] && [ -f "$dir/.complete" ] && [ "$(cat "$dir/.complete")" = "$stamp" ]; then
     log "$name: up to date"; return
@@ -327,7 +381,7 @@ write_env() {  # write_env NAME
 
 check_overlay() {  # check_overlay NAME
   local name=$1 mods
-  case $name in sglang-*) mods=$CHECK_sglang ;; vllm-*) mods=$CHECK_vllm ;; esac
+  mods=$("$PY" "$SUPPORT" check-modules "$name") || die "$name: no modules to check"
   ( set -a; . "$OUT/$name.env"; set +a
     "$PY" -W ignore - $mods <<'EOF'
 import importlib, sys, time

@@ -5,23 +5,28 @@
 # kvcached-0.1.6 runs tests/kvcached against kvcached's real Python code; a combined overlay
 # kvcached+RUNTIME-VERSION (e.g. kvcached+sglang-0.5.23) runs tests/kvcached_RUNTIME with both on
 # one path: kvcached mode inside the runtime's real classes.
+# Which overlays run, and which tests each runs, is the table of supported releases
+# (adapters/support.py, read through scripts/support.py): by default every overlay it lists.
 #   usage: test-adapters.sh PYTHON ENVS_DIR [OVERLAY...]
 set -euo pipefail
 PY=$1 ENVS=$2; shift 2
-OVERLAYS=${*:-"sglang-0.5.12 sglang-0.5.13.post1 sglang-0.5.23 vllm-0.19.1 vllm-0.33.0 kvcached-0.1.6 kvcached+sglang-0.5.23 kvcached+vllm-0.19.1"}
-KVCACHED=kvcached-0.1.6
 cd "$(dirname "$0")/.."
+SUPPORT=scripts/support.py
+OVERLAYS=${*:-$("$PY" "$SUPPORT" test-overlays)}
+KVCACHED=$("$PY" "$SUPPORT" kvcached-overlay)
 status=0
 for overlay in $OVERLAYS; do
   if [ "${overlay%%+*}" = kvcached ] && [ "$overlay" != "${overlay#*+}" ]; then
     # kvcached mode in a runtime: the runtime's overlay, then kvcached's Python code, on one path
     inner=${overlay#*+}
-    echo "=== kvcached mode tests: $overlay ==="
+    suite=$("$PY" "$SUPPORT" suite "$overlay") || { status=1; continue; }
+    echo "=== kvcached mode tests: $overlay${suite:+ ($suite)} ==="
     (
       set -a; . "$ENVS/$inner.env"; runtime_path=$PYTHONPATH; . "$ENVS/$KVCACHED.env"; set +a
       export PYTHONPATH="$runtime_path:$PYTHONPATH"
       export KVCACHED_BROKER_TEST_RUNTIME="$inner" KVCACHED_BROKER_TEST_KVCACHED="$KVCACHED"
-      "$PY" -m pytest -q -p no:cacheprovider "tests/kvcached_${inner%%-*}"
+      # shellcheck disable=SC2086  # the suite is a list of paths
+      "$PY" -m pytest -q -p no:cacheprovider ${suite:-"tests/kvcached_${inner%%-*}"}
     ) || status=1
     continue
   fi
@@ -37,11 +42,13 @@ for overlay in $OVERLAYS; do
     ) || status=1
     continue
   fi
-  echo "=== adapter tests: $overlay ==="
+  suite=$("$PY" "$SUPPORT" suite "$overlay") || { status=1; continue; }
+  echo "=== adapter tests: $overlay${suite:+ ($suite)} ==="
   (
     set -a; . "$ENVS/$overlay.env"; set +a
     export KVCACHED_BROKER_TEST_RUNTIME="$overlay"
-    "$PY" -m pytest -q -p no:cacheprovider "tests/adapters/$runtime"
+    # shellcheck disable=SC2086  # the suite is a list of paths
+    "$PY" -m pytest -q -p no:cacheprovider ${suite:-"tests/adapters/$runtime"}
   ) || status=1
   "$PY" scripts/upstream-tests.py run "$PY" "$ENVS" "$overlay" || status=1
 done

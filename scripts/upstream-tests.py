@@ -8,7 +8,8 @@
                                                   allocator test), where raw.githubusercontent.com answers
     upstream-tests.py run PYTHON ENVS_DIR OVERLAY  run the overlay's tests twice; fail on any difference
 
-What runs where is tests/adapters/upstream/MANIFEST.tsv.  Upstream code is never committed: it lives
+What runs where is tests/adapters/upstream/MANIFEST.tsv, and the sdists they come from are the overlays'
+``upstream`` pins in the table of supported releases (adapters/support.py).  Upstream code is never committed: it lives
 in ``ENVS_DIR/upstream/<overlay>/``.  vLLM's tests come from the overlay's own release sdist, so every
 selected test must pass in both runs; tests that cannot run here (no GPU, no network for a Hugging
 Face model) are deselected in the manifest with a reason.  The GitHub-pinned SGLang file need not be
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pkgindex  # scripts/pkgindex.py: the index in pip's configuration, download, sha256
+import support  # scripts/support.py: the table of supported releases (adapters/support.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "tests" / "adapters" / "upstream"
@@ -90,13 +92,21 @@ class Overlay:
 
 
 def manifest() -> dict[str, Overlay]:
+    """What runs where: the index sources from the table of supported releases (each overlay's
+    ``upstream`` sdist and sha256, adapters/support.py), the rest from MANIFEST.tsv."""
     overlays: dict[str, Overlay] = {}
+    for entry in support.table().overlays():
+        if entry.upstream is not None:
+            overlays[entry.name] = Overlay(entry.name, "index", entry.upstream.sdist, entry.upstream.sha256)
     for number, line in enumerate(MANIFEST.read_text().splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         kind, name, *rest = line.split("\t")
         overlay = overlays.setdefault(name, Overlay(name))
         if kind == "source":
+            if rest[0] == "index":
+                raise SystemExit(f"upstream-tests: {MANIFEST}:{number}: index sources are the overlays' `upstream` "
+                                 f"in adapters/support.py, not rows here")
             overlay.origin, overlay.source, overlay.sha256 = rest
         elif kind in ("test", "support"):
             (overlay.tests if kind == "test" else overlay.support).append(rest[0])
@@ -106,6 +116,10 @@ def manifest() -> dict[str, Overlay]:
             overlay.deselect[rest[0]] = rest[1]
         else:
             raise SystemExit(f"upstream-tests: {MANIFEST}:{number}: unknown row kind {kind!r}")
+    for overlay in overlays.values():
+        if not overlay.origin:
+            raise SystemExit(f"upstream-tests: {MANIFEST}: {overlay.name} has no source (its overlay's `upstream` "
+                             f"in adapters/support.py, or a `source` row here)")
     return overlays
 
 

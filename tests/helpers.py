@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -70,6 +71,9 @@ def require_runtime(dist: str) -> str:
     if expected.startswith(dist + "-"):
         want = expected[len(dist) + 1 :]
         assert found == want, f"overlay {expected} expected {dist} {want}, found {found}"
+        from kvcached_broker.adapters import support
+
+        assert want in support.runtime(dist).tested(), f"overlay {expected} is not in adapters/support.py"
     elif found is None or not expected:
         pytest.skip(f"{dist} adapter tests run inside an overlay (make test-adapters)")
     return found
@@ -374,3 +378,10 @@ def journal_records(path: Path) -> list[dict]:
         records.append(msgspec.msgpack.decode(payload))
         offset += 8 + length
     return records
+
+
+def adapter_line(line: str, level: str, event: str) -> bool:
+    """True if ``line`` is an adapter's line for operators: ``kvcached-broker: LEVEL DATE TIME
+    event=EVENT ...`` (adapters/announce.py)."""
+    return re.match(rf"kvcached-broker: {level} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{{3}} event={event}( |$)",
+                    line) is not None

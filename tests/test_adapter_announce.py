@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import logging.config
+import types
 
 import pytest
 
 from kvcached_broker.adapters import worker
 
-from helpers import GIB, connect_to
+from helpers import GIB, adapter_line, connect_to
 
 
 @pytest.fixture
@@ -53,10 +54,10 @@ def test_one_active_line_and_one_instance_warning_past_any_logging_configuration
     (active,) = _lines(err, "adapter_active")
     (unset,) = _lines(err, "instance_default")
     name = worker.WorkerIdentity("sglang", 0).instance_name()
-    assert active.startswith("kvcached-broker: INFO ") and f"instance={name}" in active
+    assert adapter_line(active, "INFO", "adapter_active") and f"instance={name}" in active
     assert f"endpoint={adapter_broker.endpoint}" in active and f"session={first.session_id}" in active
     assert "runtime=sglang" in active and "hook=explicit" in active
-    assert unset.startswith("kvcached-broker: WARNING ") and f"instance={name}" in unset
+    assert adapter_line(unset, "WARNING", "instance_default") and f"instance={name}" in unset
     assert "KVCACHED_BROKER_INSTANCE is unset" in unset
 
 
@@ -87,5 +88,70 @@ def test_a_process_without_a_session_names_its_instance_in_its_active_line(monke
     worker.announce_process("vllm", "engine_core")
     (active,) = _lines(capsys.readouterr().err, "adapter_active")
     assert f"instance={name or 'default'} " in active and "role=engine_core" in active
-    assert active.startswith("kvcached-broker: INFO event=adapter_active runtime=vllm ")
+    assert adapter_line(active, "INFO", "adapter_active") and " event=adapter_active runtime=vllm " in active
     worker.reset()
+
+
+#: vLLM's logging configuration (vllm/logger.py, DEFAULT_LOGGING_CONFIG, applied at import): its
+#: own logger with a handler and propagate=False, the root logger bare
+VLLM_LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"vllm": {"format": "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"}},
+    "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "INFO",
+                          "stream": "ext://sys.stdout"}},
+    "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}},
+}
+
+
+def _sglang_logging(level: str) -> None:
+    """SGLang's configure_logger (sglang/srt/utils): basicConfig(force=True) at --log-level."""
+    logging.basicConfig(level=getattr(logging, level.upper()), format="[%(asctime)s] %(message)s", force=True)
+
+
+@pytest.fixture
+def restored_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+    logging.disable(logging.NOTSET)
+    for existing in logging.Logger.manager.loggerDict.values():
+        if isinstance(existing, logging.Logger):
+            existing.disabled = False
+
+
+@pytest.mark.parametrize("configure", ["vllm", "sglang_error", "sglang_info", "disabled"])
+def test_every_adapter_info_and_warning_line_reaches_stderr_once_with_prefix_level_and_time(
+        configure, restored_logging, capsys, tmp_path, monkeypatch):
+    """The adapters' own INFO and WARNING lines (a patch applied, a patch that failed) under each
+    runtime's logging configuration: on stderr, once each, ``kvcached-broker: LEVEL TIME event=...``;
+    never dropped by vLLM's config (INFO) or SGLang's level, never bare through lastResort, never
+    a second copy through SGLang's root handler."""
+    from kvcached_broker.adapters.patching import Patch, apply_patch
+
+    if configure == "vllm":
+        logging.config.dictConfig(VLLM_LOGGING)
+    elif configure.startswith("sglang"):
+        _sglang_logging(configure.split("_")[1])
+    else:
+        logging.config.dictConfig({"version": 1, "disable_existing_loggers": True, "root": {"level": "CRITICAL"}})
+        logging.disable(logging.CRITICAL)
+    capsys.readouterr()
+    module = types.ModuleType("fake_runtime_module")
+
+    def broken(mod):
+        raise RuntimeError("no such hook")
+
+    apply_patch(Patch("fake_ok", "pytest", module.__name__, lambda mod: None), module)
+    apply_patch(Patch("fake_broken", "pytest", module.__name__, broken, required=False), module)
+    out, err = capsys.readouterr()
+    lines = [line for line in (out + err).splitlines() if "event=patch" in line]
+    assert len(lines) == 2, out + err
+    (applied,) = [line for line in lines if "patch=fake_ok" in line]
+    (failed,) = [line for line in lines if "patch=fake_broken" in line]
+    assert adapter_line(applied, "INFO", "patch") and applied in err
+    assert adapter_line(failed, "WARNING", "patch") and failed in err

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from kvcached_broker.adapters import import_hook
 from kvcached_broker.adapters.import_hook import when_imported
 from kvcached_broker.adapters.patching import Patch, PatchError, apply_patch
 from kvcached_broker.adapters.versions import in_range, parse
@@ -76,6 +77,27 @@ def test_patch_failures_raise_only_under_require(fake_runtime, monkeypatch):
     with pytest.raises(PatchError, match="no such class"):
         apply_patch(_patch(fake_runtime, apply=broken), mod)
 
+
+
+@pytest.mark.parametrize("error", [RuntimeError("upstream changed"), ValueError("bad"), AssertionError("x"),
+                                   NotImplementedError("y"), IndexError(3)])
+def test_any_error_from_a_patch_is_a_failed_patch_never_a_broken_import(fake_runtime, monkeypatch, error):
+    """A patch function may meet anything in a release it was not written for: whatever it raises,
+    the runtime's import goes on (the patch is ``failed``, logged); only KVCACHED_REQUIRE stops it."""
+    def broken(m):
+        raise error
+
+    monkeypatch.setitem(import_hook._callbacks, fake_runtime, [])  # this test's hook only, gone after it
+    when_imported(fake_runtime, lambda mod: apply_patch(_patch(fake_runtime, apply=broken), mod))
+    import importlib
+
+    mod = importlib.import_module(fake_runtime)  # the import survives the broken patch
+    assert mod.f() == "original" and not getattr(mod, "__kvcached_broker_patched_fake_f__", False)
+    result = apply_patch(_patch(fake_runtime, apply=broken), mod)
+    assert result.outcome == "failed" and result.reason.startswith(type(error).__name__)
+    monkeypatch.setenv("KVCACHED_REQUIRE", "1")
+    with pytest.raises(PatchError, match=type(error).__name__):
+        apply_patch(_patch(fake_runtime, apply=broken), mod)
 
 
 def test_wrap_once_wraps_a_function_once_and_keeps_its_name():

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import GIB, MIB, Worker
 
-from kvcached_broker.adapters import handback, sizing, worker
+from kvcached_broker.adapters import announce, handback, sizing, worker
 from kvcached_broker.adapters.worker import KV_SIZING_HOLD, SLACK_HOLD, SLACK_POOL, WorkerIdentity
 from kvcached_broker.client.admin import AdminClient
 
@@ -115,27 +115,27 @@ def _charged(broker) -> int:
     return sum(i["charged_bytes"] for i in broker.status()["instances"])
 
 
-class _Said(logging.Handler):
-    """Sets ``event`` when a log line carrying ``marker`` is emitted."""
+class _Said(logging.Filter):
+    """Sets ``event`` when an adapter line carrying ``marker`` is written (adapters/announce.py)."""
 
     def __init__(self, marker: str):
         super().__init__()
         self.marker, self.event, self.lines = marker, threading.Event(), []
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         line = record.getMessage()
         if self.marker in line:
             self.lines.append(line)
             self.event.set()
+        return True
 
 
 @pytest.fixture
 def waiting_said():
     said = _Said("event=startup_waiting")
-    logger = logging.getLogger("kvcached_broker.adapters")
-    logger.addHandler(said)
+    announce.handler().addFilter(said)
     yield said
-    logger.removeHandler(said)
+    announce.handler().removeFilter(said)
 
 
 def test_a_start_up_refused_while_a_neighbour_starts_waits_for_it_and_is_admitted_as_if_it_came_after(

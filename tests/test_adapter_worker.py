@@ -52,3 +52,12 @@ def test_a_usage_view_above_the_sessions_charge_is_dropped_not_a_reason_to_turn_
     worker.report(ident, "pool", {"kv_static": 8 * GIB}, usage={"kv_static.layer0": 4 * GIB})
     (session,) = adapter_broker.status()["instances"][0]["sessions"]
     assert session["usage_breakdown"] == {"kv_static.layer0": 4 * GIB}
+
+
+@pytest.mark.parametrize(("device", "index"), [(3, 3), ("cuda:2", 2), ("cuda", 0), ("cpu", 0)])
+def test_a_vllm_device_given_as_text_or_an_ordinal_names_its_cuda_ordinal(device, index):
+    """kvcached's Model Runner V2 allocation passes the device as text (``"cuda:0"``): its text's
+    ``index`` is ``str.index``, not an ordinal."""
+    from kvcached_broker.adapters.vllm import parallel
+
+    assert parallel.device_index(device) == index

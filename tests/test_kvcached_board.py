@@ -382,3 +382,21 @@ def test_a_workers_soft_ask_gives_back_only_idle_grant_and_never_posts_to_engine
     holder._answer_pressure(board.engine())
     assert holder.grants.released == [4] and board.slot(1).pressure_pages_total == 3
     board.close()
+
+
+def test_a_pool_that_takes_its_name_keeps_its_board_only_its_shutdown_ends_it(tmp_path):
+    """The governor moves its zero page to the pool's new key with ``forget_report(old)``: board
+    grants report nothing per key, so the board and the workers' level stay; ``forget`` (the pool
+    shut down) ends them.  (The merge of the zero-page move called ``forget`` here: the engine's
+    board went at vLLM's block pool naming, and every TP broadcast fill stopped at its first grant.)"""
+    board = board_mod.Board(str(tmp_path / "kvcached-broker-n-g0.board"))
+    board.write_engine(**mine(), state=board_mod.ENGINE_GOVERNING)
+    board.write_slot(0, **mine(), state=board_mod.SLOT_GOVERNED, granted_pages=10)
+    grants = BoardGrants(board, GEOMETRY, 1, Allocator(10))
+    grants.wanted = 10
+    grants.sized()
+    grants.forget_report("kvcached:g0:1")
+    assert board.engine().state == board_mod.ENGINE_GOVERNING and board.engine().wanted_pages == 10
+    assert grants.pages == 10 and grants.poll() == 0
+    grants.forget("kvcached:block_pool:g0:1")
+    assert board.engine().state == board_mod.ENGINE_NONE

@@ -18,7 +18,6 @@ is dropped when the next server attaches, and its segment and record are collect
 from __future__ import annotations
 
 import json
-import logging
 import os
 import select
 import shutil
@@ -32,6 +31,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import adapter_line
 
 from kvcached_broker.adapters.kvcached import board as board_mod
 from kvcached_broker.adapters.kvcached import board_grants, doorbell, liveness, segment, shm_files
@@ -175,7 +175,7 @@ def test_a_file_of_ours_that_others_may_only_read_is_tightened_and_one_they_may_
 
 
 @as_root
-def test_with_a_chosen_group_files_are_0660_in_it_and_only_that_group_may_write(shm_dir, monkeypatch, caplog):
+def test_with_a_chosen_group_files_are_0660_in_it_and_only_that_group_may_write(shm_dir, monkeypatch, capsys):
     monkeypatch.setenv(shm_files.GROUP_ENV, str(NOBODY))
     policy = Policy.from_env()
     assert policy == Policy(os.geteuid(), NOBODY)
@@ -193,10 +193,12 @@ def test_with_a_chosen_group_files_are_0660_in_it_and_only_that_group_may_write(
         shm_files.open_checked(str(shm_dir / "made"), Policy(os.geteuid()))  # without the group: refused
 
     monkeypatch.setenv(shm_files.GROUP_ENV, "no-such-group-kvb")
-    with caplog.at_level(logging.WARNING, logger="kvcached_broker.adapters"):
-        assert Policy.from_env() == Policy(os.geteuid())
-    assert [r.getMessage() for r in caplog.records] == [
-        "event=bad_flag name=KVCACHED_BROKER_SHM_GROUP value='no-such-group-kvb' detail=no_such_group_files_stay_0600"]
+    capsys.readouterr()
+    assert Policy.from_env() == Policy(os.geteuid())
+    (line,) = capsys.readouterr().err.splitlines()
+    assert adapter_line(line, "WARNING", "bad_flag")
+    assert line.endswith(
+        "event=bad_flag name=KVCACHED_BROKER_SHM_GROUP value='no-such-group-kvb' detail=no_such_group_files_stay_0600")
 
 
 # ------------------------------------------------------------------ the board
@@ -378,7 +380,7 @@ def record_bytes(segment_path: str, cap_bytes: int) -> bytes:
 
 
 @as_root
-def test_the_record_is_private_and_one_another_user_made_is_never_applied(shm_dir, caplog):
+def test_the_record_is_private_and_one_another_user_made_is_never_applied(shm_dir, capsys):
     name = str(shm_dir / "kvcached_engine_7")
     kvcached_start(name)  # 0644: kvcached's 0666 less the umask
     g = governor(name)
@@ -395,14 +397,15 @@ def test_the_record_is_private_and_one_another_user_made_is_never_applied(shm_di
     os.unlink(record)  # ... so make it first: a record naming this segment, with a cap of 0
     forged = record_bytes(name, 0)
     as_user(lambda: write_world_writable(Path(record), forged))
-    with caplog.at_level(logging.WARNING, logger="kvcached_broker.adapters"):
-        other = governor(name)
-        for _ in range(3):
-            kvctl_round(g, other)
+    capsys.readouterr()
+    other = governor(name)
+    for _ in range(3):
+        kvctl_round(g, other)
     assert g.operator_cap_pages is None and other.operator_cap_pages is None
     assert Path(record).read_bytes() == forged  # never written
     assert g.resize_target(0) == -1 and g.shm_unsafe.endswith("(another user's file)")
-    warnings = [r.getMessage() for r in caplog.records if "kvcached_shm_unsafe" in r.getMessage()]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "kvcached_shm_unsafe" in line]
+    assert all(adapter_line(line, "WARNING", "kvcached_shm_unsafe") for line in warnings)
     assert len(warnings) == 2 and "owned by uid 65534" in warnings[0]  # one line per pool
 
 

@@ -39,7 +39,6 @@ the runtime passes its reduce and its eviction (:mod:`..sglang.kvcached_sync` fo
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
@@ -47,10 +46,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import announce
 from . import runner
 from .geometry import PoolGeometry
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 #: How long a governor waits for the next sync point before it goes on (the limit it wants
 #: stays standing and applies at that sync; the governor releases only what kvcached reports).

@@ -42,16 +42,16 @@ it (:meth:`poll`), the limit is above that worker's grant, and its gate refuses 
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any
 
+from .. import announce
 from . import board as board_mod
 from . import doorbell
 from .geometry import PoolGeometry
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 #: How long EngineCore waits for its workers to register, and to answer an ask.
 REGISTER_WAIT_S = 30.0
@@ -155,6 +155,10 @@ class BoardGrants:
         every round that changed its limit, so the limit is published here, without waiting a round."""
         self._publish()
         return True
+
+    def forget_report(self, key: str) -> None:
+        """Nothing is reported under a key here (the workers report their own zero pages): the board
+        stays as it is when the pool takes another name."""
 
     def forget(self, key: str) -> None:
         """The pool shut down: the workers keep only what is mapped, and the board goes."""

@@ -17,16 +17,16 @@ carries nothing: anyone who learns a name can only wake its process early.
 
 from __future__ import annotations
 
-import logging
 import errno
 import os
 import socket
 import threading
 
+from .. import announce
 from . import liveness, runner
 from .liveness import ProcessIdentity
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 PREFIX = "\0kvcached-broker-doorbell-"
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import math
 import threading
 import time
@@ -58,13 +57,14 @@ import weakref
 from typing import Any, Callable
 
 from ...client import BudgetExceeded, SessionEvicted
+from .. import announce
 from . import eviction, pressure, runner, segment, shm_files
 from .geometry import PoolGeometry
 from .grants import SessionGrants
 from .limits import DirectLimits, LimitChannel
 from .policy import Grow, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan, initial_pages
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 ZERO_PAGE_POOL = "kvcached_zero_page"
 GROW_RETRY_S = (0.05, 0.5)  # first and longest wait after a refused growth
@@ -166,7 +166,7 @@ class PoolGovernor:
         self._zero_reported = False
         self._report_zero_page()
         if self._zero_reported:
-            self.grants.forget(old)
+            self.grants.forget_report(old)  # never forget(): for board grants that ends the pool's board
 
     # ------------------------------------------------------------ engine path (any thread)
     def note_alloc(self, need_blocks: int, result: Any, block_mem_size: int) -> bool:

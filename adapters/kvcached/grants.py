@@ -16,13 +16,12 @@ the grants themselves.
 
 from __future__ import annotations
 
-import logging
 
-from .. import worker
+from .. import announce, worker
 from ..worker import WorkerIdentity
 from .geometry import PoolGeometry, session_pages_per_page
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 
 class SessionGrants:
@@ -99,6 +98,10 @@ class SessionGrants:
         return worker.report(self.identity, key, pools, usage=usage, allocated=allocated) is not None
 
     def forget(self, key: str) -> None:
+        worker.forget(self.identity, key)
+
+    def forget_report(self, key: str) -> None:
+        """What was reported under ``key`` goes (the pool reports under another key now)."""
         worker.forget(self.identity, key)
 
     def poll(self) -> int:

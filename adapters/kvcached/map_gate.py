@@ -27,16 +27,16 @@ this worker's broker session holds.
 
 from __future__ import annotations
 
-import logging
 import threading
 from types import ModuleType
 from typing import Any, Callable
 
 from ..patching import wrap_once
+from .. import announce
 from . import board as board_mod
 from . import runner
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 
 class MapRefused(RuntimeError):

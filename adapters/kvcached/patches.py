@@ -1,7 +1,7 @@
 """The kvcached patch: every ``KVCacheManager`` kvcached creates gets a governed allocator.
 
-One patch, applied right after ``kvcached.kv_cache_manager`` is imported (kvcached
-``>=0.1.6,<0.1.7``), however the manager is reached (``kvcached.integration.{sglang,vllm}
+One patch, applied right after ``kvcached.kv_cache_manager`` is imported (kvcached in the range
+of the table of supported releases, ``adapters/support.py``), however the manager is reached (``kvcached.integration.{sglang,vllm}
 .interfaces.get_kv_cache_manager``, vLLM's ``ElasticBlockPool``, or directly):
 
 * the module global ``PageAllocator``, which ``KVCacheManager.__init__`` calls, builds
@@ -28,7 +28,6 @@ bounds what kvcached's listener maps there (:mod:`.map_gate`, on ``kvcached.tp_i
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -36,8 +35,8 @@ from types import ModuleType
 from typing import Any
 
 from ...client.units import parse_size
-from .. import flags
-from ..patching import Patch, wrap_methods, wrap_once
+from .. import announce, flags, support
+from ..patching import Patch, Target, wrap_methods, wrap_once
 from ..worker import BrokerRequired
 from . import board_grants, identity, limits, map_gate, pressure, runner, segment, shm_files, worker_grants
 from .allocator import GovernedPageAllocator
@@ -46,7 +45,7 @@ from .governor import PoolGovernor
 from .grants import SessionGrants
 from .policy import DEFAULT_BATCH_BYTES, Watermarks
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 BATCH_ENV = "KVCACHED_BROKER_KV_BATCH"
 _ALLOCATOR_PARAMS = ("num_layers", "mem_size_per_layer", "page_size", "world_size", "pp_rank", "async_sched",
@@ -325,14 +324,26 @@ def patch_kv_cache_manager(module: ModuleType) -> None:
                                             "set_memory_limit": _wrap_set_memory_limit})
 
 
+_SUPPORTED = support.KVCACHED.supported
 PATCHES = [
     Patch("kvcached_pool_governor", "kvcached", "kvcached.kv_cache_manager", patch_kv_cache_manager,
-          minimum="0.1.6", below="0.1.7"),
+          minimum=_SUPPORTED.minimum, below=_SUPPORTED.below,
+          targets=(Target("PageAllocator"), Target("KVCacheManager.__init__", ("self",)),
+                   Target("KVCacheManager.shutdown", ("self",)),
+                   Target("KVCacheManager.set_memory_limit", ("self", "limit_bytes")))),
     Patch("kvcached_worker_map_gate", "kvcached", "kvcached.tp_ipc_util", map_gate.install,
-          minimum="0.1.6", below="0.1.7"),
+          minimum=_SUPPORTED.minimum, below=_SUPPORTED.below,
+          targets=(Target("_map_to_kv_tensors_with_result", ("offsets", "group_id")),
+                   Target("unmap_from_kv_tensors"))),
     Patch("kvcached_worker_board", "kvcached", "kvcached.integration.vllm.interfaces",
-          worker_grants.patch_vllm_interfaces, minimum="0.1.6", below="0.1.7", required=False),
+          worker_grants.patch_vllm_interfaces, minimum=_SUPPORTED.minimum, below=_SUPPORTED.below, required=False,
+          targets=(Target("create_kv_tensors"),)),
 ]
+
+
+def layout_patches(version: str) -> list[Patch]:
+    """Every patch: kvcached has one module layout in the supported range (the canary)."""
+    return list(PATCHES)
 
 
 def check_flags() -> None:

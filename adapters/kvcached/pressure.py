@@ -19,14 +19,14 @@ were asked, so no page is mapped that the broker does not charge.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import weakref
 
+from .. import announce
 from . import runner
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 _lock = threading.Lock()
 _pools: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> WeakSet of governors

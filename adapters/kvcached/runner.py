@@ -9,12 +9,12 @@ reaches the runtime.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import weakref
+from .. import announce
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 TICK_S = 0.1
 

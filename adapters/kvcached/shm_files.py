@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import errno
 import grp
-import logging
 import os
 import stat
 from dataclasses import dataclass
 from typing import Mapping
 
-log = logging.getLogger("kvcached_broker.adapters")
+from .. import announce
+
+log = announce.logger("kvcached_broker.adapters")
 
 GROUP_ENV = "KVCACHED_BROKER_SHM_GROUP"
 _OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY

@@ -34,14 +34,13 @@ when it closes (at exit): its slot cleared, the file removed only if no other wr
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import threading
 from typing import Any
 
 from ...client import BudgetExceeded, SessionEvicted
-from .. import worker
+from .. import announce, worker
 from ..patching import wrap_once
 from ..worker import WorkerIdentity
 from . import board as board_mod
@@ -50,7 +49,7 @@ from .geometry import PoolGeometry
 from .governor import ZERO_PAGE_POOL
 from .grants import SessionGrants
 
-log = logging.getLogger("kvcached_broker.adapters")
+log = announce.logger("kvcached_broker.adapters")
 
 
 class _MappedView:
@@ -81,7 +80,7 @@ class WorkerGrants:
         self._answered = 0
         self._asks = threading.Lock()
         self._pressure_pages = 0
-        self._soft_pages = 0  # asked back of idle pages only (a soft ask)
+        self._soft_pages = 0  # asked back as idle pages only (see ask_back)
         self._pressure_total = 0
         self._published: tuple | None = None
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
@@ -93,9 +92,9 @@ class WorkerGrants:
 
     # ------------------------------------------------------------ any thread
     def ask_back(self, pages: int, *, soft: bool = False) -> None:
-        """This worker's broker wants ``pages`` pool pages back (recorded; the step acts);
-        ``soft``: only idle ones (its grant above what EngineCore wants and it maps; never posted
-        to EngineCore, which would free pages in use)."""
+        """This worker's broker wants ``pages`` pool pages back (recorded; the step acts).  ``soft``:
+        idle pages only, so only what this worker holds above EngineCore's level and its own maps
+        goes back, and nothing is asked of EngineCore (whose prefix cache is not idle memory)."""
         with self._asks:
             if soft:
                 self._soft_pages += pages
@@ -166,10 +165,12 @@ class WorkerGrants:
         with self._asks:
             asked, self._pressure_pages = self._pressure_pages, 0
             soft, self._soft_pages = self._soft_pages, 0
-        if asked <= 0 and soft <= 0:
+        if soft > 0:
+            self._release_down_to(engine.wanted_pages, at_most=soft)
+        if asked <= 0:
             return
-        released = self._release_down_to(engine.wanted_pages, at_most=asked + soft)
-        rest = asked - released  # what a soft ask leaves is never posted: it frees no page in use
+        released = self._release_down_to(engine.wanted_pages, at_most=asked)
+        rest = asked - released
         if rest > 0:  # only EngineCore can free pages it may still map: ask it
             self._pressure_total += rest
             self.counters["pressure_posted"] += rest

@@ -22,11 +22,11 @@ adapter's are never both counted:
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
+from .. import announce
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 CAPABILITY = "runtime_reservation_reporting"
 PREFIX = "dsv4."

@@ -21,16 +21,15 @@ kvcached reports itself are left out (``dsv4_ownership``).
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import background, flags
+from .. import announce, background, flags
 from ..patching import wrap_methods, wrap_once
 from . import dsv4_ownership, dsv4_pools, kv_budget, parallel, pool_bytes, reporting
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 _windows: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
 _registered: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live V4 pools measured here

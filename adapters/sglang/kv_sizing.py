@@ -38,7 +38,6 @@ All sizes are bytes.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from collections.abc import Callable
@@ -46,12 +45,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...client.units import format_bytes
-from .. import sizing, worker
+from .. import announce, sizing, worker
 from ..patching import wrap_methods, wrap_once
 from . import (dsv4_reservation, kv_budget, kvcached_fallback, kvcached_sizing, kvcached_sync, parallel, pool_bytes,
                reporting, speculative, startup)
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,14 @@ alone.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 from ..patching import PatchError, wrap_methods, wrap_once
+from .. import announce
 from .kvcached_fallback import is_kvcached_class
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 METHOD = "_build_kv_buffer_descs"
 _said = False

@@ -22,12 +22,12 @@ pool builder only once every alias is in place).  Idempotent.
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from typing import Any
+from .. import announce
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 _ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"
 #: kvcached's elastic class name -> SGLang's own class name it replaces

@@ -20,15 +20,15 @@ never run.  Hence:
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..patching import mark_wrapper, wrap_methods, wrap_once
+from .. import announce
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 METHOD = "_profile_available_bytes"
 #: kvcached's mark on its capacity wrapper (``BasePatch._mark_as_patched(fn, marker)``)

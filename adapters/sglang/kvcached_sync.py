@@ -31,16 +31,16 @@ so once (``event=kvcached_sglang_pipeline``).
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from ..kvcached import agreement, eviction, identity, limits
 from ..patching import wrap_methods, wrap_once
+from .. import announce
 from . import parallel
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 #: Sync every this many scheduler iterations (every rank counts alike).
 SYNC_EVERY = 1

@@ -29,16 +29,15 @@ raises before SGLang's own method has run (it has a TP barrier of its own).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 from ...client import BudgetExceeded
-from .. import handback, worker
+from .. import announce, handback, worker
 from ..patching import wrap_methods, wrap_once
 from . import kv_budget, reporting, parallel
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 #: SGLang's memory tags (``GPU_MEMORY_ALL_TYPES``), what a request without tags means
 ALL_TAGS = frozenset({"kv_cache", "weights", "cuda_graph"})

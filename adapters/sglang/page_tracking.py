@@ -15,11 +15,11 @@ are ints.  Filtering costs one device sync per free, as SGLang's own ``torch.uni
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
+from .. import announce
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 
 @dataclass

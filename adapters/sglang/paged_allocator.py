@@ -37,15 +37,15 @@ The KV memory behind it is static: sized by the broker and charged as a reservat
 from __future__ import annotations
 
 import inspect
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from ..patching import PatchError
+from .. import announce
 from . import kvcached_fallback, page_tracking
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 CLASS_NAME = "PagedTokenToKVPoolAllocator"
 _OWNER = "_kvcached_broker_owner"

@@ -1,9 +1,9 @@
 """The SGLang patch set: what is hooked, where, and for which SGLang releases.
 
-Supported: ``sglang >=0.5.12,<0.5.24`` (0.5.12 is the first release with DeepSeek-V4 pools;
-verified against the real classes of 0.5.12, 0.5.13.post1 and 0.5.23).  A release outside the
-range logs one warning and one skip per patch, and runs without the broker (with
-``KVCACHED_REQUIRE=1`` the skip is an error instead).
+Supported: the range in the table of supported releases (``adapters/support.py``, ``SGLANG``;
+0.5.12 is the first release with DeepSeek-V4 pools), verified against the real classes of each
+release it lists.  A release outside the range registers no patch and runs without the broker (the startup
+hook says so once, and with ``KVCACHED_REQUIRE=1`` stops the start: :mod:`..release_check`).  The releases' module layouts are the table's gates.
 
 | concern | module | symbol | releases |
 |---|---|---|---|
@@ -30,67 +30,92 @@ range logs one warning and one skip per patch, and runs without the broker (with
 
 from __future__ import annotations
 
-import logging
-
-from .. import flags
-from ..patching import Patch, PatchError
+from .. import flags, support
+from ..patching import AnyOf, Patch, PatchError, Target
 from ..versions import in_range, installed
 from . import (dsv4_reservation, kv_sizing, kvcached_buffers, kvcached_sizing, kvcached_sync, memory_release,
                paged_allocator, startup)
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
-
-MINIMUM = "0.5.12"
-BELOW = "0.5.24"
-CONFIGURATOR = "0.5.16"  # KVCacheConfigurator replaces the model-runner mixin
-PACKAGE_LAYOUT = "0.5.13"  # the allocator module becomes a package
-REQUEST_WINDOW = "0.5.21"
+RUNTIME = support.SGLANG
+MINIMUM = RUNTIME.supported.minimum
+BELOW = RUNTIME.supported.below
+CONFIGURATOR = RUNTIME.gates["configurator"]  # KVCacheConfigurator replaces the model-runner mixin
+PACKAGE_LAYOUT = RUNTIME.gates["allocator_package"]  # the allocator module becomes a package
+REQUEST_WINDOW = RUNTIME.gates["request_window"]
 
 _MEM = "sglang.srt.mem_cache"
 _MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
 
 
-def _patch(name: str, module: str, apply, minimum: str = MINIMUM, below: str = BELOW, *,
-           required: bool = True) -> Patch:
-    return Patch(name, "sglang", module, apply, minimum=minimum, below=below, required=required)
+def _patch(name: str, module: str, apply, minimum: str | None = None, below: str | None = None, *,
+           required: bool = True, targets: tuple = ()) -> Patch:
+    """A patch for the layout ``[minimum, below)`` (gates; None: every layout), applied inside the
+    supported range only."""
+    return Patch(name, "sglang", module, apply, minimum=minimum or MINIMUM, below=below or BELOW, required=required,
+                 targets=targets, since=minimum, until=below)
+
+
+_SIZING = (Target("_profile_available_bytes"), Target("_resolve_memory_pool_config"), Target("_init_pools"))
+_ALLOCATOR = (Target("PagedTokenToKVPoolAllocator"),)
+_OCCUPATION = ("release_memory_occupation", "resume_memory_occupation")
+
+
+def _methods(cls: str, targets) -> tuple[Target, ...]:
+    return tuple(Target(f"{cls}.{t.symbol}" if isinstance(t, Target) else f"{cls}.{t}") for t in targets)
 
 
 ALL_PATCHES: list[Patch] = [
-    _patch("sglang_dsv4_pool_reservation", f"{_MEM}.deepseek_v4_memory_pool", dsv4_reservation.apply_memory_pool),
+    _patch("sglang_dsv4_pool_reservation", f"{_MEM}.deepseek_v4_memory_pool", dsv4_reservation.apply_memory_pool,
+           targets=(Target("DeepSeekV4TokenToKVPool.__init__", ("self",)),)),
     _patch("sglang_dsv4_request_window", f"{_MEM}.dsv41_request_window", dsv4_reservation.apply_request_window,
-           minimum=REQUEST_WINDOW),
+           minimum=REQUEST_WINDOW, targets=(Target("RequestWindow._ensure_workspace", ("self",)),)),
     _patch("sglang_kv_sizing_configurator", f"{_MEM}.kv_cache_configurator", kv_sizing.apply_configurator,
-           minimum=CONFIGURATOR),
-    _patch("sglang_kv_sizing_mixin", _MIXIN, kv_sizing.apply_mixin, below=CONFIGURATOR),
-    _patch("sglang_paged_allocator", f"{_MEM}.allocator", paged_allocator.apply_binding),
+           minimum=CONFIGURATOR, targets=_methods("KVCacheConfigurator", _SIZING)),
+    _patch("sglang_kv_sizing_mixin", _MIXIN, kv_sizing.apply_mixin, below=CONFIGURATOR,
+           targets=_methods("ModelRunnerKVCacheMixin", _SIZING)),
+    _patch("sglang_paged_allocator", f"{_MEM}.allocator", paged_allocator.apply_binding, targets=_ALLOCATOR),
     _patch("sglang_paged_allocator_swa", f"{_MEM}.allocator.swa", paged_allocator.apply_binding,
-           minimum=PACKAGE_LAYOUT),
+           minimum=PACKAGE_LAYOUT, targets=_ALLOCATOR),
     _patch("sglang_paged_allocator_swa_legacy", f"{_MEM}.swa_memory_pool", paged_allocator.apply_binding,
-           below=PACKAGE_LAYOUT),
+           below=PACKAGE_LAYOUT, targets=_ALLOCATOR),
     _patch("sglang_paged_allocator_configurator", f"{_MEM}.kv_cache_configurator", paged_allocator.apply_binding,
-           minimum=CONFIGURATOR),
-    _patch("sglang_paged_allocator_mixin", _MIXIN, paged_allocator.apply_binding, below=CONFIGURATOR),
-    _patch("sglang_kv_startup", "sglang.srt.managers.scheduler", startup.apply_scheduler),
-    _patch("sglang_kvcached_sync", "sglang.srt.managers.scheduler", kvcached_sync.apply_scheduler),
-    _patch("sglang_kvcached_buffers", f"{_MEM}.memory_pool", kvcached_buffers.apply_memory_pool),
+           minimum=CONFIGURATOR, targets=_ALLOCATOR),
+    _patch("sglang_paged_allocator_mixin", _MIXIN, paged_allocator.apply_binding, below=CONFIGURATOR,
+           targets=_ALLOCATOR),
+    _patch("sglang_kv_startup", "sglang.srt.managers.scheduler", startup.apply_scheduler,
+           targets=(Target("Scheduler.init_model_worker", ("self",)),)),
+    _patch("sglang_kvcached_sync", "sglang.srt.managers.scheduler", kvcached_sync.apply_scheduler,
+           targets=(AnyOf((Target("Scheduler.ingest_requests", ("self",)),
+                           Target("Scheduler.process_input_requests", ("self",)))),)),
+    _patch("sglang_kvcached_buffers", f"{_MEM}.memory_pool", kvcached_buffers.apply_memory_pool,
+           targets=(Target("MHATokenToKVPool"), Target(f"MHATokenToKVPool.{kvcached_buffers.METHOD}", optional=True))),
     _patch("sglang_kvcached_sizing_order", "kvcached.integration.sglang.patches",
-           kvcached_sizing.apply_kvcached_patches, required=False),  # ensure_outermost covers it
+           kvcached_sizing.apply_kvcached_patches, required=False,  # ensure_outermost covers it
+           targets=(Target(f"{kvcached_sizing.CAPACITY_PATCH_CLASS}.patch_profile_available_bytes",
+                           ("self", "target_module")),)),
     _patch("sglang_memory_occupation", "sglang.srt.managers.scheduler_components.weight_updater",
-           memory_release.apply_weight_updater, minimum=PACKAGE_LAYOUT),
+           memory_release.apply_weight_updater, minimum=PACKAGE_LAYOUT,
+           targets=_methods("SchedulerWeightUpdaterManager", _OCCUPATION)),
     _patch("sglang_memory_occupation_legacy", "sglang.srt.managers.scheduler_update_weights_mixin",
-           memory_release.apply_update_weights_mixin, below=PACKAGE_LAYOUT),
+           memory_release.apply_update_weights_mixin, below=PACKAGE_LAYOUT,
+           targets=_methods("SchedulerUpdateWeightsMixin", _OCCUPATION)),
 ]
 
 
 def supported(version: str | None) -> bool:
-    return version is not None and in_range(version, MINIMUM, BELOW)
+    return RUNTIME.supports(version)
+
+
+def layout_patches(version: str) -> list[Patch]:
+    """The patches for ``version``'s module layout, whatever the supported range (the canary)."""
+    return [p for p in ALL_PATCHES if in_range(version, p.since, p.until)]
 
 
 def patches_for(version: str | None) -> list[Patch]:
     """The patches for ``version``'s module layout; every patch outside the supported range."""
-    if not supported(version):
+    if version is None or not supported(version):
         return list(ALL_PATCHES)
-    return [p for p in ALL_PATCHES if in_range(version, p.minimum, p.below)]
+    return layout_patches(version)
 
 
 def __getattr__(name: str):
@@ -100,15 +125,10 @@ def __getattr__(name: str):
 
 
 def check_flags() -> None:
-    """Refuse the unimplemented pool bridge; say once when the installed SGLang is unsupported."""
+    """Refuse the unimplemented pool bridge (an unsupported release is :mod:`..release_check`'s)."""
     if flags.dsv4_kv_pool_bridge():
         raise PatchError(
             "KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE=1 is not supported: bridging a DeepSeek-V4 pool into elastic "
             "management is future work; unset it (the V4 pools stay runtime-owned and are reported as reservations)"
         )
-    version = installed("sglang")
-    if version is not None and not supported(version):
-        log.warning(
-            "event=sglang_unsupported version=%s supported=>=%s,<%s detail=patches_skipped_running_without_broker",
-            version, MINIMUM, BELOW,
-        )
+

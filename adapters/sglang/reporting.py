@@ -21,17 +21,16 @@ All sizes are bytes.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import weakref
 from typing import Any
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import background, sizing, worker
+from .. import announce, background, sizing, worker
 from . import kv_budget
 
-log = logging.getLogger("kvcached_broker.adapters.sglang")
+log = announce.logger("kvcached_broker.adapters.sglang")
 
 _lock = threading.RLock()
 _counter = itertools.count(1)

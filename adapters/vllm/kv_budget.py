@@ -13,13 +13,13 @@ All sizes are bytes.
 
 from __future__ import annotations
 
-import logging
 
 from ...client import BrokerClient, BudgetExceeded
 from ...client.units import format_bytes
 from ..worker import WorkerIdentity
+from .. import announce
 
-log = logging.getLogger("kvcached_broker.adapters.vllm")
+log = announce.logger("kvcached_broker.adapters.vllm")
 
 REPORTER = "vllm_kv_cache"
 STATIC_POOL = "kv_static"

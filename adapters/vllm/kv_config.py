@@ -3,10 +3,10 @@
 Pure functions over vLLM's own config objects, read by attribute (no vLLM import), so that
 one module serves every supported release:
 
-* **vLLM 0.33** (``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``): every
+* **vLLM 0.29+** (``KVCacheTensor(size, layers, layer_stride, block_stride, offset)``): every
   device tensor places its layers in ONE backing allocation and reports that allocation's
   whole ``size``.  The device cost is that size once, never the sum.
-* **vLLM 0.19** (``KVCacheTensor(size, shared_by)``): each tensor is its own allocation; the
+* **vLLM 0.19-0.28** (``KVCacheTensor(size, shared_by)``): each tensor is its own allocation; the
   device cost is the sum.
 
 The per-group view (:func:`usage_breakdown`) counts, for each cache role, the bytes its

@@ -2,9 +2,12 @@
 
 vLLM allocates the KV cache in one function, bound by name where it is used:
 
-* vLLM 0.33: ``vllm.v1.worker.utils.allocate_kv_cache(kv_cache_config, device, layout, ...)``,
-  imported into ``gpu_model_runner``, ``gpu.attn_utils`` and ``hisparse.binding``: each of
-  those module attributes is patched (and the defining one, for later importers);
+* vLLM 0.29+: ``vllm.v1.worker.utils.allocate_kv_cache(kv_cache_config, device, layout, ...)``,
+  imported into ``gpu_model_runner`` (before 0.34), ``gpu.attn_utils`` and ``hisparse.binding``
+  (0.30+): the defining module's attribute is patched, so later importers bind the wrapper, and
+  each of those module attributes too (for a module imported first).  From 0.34 its
+  ``allocate=`` may be the extensible KV cache's hook: that buffer is charged as it commits
+  (:mod:`.extensible`), not here;
 * vLLM 0.19: the method ``GPUModelRunner._allocate_kv_cache_tensors(kv_cache_config)`` and
   ``gpu.attn_utils._allocate_kv_cache(kv_cache_config, device)`` (Model Runner V2), and, for a
   KV connector that prefers cross-layer blocks, the static
@@ -24,18 +27,17 @@ vLLM's, and its pages are granted as kvcached maps them, ``adapters/kvcached``).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import sizing, worker
+from .. import announce, sizing, worker
 from ..patching import PatchError, class_with, wrap_methods, wrap_once
 from ..tensors import storage_bytes
 from ..worker import WorkerIdentity
-from . import kv_budget, kv_config, kvcached_mode, parallel
+from . import extensible, kv_budget, kv_config, kvcached_mode, parallel
 
-log = logging.getLogger("kvcached_broker.adapters.vllm")
+log = announce.logger("kvcached_broker.adapters.vllm")
 
 
 
@@ -81,8 +83,15 @@ def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, w
 
 
 def wrap_allocate_function(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``allocate(kv_cache_config, device, ...)`` (0.33 and 0.19 module functions)."""
+    """Wrap ``allocate(kv_cache_config, device, ...)`` (the 0.29+ and 0.19 module functions).
+
+    An ``allocate=`` hook of vLLM's extensible KV cache (0.34+) backs the buffer with a
+    reservation of address space, not memory: it is charged as it commits (:mod:`.extensible`)."""
     def allocate(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        hook = kwargs.get("allocate", args[2] if len(args) > 2 else None)
+        if hook is not None and extensible.is_extensible(hook):
+            extensible.track(hook.__self__, kv_cache_config, device)
+            return original(kv_cache_config, device, *args, **kwargs)
         identity = before_allocation(kv_cache_config, device)
         tensors = original(kv_cache_config, device, *args, **kwargs)
         after_allocation(identity, kv_cache_config, tensors)
@@ -138,23 +147,23 @@ def _wrap_functions(module: Any, names: tuple[str, ...]) -> list[str]:
 
 
 def apply_allocate_kv_cache(module: Any) -> None:
-    """Patch a module that defines or imports ``allocate_kv_cache`` (vLLM 0.33)."""
+    """Patch a module that defines or imports ``allocate_kv_cache`` (vLLM 0.29+)."""
     if not _wrap_functions(module, ("allocate_kv_cache",)):
         raise PatchError(f"{module.__name__} has no allocate_kv_cache")
 
 
 def apply_gpu_model_runner(module: Any) -> None:
-    """``allocate_kv_cache`` bound in the module (0.33), or the runner's method (0.19)."""
+    """``allocate_kv_cache`` bound in the module (0.29+), or the runner's method (0.19)."""
     wrapped = _wrap_functions(module, ("allocate_kv_cache",))
     try:
         wrap_methods(module, "GPUModelRunner", {"_allocate_kv_cache_tensors": wrap_allocate_method})
-    except PatchError as exc:  # the runner has no such method of its own (0.33): the function is enough
+    except PatchError as exc:  # the runner has no such method of its own (0.29+): the function is enough
         if not wrapped:
             raise PatchError(f"{module.__name__} has neither allocate_kv_cache nor "
                              f"GPUModelRunner._allocate_kv_cache_tensors ({exc})") from exc
 
 
 def apply_attn_utils(module: Any) -> None:
-    """``allocate_kv_cache`` bound in the module (0.33), or its own ``_allocate_kv_cache`` (0.19)."""
+    """``allocate_kv_cache`` bound in the module (0.29+), or its own ``_allocate_kv_cache`` (0.19)."""
     if not _wrap_functions(module, ("allocate_kv_cache", "_allocate_kv_cache")):
         raise PatchError(f"{module.__name__} has neither allocate_kv_cache nor _allocate_kv_cache")

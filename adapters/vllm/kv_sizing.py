@@ -33,16 +33,15 @@ All sizes are bytes.
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any, Callable
 
 from ...client.units import format_bytes
-from .. import sizing, worker
+from .. import announce, sizing, worker
 from ..patching import wrap_methods, wrap_once
 from ..versions import installed, parse
 from . import kv_budget, kvcached_mode, parallel
 
-log = logging.getLogger("kvcached_broker.adapters.vllm")
+log = announce.logger("kvcached_broker.adapters.vllm")
 
 #: The first release that counts its CUDA graph estimate in ``peak_activation_memory`` (when
 #: ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` is on, its default since).

@@ -25,15 +25,14 @@ its grant).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 from ...client import BudgetExceeded
-from .. import handback, worker
+from .. import announce, handback, worker
 from ..patching import wrap_methods, wrap_once
 from . import kv_budget, parallel
 
-log = logging.getLogger("kvcached_broker.adapters.vllm")
+log = announce.logger("kvcached_broker.adapters.vllm")
 
 #: What ``Worker.sleep`` frees at every level, and what a wake without tags maps again
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})

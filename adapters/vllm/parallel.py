@@ -17,6 +17,8 @@ def device_index(device: Any) -> int:
     """The CUDA ordinal of ``device`` (a torch.device, ``"cuda:1"`` or an int); CPU is 0."""
     if isinstance(device, int):
         return device
+    if isinstance(device, str):
+        return int(device.rsplit(":", 1)[1]) if ":" in device else 0
     index = getattr(device, "index", None)
     if index is not None:
         return int(index)

@@ -21,14 +21,14 @@ in-process) and TP > 1 (broadcast mode) alike.
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from typing import Any, Callable
 
 from ..patching import wrap_methods, wrap_once
+from .. import announce
 
-log = logging.getLogger("kvcached_broker.adapters.vllm")
+log = announce.logger("kvcached_broker.adapters.vllm")
 
 
 class PrefixEviction:

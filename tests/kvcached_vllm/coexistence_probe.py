@@ -11,7 +11,8 @@ initialises the worker as its patched ``GPUModelRunner.__init__`` does, and the 
    profile inside, with vLLM's GPU profile and torch's CUDA counters stood in: no GPU), with a
    whole-GPU virtual budget (what kvcached's patched ``request_memory`` gives);
 2. allocates the KV cache through ``GPUModelRunner._allocate_kv_cache_tensors`` as patched (kvcached
-   allocates its virtual buffers), and again through the broker's allocation wrapper alone;
+   allocates its virtual buffers; on Model Runner V2, ``gpu.attn_utils.allocate_kv_cache`` inside
+   kvcached's persistent allocation), and again through the broker's allocation wrapper alone;
 3. prints one JSON line: the sizes, the wrapper chain and this worker's session in status.
 """
 
@@ -23,7 +24,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 4, 8, 128, 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kv_model  # noqa: E402  (the test model, as this vLLM's kvcached integration lays it out)
 
 #: The result goes out on the original stdout; everything else printed (kvcached prints) goes to stderr.
 _result = os.fdopen(os.dup(1), "w")
@@ -40,7 +43,7 @@ def main(argv: list[str]) -> None:
 
     import kvcached.autopatch  # noqa: F401  (kvcached's .pth)
     import vllm  # noqa: F401
-    from vllm.v1.worker import gpu_model_runner, gpu_worker
+    from vllm.v1.worker import gpu_worker
 
     from kvcached.integration.vllm import interfaces as kvi
     from kvcached_broker.adapters import autopatch, worker
@@ -65,15 +68,31 @@ def main(argv: list[str]) -> None:
     w.model_runner = SimpleNamespace(profile_run=lambda: None, get_kv_cache_spec=lambda: {})
     sized = method(w)
 
-    # 2. allocation: kvcached's virtual buffers, through the patched runner method and our wrapper alone
-    def kvcached_buffers(_self=None, _config=None):
-        return kvi.alloc_kv_cache((2, 4096, BLOCK_TOKENS, HEADS, HEAD_DIM), BLOCK_TOKENS, torch.float16, "cuda:0",
-                                  LAYERS)
+    # 2. allocation: kvcached's virtual buffers, through the patched runner and our wrapper alone
+    if kv_model.runner_v2():  # Model Runner V2: kvcached's allocate_kv_cache in place of vLLM's
+        from vllm.config import DeviceConfig, VllmConfig
+        from vllm.v1.worker.gpu import attn_utils, model_runner  # noqa: F401  (kvcached patches the runner)
 
-    runner = SimpleNamespace(device=torch.device("cpu"), _allocate_kv_cache_from_kvcached=lambda cfg: kvcached_buffers())
-    config = SimpleNamespace(num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=[])
-    through_runner = gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors(runner, config)
-    through_ours = kv_reservation.wrap_allocate_method(kvcached_buffers)(runner, config)
+        from kvcached.integration.vllm import model_runner_v2
+
+        config, layout = kv_model.kv_cache_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
+        token = model_runner_v2._persistent_allocation.set(True)  # as kvcached's initialize_kv_cache sets it
+        try:
+            through_runner = attn_utils.allocate_kv_cache(config, "cuda:0", layout)
+        finally:
+            model_runner_v2._persistent_allocation.reset(token)
+        through_ours = kv_reservation.wrap_allocate_function(model_runner_v2.allocate_kv_cache)(config, "cuda:0", layout)
+    else:
+        from vllm.v1.worker import gpu_model_runner
+
+        def kvcached_buffers(_self=None, _config=None):
+            return kv_model.create_worker_tensors(None)
+
+        runner = SimpleNamespace(device=torch.device("cpu"),
+                                 _allocate_kv_cache_from_kvcached=lambda cfg: kvcached_buffers())
+        config = SimpleNamespace(num_blocks=4096, kv_cache_tensors=[], kv_cache_groups=[])
+        through_runner = gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors(runner, config)
+        through_ours = kv_reservation.wrap_allocate_method(kvcached_buffers)(runner, config)
 
     client = worker.session(parallel.identity(0))
     status = client.status()

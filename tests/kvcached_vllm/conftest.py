@@ -1,7 +1,9 @@
-"""kvcached mode for vLLM: kvcached 0.1.6's real Python code with vLLM 0.19.1's real classes.
+"""kvcached mode for vLLM: kvcached 0.1.6's real Python code with the overlay's real vLLM classes.
 
-They run in the combined overlay ``kvcached+vllm-0.19.1`` (scripts/test-adapters.sh: vLLM's
-overlay, its common packages and kvcached's Python code on one path) and are skipped elsewhere.  Only
+They run in the combined overlays ``kvcached+vllm-0.19.1`` and ``kvcached+vllm-0.30.0`` (the table
+of supported releases, adapters/support.py; scripts/test-adapters.sh: vLLM's overlay, its common
+packages and kvcached's Python code on one path) and are skipped elsewhere; kv_model.py lays the
+test model out as kvcached's integration for that vLLM does.  Only
 ``kvcached.vmm_ops`` is a double (``kvcached_broker.tools.kvcached_sim``); every engine and
 worker is its own process, each worker on its own simulated GPU with its own real broker.
 """

@@ -10,10 +10,15 @@ scheduler's next ``schedule()``.
 
 from __future__ import annotations
 
+import kv_model
 from helpers import python_env, wait_for
 from tp_harness import BLOCKS_PER_PAGE, GIB, POOL_PAGE_BYTES, Sampler
 
 from kvcached_broker.tools.kvcached_sim.pools import PoolProcess
+
+MIB = 1 << 20
+#: the neighbour's kvcached pool (tools/kvcached_sim/pool_process.py, 4 layers): 2 MiB x 4 layers x K and V
+BURST_PAGE_BYTES = (2 << 20) * 4 * 2
 
 
 def test_pressure_on_one_workers_broker_evicts_the_prefix_cache_and_both_workers_release(gpus, processes):
@@ -22,22 +27,25 @@ def test_pressure_on_one_workers_broker_evicts_the_prefix_cache_and_both_workers
     with Sampler([gpu0, gpu1], board, slots=2) as sampler:
         workers = [processes.worker(gpu, rank, 2) for rank, gpu in enumerate((gpu0, gpu1))]
         engine = processes.engine(2)
-        # 40 pages of prefixes, running at once, then cached after their requests finished (640 MiB per GPU)
+        # 640 MiB of prefixes per GPU, running at once, then cached after their requests finished
         assert engine.request("prefill", requests=20, tokens=2048)["scheduled"] == 20
         cached = engine.request("status")
-        assert cached["cached_blocks"] >= 40 * BLOCKS_PER_PAGE - 1
+        assert cached["cached_blocks"] >= 20 * 2048 // kv_model.BLOCK_TOKENS - 1
         sampler.observe()
         held_before = [w.request("status")["holder"]["granted_bytes"] for w in workers]
-        assert min(held_before) >= 40 * POOL_PAGE_BYTES
+        assert min(held_before) >= 640 * MIB
 
         # a neighbour on GPU 0 bursts: the broker asks worker 0's session for pages back
-        burst = PoolProcess.start(gpu0.endpoint, gpu0.usage, GIB, "burst", env=python_env(),
-                                  stderr=gpu0.usage.parent / "burst.err")
+        burst = PoolProcess.start(gpu0.endpoint, gpu0.usage, GIB, "burst", env=python_env(), args=("--layers", "4"),
+                                  stderr=gpu0.usage.parent / "burst.err", wait=False)
+        sampler.zero_page(burst.pid, BURST_PAGE_BYTES)
+        burst.wait_ready()
         processes.on_stop(burst.stop)  # after the sampler: a pool that shuts down gives its grant back first
-        # 24 pages: more than GPU 0 has free (1 GiB less ~45 pages and a zero page of EngineCore's
-        # worker), within the neighbour's fair share
-        got = burst.request("fill", blocks=24 * BLOCKS_PER_PAGE, timeout_s=120.0)
-        assert got["held_blocks"] == 24 * BLOCKS_PER_PAGE
+        # 24 of its pages (384 MiB): more than GPU 0 has free (1 GiB less 640 MiB and a zero page of
+        # EngineCore's worker), within the neighbour's fair share
+        burst_blocks = 24 * burst.request("status")["blocks_per_page"]
+        got = burst.request("fill", blocks=burst_blocks, timeout_s=120.0)
+        assert got["held_blocks"] == burst_blocks
         sampler.observe()
 
         status = engine.request("status")
@@ -58,9 +66,9 @@ def test_with_tp1_the_in_process_pool_evicts_in_the_schedulers_next_step(gpus, p
         engine = processes.engine(1, gpu0)
         (pool,) = engine.ready["pools"]
         assert pool["governed"] and engine.ready["board"] is None  # in-process: its own session's grants
-        assert engine.request("prefill", requests=16, tokens=2048)["scheduled"] == 16
+        assert engine.request("prefill", requests=16, tokens=2048)["scheduled"] == 16  # 512 MiB
         cached = engine.request("status")["cached_blocks"]
-        assert cached >= 32 * BLOCKS_PER_PAGE - 1
+        assert cached >= 16 * 2048 // kv_model.BLOCK_TOKENS - 1
 
         after = engine.request("evict_then_prefill", pages=8, requests=1, tokens=256)
 
@@ -68,5 +76,6 @@ def test_with_tp1_the_in_process_pool_evicts_in_the_schedulers_next_step(gpus, p
         assert status["evicted_blocks"] >= 8 * BLOCKS_PER_PAGE
         assert status["eviction"] == {"thread": "engine-core", "ran_in": "schedule", "runs": 1}
         assert after["cached_blocks"] <= cached - 8 * BLOCKS_PER_PAGE + 16  # the new prefill caches its own
-        wait_for(lambda: engine.request("status")["limit_pages"] < 40, what="the governor to give the pages back")
+        wait_for(lambda: engine.request("status")["limit_pages"] * POOL_PAGE_BYTES < 640 * MIB,
+                 what="the governor to give the pages back")
     sampler.check(min_samples=0)

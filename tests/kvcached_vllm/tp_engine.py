@@ -5,7 +5,7 @@
 With WORLD_SIZE 1 the worker runs in this process, as with vLLM's ``UniProcExecutor``: kvcached's
 pool maps here, governed through this process's own broker session.
 
-The real classes, on a CPU: vLLM 0.19.1's ``Scheduler`` (with kvcached's patches, its block pool
+The real classes, on a CPU: the overlay's vLLM ``Scheduler`` (with kvcached's patches, its block pool
 is kvcached's ``ElasticBlockPool`` over a real ``KVCacheManager(world_size=WORLD_SIZE)``, which
 maps and unmaps through kvcached's real ``tp_ipc_util`` in the worker processes), and vLLM's
 own EngineCore busy loop (``EngineCoreProc.run_busy_loop``, ``_process_input_queue``, idle-state
@@ -44,9 +44,11 @@ import sys
 import threading
 from pathlib import Path
 
-LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 4, 8, 128, 16
-VIRTUAL_BLOCKS = 4096
-BLOCKS_PER_PAGE = 64  # a 2 MiB page per layer's K holds 64 blocks of 16 tokens x 8 heads x 128 x fp16
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kv_model  # noqa: E402  (the test model, as this vLLM's kvcached integration lays it out)
+
+BLOCK_TOKENS = kv_model.BLOCK_TOKENS
 
 
 #: Replies go out on the original stdout; everything else printed (kvcached prints) goes to stderr.
@@ -58,19 +60,6 @@ sys.stdout = sys.stderr
 def reply(obj: dict) -> None:
     _replies.write(json.dumps(obj) + "\n")
     _replies.flush()
-
-
-def kv_cache_config(vc):
-    import torch
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    specs = {f"model.layers.{i}.attn": FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=HEADS,
-                                                         head_size=HEAD_DIM, dtype=torch.float16)
-             for i in range(LAYERS)}
-    groups = kv_cache_utils.get_kv_cache_groups(vc, specs)
-    per_block = LAYERS * 2 * BLOCK_TOKENS * HEADS * HEAD_DIM * 2
-    return kv_cache_utils.get_kv_cache_config_from_groups(vc, groups, VIRTUAL_BLOCKS * per_block)
 
 
 class ModelConfig:
@@ -106,17 +95,14 @@ def build_engine(world_size: int):
     vc.scheduler_config.max_num_batched_tokens = 1 << 16  # a prefill of many requests in one step
     vc.scheduler_config.max_num_seqs = 256
     vc.cache_config.enable_prefix_caching = True
-    kv_cfg = kv_cache_config(vc)
+    kv_cfg, _ = kv_model.kv_cache_config(vc)
     vc.cache_config.num_gpu_blocks = kv_cfg.num_blocks
     # what kvcached's patched EngineCore.__init__ does first
     kvi.init_kvcached(tp_rank=0, world_size=world_size, pp_rank=0, is_worker=False, async_sched=False,
                       device="cuda:0")
     if world_size == 1:  # vLLM's UniProcExecutor: the worker runs in EngineCore's process
-        import torch
-
         kvi.init_kvcached(tp_rank=0, world_size=1, pp_rank=0, is_worker=True, device="cuda:0")
-        kvi.alloc_kv_cache((2, VIRTUAL_BLOCKS, BLOCK_TOKENS, HEADS, HEAD_DIM), BLOCK_TOKENS, torch.float16,
-                           "cuda:0", LAYERS)
+        kv_model.create_worker_tensors(vc)
     scheduler = Scheduler(vllm_config=Config(vc), kv_cache_config=kv_cfg, structured_output_manager=None,
                           block_size=BLOCK_TOKENS, log_stats=False)
 
@@ -140,6 +126,9 @@ def build_engine(world_size: int):
     core.shutdown_state = EngineShutdownState.RUNNING
     core.engines_running = False
     core.batch_queue = None
+    core.publish_dp_lb_stats = False  # what the busy loop of later releases reads (0.30)
+    core.enable_fault_tolerance = False
+    core.check_for_draft_tokens = False
 
     def step():
         """EngineCore.step without a model: the scheduler steps while it has requests (finished
@@ -212,7 +201,7 @@ def main(argv: list[str]) -> None:
         after a miss, the next try waits for one governor round; gives up after ``misses``."""
         start, missed = len(held), 0
         while len(held) - start < blocks and missed < misses:
-            if alloc(min(BLOCKS_PER_PAGE, blocks - (len(held) - start)))["got"] is None:
+            if alloc(min(kv_model.blocks_per_page(), blocks - (len(held) - start)))["got"] is None:
                 missed += 1
                 runner.settle(1)
         return {"got": len(held) - start, "misses": missed}

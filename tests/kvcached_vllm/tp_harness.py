@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import kv_model
 from helpers import device_and_status, granted_bytes_by_pid, python_env
 
 from kvcached_broker.adapters.kvcached import board as board_mod
@@ -31,9 +32,9 @@ from kvcached_broker.tools.launch import BrokerLauncher
 
 HERE = Path(__file__).resolve().parent
 GIB = 1 << 30
-#: one pool page of the test model: 2 MiB x 4 layers x K and V
-POOL_PAGE_BYTES = (2 << 20) * 4 * 2
-BLOCKS_PER_PAGE = 64  # 16 tokens x 8 heads x 128 x fp16 = 32 KiB per layer's K per block
+#: one pool page of the test model (2 MiB per layer, and per K and V buffer on kvcached's V1 layout)
+POOL_PAGE_BYTES = kv_model.pool_page_bytes()
+BLOCKS_PER_PAGE = kv_model.blocks_per_page()
 
 
 class Broker:
@@ -202,6 +203,7 @@ class Sampler:
         self.board = board
         self.slots = slots
         self.zero_page_bytes = zero_page_bytes
+        self._zero_pages: dict[int, int] = {}  # pid -> its pool's zero page, where not the test model's
         self.samples = 0
         self.board_samples = 0
         self.unsteady = 0  # board reads that never stood still
@@ -212,6 +214,11 @@ class Sampler:
         self._stop = threading.Event()
         self._taken = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def zero_page(self, pid: int, size_bytes: int) -> None:
+        """Process ``pid``'s pool keeps a zero page of ``size_bytes`` (a pool of another geometry
+        than the test model's, such as a neighbour's): set before it allocates anything."""
+        self._zero_pages[pid] = size_bytes
 
     def observe(self, rounds: int = 3, timeout_s: float = 60.0) -> None:
         """Wait until ``rounds`` more full rounds (every GPU and the governing board) were sampled."""
@@ -250,7 +257,7 @@ class Sampler:
         self.samples += 1
         granted = granted_bytes_by_pid(status)
         for pid, used in usage.items():
-            mapped = used - self.zero_page_bytes
+            mapped = used - self._zero_pages.get(pid, self.zero_page_bytes)
             self.peak_mapped[pid] = max(self.peak_mapped.get(pid, 0), mapped)
             if pid in granted and mapped > granted[pid]:
                 self.violations.append(f"pid {pid}: {mapped} bytes of KV pages mapped, {granted[pid]} granted")

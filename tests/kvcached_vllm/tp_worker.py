@@ -4,7 +4,8 @@
 
 What vLLM's patched ``GPUModelRunner`` does in a worker with ``ENABLE_KVCACHED=1``: kvcached's
 own vLLM integration initialises the worker (``init_kvcached(is_worker=True)``, which starts
-kvcached's real IPC listener) and creates its KV tensors (``alloc_kv_cache``).  Only
+kvcached's real IPC listener) and creates its KV tensors (``alloc_kv_cache``, or on vLLM's Model
+Runner V2 kvcached's ``model_runner_v2.allocate_kv_cache``: :mod:`kv_model`).  Only
 ``kvcached.vmm_ops`` is a double (pages cost memory on the simulated GPU only once mapped).
 The broker adapter arrives as it does in production: the ``kvcached_broker_autopatch.pth`` hook
 (``ENABLE_KVCACHED=1``), plus ``import kvcached.autopatch`` for kvcached's own ``.pth``.  The
@@ -32,7 +33,9 @@ import sys
 import threading
 from pathlib import Path
 
-LAYERS, HEADS, HEAD_DIM, BLOCK_TOKENS = 4, 8, 128, 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kv_model  # noqa: E402  (the test model, as this vLLM's kvcached integration lays it out)
 
 
 #: Replies go out on the original stdout; everything else printed (kvcached prints) goes to stderr.
@@ -79,11 +82,12 @@ def main(argv: list[str]) -> None:
 
     interfaces.create_kv_tensors = recording_create
     interfaces.init_kvcached(tp_rank=rank, world_size=world_size, pp_rank=0, is_worker=True, device="cuda:0")
-    virtual_blocks = 4096
+    from vllm.config import DeviceConfig, VllmConfig
+
+    vc = VllmConfig(device_config=DeviceConfig(device="cpu"))
 
     def create() -> None:
-        interfaces.alloc_kv_cache((2, virtual_blocks, BLOCK_TOKENS, HEADS, HEAD_DIM), BLOCK_TOKENS, torch.float16,
-                                  "cuda:0", LAYERS)
+        kv_model.create_worker_tensors(vc)
 
     if os.environ.get("KVB_TEST_DEFER_TENSORS") != "1":
         create()

@@ -27,16 +27,16 @@ def vllm_version() -> str:
 
 
 @pytest.fixture(scope="session")
-def patched_vllm():
-    """Import the hooked vLLM modules and apply the adapter's patches (idempotent)."""
-    import vllm.v1.core.sched.scheduler  # noqa: F401
-    import vllm.v1.engine.core  # noqa: F401
-    import vllm.v1.worker.gpu.attn_utils  # noqa: F401
-    import vllm.v1.worker.gpu_model_runner  # noqa: F401
-    import vllm.v1.worker.gpu_worker  # noqa: F401
+def patched_vllm(vllm_version):
+    """Import every vLLM module this release's patches hook and apply them (idempotent)."""
+    import importlib
 
     from kvcached_broker.adapters import autopatch
+    from kvcached_broker.adapters.vllm import patches
 
+    for patch in patches.layout_patches(vllm_version):
+        if patch.module.startswith("vllm."):
+            importlib.import_module(patch.module)
     return autopatch.apply(["vllm"])
 
 

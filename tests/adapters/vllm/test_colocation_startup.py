@@ -18,12 +18,13 @@ from overlays import SGLANG_WORKER, VLLM_WORKER, read_json, require_sglang_overl
 
 from device_usage import MeasuredUsage, instance_of, session_of
 
+from kvcached_broker.adapters import support
 from kvcached_broker.adapters.versions import installed, parse
 
 #: The co-location start-up runs once, in the newest vLLM overlay: its vLLM side is the same
 #: sizing wrapper on every release, and test_vllm_sizing runs each release's Worker on a
 #: measuring device.  (Three runtime processes cost about 35 s on the 2-vCPU machine.)
-NEWEST_VLLM = "0.33.0"
+NEWEST_VLLM = support.VLLM.tested()[-1]
 
 #: instance -> (runtime, weights the device measures, what the runtime's own sizing asks for)
 INSTANCES = {

@@ -11,9 +11,10 @@ import os
 import subprocess
 import sys
 
-from helpers import MIB
+from helpers import MIB, adapter_line
 from overlays import HERE, SGLANG_ENV, base_env, overlay_env, overlay_version, require_sglang_overlay, spawn
 
+from kvcached_broker.adapters import support
 from kvcached_broker.adapters.versions import installed
 
 
@@ -47,7 +48,9 @@ def test_vllm_and_sglang_instances_share_one_gpu_side_by_side(broker_factory):
         assert adapters["vllm-dsv4"]["runtime"] == "vllm" and adapters["sglang-dsv4"]["runtime"] == "sglang"
         assert adapters["vllm-dsv4"]["runtime_version"] == installed("vllm")
         assert adapters["sglang-dsv4"]["runtime_version"] == overlay_version(SGLANG_ENV)
-        assert "vllm_kv_alloc_model_runner" in adapters["vllm-dsv4"]["patches"]  # what this process imported
+        runner = "vllm_kv_alloc_attn_utils" if support.VLLM.at_least("v2_runner_only", installed("vllm")) \
+            else "vllm_kv_alloc_model_runner"  # the GPU model runner this process allocated through
+        assert runner in adapters["vllm-dsv4"]["patches"]
         assert {"sglang_dsv4_pool_reservation", "sglang_paged_allocator"} <= set(adapters["sglang-dsv4"]["patches"])
     finally:
         for proc in (vllm_proc, sglang_proc):
@@ -58,8 +61,11 @@ def test_vllm_and_sglang_instances_share_one_gpu_side_by_side(broker_factory):
     # and SGLang's (configure_logger at --log-level error): runtime, version, patches, endpoint, instance.
     for proc, name, adapter in ((vllm_proc, "vllm-dsv4", adapters["vllm-dsv4"]),
                                 (sglang_proc, "sglang-dsv4", adapters["sglang-dsv4"])):
-        (line,) = [line for line in proc.stderr.read().splitlines() if "event=adapter_active" in line]
-        assert line.startswith("kvcached-broker: INFO event=adapter_active")
+        err = proc.stderr.read().splitlines()
+        (line,) = [line for line in err if "event=adapter_active" in line]
+        assert adapter_line(line, "INFO", "adapter_active")
+        patched = [line for line in err if "event=patch " in line]  # INFO, past the runtime's logging too
+        assert patched and all(adapter_line(line, "INFO", "patch") for line in patched)
         assert f"runtime={adapter['runtime']} version={adapter['runtime_version']}" in line
         assert f"instance={name}" in line and f"endpoint={b.endpoint}" in line and "hook=pth" in line
         assert f"patches={','.join(adapter['patches'])}" in line

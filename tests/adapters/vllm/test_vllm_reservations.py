@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import support, worker
 from kvcached_broker.adapters.tensors import storage_bytes
 from kvcached_broker.adapters.vllm import kv_config, parallel
 from kvcached_broker.adapters.vllm.kv_budget import KVCacheBudgetError
@@ -95,6 +95,42 @@ def test_a_mla_indexer_model_without_v4_fields_is_reported_per_group(patched_vll
     assert inst["usage_breakdown"]["kv_group0_mla_attention"] == kv_config.buffer_bytes(kv_cfg)
 
 
+def test_a_hisparse_buffer_turns_the_sizing_hold_into_kv_static(patched_vllm, gpu_broker, vllm_version):
+    """HiSparse (0.30+) allocates its device KV through ``vllm.v1.hisparse.binding``'s own
+    ``allocate_kv_cache`` binding: sized, held, and allocated there, the hold becomes ``kv_static``
+    in one request (up to 0.32 that binding stayed unpatched and the hold stayed charged on top of
+    the buffer until the process exited).  The host-resident pool is host memory: never charged."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.hisparse") is None:
+        assert not support.VLLM.at_least("hisparse", vllm_version)
+        pytest.skip("HiSparse arrived in vLLM 0.30")
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm.v1.hisparse import binding
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    held = shapes.determine(32 * MIB)(shapes.gpu_worker())
+    assert instance(gpu_broker.status())["holds"] == {"kv_sizing_hold": held}
+    vc, kv_cfg = shapes.mla_config(held)
+    attn = [name for _, name, _ in kv_config.layer_specs(kv_cfg) if name.endswith(".attn")]
+    device_tensor = next(t for t in kv_cfg.kv_cache_tensors if set(t.layers) <= set(attn))
+    spec = next(spec for _, name, spec in kv_config.layer_specs(kv_cfg) if name in attn)
+    kv_cfg.kv_cache_tensors.append(dataclasses.replace(device_tensor, host_resident=True))  # HiSparse's host pool
+    kv_cfg.kv_cache_groups.append(KVCacheGroupSpec(list(device_tensor.layers), spec, host_resident=True))
+    kv_cfg.hisparse_host_num_blocks = kv_cfg.num_blocks
+    host_pool = SimpleNamespace(allocate=lambda size: torch.zeros(size, dtype=torch.uint8))  # pinned host memory
+    kernel_block_sizes = [group.kv_cache_spec.block_size for group in kv_cfg.kv_cache_groups]
+
+    caches = binding.allocate_hisparse_kv_caches(kv_cfg, torch.device("cpu"), shapes.layout_of(vc), kernel_block_sizes,
+                                                 host_pool)
+    assert set(attn) <= set(caches)
+    inst = instance(gpu_broker.status())
+    assert inst["holds"] == {} and inst["pools"] == {"kv_static": kv_config.buffer_bytes(kv_cfg)}
+    assert kv_config.buffer_bytes(kv_cfg) == device_tensor.size <= held  # the device buffer, once; not the host pool
+
+
 def test_reallocating_replaces_the_charge(patched_vllm, gpu_broker):
     vc, big = shapes.hybrid_config(32 * MIB)
     shapes.allocate(vc, big)
@@ -123,21 +159,25 @@ def test_a_buffer_the_broker_cannot_grant_fails_before_it_is_allocated(patched_v
     other.close()
 
 
-def test_every_binding_site_calls_the_patched_function(patched_vllm):
+def test_every_binding_site_calls_the_patched_function(patched_vllm, vllm_version):
+    """Every module that binds vLLM's KV allocation in this release's layout (adapters/support.py's
+    gates) binds the adapter's wrapper: HiSparse's too from 0.30 (it once stayed unpatched up to
+    0.32, its buffer never turning the sizing hold into ``kv_static``)."""
     import importlib
 
     wrapped = "__kvcached_broker_wrapped__"
-    sites = {
-        "vllm.v1.worker.utils": "allocate_kv_cache",
-        "vllm.v1.worker.gpu_model_runner": "allocate_kv_cache",
-        "vllm.v1.worker.gpu.attn_utils": "allocate_kv_cache",
-        "vllm.v1.hisparse.binding": "allocate_kv_cache",
-    }
-    from vllm.v1.worker import gpu_model_runner
+    vllm = support.VLLM
+    if not vllm.at_least("shared_buffer", vllm_version):  # 0.19-0.28: the method and attn_utils' own helper
+        from vllm.v1.worker import gpu_model_runner
 
-    if not hasattr(gpu_model_runner, "allocate_kv_cache"):  # 0.19: the method and attn_utils' own helper
         sites = {"vllm.v1.worker.gpu.attn_utils": "_allocate_kv_cache"}
         assert getattr(gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors, wrapped, False)
+    else:
+        sites = {"vllm.v1.worker.utils": "allocate_kv_cache", "vllm.v1.worker.gpu.attn_utils": "allocate_kv_cache"}
+        if not vllm.at_least("v2_runner_only", vllm_version):
+            sites["vllm.v1.worker.gpu_model_runner"] = "allocate_kv_cache"
+        if vllm.at_least("hisparse", vllm_version):
+            sites["vllm.v1.hisparse.binding"] = "allocate_kv_cache"
     for module_name, name in sites.items():
         module = importlib.import_module(module_name)
         assert getattr(getattr(module, name), wrapped, False), f"{module_name}.{name} is not patched"
@@ -159,12 +199,11 @@ def test_the_model_runner_v2_path_is_charged_the_same(patched_vllm, gpu_broker):
 def test_a_cross_layer_kv_connector_allocation_is_charged_too(patched_vllm, gpu_broker, vllm_version):
     """vLLM 0.19: a KV connector that prefers cross-layer blocks allocates every layer as one
     tensor through ``allocate_uniform_kv_caches``, not ``_allocate_kv_cache_tensors``."""
+    if support.VLLM.at_least("shared_buffer", vllm_version):
+        pytest.skip("this vLLM allocates cross-layer caches through allocate_kv_cache")
     from vllm.v1.worker import gpu_model_runner
 
     runner_cls = gpu_model_runner.GPUModelRunner
-    if not hasattr(runner_cls, "allocate_uniform_kv_caches"):
-        assert vllm_version.startswith("0.33")  # gone in the shared-buffer releases
-        pytest.skip("this vLLM allocates cross-layer caches through allocate_kv_cache")
     from types import SimpleNamespace
 
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend

@@ -11,6 +11,7 @@ Nothing here is a fake: the planner, the block pool, the manager and the request
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -53,9 +54,42 @@ def planner():
 
 
 def vllm_config():
+    """A CPU ``VllmConfig``.  vLLM 0.34 refuses one on x86 unless Triton has a CPU backend (its
+    CPU model runner needs triton-cpu): there, the platform's check alone is run again with Triton
+    (the base's, no driver here) counted as present.  Only the config is built, and no kernel
+    runs; nothing else sees Triton (modules that read ``HAS_TRITON`` at import keep their
+    Triton-free paths)."""
     from vllm.config import DeviceConfig, VllmConfig
 
-    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+    try:
+        return VllmConfig(device_config=DeviceConfig(device="cpu"))
+    except RuntimeError as exc:
+        if "requires Triton" not in str(exc):
+            raise
+    with _cpu_check_counting_triton():
+        return VllmConfig(device_config=DeviceConfig(device="cpu"))
+
+
+@contextlib.contextmanager
+def _cpu_check_counting_triton():
+    import vllm.triton_utils
+    from vllm.platforms import cpu
+
+    check = vars(cpu.CpuPlatform)["check_and_update_config"]
+
+    def check_and_update_config(cls, vllm_config):
+        saved = vllm.triton_utils.HAS_TRITON
+        vllm.triton_utils.HAS_TRITON = True
+        try:
+            return check.__func__(cls, vllm_config)
+        finally:
+            vllm.triton_utils.HAS_TRITON = saved
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        cpu.CpuPlatform.check_and_update_config = check
 
 
 def _resolve_layout(vc: Any, choices: list[list[str]], specs: dict[str, Any]) -> Any:
@@ -80,28 +114,40 @@ def layout_of(vc: Any) -> Any:
     return getter() if getter else None
 
 
+def _spec(cls: Any, **fields: Any) -> Any:
+    """``cls(**fields)`` with the fields this release's spec class has (``max_tp_shards`` arrived
+    after 0.30, say): the layers' shapes are the same."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in fields.items() if name in known})
+
+
 def dsv4_specs() -> dict[str, Any]:
     m = kvi()
     specs: dict[str, Any] = {}
     for layer, ratio in enumerate(RATIOS):
         prefix = f"model.layers.{layer}.self_attn"
-        specs[f"{prefix}.swa_cache"] = m.SlidingWindowMLASpec(
+        specs[f"{prefix}.swa_cache"] = _spec(
+            m.SlidingWindowMLASpec,
             block_size=SWA_BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8,
             sliding_window=128, cache_dtype_str="fp8_ds_mla", state_content_bytes=584, alignment=576,
             model_version="deepseek_v4")
-        specs[f"{prefix}.attn"] = m.MLAAttentionSpec(
+        specs[f"{prefix}.attn"] = _spec(
+            m.MLAAttentionSpec,
             block_size=PAGE_TOKENS, num_kv_heads=1, max_tp_shards=1, head_size=512, dtype=torch.uint8,
             tokens_per_state=ratio, cache_dtype_str="fp8_ds_mla", alignment=576, model_version="deepseek_v4",
             state_content_bytes=584)
         state_coeff = 2 if ratio == 4 else 1  # C4 compressors keep overlapping windows
-        specs[f"{prefix}.compressor.state_cache"] = m.SlidingWindowMLASpec(
+        specs[f"{prefix}.compressor.state_cache"] = _spec(
+            m.SlidingWindowMLASpec,
             block_size=4 if ratio == 4 else 8, num_kv_heads=1, max_tp_shards=1, head_size=2 * state_coeff * 512,
             dtype=torch.float32, sliding_window=state_coeff * ratio, alignment=576)
         if ratio == 4:
-            specs[f"{prefix}.indexer.k_cache"] = m.MLAAttentionSpec(
+            specs[f"{prefix}.indexer.k_cache"] = _spec(
+            m.MLAAttentionSpec,
                 block_size=PAGE_TOKENS, num_kv_heads=1, max_tp_shards=1, head_size=128 + 4, dtype=torch.uint8,
                 tokens_per_state=4, alignment=576)
-            specs[f"{prefix}.indexer.compressor.state_cache"] = m.SlidingWindowMLASpec(
+            specs[f"{prefix}.indexer.compressor.state_cache"] = _spec(
+            m.SlidingWindowMLASpec,
                 block_size=4, num_kv_heads=1, max_tp_shards=1, head_size=2 * 2 * 128, dtype=torch.float32,
                 sliding_window=8, alignment=576)
     return specs
@@ -157,10 +203,18 @@ def mla_config(kv_bytes: int, layers: int = 4) -> tuple[Any, Any]:
 
 
 def allocate(vc: Any, kv_cfg: Any) -> dict[str, Any]:
-    """Allocate ``kv_cfg`` on CPU as this release's GPU model runner does (through any patch on it)."""
+    """Allocate ``kv_cfg`` on CPU as this release's GPU model runner does (through any patch on it):
+    the V1 runner's binding (0.29-0.33) or method (0.19-0.28); Model Runner V2's ``gpu.attn_utils``
+    binding where the V1 runner is gone (0.34+)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None:
+        from vllm.v1.worker.gpu import attn_utils
+
+        return attn_utils.allocate_kv_cache(kv_cfg, torch.device("cpu"), layout_of(vc))
     from vllm.v1.worker import gpu_model_runner
 
-    if hasattr(gpu_model_runner, "allocate_kv_cache"):  # 0.33: the name bound in the runner's module
+    if hasattr(gpu_model_runner, "allocate_kv_cache"):  # 0.29+: the name bound in the runner's module
         return gpu_model_runner.allocate_kv_cache(kv_cfg, torch.device("cpu"), layout_of(vc))
     runner = object.__new__(gpu_model_runner.GPUModelRunner)  # 0.19: the runner's own method
     runner.device = torch.device("cpu")
