@@ -352,6 +352,38 @@ def test_engine_core_gives_back_when_a_counted_worker_holds_less_than_its_limit(
     board.close()
 
 
+class HeldGrants:
+    """A worker's broker grant as the holder uses it: pool pages held, and what went back."""
+
+    def __init__(self, pages: int):
+        self.pages, self.ratio, self.released = pages, 1, []
+
+    def release(self, pages: int) -> bool:
+        self.pages -= pages
+        self.released.append(pages)
+        return True
+
+
+def test_a_workers_soft_ask_gives_back_only_idle_grant_and_never_posts_to_engine_core(tmp_path):
+    from kvcached_broker.adapters.kvcached import pressure
+
+    board = board_mod.Board(str(tmp_path / "kvcached-broker-s-g0.board"))
+    board.write_engine(**mine(), state=board_mod.ENGINE_GOVERNING, wanted_pages=6)
+    gate = MapGate(0)
+    holder = worker_grants.WorkerGrants(board, 1, WorkerIdentity("vllm", 0, tp_rank=1, tp_size=2), GEOMETRY, gate)
+    holder.grants, holder.governed, gate.bound_pages = HeldGrants(10), True, 10
+
+    assert pressure.split([holder], 8, soft=True) == {holder: 8}  # the broker's soft ask
+    holder._answer_pressure(board.engine())
+    assert holder.grants.released == [4] and gate.bound_pages == 6  # only above what EngineCore wants
+    assert board.slot(1).pressure_pages_total == 0  # nothing in use is asked of EngineCore
+
+    pressure.split([holder], 3)  # a hard ask: what no idle page covers goes to EngineCore
+    holder._answer_pressure(board.engine())
+    assert holder.grants.released == [4] and board.slot(1).pressure_pages_total == 3
+    board.close()
+
+
 def test_a_pool_that_takes_its_name_keeps_its_board_only_its_shutdown_ends_it(tmp_path):
     """The governor moves its zero page to the pool's new key with ``forget_report(old)``: board
     grants report nothing per key, so the board and the workers' level stay; ``forget`` (the pool

@@ -246,7 +246,9 @@ def test_status_replies_nobody_reads_are_dropped_past_a_bound_not_kept(short_tmp
         assert grown < 48 << 20, f"the broker grew {grown >> 20} MiB"
         replies = status["broker"]["limits"]["replies"]
         assert replies["dropped"].get("large_per_connection", 0) >= 450, replies
-        assert replies["large_waiting_bytes"] <= 2 * size + 4096
+        # the unread connection's two, and at most the admin's own previous reply: read by the
+        # admin, but tracked until libzmq's I/O thread lets go of it, which may be a moment later
+        assert replies["large_waiting_bytes"] <= 3 * size + 8192
         sock.close(0)
     finally:
         admin.close()

@@ -305,11 +305,12 @@ def hold_offers(agreement: "Agreement", governor: Any, manager: Any) -> None:
     release = grants.release
     manager_ref = weakref.ref(manager)
 
-    def release_outside_syncs(pages: int) -> bool:
+    def release_outside_syncs(pages: int, **said: Any) -> bool:
+        # ``said``: what the release says with it (the governor's ``mapped=``, ``key=``)
         pool = manager_ref()
         if pool is None:
-            return release(pages)
-        return agreement.release(governor, pool, release, pages)
+            return release(pages, **said)
+        return agreement.release(governor, pool, lambda allowed: release(allowed, **said), pages)
 
     setattr(release_outside_syncs, _HOLDS_OFFERS, True)
     grants.release = release_outside_syncs

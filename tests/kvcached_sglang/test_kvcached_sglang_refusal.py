@@ -107,4 +107,17 @@ def test_a_broker_restart_that_comes_back_short_is_a_scheduling_miss_never_an_ex
             break
     assert settled is not None, status
     assert not settled["errors"]
+
+    # The restarted broker may have room for no more than the pool kept (its charge is half the
+    # old one, less what else it charges): the room to admit comes from requests that finish,
+    # within the grant the broker charges; it never grows back above it.
+    for _ in range(200):
+        if rank.request("admit", tokens=TOKENS_PER_PAGE)["admitted"]:
+            break
+        rank.request("free", requests=1)
+        rank.request("step", n=20)
+        status = rank.request("status")
+        pool = status["pools"][0]
+        assert not status["errors"]
+        assert not pool["uncharged_pages"] and pool["mapped_bytes"] <= pool["granted_bytes"] < charged, pool
     assert rank.request("admit", tokens=TOKENS_PER_PAGE)["admitted"]  # admissions resume within the charge
