@@ -1136,9 +1136,9 @@ class ChaosRun:
     def in_doubt_order(self, client: BrokerClient, first: str, applied: bool, then: str) -> None:
         label = f"{first} in doubt ({'applied' if applied else 'lost'}), broker restarted, then {then}"
         try:
-            # A release in doubt needs pages to release: on a full GPU, or while growth is held
-            # after a damaged restart, the top-up is refused until room comes back.
-            if not self.wait_for(lambda: client.held_pages >= 4 or client.acquire(8) or client.held_pages >= 2):
+            # Pages for a release in doubt and one after it (2 each): on a full GPU, or while
+            # growth is held after a damaged restart, the top-up is refused until room comes back.
+            if not self.wait_for(lambda: client.held_pages >= 4 or (client.acquire(8) > 0 and client.held_pages >= 4)):
                 self.figures.in_doubt_skipped += 1
                 self.note(f"{label}: skipped, the client could not get pages to release")
                 return
