@@ -60,7 +60,7 @@ $(CSTAMP): pyproject.toml setup.py $(shell find broker client adapters tools -na
 
 # One venv per other supported Python (pyproject.toml's classifiers), editable and interpreted,
 # for `make test-pythons`; the interpreter comes from pyenv or PATH (scripts/pythons.py find).
-.venv-py%/.installed: pyproject.toml $(CONSTRAINTS) $(BUILD_CONSTRAINTS) | $(STAMP)
+.venv-py%/.installed: pyproject.toml setup.py adapters/kvcached_broker_autopatch.pth $(CONSTRAINTS) $(BUILD_CONSTRAINTS) | $(STAMP)
 	rm -rf .venv-py$*
 	py=$$($(PY) scripts/pythons.py find $*) && "$$py" -m venv .venv-py$*
 	.venv-py$*/bin/python -m pip install --quiet -c $(CONSTRAINTS) --upgrade pip
