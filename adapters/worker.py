@@ -611,13 +611,8 @@ def report_mapped(identity: WorkerIdentity, holder: str, session_pages: int) -> 
         return
     with _lock:
         entry = _sessions[str(identity.device)]
-        if session_pages > 0:
-            entry.mapped[holder] = session_pages
-        else:
-            entry.mapped.pop(holder, None)
         client = entry.client
-        charged = client.held_pages + client.reserve_pages - client.uncharged_pages
-        total = max(0, min(sum(entry.mapped.values()), charged))
+        total = max(0, min(_count(entry.mapped, holder, session_pages), _charged_pages(client)))
         if total != client.mapped_pages:
             guard(identity, "report mapped pages", lambda: client.mapped(total))
 
@@ -631,12 +626,8 @@ def release_mapped(identity: WorkerIdentity, holder: str, session_pages: int, ma
     with _lock:
         entry = _sessions[str(identity.device)]
         client = entry.client
-        if mapped_session_pages > 0:
-            entry.mapped[holder] = mapped_session_pages
-        else:
-            entry.mapped.pop(holder, None)
-        left = client.held_pages + client.reserve_pages - client.uncharged_pages - session_pages
-        total = max(0, min(sum(entry.mapped.values()), left)) if client.report_mapping else None
+        mapped = _count(entry.mapped, holder, mapped_session_pages)
+        total = max(0, min(mapped, _charged_pages(client) - session_pages)) if client.report_mapping else None
     return guard(identity, "release pages", lambda: _release(client, session_pages, total)) is not None
 
 
@@ -653,13 +644,23 @@ def report_idle(identity: WorkerIdentity, holder: str, session_pages: int) -> No
     if client is None:
         return
     with _lock:
-        entry = _sessions[str(identity.device)]
-        if session_pages > 0:
-            entry.idle[holder] = session_pages
-        else:
-            entry.idle.pop(holder, None)
-        total = sum(entry.idle.values())
+        total = _count(_sessions[str(identity.device)].idle, holder, session_pages)
     client.report_idle(total)
+
+
+def _count(by_holder: dict[str, int], holder: str, pages: int) -> int:
+    """Set ``holder``'s pages (0 forgets it) and return the sum over every holder."""
+    if pages > 0:
+        by_holder[holder] = pages
+    else:
+        by_holder.pop(holder, None)
+    return sum(by_holder.values())
+
+
+def _charged_pages(client: BrokerClient) -> int:
+    """The session's pages the broker charges: held and in reserve, less those a short
+    re-assertion booked uncharged."""
+    return client.held_pages + client.reserve_pages - client.uncharged_pages
 
 
 def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:
