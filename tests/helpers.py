@@ -385,3 +385,22 @@ def adapter_line(line: str, level: str, event: str) -> bool:
     event=EVENT ...`` (adapters/announce.py)."""
     return re.match(rf"kvcached-broker: {level} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{{3}} event={event}( |$)",
                     line) is not None
+
+
+class KvcachedAllocator:
+    """kvcached's allocator as a pool governor reads it: its size and what is in use (pages)."""
+
+    def __init__(self, total: int):
+        self.total, self.inuse = total, 1
+
+    def get_num_total_pages(self) -> int:
+        return self.total
+
+    def get_num_inuse_pages(self) -> int:
+        return self.inuse
+
+
+class FixedGrants:
+    """A governor's grants that hold 40 pages and never talk to a broker."""
+
+    pages = 40

@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import adapter_line
+from helpers import KvcachedAllocator as Allocator, FixedGrants as Grants, adapter_line
 
 from kvcached_broker.adapters.kvcached import board as board_mod
 from kvcached_broker.adapters.kvcached import board_grants, doorbell, liveness, segment, shm_files
@@ -337,23 +337,6 @@ def test_doorbells_of_processes_with_the_same_pid_in_two_pid_namespaces_never_co
 
 
 # ------------------------------------------------------------------ the segment and its record
-class Allocator:
-    """kvcached's allocator as the governor reads it."""
-
-    def __init__(self, total: int):
-        self.total, self.inuse = total, 1
-
-    def get_num_total_pages(self) -> int:
-        return self.total
-
-    def get_num_inuse_pages(self) -> int:
-        return self.inuse
-
-
-class Grants:
-    pages = 40
-
-
 def governor(ipc_name: str, pages: int = 8) -> PoolGovernor:
     geometry = PoolGeometry(num_layers=4, page_size=2 << 20, num_kv_buffers=2, virtual_pages=VIRTUAL_PAGES,
                             ipc_name=ipc_name)

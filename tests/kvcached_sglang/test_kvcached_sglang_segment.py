@@ -16,6 +16,8 @@ import os
 import uuid
 
 import pytest
+from helpers import FixedGrants as Grants
+from helpers import KvcachedAllocator as Allocator
 
 from kvcached_broker.adapters.kvcached import segment
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
@@ -24,23 +26,6 @@ from kvcached_broker.adapters.kvcached.policy import Grow, Shrink, Watermarks, d
 
 VIRTUAL_PAGES = 56
 PAGE_BYTES = (2 << 20) * 4 * 2
-
-
-class Allocator:
-    """kvcached's allocator as the governor reads it: its size and what is in use."""
-
-    def __init__(self, total: int):
-        self.total, self.inuse = total, 1
-
-    def get_num_total_pages(self) -> int:
-        return self.total
-
-    def get_num_inuse_pages(self) -> int:
-        return self.inuse
-
-
-class Grants:
-    pages = 40
 
 
 @pytest.fixture
