@@ -205,8 +205,14 @@ def test_pages_a_restarted_broker_no_longer_charges_go_back_and_are_never_mapped
     def charged() -> int:
         return session_of(broker.status(), "model-a")["granted_pages"] * (2 << 20)
 
-    lowered = wait_for(lambda: (lambda p: p if p["pressure_asks"] and p["limit_bytes"] <= charged() else None)(a.pool()),
-                       what="the pool to give back what the restarted broker does not charge")
+    def given_back() -> dict | None:
+        # The limit is lowered first and the pages released after, in a second step; the figures
+        # are read between the two now and then, so wait for both.
+        p = a.pool()
+        lowered = p["pressure_asks"] and p["limit_bytes"] <= charged()
+        return p if lowered and p["granted_bytes"] <= p["limit_bytes"] else None
+
+    lowered = wait_for(given_back, what="the pool to give back what the restarted broker does not charge")
     assert lowered["granted_bytes"] < granted
     more = a.request("fill", blocks=2000, stall_s=1.0)  # the device has room; the broker does not
     assert more["held_blocks"] < 2000 and more["misses"] > 0
