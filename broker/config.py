@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -34,10 +35,10 @@ from ..client.units import SizeError, parse_headroom, parse_size
 if TYPE_CHECKING:
     from .session_opener import SessionQuotas
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:
+    import tomli as tomllib
 
 DEFAULT_CONFIG = "/etc/kvcached-broker/gpu{device}.toml"
 
@@ -377,15 +378,14 @@ def _limit(path: Path, instance: str, table: Any) -> LimitConfig:
             if key == "max" and isinstance(value, str) and value.strip().lower() == "none":
                 limit.clear_max = True
                 continue
-            parsed = LIMIT_KEYS[key](value)
+            if key == "max":
+                limit.max_bytes = _size(value)
+            elif key == "min":
+                limit.min_bytes = _size(value)
+            elif key == "priority":
+                limit.priority = _priority(value)
+            else:
+                limit.weight = _positive_float(value)
         except (ValueError, SizeError) as exc:
             raise ConfigError(f"{where}.{key}': {exc}") from None
-        if key == "max":
-            limit.max_bytes = parsed
-        elif key == "min":
-            limit.min_bytes = parsed
-        elif key == "priority":
-            limit.priority = parsed
-        else:
-            limit.weight = parsed
     return limit

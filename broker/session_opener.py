@@ -265,7 +265,7 @@ class SessionOpener:
         cut: list[str] = []
         floor = KEEP
         if asked.min_bytes is not proto.UNSET:
-            others = sum(l.min_bytes for name, l in self.ledger.limits.items() if name != instance)
+            others = sum(lim.min_bytes for name, lim in self.ledger.limits.items() if name != instance)
             bound = min(int(budget * quotas.hello_max_floor_share), budget - others)
             floor = max(0, min(asked.min_bytes, bound))
             if floor < asked.min_bytes:

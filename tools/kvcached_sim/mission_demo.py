@@ -38,10 +38,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..demo_view import EventLog, Frame, FrameChecks, KvFigures, Server, render
 from .pools import PoolProcess
+
+if TYPE_CHECKING:
+    from ...client.admin import AdminClient
 
 GIB = 1 << 30
 DEVICE = "80GiB"
@@ -76,8 +79,10 @@ class Dsv4Process:
         self.pid = int(self.receive()["pid"])
 
     def request(self, op: str, **args) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
+        stdin = self.proc.stdin
+        assert stdin is not None  # a pipe: Popen(stdin=PIPE)
+        stdin.write(json.dumps({"op": op, **args}) + "\n")
+        stdin.flush()
         answer = self.receive()
         for failure in ("refused", "crashed"):
             if failure in answer:
@@ -85,7 +90,9 @@ class Dsv4Process:
         return answer
 
     def receive(self) -> dict:
-        line = self.proc.stdout.readline()
+        stdout = self.proc.stdout
+        assert stdout is not None  # a pipe: Popen(stdout=PIPE)
+        line = stdout.readline()
         if not line:
             raise RuntimeError(f"{DSV4} exited with {self.proc.wait(timeout=10)}")
         return json.loads(line)
@@ -267,7 +274,7 @@ class Show:
 
     script: Script
     servers: list[Server]
-    admin: object
+    admin: AdminClient
     usage: Path
     pools: list
     clock: Clock
@@ -351,8 +358,8 @@ class Show:
         lines.append(f"  llama-a's kvcached limit went from {a_peak / GIB:.1f} to {a_last / GIB:.1f} GiB under "
                      f"{asks} pressure asks ({_gib(last.pressure('llama-a').get('returned_bytes', 0))} given back)")
         if checks.over_frames:
-            frames = f"{checks.over_frames} frame" + ("s" if checks.over_frames != 1 else "")
-            lines.append(f"  in {frames} the broker charged memory twice, allocated and not reported "
+            over = f"{checks.over_frames} frame" + ("s" if checks.over_frames != 1 else "")
+            lines.append(f"  in {over} the broker charged memory twice, allocated and not reported "
                          f"yet (at most {checks.max_over_bytes / (1 << 20):.0f} MiB")
             lines.append("    past the budget): by design, see docs/accounting.md, \"Pages mapped on demand\"")
         lines.append("")

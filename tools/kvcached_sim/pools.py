@@ -64,11 +64,15 @@ class PoolProcess:
 
     def send(self, op: str, **args) -> None:
         """Send a request without waiting for its reply (:meth:`receive` reads it)."""
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
+        stdin = self.proc.stdin
+        assert stdin is not None  # a pipe: Popen(stdin=PIPE)
+        stdin.write(json.dumps({"op": op, **args}) + "\n")
+        stdin.flush()
 
     def receive(self) -> dict:
-        line = self.proc.stdout.readline()
+        stdout = self.proc.stdout
+        assert stdout is not None  # a pipe: Popen(stdout=PIPE)
+        line = stdout.readline()
         if not line:
             raise AssertionError(f"pool process {self.instance} exited with {self.proc.wait(timeout=10)}")
         return json.loads(line)
