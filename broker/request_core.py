@@ -34,7 +34,8 @@ from .ledger import Ledger
 from .lifecycle import ProcessOps, SessionLifecycle
 from .policy import Ask, PressureBook, fair_shares
 from .security import Peer
-from .session_opener import SessionOpener, SessionQuotas
+from .quotas import SessionQuotas
+from .session_opener import SessionOpener
 from .sessions import Binding, SessionTable
 from .status import build_status
 from .waiting import WaitingAsk, WaitingAsks

@@ -27,7 +27,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -37,27 +36,13 @@ from ..client.errors import BadRequest, BrokerError, NotOwner, RateLimited, Sess
 from .journal import NullJournal, Journal
 from .accounts import Claim, Limits
 from .ledger import KEEP, Ledger
+from .quotas import SessionQuotas
 from .lifecycle import SessionLifecycle
 from .security import Peer
 from .sessions import Binding, HelloRateLimiter, SessionTable
 from .tokens import SessionTokens, holder_of
 
 log = logging.getLogger("kvcached_broker")
-
-
-@dataclass(frozen=True)
-class SessionQuotas:
-    lease_s: float = 10.0
-    max_sessions: int = 4096
-    max_sessions_per_pid: int = 64
-    #: So that one member of the socket group cannot fill the table and lock others out.
-    max_sessions_per_uid: int = 1024
-    hello_rate_per_s: float = 50.0
-    hello_burst: int = 200
-    #: The most a hello may ask for its own instance: a floor of this share of the budget,
-    #: and this weight (an admin's ``limit`` or the config file may set anything).
-    hello_max_floor_share: float = 0.5
-    hello_max_weight: float = 4.0
 
 
 class SessionOpener:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from kvcached_broker.broker.session_opener import SessionQuotas
+from kvcached_broker.broker.quotas import SessionQuotas
 
 from helpers import GIB, CoreConnection, CoreSession, make_core, restarted_core
 
