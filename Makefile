@@ -40,7 +40,7 @@ else
 $(error CORE must be interpreted or compiled, not '$(CORE)')
 endif
 
-.PHONY: demo test test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints canary
+.PHONY: demo test lint test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints canary
 
 $(STAMP): pyproject.toml setup.py adapters/kvcached_broker_autopatch.pth $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ $(CSTAMP): pyproject.toml setup.py $(shell find broker client adapters tools -na
 	$(CPY) -m pip install --quiet --force-reinstall --no-deps $(WHEELS)/*.whl
 	$(CPY) -m pip install --quiet $(PINNED) "$$(ls $(WHEELS)/*.whl)[test]"
 	touch $(CSTAMP)
+
+# The lint tools (pyproject's `lint` extra) in .venv: mypy at the version that compiles the
+# request core (constraints/build.txt), ruff at constraints/lint.txt's.
+LINT_STAMP := $(VENV)/.lint
+$(LINT_STAMP): $(STAMP) constraints/lint.txt
+	$(PY) -m pip install --quiet $(PINNED) -c $(BUILD_CONSTRAINTS) -c constraints/lint.txt -e '.[lint]'
+	touch $(LINT_STAMP)
 
 # One venv per other supported Python (pyproject.toml's classifiers), editable and interpreted,
 # for `make test-pythons`; the interpreter comes from pyenv or PATH (scripts/pythons.py find).
@@ -85,6 +92,14 @@ demo: $(STAMP)
 # core, then the adapters against every supported upstream version.
 # The compiled request core is an option with its own target (test-compiled), run by .ci/run.
 test: adapter-envs test-core test-adapters
+
+# ruff on the whole tree; mypy on the package, staged under its installed names (the source
+# folders are kvcached_broker.* only through pyproject's package-dir).  Configured in pyproject.
+lint: $(LINT_STAMP)
+	$(PY) -m ruff check --quiet .
+	rm -rf build/typecheck/kvcached_broker && mkdir -p build/typecheck/kvcached_broker
+	for d in broker client adapters tools; do ln -s ../../../$$d build/typecheck/kvcached_broker/$$d; done
+	cd build/typecheck && ../../$(PY) -m mypy --config-file ../../pyproject.toml --cache-dir .mypy_cache -p kvcached_broker
 
 test-core: $(STAMP)
 	KVCACHED_BROKER_EXPECT_COMPILED=0 $(PY) -m pytest -q --ignore=tests/adapters

@@ -74,7 +74,7 @@ def _add_to_wheel(wheel: Path, name: str, data: bytes) -> None:
 COMPILED_MODULES = [
     "broker/accounts.py", "broker/admin_ops.py", "broker/counters.py", "broker/device_monitor.py",
     "broker/histogram.py", "broker/journal.py", "broker/ledger.py", "broker/lifecycle.py",
-    "broker/policy.py", "broker/refusals.py", "broker/request_core.py", "broker/session_opener.py",
+    "broker/policy.py", "broker/quotas.py", "broker/refusals.py", "broker/request_core.py", "broker/session_opener.py",
     "broker/sessions.py", "broker/status.py", "broker/tokens.py", "client/credit.py", "client/units.py",
 ]
 #: What the compiled build needs at build time: mypy (with mypyc), and the libraries whose

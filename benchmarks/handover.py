@@ -375,7 +375,6 @@ def summary(result: dict) -> dict:
     handovers = [t["handover_s"] for t in trials if t["handover_s"] is not None]
     refused = [t["refused_at_s"] for t in trials if t["refused_at_s"] is not None]
     bursts = [t["burst_s"] for t in done]
-    every = bool(trials) and len(handovers) == len(trials)
     # Protocol time over every trial (all complete), a trial that never waited spending none.
     waited = [t for t in done if t.get("handover_protocol_s") is not None]
     protocol = [t["handover_protocol_s"] if t.get("handover_protocol_s") is not None else 0.0 for t in done]

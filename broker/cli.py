@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--headroom", type=_headroom, default=None, metavar="SIZE|PCT", help="kept free (default 5%%)")
     serve.add_argument("--state-dir", type=Path, metavar="DIR", help="checkpoint directory (default: per-user state dir)")
     serve.add_argument("--no-state", action="store_true", default=None, help="keep no checkpoint (lost if the broker dies)")
-    serve.add_argument("--lease", type=_positive_float, default=None, metavar="SECONDS", help="session lease (default 10)")
+    serve.add_argument("--lease", type=_positive_float, default=None, metavar="SECONDS", help=f"session lease (default {serve_config.DEFAULT_QUOTAS.lease_s:g})")
     serve.add_argument("--config", type=Path, metavar="FILE", help="TOML file with serve options and [limits.INSTANCE]")
     serve.add_argument("--metrics-port", type=_port, metavar="PORT", help="serve Prometheus /metrics on this port")
     serve.add_argument("--metrics-address", metavar="ADDR", help="address for /metrics (default 127.0.0.1)")
@@ -376,6 +376,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connections_per_uid=opts.max_connections_per_uid,
         hello_max_floor_share=opts.hello_max_floor_share,
         hello_max_weight=opts.hello_max_weight,
+        hello_max_priority=opts.hello_max_priority,
     )
     if opts.metrics_port:
         from .metrics import missing_package

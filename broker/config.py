@@ -15,7 +15,7 @@ per-instance limits, applied at startup (and so to an instance whenever it regis
     max = "10GiB"
 
 What a worker's hello may ask for its own instance is bounded here too
-(``hello_max_floor_share = 0.25``, ``hello_max_weight = 2``; no flags).
+(``hello_max_floor_share = 0.25``, ``hello_max_weight = 2``, ``hello_max_priority = 0``; no flags).
 
 A bad value, from any source, is a one-line error naming the key and where it came from.
 """
@@ -24,20 +24,19 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from ..client.endpoint import EndpointError, validate_endpoint
 from ..client.units import SizeError, parse_headroom, parse_size
+from .quotas import DEFAULT_QUOTAS, SessionQuotas
 
-if TYPE_CHECKING:
-    from .session_opener import SessionQuotas
-
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:
+    import tomli as tomllib
 
 DEFAULT_CONFIG = "/etc/kvcached-broker/gpu{device}.toml"
 
@@ -50,17 +49,17 @@ class ServeConfig:
     device_index: int = 0
     headroom: str = "5%"
     state_dir: Path | None = None
-    lease_s: float = 10.0
+    lease_s: float = DEFAULT_QUOTAS.lease_s
     socket_group: int | None = None
     admin_group: int | None = None
     insecure_tcp: bool = False
     curve_dir: Path | None = None  # server.key_secret + authorized/*.key (client public keys)
     probe_interval_s: float = 0.5
-    max_sessions: int = 4096
-    max_sessions_per_pid: int = 64
-    max_sessions_per_uid: int = 1024
-    hello_rate_per_s: float = 50.0
-    hello_burst: int = 200
+    max_sessions: int = DEFAULT_QUOTAS.max_sessions
+    max_sessions_per_pid: int = DEFAULT_QUOTAS.max_sessions_per_pid
+    max_sessions_per_uid: int = DEFAULT_QUOTAS.max_sessions_per_uid
+    hello_rate_per_s: float = DEFAULT_QUOTAS.hello_rate_per_s
+    hello_burst: int = DEFAULT_QUOTAS.hello_burst
     #: Connections to the socket, in all and per peer (uid over ipc, address over tcp); None:
     #: every session's plus some for status and admin clients.  Both are lowered to fit the
     #: open-file limit (broker/connections.py).
@@ -73,8 +72,9 @@ class ServeConfig:
     limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
     #: What a worker's hello may ask for its own instance: a floor of at most this share of the
     #: budget, a weight of at most this (the ``limit`` command and the config file are not bound).
-    hello_max_floor_share: float = 0.5
-    hello_max_weight: float = 4.0
+    hello_max_floor_share: float = DEFAULT_QUOTAS.hello_max_floor_share
+    hello_max_weight: float = DEFAULT_QUOTAS.hello_max_weight
+    hello_max_priority: int = DEFAULT_QUOTAS.hello_max_priority
 
     def connection_limits(self) -> tuple[int, int]:
         """``(in all, per peer)`` before the open-file limit has its say."""
@@ -84,13 +84,11 @@ class ServeConfig:
         return total, per_peer
 
     def quotas(self) -> SessionQuotas:
-        from .session_opener import SessionQuotas
-
         return SessionQuotas(
             lease_s=self.lease_s, max_sessions=self.max_sessions, max_sessions_per_pid=self.max_sessions_per_pid,
             max_sessions_per_uid=self.max_sessions_per_uid, hello_rate_per_s=self.hello_rate_per_s,
             hello_burst=self.hello_burst, hello_max_floor_share=self.hello_max_floor_share,
-            hello_max_weight=self.hello_max_weight,
+            hello_max_weight=self.hello_max_weight, hello_max_priority=self.hello_max_priority,
         )
 
 
@@ -252,7 +250,7 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     "headroom": (_headroom, "KVCACHED_BROKER_HEADROOM", "5%"),
     "state_dir": (_path, "KVCACHED_BROKER_STATE_DIR", None),
     "no_state": (_bool, "KVCACHED_BROKER_NO_STATE", False),
-    "lease": (_positive_float, "KVCACHED_BROKER_LEASE_S", 10.0),
+    "lease": (_positive_float, "KVCACHED_BROKER_LEASE_S", DEFAULT_QUOTAS.lease_s),
     "metrics_port": (_port, "KVCACHED_BROKER_METRICS_PORT", None),
     "metrics_address": (_text, "KVCACHED_BROKER_METRICS_ADDRESS", "127.0.0.1"),
     "metrics_hostname": (_hostname, "KVCACHED_BROKER_METRICS_HOSTNAME", None),  # None: the machine's
@@ -265,8 +263,9 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     # No flags: the config file or the environment (defaults derived from the session quotas).
     "max_connections": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS", None),
     "max_connections_per_uid": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS_PER_UID", None),
-    "hello_max_floor_share": (_share, "KVCACHED_BROKER_HELLO_MAX_FLOOR_SHARE", 0.5),
-    "hello_max_weight": (_positive_float, "KVCACHED_BROKER_HELLO_MAX_WEIGHT", 4.0),
+    "hello_max_floor_share": (_share, "KVCACHED_BROKER_HELLO_MAX_FLOOR_SHARE", DEFAULT_QUOTAS.hello_max_floor_share),
+    "hello_max_weight": (_positive_float, "KVCACHED_BROKER_HELLO_MAX_WEIGHT", DEFAULT_QUOTAS.hello_max_weight),
+    "hello_max_priority": (_priority, "KVCACHED_BROKER_HELLO_MAX_PRIORITY", DEFAULT_QUOTAS.hello_max_priority),
 }
 LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float, "priority": _priority}
 
@@ -377,15 +376,14 @@ def _limit(path: Path, instance: str, table: Any) -> LimitConfig:
             if key == "max" and isinstance(value, str) and value.strip().lower() == "none":
                 limit.clear_max = True
                 continue
-            parsed = LIMIT_KEYS[key](value)
+            if key == "max":
+                limit.max_bytes = _size(value)
+            elif key == "min":
+                limit.min_bytes = _size(value)
+            elif key == "priority":
+                limit.priority = _priority(value)
+            else:
+                limit.weight = _positive_float(value)
         except (ValueError, SizeError) as exc:
             raise ConfigError(f"{where}.{key}': {exc}") from None
-        if key == "max":
-            limit.max_bytes = parsed
-        elif key == "min":
-            limit.min_bytes = parsed
-        elif key == "priority":
-            limit.priority = parsed
-        else:
-            limit.weight = parsed
     return limit

@@ -29,7 +29,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, Mapping, Sequence
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -220,7 +220,7 @@ class ConnectionMonitor:
         finally:
             events.close(0)
 
-    def _apply(self, batch: list[dict[str, Any]]) -> None:
+    def _apply(self, batch: Sequence[Mapping[str, Any]]) -> None:
         refuse: dict[int, str] = {}
         for event in batch:
             fd = int(event["value"])

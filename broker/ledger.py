@@ -154,7 +154,7 @@ class Ledger:
     def ever_bytes(self, instance: str) -> int:
         """The most this instance could ever be charged beyond what it is now, once every other
         instance is down to its floor: ``min(budget - other floors, own cap) - charge``."""
-        ceiling = self.budget_bytes - sum(l.min_bytes for name, l in self.limits.items() if name != instance)
+        ceiling = self.budget_bytes - sum(lim.min_bytes for name, lim in self.limits.items() if name != instance)
         limits = self.limits.get(instance)
         if limits is not None and limits.max_bytes is not None:
             ceiling = min(ceiling, limits.max_bytes)
@@ -689,7 +689,7 @@ class Ledger:
                 f"floor of {instance!r} ({format_bytes(new.min_bytes)}) exceeds its cap ({format_bytes(new.max_bytes)})",
                 details={"instance": instance, "min_bytes": new.min_bytes, "max_bytes": new.max_bytes},
             )
-        floors = sum(l.min_bytes for name, l in self.limits.items() if name != instance) + new.min_bytes
+        floors = sum(lim.min_bytes for name, lim in self.limits.items() if name != instance) + new.min_bytes
         if floors > self.budget_bytes:
             raise LimitExceeded(
                 f"floors would sum to {format_bytes(floors)}, past the budget of {format_bytes(self.budget_bytes)}",

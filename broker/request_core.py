@@ -34,7 +34,8 @@ from .ledger import Ledger
 from .lifecycle import ProcessOps, SessionLifecycle
 from .policy import Ask, PressureBook, fair_shares
 from .security import Peer
-from .session_opener import SessionOpener, SessionQuotas
+from .quotas import SessionQuotas
+from .session_opener import SessionOpener
 from .sessions import Binding, SessionTable
 from .status import build_status
 from .waiting import WaitingAsk, WaitingAsks
@@ -506,7 +507,8 @@ class RequestCore:
             "state_damage": self.state_damage,
             "growth_held": self.ledger.growth_hold,
             "hello_limits": {"max_floor_share": self.quotas.hello_max_floor_share,
-                             "max_weight": self.quotas.hello_max_weight},
+                             "max_weight": self.quotas.hello_max_weight,
+                             "max_priority": self.quotas.hello_max_priority},
             "state_writes": self.journal.write_status(),
             "limits": self.shell_view() if self.shell_view is not None else None,
             "counters": self.counters.to_dict(),

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 import zmq.backend
@@ -67,6 +67,9 @@ from .security import (
 from .config import ServeConfig
 from .wakeups import PidfdProcesses, WakeupThread, parse_wakeup
 
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
 log = logging.getLogger("kvcached_broker")
 
 # Plain ints for zmq's flags on the request path (docs/performance.md).
@@ -93,7 +96,6 @@ _MAX_PEERS = 16384
 #: reading that connection until the broker catches up, so a peer buffers at most this many
 #: requests of at most MAX_REQUEST_BYTES in the broker.
 REQUESTS_PER_CONNECTION = 16
-_NOT_A_PEER = object()  # the wake-up thread's messages: never a request
 
 
 class _Timer:
@@ -144,7 +146,7 @@ class BrokerServer:
         self._journal_open = False  # only a journal this broker restored may be written
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
-        self._auth = None
+        self._auth: ThreadAuthenticator | None = None
         self._stopping = False
         self._wakeups: WakeupThread | None = None
         self._wakeup_rid = b""  # the wake-up thread's routing id on the ROUTER socket
@@ -424,28 +426,25 @@ class BrokerServer:
             while extra and sock.get(_RCVMORE):
                 recv(_NOBLOCK)
             peer = peers.get(rid)
-            if peer is None:
-                if rid == self._wakeup_rid:
-                    self._on_wakeup(frame.bytes)
-                    count -= 1
-                    peer = _NOT_A_PEER
-                else:
-                    peer = self._learn_peer(rid, frame)
-            if peer is _NOT_A_PEER:
-                pass
-            elif extra:
-                counters.bad_frames += 1
-                replies.append((rid, proto.error_reply(None, "bad_request", "a request is exactly one frame")))
+            if peer is None and rid == self._wakeup_rid:  # the wake-up thread: never a request
+                self._on_wakeup(frame.bytes)
+                count -= 1
             else:
-                reply = handle(rid, peer, frame.bytes, now)
-                if reply is not None:
-                    replies.append((rid, reply))
+                if peer is None:
+                    peer = self._learn_peer(rid, frame)
+                if extra:
+                    counters.bad_frames += 1
+                    replies.append((rid, proto.error_reply(None, "bad_request", "a request is exactly one frame")))
+                else:
+                    reply = handle(rid, peer, frame.bytes, now)
+                    if reply is not None:
+                        replies.append((rid, reply))
             if count >= max_batch:
                 break
             # A round whose receive waited, after a round of one, takes one request; otherwise
             # ask whether more are waiting rather than fail a receive (docs/performance.md).
             # Past the first, read on until Again.
-            if count <= 1 and not (ask_for_more and sock.get(_EVENTS) & _POLLIN):
+            if count <= 1 and not (ask_for_more and int(sock.get(_EVENTS)) & _POLLIN):
                 break
             try:
                 rid = recv(_NOBLOCK)
@@ -461,9 +460,10 @@ class BrokerServer:
 
     def _learn_peer(self, rid: bytes, frame: zmq.Frame) -> Peer:
         try:
-            address = frame.get("Peer-Address")
+            value = frame.get("Peer-Address")
         except zmq.ZMQError:
-            address = None
+            value = None
+        address = value if isinstance(value, str) else None
         peer = parse_peer_address(address)
         if len(self._peers) >= _MAX_PEERS:
             bound = {b.routing_id for b in self.table}

@@ -27,7 +27,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -37,27 +36,13 @@ from ..client.errors import BadRequest, BrokerError, NotOwner, RateLimited, Sess
 from .journal import NullJournal, Journal
 from .accounts import Claim, Limits
 from .ledger import KEEP, Ledger
+from .quotas import SessionQuotas
 from .lifecycle import SessionLifecycle
 from .security import Peer
 from .sessions import Binding, HelloRateLimiter, SessionTable
 from .tokens import SessionTokens, holder_of
 
 log = logging.getLogger("kvcached_broker")
-
-
-@dataclass(frozen=True)
-class SessionQuotas:
-    lease_s: float = 10.0
-    max_sessions: int = 4096
-    max_sessions_per_pid: int = 64
-    #: So that one member of the socket group cannot fill the table and lock others out.
-    max_sessions_per_uid: int = 1024
-    hello_rate_per_s: float = 50.0
-    hello_burst: int = 200
-    #: The most a hello may ask for its own instance: a floor of this share of the budget,
-    #: and this weight (an admin's ``limit`` or the config file may set anything).
-    hello_max_floor_share: float = 0.5
-    hello_max_weight: float = 4.0
 
 
 class SessionOpener:
@@ -265,7 +250,7 @@ class SessionOpener:
         cut: list[str] = []
         floor = KEEP
         if asked.min_bytes is not proto.UNSET:
-            others = sum(l.min_bytes for name, l in self.ledger.limits.items() if name != instance)
+            others = sum(lim.min_bytes for name, lim in self.ledger.limits.items() if name != instance)
             bound = min(int(budget * quotas.hello_max_floor_share), budget - others)
             floor = max(0, min(asked.min_bytes, bound))
             if floor < asked.min_bytes:
@@ -276,12 +261,17 @@ class SessionOpener:
             weight = min(asked.weight, quotas.hello_max_weight)
             if weight < asked.weight:
                 cut.append(f"weight cut to {weight:g} (at most {quotas.hello_max_weight:g})")
+        priority = KEEP
+        if asked.priority is not proto.UNSET:
+            priority = min(asked.priority, quotas.hello_max_priority)
+            if priority < asked.priority:
+                cut.append(f"priority cut to {priority} (at most {quotas.hello_max_priority})")
         try:
             self.ledger.set_limits(
                 instance,
                 max_bytes=KEEP if asked.max_bytes is proto.UNSET else asked.max_bytes,
                 min_bytes=floor, weight=weight, source="hello", owner_uid=uid,
-                priority=KEEP if asked.priority is proto.UNSET else asked.priority,
+                priority=priority,
             )
         except BrokerError as exc:
             return self._limits_outcome(instance, uid, "ignored", exc.message)

@@ -135,7 +135,7 @@ class ClientCore:
         self.holds: dict[str, int] = {}
         self.token: str | None = None
         self.session_id: str | None = None
-        self.lease_s = 10.0
+        self.lease_s = proto.DEFAULT_LEASE_S
         self.heartbeat_s = 2.5
         self.device: dict[str, Any] = {}
         self.evicted = False

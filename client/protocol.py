@@ -25,6 +25,10 @@ from .units import MAX_SIZE_BYTES
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 
+#: A session's lease unless the broker is configured otherwise (``serve --lease``); a hello's
+#: answer says the lease in force (``lease_s``), a client assumes this one until it has one.
+DEFAULT_LEASE_S = 10.0
+
 #: The broker drops (and ZeroMQ disconnects) any request larger than this.
 MAX_REQUEST_BYTES = 64 << 10
 MAX_POOLS = 64

@@ -177,7 +177,7 @@ def verify(folder: Path) -> Manifest:
         entries = [(f["path"], f["role"], int(f["bytes"]), str(f["sha256"])) for f in manifest.files]
     except (KeyError, TypeError, ValueError) as exc:
         raise CarriedError(f"{path} is not a gpu-check manifest ({type(exc).__name__}: {exc})") from None
-    for rel, role, size, sha in entries:
+    for rel, _role, size, sha in entries:
         file = folder / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts:
             raise CarriedError(f"{path} names a file outside {folder}: {rel}")

@@ -552,7 +552,7 @@ class RestartingBroker:
     def __init__(self, state_dir, total_bytes: int):
         from helpers import restarted_core
 
-        from kvcached_broker.broker.session_opener import SessionQuotas
+        from kvcached_broker.broker.quotas import SessionQuotas
 
         self._make = lambda: restarted_core(state_dir, total_bytes, now=self.now, quotas=SessionQuotas(lease_s=1e6))
         self.state_dir = state_dir

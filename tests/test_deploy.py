@@ -70,25 +70,25 @@ def test_dockerfile_builds_the_wheel_from_every_package_directory():
     tomllib = pytest.importorskip("tomllib")
     build = _dockerfile_stages()[0]
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    copied = {source for l in build if l.startswith("COPY") for source in l.split()[1:-1]}
+    copied = {source for line in build if line.startswith("COPY") for source in line.split()[1:-1]}
     needed = set(pyproject["tool"]["setuptools"]["package-dir"].values()) | {"pyproject.toml", "setup.py", "README.md"}
     assert needed <= copied, f"the wheel stage does not copy {sorted(needed - copied)}"
-    (wheel,) = [l for l in build if l.startswith("RUN") and "KVCACHED_BROKER_COMPILE=1 pip wheel" in l]
+    (wheel,) = [line for line in build if line.startswith("RUN") and "KVCACHED_BROKER_COMPILE=1 pip wheel" in line]
     assert "--build-constraint constraints/build.txt" in wheel  # built as the tests' build was
 
 
 def test_dockerfile_installs_what_the_tests_resolved():
     *_, lines = _dockerfile_stages()
-    (install,) = [l for l in lines if l.startswith("RUN") and "[metrics]" in l]
+    (install,) = [line for line in lines if line.startswith("RUN") and "[metrics]" in line]
     assert install.count("-c /wheels/constraints.txt") == 2  # pip itself, then the wheel and its dependencies
 
 
 def test_dockerfile_runs_the_broker_as_non_root_with_a_healthcheck():
     *_, lines = _dockerfile_stages()
-    assert "slim" in lines[0] and any(l.startswith("COPY --from=") for l in lines)  # the wheel, no compiler
-    user = next(l for l in lines if l.startswith("USER"))
+    assert "slim" in lines[0] and any(line.startswith("COPY --from=") for line in lines)  # the wheel, no compiler
+    user = next(line for line in lines if line.startswith("USER"))
     assert user.split()[1] not in ("root", "0")
-    assert any(l.startswith("HEALTHCHECK") for l in lines) and any("kvcached-broker status" in l for l in lines)
-    assert any(l.startswith('ENTRYPOINT ["kvcached-broker", "serve"]') for l in lines)
-    assert any(l.startswith("VOLUME") and "/run/kvcached" in l for l in lines)
+    assert any(line.startswith("HEALTHCHECK") for line in lines) and any("kvcached-broker status" in line for line in lines)
+    assert any(line.startswith('ENTRYPOINT ["kvcached-broker", "serve"]') for line in lines)
+    assert any(line.startswith("VOLUME") and "/run/kvcached" in line for line in lines)
 

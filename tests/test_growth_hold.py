@@ -21,7 +21,7 @@ import signal
 from kvcached_broker.broker.accounts import DeviceInfo
 from kvcached_broker.broker.journal import Restored
 from kvcached_broker.broker.ledger import Ledger
-from kvcached_broker.broker.session_opener import SessionQuotas
+from kvcached_broker.broker.quotas import SessionQuotas
 from kvcached_broker.broker.state_records import SessionRecord
 from kvcached_broker.broker.tokens import SessionTokens, holder_of
 from kvcached_broker.client import BrokerClient

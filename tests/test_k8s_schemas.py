@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -332,7 +332,7 @@ class LedgerMachine(RuleBasedStateMachine):
         except LimitExceeded:
             assert self.ledger.limits == before
             return
-        floors = sum(l.min_bytes for l in self.ledger.limits.values())
+        floors = sum(lim.min_bytes for lim in self.ledger.limits.values())
         assert floors <= self.ledger.budget_bytes
 
     @rule(external=st.integers(min_value=0, max_value=70 * GIB))

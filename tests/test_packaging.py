@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 TEST_CONSTRAINTS = ROOT / "constraints" / "test.txt"
 BUILD_CONSTRAINTS = ROOT / "constraints" / "build.txt"
+LINT_CONSTRAINTS = ROOT / "constraints" / "lint.txt"
 RUNNING = "%d.%d" % sys.version_info[:2]
 
 
@@ -125,6 +126,19 @@ def test_every_requirement_is_pinned_within_its_range_on_every_supported_python(
             version = pinned.get(canonicalize_name(req.name))
             assert version is not None, f"{path.name} pins no {req.name} for Python {python}: run make constraints"
             assert req.specifier.contains(version, prereleases=True), f"{path.name}: {req.name}=={version} is outside {line!r}"
+
+
+def test_the_lint_tools_are_pinned_within_their_ranges():
+    """``make lint`` installs the ``lint`` extra with constraints/lint.txt and build.txt (mypy at
+    the version that compiles the request core): each tool has exactly one pin, inside its range,
+    and lint.txt pins nothing the other two files already do."""
+    lint, build, test = (pins(path, RUNNING) for path in (LINT_CONSTRAINTS, BUILD_CONSTRAINTS, TEST_CONSTRAINTS))
+    assert not set(lint) & (set(build) | set(test)), "constraints/lint.txt pins what build.txt or test.txt does"
+    for line in PYPROJECT["project"]["optional-dependencies"]["lint"]:
+        req = Requirement(line)
+        version = {**build, **lint}.get(canonicalize_name(req.name))
+        assert version is not None, f"neither lint.txt nor build.txt pins {req.name}"
+        assert req.specifier.contains(version), f"{req.name}=={version} is outside {line!r}"
 
 
 def test_this_environment_installed_what_the_constraints_pin():

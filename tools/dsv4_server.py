@@ -32,6 +32,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from .dsv4_shape import Dsv4Shape
 
@@ -109,7 +110,9 @@ def serve(server: Dsv4Server, lines, reply) -> None:
         if op == "exit":
             reply({"bye": True})
             return
-        step = {"load": server.load, "size": server.size, "build": server.build, "warm_up": server.warm_up}[op]
+        steps: dict[str, Callable[..., dict]] = {"load": server.load, "size": server.size, "build": server.build,
+                                                 "warm_up": server.warm_up}
+        step = steps[op]
         try:
             answer = step(**request)
         except BudgetExceeded as exc:

@@ -77,7 +77,9 @@ def generate(seed: int = 7, duration_s: float = 120.0) -> list[dict[str, Any]]:
 
 
 def load(path: Path) -> dict[str, Any]:
-    gpu, models, demand = None, {}, {}
+    gpu: dict[str, Any] | None = None
+    models: dict[str, dict[str, Any]] = {}
+    demand: dict[str, list[tuple[float, int]]] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -208,10 +210,12 @@ def run_policy(trace: dict[str, Any], trace_path: Path, policy: str, speed: floa
                     [sys.executable, "-m", "kvcached_broker.tools.replay", "--worker", str(trace_path), name, policy,
                      launcher.endpoint, repr(speed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             for w in workers:
+                assert w.stdin is not None and w.stdout is not None  # pipes: Popen(stdin=PIPE, stdout=PIPE)
                 if w.stdout.readline().strip() != "ready":
                     raise RuntimeError(f"replay worker exited with {w.wait()} before it was ready")
             start_at = time.time() + 0.1
             for w in workers:
+                assert w.stdin is not None
                 w.stdin.write(f"{start_at!r}\n")
                 w.stdin.flush()
             results = []

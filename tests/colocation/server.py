@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
         sys.stdin.read()
         return 4
     say(event="serving", kv_bytes=server.kv_bytes, footprint=server.memory.parts)
-    for line in sys.stdin:
+    for _line in sys.stdin:
         try:
             server.batch()
             say(event="batched", footprint=server.memory.parts)

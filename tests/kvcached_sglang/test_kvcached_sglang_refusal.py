@@ -55,7 +55,8 @@ def test_pressure_between_admission_and_allocation(gpu_broker, ranks, direct):
         # The neighbour keeps its room: model-a's growth is refused from now on.  Requests go on
         # arriving; each is admitted or not, and none raises inside SGLang.
         asked = admitted = 0
-        for asked in range(1, 401):
+        for _ in range(400):
+            asked += 1
             rank.request("free", requests=2)
             admitted += rank.request("allocate", requests=4, tokens=TOKENS_PER_PAGE)["allocated"]
             rank.request("step", n=20)

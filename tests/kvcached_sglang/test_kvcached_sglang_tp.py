@@ -86,7 +86,7 @@ def pressure_moves_both_ranks_together(group, b0, b1, samples) -> None:
     before = on_all(group, "status")
     limit = before[0]["limit_pages"]
     assert limit == before[1]["limit_pages"] >= used + 1
-    for rank, broker in enumerate((b0, b1)):
+    for broker in (b0, b1):
         assert session_pages(broker, "model-tp") >= limit * SESSION_PAGES_PER_POOL_PAGE
 
     on_all(group, "finish", requests=24)  # requests end; their prefixes stay cached (evictable)

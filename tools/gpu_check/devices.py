@@ -26,7 +26,7 @@ MIB = 1 << 20
 SIMULATED_TOTAL_BYTES = 80 * GIB
 #: How often the broker reads the device (``serve``'s default): the longest the simulation
 #: lets a broker's view of a process trail what the process has.
-PROBE_INTERVAL_S = ServeConfig.__dataclass_fields__["probe_interval_s"].default
+PROBE_INTERVAL_S: float = ServeConfig(endpoint="").probe_interval_s
 MODES = ("gpu", "simulate")
 
 

@@ -19,6 +19,7 @@ at the first read; a GPU adds a context and the allocator's rounding, and NVML m
 from __future__ import annotations
 
 from contextlib import ExitStack
+from typing import Callable
 
 from .devices import GIB, MIB, PROBE_INTERVAL_S
 from .measure import instance, session_of, spread, wait_for
@@ -145,12 +146,18 @@ def device_lag(ctx: PartContext, worker) -> None:
 def broker_lag(ctx: PartContext, broker, worker) -> None:
     """How long after an allocation returns the broker's status shows it (its probe interval,
     plus the device's own lag)."""
+    def measured_bytes() -> int:
+        session = session_of(broker.status(), INSTANCES["a"])
+        return 0 if session is None else int(session["measured_bytes"])
+
+    def reached(target_bytes: int) -> Callable[[], bool]:
+        return lambda: measured_bytes() >= target_bytes
+
     seen: list[float | None] = []
     for _ in range(BROKER_LAG_TRIALS):
-        before = session_of(broker.status(), INSTANCES["a"])["measured_bytes"]
+        before = measured_bytes()
         worker.request("alloc", bytes=LAG_BYTES)  # returns once the memory is allocated: the wait starts there
-        seen.append(wait_for(lambda: session_of(broker.status(), INSTANCES["a"])["measured_bytes"] >= before + LAG_BYTES // 2,
-                             timeout_s=5 * PROBE_INTERVAL_S + 2.0))
+        seen.append(wait_for(reached(before + LAG_BYTES // 2), timeout_s=5 * PROBE_INTERVAL_S + 2.0))
     ctx.record.figures(**spread("broker_alloc_seen", seen))
 
 

@@ -14,7 +14,7 @@ access are not modelled (None).  A full simulated device refuses with ``DeviceFu
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from .devices import MIB, SIMULATED_TOTAL_BYTES
 from .measure import percentile
@@ -94,7 +94,8 @@ class GpuPages:
                 ballast = d.alloc(ballast_bytes)
             except CudaError:
                 ballast_bytes -= OOM_ROOM_BYTES  # fragmentation or the driver's own reserve
-        handles, error, failed_s = [], None, None
+        handles: list[Any] = []
+        error, failed_s = None, None
         try:
             left_bytes, _ = d.mem_get_info()
             while len(handles) < OOM_MAX_PAGES:

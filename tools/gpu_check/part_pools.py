@@ -194,7 +194,7 @@ def summarise(ctx: PartContext, trials: list[dict[str, Any]]) -> None:
         rec.figures(**{f"trial{i}_{k}": t.get(k) for k in TRIAL_FIGURES})
     for key in ("handover_s", "burst_s", "refused_at_s", "b_acquire_s", "b_alloc_s", "b_waiting_s", "a_release_s",
                 "a_free_s", "a_unmapped_bytes", "pressure_asks"):
-        values = [t.get(key) for t in trials if t.get(key) is not None]
+        values: list[float] = [t[key] for t in trials if t.get(key) is not None]
         stem = key[:-2] if key.endswith("_s") else key
         unit = "_s" if key.endswith("_s") else ""
         rec.figures(**{f"{stem}_p50{unit}": percentile(values, 0.5), f"{stem}_max{unit}": max(values) if values else None})

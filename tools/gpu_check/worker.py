@@ -43,9 +43,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...broker.device import DeviceProbe, NvmlDevice, SimulatedDevice
+
+if TYPE_CHECKING:
+    from ...client import BrokerClient
 
 
 class TorchMemory:
@@ -214,7 +217,7 @@ class Worker:
     def __init__(self, memory, probe: DeviceProbe):
         self.memory = memory
         self.probe = probe
-        self.client = None
+        self.client: BrokerClient | None = None
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request["op"]

@@ -28,7 +28,6 @@ line saying what it checked, and exits 0.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -38,10 +37,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
+from .. import json_lines
 from ..demo_view import EventLog, Frame, FrameChecks, KvFigures, Server, render
 from .pools import PoolProcess
+
+if TYPE_CHECKING:
+    from ...client.admin import AdminClient
 
 GIB = 1 << 30
 DEVICE = "80GiB"
@@ -76,8 +79,7 @@ class Dsv4Process:
         self.pid = int(self.receive()["pid"])
 
     def request(self, op: str, **args) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
+        json_lines.send(self.proc, op, **args)
         answer = self.receive()
         for failure in ("refused", "crashed"):
             if failure in answer:
@@ -85,22 +87,13 @@ class Dsv4Process:
         return answer
 
     def receive(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{DSV4} exited with {self.proc.wait(timeout=10)}")
-        return json.loads(line)
+        answer = json_lines.receive(self.proc)
+        if answer is None:
+            raise RuntimeError(f"{DSV4} exited with {json_lines.exit_status(self.proc)}")
+        return answer
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.request("exit")
-            except (RuntimeError, BrokenPipeError, OSError):
-                pass
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+        json_lines.stop(self.proc)
 
 
 @dataclass
@@ -267,7 +260,7 @@ class Show:
 
     script: Script
     servers: list[Server]
-    admin: object
+    admin: AdminClient
     usage: Path
     pools: list
     clock: Clock
@@ -351,8 +344,8 @@ class Show:
         lines.append(f"  llama-a's kvcached limit went from {a_peak / GIB:.1f} to {a_last / GIB:.1f} GiB under "
                      f"{asks} pressure asks ({_gib(last.pressure('llama-a').get('returned_bytes', 0))} given back)")
         if checks.over_frames:
-            frames = f"{checks.over_frames} frame" + ("s" if checks.over_frames != 1 else "")
-            lines.append(f"  in {frames} the broker charged memory twice, allocated and not reported "
+            over = f"{checks.over_frames} frame" + ("s" if checks.over_frames != 1 else "")
+            lines.append(f"  in {over} the broker charged memory twice, allocated and not reported "
                          f"yet (at most {checks.max_over_bytes / (1 << 20):.0f} MiB")
             lines.append("    past the budget): by design, see docs/accounting.md, \"Pages mapped on demand\"")
         lines.append("")

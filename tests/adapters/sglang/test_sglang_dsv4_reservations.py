@@ -155,7 +155,7 @@ def test_several_processes_report_their_pools_to_a_simulated_gpu_broker(broker_f
             assert by_name[name]["sessions"][0]["pid"] == report["pid"]
         assert status["reserved_bytes"] == sum(sum(r["pools"].values()) for r in reports.values())
         assert reports["dsv4-a"]["pools"]["swa_kv_pool"] > reports["dsv4-c"]["pools"]["swa_kv_pool"]
-        for name, report in reports.items():  # the adapter that opened each session, per session
+        for name in reports:  # the adapter that opened each session, per session
             adapter = by_name[name]["sessions"][0]["adapter"]
             assert adapter["runtime"] == "sglang" and adapter["runtime_version"] == sglang_cpu.SGLANG
             assert "sglang_dsv4_pool_reservation" in adapter["patches"]
