@@ -32,8 +32,6 @@ KNOWN_CYCLES: list[list[str]] = [
     ["adapters.sglang.kv_sizing", "adapters.sglang.kvcached_sizing"],
     ["adapters.sglang.kvcached_fallback", "adapters.sglang.paged_allocator"],
     ["broker.ledger", "broker.refusals"],
-    ["tools.gpu_check.part_broker", "tools.gpu_check.part_colocated", "tools.gpu_check.part_costs",
-     "tools.gpu_check.part_pages", "tools.gpu_check.part_pools", "tools.gpu_check.parts"],
 ]
 
 

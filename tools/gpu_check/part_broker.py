@@ -21,9 +21,9 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Callable
 
+from .context import PartContext
 from .devices import GIB, MIB, PROBE_INTERVAL_S
 from .measure import instance, session_of, spread, wait_for
-from .parts import PartContext
 from .workers import start_workers
 
 SIZES = {"a": 1 * GIB, "b": 2 * GIB, "quiet": 3 * GIB}

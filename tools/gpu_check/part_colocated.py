@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from .parts import PartContext
+from .context import PartContext
 from .record import Skip
 
 MODULE = "kvcached_broker.tools.colocation"

@@ -17,8 +17,8 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
+from .context import PartContext
 from .devices import GIB
-from .parts import PartContext
 from .workers import WorkerFailed, WorkerProcess, start_workers
 
 SETTLE_S = 1.0

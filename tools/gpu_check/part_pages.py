@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .context import PartContext
 from .devices import MIB, SIMULATED_TOTAL_BYTES
 from .measure import percentile
-from .parts import PartContext
 
 PAGE_BYTES = 2 * MIB
 PAGES = 256

@@ -33,9 +33,9 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+from .context import PartContext
 from .devices import GIB, Device
 from .measure import charged_by_pid, granted_by_pid, instance, percentile, session_of, wait_for
-from .parts import PartContext
 from .record import Skip
 from .workers import start_workers
 

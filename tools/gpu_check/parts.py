@@ -1,4 +1,4 @@
-"""The parts of the GPU check, in the order they run.  A part is a function of a :class:`PartContext`.
+"""The parts of the GPU check, in the order they run.  A part is a function of a :class:`~.context.PartContext`.
 
 To add a part, write ``run(ctx)`` in a module of its own (it records figures, assumptions and
 checks on ``ctx.record``, raises :class:`~.record.Skip` if it cannot run here) and add one
@@ -8,29 +8,11 @@ time limit, so a part that fails, hangs or crashes never stops the others.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-from .devices import Device
-from .record import PartRecord
-
-
-@dataclass(frozen=True)
-class PartContext:
-    """What a part is given: the device, its record, its own folder and its deadline.
-
-    ``kvcached_path`` is where kvcached was built for this run (a GPU run; None otherwise)."""
-
-    device: Device
-    record: PartRecord
-    workdir: Path
-    deadline: float  # time.monotonic() by which the part must be done
-    kvcached_path: Path | None = None
-
-    def left_s(self) -> float:
-        return self.deadline - time.monotonic()
+from . import part_broker, part_colocated, part_costs, part_pages, part_pools
+from .context import PartContext
 
 
 @dataclass(frozen=True)
@@ -45,8 +27,6 @@ class Part:
 
 def registered() -> list[Part]:
     """Every part, in the order they run."""
-    from . import part_broker, part_colocated, part_costs, part_pages, part_pools
-
     return [
         Part("broker_nvml", "a broker on the device: measured, unreported and external against the device",
              100.0, part_broker.run),

@@ -36,9 +36,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from .context import PartContext
 from .devices import Device
 from .kvcached_build import KvcachedBuild
-from .parts import Part, PartContext, by_name
+from .parts import Part, by_name
 from .record import PartRecord, Skip, read_record
 from .report import SCHEMA, compare, differences, load_reference, newest_reference, render
 
