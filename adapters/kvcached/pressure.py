@@ -34,6 +34,9 @@ _short_asked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # clien
 
 
 def enlist(client, governor) -> None:
+    """Let broker pressure on ``client``'s session reach ``governor`` (its shortfalls too: from
+    now on :func:`check_shortfalls` runs first in every round of the governors' thread)."""
+    runner.first_in_every_round(check_shortfalls, "kvcached_shortfall_check_failed")
     with _lock:
         pools = _pools.get(client)
         if pools is None:

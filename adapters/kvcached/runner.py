@@ -2,9 +2,13 @@
 
 It wakes when an engine call or a pressure ask says a pool needs attention (:func:`wake`),
 and every ``TICK_S`` otherwise (idle give-back, kvctl writes, deferred limits that finished,
-pages a restarted broker no longer charges: :func:`.pressure.check_shortfalls`, first in
-every round).  A failure in one pool's step is logged and never stops the others, nor
-reaches the runtime.
+pages a restarted broker no longer charges).  A round runs the checks given to
+:func:`first_in_every_round` (:func:`.pressure.check_shortfalls`, once a client's pools are
+enlisted there), then steps every governor.  A failure in one check or one pool's step is
+logged and never stops the others, nor reaches the runtime.
+
+This module imports nothing else of kvcached mode: the modules above it give it their
+governors and checks.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from typing import Callable
+
 from .. import announce
 
 log = announce.logger("kvcached_broker.adapters")
@@ -22,6 +28,7 @@ _lock = threading.Lock()
 _wake = threading.Event()
 _governors: "weakref.WeakSet" = weakref.WeakSet()
 _thread: threading.Thread | None = None
+_first: dict[Callable[[], None], str] = {}  # check -> the event its failure logs, in order given
 _rounds = 0
 _rounds_cond = threading.Condition()
 
@@ -35,6 +42,13 @@ def enlist(governor) -> None:
             _thread = threading.Thread(target=_loop, name="kvcached-broker-governor", daemon=True)
             _thread.start()
     wake()
+
+
+def first_in_every_round(check: Callable[[], None], failure_event: str) -> None:
+    """Run ``check`` at the start of every round, before the governors step (once per ``check``,
+    however often given); an exception it raises is logged as ``event=<failure_event>``."""
+    with _lock:
+        _first.setdefault(check, failure_event)
 
 
 def governors() -> list:
@@ -52,12 +66,13 @@ def _loop() -> None:
         _wake.wait(TICK_S)
         _wake.clear()
         now = time.monotonic()
-        try:
-            from . import pressure
-
-            pressure.check_shortfalls()
-        except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
-            log.warning("event=kvcached_shortfall_check_failed error=%r", str(exc))
+        with _lock:
+            first = list(_first.items())
+        for check, failure_event in first:
+            try:
+                check()
+            except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
+                log.warning("event=%s error=%r", failure_event, str(exc))
         for governor in governors():
             try:
                 governor.step(now)
