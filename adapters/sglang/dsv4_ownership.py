@@ -15,9 +15,12 @@ adapter's are never both counted:
   charged as the process's measured usage);
 * ``dsv4_reservation.register`` leaves those pools out of its report (a pool reported before
   is removed), logged once per pool (``event=dsv4_pool_reported_by_kvcached``);
-* :func:`before_kvcached_grant` runs before a kvcached pool takes its first grant: every live V4
-  pool is measured again, so a pool that moved into kvcached's ownership stops being a
-  reservation before kvcached's pool takes grants for the same memory.
+* ``dsv4_reservation.before_kvcached_grant`` runs before a kvcached pool takes its first grant:
+  when :func:`kvcached_reports`, every live V4 pool is measured again, so a pool that moved into
+  kvcached's ownership stops being a reservation before kvcached's pool takes grants for the
+  same memory.
+
+This module reads kvcached only; ``dsv4_reservation`` builds on it.
 """
 
 from __future__ import annotations
@@ -82,15 +85,6 @@ def without_kvcached_reports(pools: dict[str, int]) -> dict[str, int]:
             continue
         kept[name] = size
     return kept
-
-
-def before_kvcached_grant() -> None:
-    """A kvcached pool is about to take its first grant: measure every live V4 pool again."""
-    if not kvcached_reports():
-        return
-    from . import dsv4_reservation
-
-    dsv4_reservation.remeasure_all()
 
 
 def _observability() -> Any:

@@ -16,7 +16,8 @@ memory this worker holds.  Hook points:
   (which can be slow or fail) ever runs inside the forward pass.
 
 The flag is read each time a pool is built, never frozen at import.  Pools the installed
-kvcached reports itself are left out (``dsv4_ownership``).
+kvcached reports itself are left out (``dsv4_ownership``), and measured again before a kvcached
+pool takes its first grant (:func:`before_kvcached_grant`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ def remeasure_all() -> None:
     """Measure every live V4 pool again (what kvcached reports or owns by now is left out)."""
     for pool in list(_registered):
         register(pool)
+
+
+def before_kvcached_grant() -> None:
+    """A kvcached pool is about to take its first grant: if kvcached reports V4 pools itself,
+    measure every live V4 pool again (``dsv4_ownership``)."""
+    if not dsv4_ownership.kvcached_reports():
+        return
+    remeasure_all()
 
 
 def _track_window(pool: Any) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 from ..kvcached import agreement, eviction, identity, limits
 from ..patching import wrap_methods, wrap_once
 from .. import announce
-from . import parallel
+from . import dsv4_reservation, parallel
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
@@ -62,9 +62,7 @@ def install() -> None:
 
 def _identity(geometry: Any):
     """The broker identity of a kvcached pool in this SGLang rank (its TP rank, device)."""
-    from . import dsv4_ownership
-
-    dsv4_ownership.before_kvcached_grant()
+    dsv4_reservation.before_kvcached_grant()
     return parallel.identity(_kvcached_device())
 
 
