@@ -28,7 +28,6 @@ KNOWN_CYCLES: list[list[str]] = [
     ["adapters.autopatch", "adapters.handback", "adapters.kvcached", "adapters.kvcached.identity",
      "adapters.release_check", "adapters.sizing", "adapters.vllm.kv_budget", "adapters.vllm.kv_sizing",
      "adapters.vllm.kvcached_mode", "adapters.vllm.parallel", "adapters.worker"],
-    ["adapters.sglang.kv_sizing", "adapters.sglang.kvcached_sizing"],
     ["adapters.sglang.kvcached_fallback", "adapters.sglang.paged_allocator"],
     ["broker.ledger", "broker.refusals"],
 ]

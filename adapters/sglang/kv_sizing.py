@@ -26,7 +26,8 @@ the pools.  Two co-located models both see the same free memory.  This module pa
   which also ends the warm-up: CUDA graphs are captured by then), or, outside it, with the
   target's pools when no draft follows and with the draft's otherwise (``speculative``).
 
-In kvcached mode (kvcached's capacity patch under this one, ``kvcached_sizing``) the figure is
+In kvcached mode (kvcached's capacity patch under this one, ``kvcached_sizing``; that patch is
+patched too, :func:`apply_kvcached_patches`, to put this cap back outside it) the figure is
 kvcached's *virtual* budget (``total_memory x mem_fraction_static``, MIN-reduced over the world
 group by kvcached itself): kvcached maps nothing at sizing time, and its pools take their
 memory page by page from the broker later (``adapters/kvcached``).  So the figure is capped at
@@ -268,3 +269,26 @@ def apply_configurator(module: Any) -> None:
 def apply_mixin(module: Any) -> None:
     """Patch ``ModelRunnerKVCacheMixin`` in ``model_runner_kv_cache_mixin`` (0.5.12-0.5.15)."""
     _apply(module, "ModelRunnerKVCacheMixin")
+
+
+def wrap_capacity_patch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """kvcached's ``patch_profile_available_bytes``, then the broker's cap put back outside what
+    it wrapped."""
+
+    def patch_profile_available_bytes(self: Any, target_module: Any) -> Any:
+        result = original(self, target_module)
+        target = getattr(target_module, getattr(self, "target_class", "") or "", None)
+        if isinstance(target, type):
+            kvcached_sizing.ensure_outermost(target, wrap_profile)
+        return result
+
+    return wrap_once(original, patch_profile_available_bytes)
+
+
+def apply_kvcached_patches(module: Any) -> None:
+    """Patch kvcached's own SGLang patch module (``kvcached.integration.sglang.patches``): right
+    after kvcached wraps ``_profile_available_bytes``, the broker's cap is put back outside it.
+    A kvcached without this class (or whose class inherits the method) is reported by the
+    patch, which is optional: ``ensure_outermost`` at ``_resolve_memory_pool_config`` covers it."""
+    wrap_methods(module, kvcached_sizing.CAPACITY_PATCH_CLASS,
+                 {"patch_profile_available_bytes": wrap_capacity_patch})

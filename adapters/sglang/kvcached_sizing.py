@@ -8,14 +8,17 @@ kvcached's capacity patch wraps it *afterwards* (``KVCacheConfigurator`` 0.5.16+
 never run.  Hence:
 
 * :func:`ensure_outermost`, called from the adapter's ``_resolve_memory_pool_config`` (the
-  caller of ``_profile_available_bytes``, which kvcached leaves alone), wraps the method again
-  wherever the owner's class resolves it to someone else's function;
+  caller of ``_profile_available_bytes``, which kvcached leaves alone) and right after kvcached's
+  capacity patch ran (``kv_sizing.apply_kvcached_patches``), wraps the method again wherever
+  the owner's class resolves it to someone else's function;
 * a wrapper already running on this thread lets an inner one pass straight through (kvcached's
   fallback calls the method it wrapped, which may be the adapter's): one cap and one world
   min-reduce per profile, on every rank;
 * the figure is kvcached's **virtual** budget when kvcached's capacity patch is beneath the
   outer wrapper and SGLang's own profile did not run (kvcached did not fall back), and the model
   is not DeepSeek-V4 (whose pools kvcached does not manage, ``kvcached_fallback``).
+
+The cap itself, and where it is applied, are ``kv_sizing``'s: this module is given them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..patching import mark_wrapper, wrap_methods, wrap_once
+from ..patching import mark_wrapper
 from .. import announce
 
 log = announce.logger("kvcached_broker.adapters.sglang")
@@ -90,27 +93,6 @@ def dsv4_model(owner: Any) -> bool:
         return False
 
 
+#: kvcached's class whose ``patch_profile_available_bytes`` wraps SGLang's profile (``kv_sizing``
+#: patches it to call :func:`ensure_outermost` right after)
 CAPACITY_PATCH_CLASS = "_SGLangVirtualKVCapacityPatchBase"
-
-
-def wrap_capacity_patch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """kvcached's ``patch_profile_available_bytes``, then the broker's cap put back outside what
-    it wrapped."""
-    from . import kv_sizing
-
-    def patch_profile_available_bytes(self: Any, target_module: Any) -> Any:
-        result = original(self, target_module)
-        target = getattr(target_module, getattr(self, "target_class", "") or "", None)
-        if isinstance(target, type):
-            ensure_outermost(target, kv_sizing.wrap_profile)
-        return result
-
-    return wrap_once(original, patch_profile_available_bytes)
-
-
-def apply_kvcached_patches(module: Any) -> None:
-    """Patch kvcached's own SGLang patch module (``kvcached.integration.sglang.patches``): right
-    after kvcached wraps ``_profile_available_bytes``, the broker's cap is put back outside it.
-    A kvcached without this class (or whose class inherits the method) is reported by the
-    patch, which is optional: ``ensure_outermost`` at ``_resolve_memory_pool_config`` covers it."""
-    wrap_methods(module, CAPACITY_PATCH_CLASS, {"patch_profile_available_bytes": wrap_capacity_patch})

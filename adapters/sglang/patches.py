@@ -90,7 +90,7 @@ ALL_PATCHES: list[Patch] = [
     _patch("sglang_kvcached_buffers", f"{_MEM}.memory_pool", kvcached_buffers.apply_memory_pool,
            targets=(Target("MHATokenToKVPool"), Target(f"MHATokenToKVPool.{kvcached_buffers.METHOD}", optional=True))),
     _patch("sglang_kvcached_sizing_order", "kvcached.integration.sglang.patches",
-           kvcached_sizing.apply_kvcached_patches, required=False,  # ensure_outermost covers it
+           kv_sizing.apply_kvcached_patches, required=False,  # ensure_outermost covers it
            targets=(Target(f"{kvcached_sizing.CAPACITY_PATCH_CLASS}.patch_profile_available_bytes",
                            ("self", "target_module")),)),
     _patch("sglang_memory_occupation", "sglang.srt.managers.scheduler_components.weight_updater",

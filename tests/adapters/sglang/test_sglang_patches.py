@@ -14,7 +14,7 @@ import sglang_cpu
 
 from kvcached_broker.adapters import autopatch, patching, support
 from kvcached_broker.adapters.patching import PatchError, apply_patch
-from kvcached_broker.adapters.sglang import dsv4_reservation, kvcached_buffers, kvcached_sizing, patches
+from kvcached_broker.adapters.sglang import dsv4_reservation, kv_sizing, kvcached_buffers, kvcached_sizing, patches
 
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 
@@ -110,7 +110,7 @@ def test_the_kvcached_sizing_order_patch_says_when_kvcached_lacks_its_capacity_c
                                                  {"patch_profile_available_bytes": lambda self, module: True})
     assert apply_patch(patch, own).outcome == "applied"
     wrapped = vars(own._SGLangVirtualKVCapacityPatchBase)["patch_profile_available_bytes"]
-    kvcached_sizing.apply_kvcached_patches(own)
+    kv_sizing.apply_kvcached_patches(own)
     assert vars(own._SGLangVirtualKVCapacityPatchBase)["patch_profile_available_bytes"] is wrapped  # once
 
 
