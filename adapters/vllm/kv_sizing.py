@@ -21,7 +21,8 @@ any of it before vLLM allocates it, and the weights it already loaded cannot abs
   patch computed is capped at the most the broker could ever grant this instance, and no KV is
   held (kvcached maps nothing at sizing time; its pages are granted as it maps them, see
   ``adapters/kvcached``); the slack still is.  The cap wraps kvcached's patched method
-  (``kvcached_mode``), once.
+  (``kvcached_mode``), once: :func:`apply_kvcached_patches` puts it back outside right after
+  kvcached's ``GPUWorkerPatch`` replaced the method.
 
 ``Worker.compile_or_warm_up_model`` (CUDA graphs captured, the sampler warmed up) ends the
 warm-up: :func:`~..worker.settle_warm_up` pins the base where the device measures it and
@@ -149,3 +150,21 @@ def apply_gpu_worker(module: Any) -> None:
     ``compile_or_warm_up_model`` (the end of the warm-up)."""
     wrap_methods(module, "Worker", {"determine_available_memory": wrap_determine_available_memory,
                                     "compile_or_warm_up_model": wrap_compile_or_warm_up_model})
+
+
+def wrap_patch_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GPUWorkerPatch.patch_worker_determine_available_memory``: once kvcached replaced the method,
+    put the broker's cap around what it put in place."""
+
+    def patch_worker_determine_available_memory(self: Any, gpuworker_mod: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, gpuworker_mod, *args, **kwargs)
+        apply_gpu_worker(gpuworker_mod)  # wraps whatever kvcached put in place
+        return result
+
+    return wrap_once(original, patch_worker_determine_available_memory)
+
+
+def apply_kvcached_patches(module: Any) -> None:
+    """``kvcached.integration.vllm.patches``: put the broker's sizing cap outside kvcached's."""
+    wrap_methods(module, "GPUWorkerPatch",
+                 {"patch_worker_determine_available_memory": wrap_patch_determine_available_memory})

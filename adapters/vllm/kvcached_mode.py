@@ -14,9 +14,12 @@ kvcached's ``ElasticBlockPool``.  The broker then governs the physical pages
 Both autopatches fire on the same flag, in an order that depends on what imports first.
 kvcached's ``Worker.determine_available_memory`` computes its own figure and calls the method it
 replaced only for an explicit ``kv_cache_memory_bytes``, so the broker's cap must be the
-*outer* wrapper: :func:`apply_kvcached_patches` re-wraps the method right after kvcached's
+*outer* wrapper: ``kv_sizing.apply_kvcached_patches`` re-wraps the method right after kvcached's
 ``GPUWorkerPatch`` replaced it (an inner wrapper of ours then passes through, see
 :func:`outermost`).
+
+This module only says whether kvcached mode is on and which wrapper is outermost; the modules
+named above build on it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ import os
 import sys
 import threading
 from typing import Any, Callable
-
-from ..patching import wrap_methods, wrap_once
 
 _local = threading.local()
 
@@ -52,22 +53,3 @@ def outermost(call: Callable[[], Any], passthrough: Callable[[], Any]) -> Any:
         return call()
     finally:
         _local.depth = 0
-
-
-def wrap_patch_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``GPUWorkerPatch.patch_worker_determine_available_memory``: once kvcached replaced the method,
-    put the broker's cap around what it put in place."""
-    def patch_worker_determine_available_memory(self: Any, gpuworker_mod: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, gpuworker_mod, *args, **kwargs)
-        from . import kv_sizing
-
-        kv_sizing.apply_gpu_worker(gpuworker_mod)  # wraps whatever kvcached put in place
-        return result
-
-    return wrap_once(original, patch_worker_determine_available_memory)
-
-
-def apply_kvcached_patches(module: Any) -> None:
-    """``kvcached.integration.vllm.patches``: put the broker's sizing cap outside kvcached's."""
-    wrap_methods(module, "GPUWorkerPatch",
-                 {"patch_worker_determine_available_memory": wrap_patch_determine_available_memory})

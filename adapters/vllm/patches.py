@@ -37,7 +37,7 @@ from __future__ import annotations
 from .. import support
 from ..patching import AnyOf, Patch, Target
 from ..versions import in_range, installed
-from . import engine, extensible, kv_reservation, kv_sizing, kvcached_mode, memory_release, prefix_eviction
+from . import engine, extensible, kv_reservation, kv_sizing, memory_release, prefix_eviction
 
 RUNTIME = support.VLLM
 MINIMUM = RUNTIME.supported.minimum
@@ -90,7 +90,7 @@ ALL_PATCHES: list[Patch] = [
            targets=(Target("EngineCore.__init__", ("self",)),)),
     _patch("vllm_prefix_eviction", "vllm.v1.core.sched.scheduler", prefix_eviction.apply_scheduler,
            targets=(Target("Scheduler.schedule", ("self",)),)),
-    _patch("vllm_kvcached_sizing", "kvcached.integration.vllm.patches", kvcached_mode.apply_kvcached_patches,
+    _patch("vllm_kvcached_sizing", "kvcached.integration.vllm.patches", kv_sizing.apply_kvcached_patches,
            required=False, targets=(Target("GPUWorkerPatch.patch_worker_determine_available_memory",
                                            ("self", "gpuworker_mod")),)),
 ]

@@ -132,7 +132,7 @@ def test_enable_kvcached_patches_every_binding_at_import(tmp_path):
 def test_the_kvcached_sizing_patch_wraps_only_kvcacheds_own_method_once():
     """``GPUWorkerPatch.patch_worker_determine_available_memory`` must be the class's own (a patch
     of an inherited one would change its base class); wrapped twice, it is wrapped once."""
-    from kvcached_broker.adapters.vllm import kvcached_mode
+    from kvcached_broker.adapters.vllm import kv_sizing
 
     class Base:
         def patch_worker_determine_available_memory(self, gpuworker_mod):
@@ -141,15 +141,15 @@ def test_the_kvcached_sizing_patch_wraps_only_kvcacheds_own_method_once():
     inherited = ModuleType("kvcached.integration.vllm.patches")
     inherited.GPUWorkerPatch = type("GPUWorkerPatch", (Base,), {})
     with pytest.raises(PatchError, match="lacks patch_worker_determine_available_memory"):
-        kvcached_mode.apply_kvcached_patches(inherited)
+        kv_sizing.apply_kvcached_patches(inherited)
     assert "patch_worker_determine_available_memory" not in vars(inherited.GPUWorkerPatch)
 
     own = ModuleType("kvcached.integration.vllm.patches")
     own.GPUWorkerPatch = type("GPUWorkerPatch", (), {"patch_worker_determine_available_memory":
                                                      Base.patch_worker_determine_available_memory})
-    kvcached_mode.apply_kvcached_patches(own)
+    kv_sizing.apply_kvcached_patches(own)
     wrapped = own.GPUWorkerPatch.patch_worker_determine_available_memory
-    kvcached_mode.apply_kvcached_patches(own)
+    kv_sizing.apply_kvcached_patches(own)
     assert own.GPUWorkerPatch.patch_worker_determine_available_memory is wrapped
     assert getattr(wrapped, patching.WRAPPED)
 
