@@ -189,7 +189,10 @@ def _base_coming_back(identity: worker.WorkerIdentity, tags: set[str]) -> int | 
 
 
 def reset() -> None:
-    """Forget what was handed back (tests; :func:`worker.reset`)."""
+    """Forget what was handed back (tests; :func:`worker.reset`, which this module gives it)."""
     with _lock:
         _handed_back.clear()
         _admitted.clear()
+
+
+worker.on_reset(reset)

@@ -128,6 +128,26 @@ _sessions: dict[str, _DeviceSession] = {}
 _unprotected: dict[str, str] = {}  # device -> why
 #: Tests and embedders may replace how clients are made (e.g. a fixed endpoint).
 client_factory: Callable[[WorkerIdentity], BrokerClient] | None = None
+#: Given by the modules that build on this one (this module imports none of them).
+_forgets: list[Callable[[], None]] = []  # what reset() also forgets (on_reset)
+_before_settling: list[Callable[[], None]] = []  # what settle_warm_up runs first (before_settling_warm_up)
+
+
+def on_reset(forget: Callable[[], None]) -> None:
+    """Have :func:`reset` call ``forget`` too, once the sessions are closed (once however often
+    given): :mod:`.handback` forgets what was handed back."""
+    with _lock:
+        if forget not in _forgets:
+            _forgets.append(forget)
+
+
+def before_settling_warm_up(step: Callable[[], None]) -> None:
+    """Have :func:`settle_warm_up` run ``step`` before it pins the base at what the device
+    measures (once however often given): kvcached mode's governors report every page they
+    mapped first (:mod:`.kvcached.runner`), so the base counts none of them."""
+    with _lock:
+        if step not in _before_settling:
+            _before_settling.append(step)
 
 
 # ------------------------------------------------------------------ the adapter's identity
@@ -369,7 +389,10 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
     its activations need in later batches.  Returns the slack kept; None when unprotected."""
     if session(identity) is None:
         return None
-    _mapped_reported_now()
+    with _lock:
+        first = list(_before_settling)
+    for step in first:
+        step()
     with _lock:
         entry = _sessions[str(identity.device)]
         slack_bytes = entry.holds.get(SLACK_HOLD, 0)
@@ -390,15 +413,6 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
         log.info("event=warm_up_settled runtime=%s device=%s rank=%d runtime_base=%d slack_allocated=%d slack_kept=%d",
                  identity.runtime, identity.device, identity.tp_rank, entry.base_bytes or 0, slack_bytes - kept, kept)
         return kept
-
-
-def _mapped_reported_now() -> None:
-    """Let this process's kvcached governors run a round first (when it has any), so that the
-    broker knows every page they mapped: the base pinned next then counts none of them."""
-    from .kvcached import runner  # the governors' thread; it imports nothing of kvcached itself
-
-    if runner.governors():
-        runner.settle(1, timeout_s=5.0)
 
 
 def set_phase(identity: WorkerIdentity, phase: str) -> None:
@@ -702,8 +716,8 @@ def reset() -> None:
                 pass
         _sessions.clear()
         _unprotected.clear()
-    from . import handback  # it builds on this module
-
-    handback.reset()
+        forgets = list(_forgets)
+    for forget in forgets:
+        forget()
     announce.reset()
     instance.reset()

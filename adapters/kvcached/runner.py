@@ -8,7 +8,8 @@ enlisted there), then steps every governor.  A failure in one check or one pool'
 logged and never stops the others, nor reaches the runtime.
 
 This module imports nothing else of kvcached mode: the modules above it give it their
-governors and checks.
+governors and checks.  Once it steps governors, the worker's session lets it run a round before
+it pins its base at what the device measures (:func:`worker.before_settling_warm_up`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import weakref
 from typing import Callable
 
-from .. import announce
+from .. import announce, worker
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -36,12 +37,20 @@ _rounds_cond = threading.Condition()
 def enlist(governor) -> None:
     """Step ``governor`` on the thread (started on first use)."""
     global _thread
+    worker.before_settling_warm_up(_report_mapped)  # outside _lock: no lock is taken inside another
     with _lock:
         _governors.add(governor)
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_loop, name="kvcached-broker-governor", daemon=True)
             _thread.start()
     wake()
+
+
+def _report_mapped() -> None:
+    """Let the governors run a round first (when there are any), so that the broker knows every
+    page they mapped: the base the worker pins next at what the device measures counts none."""
+    if governors():
+        settle(1, timeout_s=5.0)
 
 
 def first_in_every_round(check: Callable[[], None], failure_event: str) -> None:
