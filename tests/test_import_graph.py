@@ -25,7 +25,6 @@ FOLDERS = ("broker", "client", "adapters", "tools")
 #: strongly connected component.  Empty is the goal (issue 28); an entry gone from the graph
 #: fails :func:`test_known_cycles_are_still_there` until it is deleted here.
 KNOWN_CYCLES: list[list[str]] = [
-    ["adapters.sglang.kvcached_fallback", "adapters.sglang.paged_allocator"],
     ["broker.ledger", "broker.refusals"],
 ]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..patching import PatchError, wrap_methods, wrap_once
 from .. import announce
-from .kvcached_fallback import is_kvcached_class
+from .pool_bytes import is_kvcached_class
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 

@@ -16,7 +16,8 @@ is then broker-sized static KV: charged as reservations (a DeepSeek-V4 pool per 
 
 The classes are found where kvcached puts them (``sglang.srt.mem_cache.allocator``'s
 ``ElasticPagedTokenToKVPoolAllocator`` / ``ElasticTokenToKVPoolAllocator``), whenever a module
-that builds allocators is patched, which is after kvcached aliased them (kvcached imports the
+that builds allocators is patched (``allocator_binding``, which also records SGLang's own
+classes here, and ``kv_sizing``), which is after kvcached aliased them (kvcached imports the
 pool builder only once every alias is in place).  Idempotent.
 """
 
@@ -25,7 +26,10 @@ from __future__ import annotations
 import sys
 import threading
 from typing import Any
+
 from .. import announce
+from . import paged_allocator
+from .pool_bytes import is_kvcached_class
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
@@ -45,11 +49,6 @@ def remember_native(name: str, cls: Any) -> None:
     """Record SGLang's own allocator class ``name`` (before kvcached aliases the name)."""
     if isinstance(cls, type) and not is_kvcached_class(cls):
         _natives.setdefault(name, cls)
-
-
-def is_kvcached_class(cls: type) -> bool:
-    module = getattr(cls, "__module__", "") or ""
-    return module == "kvcached" or module.startswith("kvcached.")
 
 
 def install() -> list[str]:
@@ -89,8 +88,6 @@ def _give_fallback(elastic: type, native_name: str) -> bool:
 def native_class(name: str) -> type | None:
     """SGLang's own allocator class ``name`` with the adapter's bindings (``paged_allocator``
     for the paged one): from its implementation module (0.5.13+) or as first seen (0.5.12)."""
-    from . import paged_allocator
-
     native = _natives.get(name) or _implementation(name)
     if native is None:
         return None

@@ -1,25 +1,14 @@
 """SGLang's paged KV allocator under the broker: precomputed page counts and stale-id filtering.
 
 The adapter never edits ``PagedTokenToKVPoolAllocator`` itself.  It derives one subclass from
-it and binds that subclass where SGLang *constructs* allocators:
-
-=============================================  ===========================  ==============
-module                                         what it binds                releases
-=============================================  ===========================  ==============
-``sglang.srt.mem_cache.allocator``             legacy module (defines it)   0.5.12
-``sglang.srt.mem_cache.allocator``             package re-export            0.5.13+
-``sglang.srt.mem_cache.allocator.swa``         SWA sub-allocators           0.5.13+
-``sglang.srt.mem_cache.swa_memory_pool``       SWA sub-allocators (legacy)  0.5.12
-``...model_executor.model_runner_kv_cache_mixin``  pool construction        0.5.12-0.5.15
-``sglang.srt.mem_cache.kv_cache_configurator``  pool construction           0.5.16+
-=============================================  ===========================  ==============
-
-Modules that *subclass* the allocator (HiSparse, NPU, page-interleave) keep the upstream
-class, and an instance of any further subclass of ours behaves exactly like upstream (the
-tracking only runs when ``type(self)`` is the adapter's class), so their own overrides are
+it (:func:`broker_class`), which ``allocator_binding`` binds where SGLang *constructs*
+allocators.  Modules that *subclass* the allocator (HiSparse, NPU, page-interleave) keep the
+upstream class, and an instance of any further subclass of ours behaves exactly like upstream
+(the tracking only runs when ``type(self)`` is the adapter's class), so their own overrides are
 never second-guessed.  kvcached's elastic allocators (kvcached mode, where its SGLang patch
 aliases these names) are left as they are: kvcached owns their free lists
-(``kvcached_fallback`` gives them SGLang's own allocator for pools kvcached does not manage).
+(``kvcached_fallback`` gives them SGLang's own allocator, this subclass, for pools kvcached does
+not manage).
 
 What the subclass adds:
 
@@ -43,7 +32,8 @@ from typing import Any
 
 from ..patching import PatchError
 from .. import announce
-from . import kvcached_fallback, page_tracking
+from . import page_tracking
+from .pool_bytes import is_kvcached_class
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
@@ -190,7 +180,7 @@ class _TrackedState:
 def broker_class(base: type) -> type:
     """The adapter's subclass of the upstream allocator ``base`` (made once, then reused);
     ``base`` itself when it is kvcached's elastic allocator (kvcached owns its free list)."""
-    if getattr(base, _OWNER, None) is base or kvcached_fallback.is_kvcached_class(base):
+    if getattr(base, _OWNER, None) is base or is_kvcached_class(base):
         return base
     with _lock:
         derived = _derived.get(base)
@@ -212,14 +202,3 @@ def _check_upstream(base: type[Any]) -> None:
     params = inspect.signature(base.alloc_extend).parameters
     if "num_new_pages" not in params:
         raise PatchError(f"{base.__module__}.{base.__name__}.alloc_extend has no num_new_pages (SGLang < 0.5.12)")
-
-
-def apply_binding(module: Any) -> None:
-    """Bind the adapter's allocator class as ``PagedTokenToKVPoolAllocator`` in ``module``."""
-    base = getattr(module, CLASS_NAME, None)
-    if not isinstance(base, type):
-        raise PatchError(f"{module.__name__} has no {CLASS_NAME}")
-    kvcached_fallback.remember_native(CLASS_NAME, base)
-    kvcached_fallback.remember_native("TokenToKVPoolAllocator", getattr(module, "TokenToKVPoolAllocator", None))
-    setattr(module, CLASS_NAME, broker_class(base))
-    kvcached_fallback.install()  # kvcached's elastic classes, if its patch aliased them already

@@ -33,8 +33,8 @@ from __future__ import annotations
 from .. import flags, support
 from ..patching import AnyOf, Patch, PatchError, Target
 from ..versions import in_range, installed
-from . import (dsv4_reservation, kv_sizing, kvcached_buffers, kvcached_sizing, kvcached_sync, memory_release,
-               paged_allocator, startup)
+from . import (allocator_binding, dsv4_reservation, kv_sizing, kvcached_buffers, kvcached_sizing, kvcached_sync,
+               memory_release, startup)
 
 RUNTIME = support.SGLANG
 MINIMUM = RUNTIME.supported.minimum
@@ -73,14 +73,14 @@ ALL_PATCHES: list[Patch] = [
            minimum=CONFIGURATOR, targets=_methods("KVCacheConfigurator", _SIZING)),
     _patch("sglang_kv_sizing_mixin", _MIXIN, kv_sizing.apply_mixin, below=CONFIGURATOR,
            targets=_methods("ModelRunnerKVCacheMixin", _SIZING)),
-    _patch("sglang_paged_allocator", f"{_MEM}.allocator", paged_allocator.apply_binding, targets=_ALLOCATOR),
-    _patch("sglang_paged_allocator_swa", f"{_MEM}.allocator.swa", paged_allocator.apply_binding,
+    _patch("sglang_paged_allocator", f"{_MEM}.allocator", allocator_binding.apply_binding, targets=_ALLOCATOR),
+    _patch("sglang_paged_allocator_swa", f"{_MEM}.allocator.swa", allocator_binding.apply_binding,
            minimum=PACKAGE_LAYOUT, targets=_ALLOCATOR),
-    _patch("sglang_paged_allocator_swa_legacy", f"{_MEM}.swa_memory_pool", paged_allocator.apply_binding,
+    _patch("sglang_paged_allocator_swa_legacy", f"{_MEM}.swa_memory_pool", allocator_binding.apply_binding,
            below=PACKAGE_LAYOUT, targets=_ALLOCATOR),
-    _patch("sglang_paged_allocator_configurator", f"{_MEM}.kv_cache_configurator", paged_allocator.apply_binding,
+    _patch("sglang_paged_allocator_configurator", f"{_MEM}.kv_cache_configurator", allocator_binding.apply_binding,
            minimum=CONFIGURATOR, targets=_ALLOCATOR),
-    _patch("sglang_paged_allocator_mixin", _MIXIN, paged_allocator.apply_binding, below=CONFIGURATOR,
+    _patch("sglang_paged_allocator_mixin", _MIXIN, allocator_binding.apply_binding, below=CONFIGURATOR,
            targets=_ALLOCATOR),
     _patch("sglang_kv_startup", "sglang.srt.managers.scheduler", startup.apply_scheduler,
            targets=(Target("Scheduler.init_model_worker", ("self",)),)),

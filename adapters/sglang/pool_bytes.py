@@ -35,14 +35,19 @@ def is_tensor(obj: Any) -> bool:
     return hasattr(obj, "untyped_storage") and hasattr(obj, "element_size")
 
 
+def is_kvcached_class(cls: type) -> bool:
+    """True for a class kvcached defines (its elastic pools and allocators)."""
+    module = getattr(cls, "__module__", "") or ""
+    return module == "kvcached" or module.startswith("kvcached.")
+
+
 def is_managed(obj: Any) -> bool:
     """True for a pool the broker or kvcached manages (its memory is not a reservation)."""
     if obj is None:
         return False
     if getattr(obj, MANAGED_ATTR, False):
         return True
-    module = type(obj).__module__ or ""
-    return module == "kvcached" or module.startswith("kvcached.")
+    return is_kvcached_class(type(obj))
 
 
 def mark_managed(obj: Any) -> None:

@@ -17,7 +17,7 @@ import torch
 import legacy_allocator
 import sglang_cpu
 
-from kvcached_broker.adapters.sglang import paged_allocator
+from kvcached_broker.adapters.sglang import allocator_binding
 
 PS = 16  # tokens per page
 PAGES = 32
@@ -219,8 +219,8 @@ def legacy():
     """The legacy modules after the patches' binding function ran on them, as on 0.5.12."""
     allocator, swa = legacy_allocator.legacy_modules()
     upstream = allocator.PagedTokenToKVPoolAllocator
-    paged_allocator.apply_binding(allocator)  # patch sglang_paged_allocator
-    paged_allocator.apply_binding(swa)  # patch sglang_paged_allocator_swa_legacy
+    allocator_binding.apply_binding(allocator)  # patch sglang_paged_allocator
+    allocator_binding.apply_binding(swa)  # patch sglang_paged_allocator_swa_legacy
     return allocator, swa, upstream
 
 
@@ -263,4 +263,4 @@ def test_an_allocator_without_num_new_pages_is_refused(patched_sglang):
     module = type(sys)("old_sglang_allocator")
     module.PagedTokenToKVPoolAllocator = Old
     with pytest.raises(PatchError, match="no num_new_pages"):
-        paged_allocator.apply_binding(module)
+        allocator_binding.apply_binding(module)
