@@ -309,7 +309,8 @@ def resolve(cli: Mapping[str, Any], env: Mapping[str, str] | None = None, config
     return ServeOptions(values, sources, limits, path if path.is_file() else None)
 
 
-def _pick(key, cli, env, file_values, path, values, sources):
+def _pick(key: str, cli: Mapping[str, Any], env: Mapping[str, str], file_values: Mapping[str, Any],
+          path: Path | None, values: dict[str, Any], sources: dict[str, str]) -> Any:
     parser, env_name, default = OPTIONS[key]
     if cli.get(key) is not None and cli.get(key) is not False:
         value, source = cli[key], "command line"
