@@ -379,6 +379,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connections_per_uid=opts.max_connections_per_uid,
         hello_max_floor_share=opts.hello_max_floor_share,
         hello_max_weight=opts.hello_max_weight,
+        hello_max_priority=opts.hello_max_priority,
     )
     if opts.metrics_port:
         from .metrics import missing_package

@@ -15,7 +15,7 @@ per-instance limits, applied at startup (and so to an instance whenever it regis
     max = "10GiB"
 
 What a worker's hello may ask for its own instance is bounded here too
-(``hello_max_floor_share = 0.25``, ``hello_max_weight = 2``; no flags).
+(``hello_max_floor_share = 0.25``, ``hello_max_weight = 2``, ``hello_max_priority = 0``; no flags).
 
 A bad value, from any source, is a one-line error naming the key and where it came from.
 """
@@ -74,6 +74,7 @@ class ServeConfig:
     #: budget, a weight of at most this (the ``limit`` command and the config file are not bound).
     hello_max_floor_share: float = DEFAULT_QUOTAS.hello_max_floor_share
     hello_max_weight: float = DEFAULT_QUOTAS.hello_max_weight
+    hello_max_priority: int = DEFAULT_QUOTAS.hello_max_priority
 
     def connection_limits(self) -> tuple[int, int]:
         """``(in all, per peer)`` before the open-file limit has its say."""
@@ -87,7 +88,7 @@ class ServeConfig:
             lease_s=self.lease_s, max_sessions=self.max_sessions, max_sessions_per_pid=self.max_sessions_per_pid,
             max_sessions_per_uid=self.max_sessions_per_uid, hello_rate_per_s=self.hello_rate_per_s,
             hello_burst=self.hello_burst, hello_max_floor_share=self.hello_max_floor_share,
-            hello_max_weight=self.hello_max_weight,
+            hello_max_weight=self.hello_max_weight, hello_max_priority=self.hello_max_priority,
         )
 
 
@@ -264,6 +265,7 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
     "max_connections_per_uid": (_positive_int, "KVCACHED_BROKER_MAX_CONNECTIONS_PER_UID", None),
     "hello_max_floor_share": (_share, "KVCACHED_BROKER_HELLO_MAX_FLOOR_SHARE", DEFAULT_QUOTAS.hello_max_floor_share),
     "hello_max_weight": (_positive_float, "KVCACHED_BROKER_HELLO_MAX_WEIGHT", DEFAULT_QUOTAS.hello_max_weight),
+    "hello_max_priority": (_priority, "KVCACHED_BROKER_HELLO_MAX_PRIORITY", DEFAULT_QUOTAS.hello_max_priority),
 }
 LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float, "priority": _priority}
 

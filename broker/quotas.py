@@ -24,6 +24,9 @@ class SessionQuotas:
     #: and this weight (an admin's ``limit`` or the config file may set anything).
     hello_max_floor_share: float = 0.5
     hello_max_weight: float = 4.0
+    #: The highest reclaim priority a hello may give its own instance: by default a worker may
+    #: volunteer to be asked for memory back first, never to be asked after the others.
+    hello_max_priority: int = 0
 
 
 #: The quotas of a broker given no options.

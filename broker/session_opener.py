@@ -261,12 +261,17 @@ class SessionOpener:
             weight = min(asked.weight, quotas.hello_max_weight)
             if weight < asked.weight:
                 cut.append(f"weight cut to {weight:g} (at most {quotas.hello_max_weight:g})")
+        priority = KEEP
+        if asked.priority is not proto.UNSET:
+            priority = min(asked.priority, quotas.hello_max_priority)
+            if priority < asked.priority:
+                cut.append(f"priority cut to {priority} (at most {quotas.hello_max_priority})")
         try:
             self.ledger.set_limits(
                 instance,
                 max_bytes=KEEP if asked.max_bytes is proto.UNSET else asked.max_bytes,
                 min_bytes=floor, weight=weight, source="hello", owner_uid=uid,
-                priority=KEEP if asked.priority is proto.UNSET else asked.priority,
+                priority=priority,
             )
         except BrokerError as exc:
             return self._limits_outcome(instance, uid, "ignored", exc.message)

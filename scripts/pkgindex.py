@@ -106,6 +106,19 @@ def download(project: str, filename: str, sha256: str, config: dict[str, str] | 
              log=lambda message: None) -> bytes:
     """``filename`` of ``project`` from the first configured index that has it, checked against
     ``sha256``; raises FetchError (one line) if no index has it, it cannot be read, or its hash differs."""
+    data = download_unpinned(project, filename, config, log=log)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise FetchError(f"{filename} has sha256 {digest}, pinned {sha256}: refusing it")
+    return data
+
+
+def download_unpinned(project: str, filename: str, config: dict[str, str] | None = None,
+                      log=lambda message: None) -> bytes:
+    """``filename`` of ``project`` from the first configured index that has it, *unchecked*: only
+    for files that are read, never installed or run (scripts/canary.py parses the newest release's
+    source with ``ast``, a release no pin can name in advance), or checked by :func:`download`.
+    FetchError (one line) if no index has it or it cannot be read."""
     config = pip_config() if config is None else config
     context = ssl_context(config)
     indexes = index_urls(config)
@@ -119,35 +132,6 @@ def download(project: str, filename: str, sha256: str, config: dict[str, str] | 
         if url is None:
             continue
         log(f"downloading {filename} from {urllib.parse.urlsplit(url).netloc or url}")
-        try:
-            data = read(url, context, timeout_s=600.0)
-        except (OSError, ValueError) as exc:
-            raise FetchError(f"cannot download {url}: {exc}") from exc
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != sha256:
-            raise FetchError(f"{filename} has sha256 {digest}, pinned {sha256}: refusing it")
-        return data
-    why = f"; unreadable: {'; '.join(unread)}" if unread else ""
-    raise FetchError(f"no index in pip's configuration has {filename} (tried {', '.join(indexes)}{why})")
-
-
-def download_unpinned(project: str, filename: str, config: dict[str, str] | None = None) -> bytes:
-    """``filename`` of ``project`` from the first configured index that has it, *unchecked*: only
-    for files that are read, never installed or run (scripts/canary.py parses the newest release's
-    source with ``ast``, a release no pin can name in advance).  FetchError (one line) if no index
-    has it or it cannot be read."""
-    config = pip_config() if config is None else config
-    context = ssl_context(config)
-    indexes = index_urls(config)
-    unread = []
-    for index in indexes:
-        try:
-            url = file_url(index, project, filename, context)
-        except FetchError as exc:
-            unread.append(str(exc))
-            continue
-        if url is None:
-            continue
         try:
             return read(url, context, timeout_s=600.0)
         except (OSError, ValueError) as exc:

@@ -45,6 +45,7 @@ def test_config_file_options_limits_and_precedence(short_tmp):
         ("hello_max_floor_share = 2\n", "key 'hello_max_floor_share'"),
         ('hello_max_floor_share = "lots"\n', "key 'hello_max_floor_share'"),
         ("hello_max_weight = 0\n", "key 'hello_max_weight'"),
+        ("hello_max_priority = 1001\n", "key 'hello_max_priority'"),
     ],
 )
 def test_bad_config_is_a_one_line_error_naming_the_key(short_tmp, text, needle):
@@ -58,14 +59,16 @@ def test_bad_config_is_a_one_line_error_naming_the_key(short_tmp, text, needle):
 def test_the_bounds_on_a_hellos_limits_come_from_the_config_file(short_tmp):
     """Issue 26, item 5: what a worker's hello may ask for its own instance is an admin's to bound."""
     config = short_tmp / "gpu0.toml"
-    config.write_text('simulate = "16GiB"\nheadroom = 0\nhello_max_floor_share = "25%"\nhello_max_weight = 2\n')
+    config.write_text('simulate = "16GiB"\nheadroom = 0\nhello_max_floor_share = "25%"\nhello_max_weight = 2\n'
+                      'hello_max_priority = 5\n')
     endpoint = f"ipc://{short_tmp}/gpu0.sock"
     with BrokerLauncher(endpoint, simulate=None, args=["--config", str(config)]) as broker:
-        assert broker.status()["broker"]["hello_limits"] == {"max_floor_share": 0.25, "max_weight": 2.0}
+        assert broker.status()["broker"]["hello_limits"] == {"max_floor_share": 0.25, "max_weight": 2.0,
+                                                              "max_priority": 5}
         with BrokerClient.connect("greedy", endpoint=endpoint, page_bytes=GIB, credit_pages=0,
-                                  limits={"min_bytes": 16 * GIB, "weight": 1e6}) as c:
+                                  limits={"min_bytes": 16 * GIB, "weight": 1e6, "priority": 1000}) as c:
             inst = next(i for i in c.status()["instances"] if i["name"] == "greedy")
-            assert (inst["min_bytes"], inst["weight"]) == (4 * GIB, 2.0)
+            assert (inst["min_bytes"], inst["weight"], inst["priority"]) == (4 * GIB, 2.0, 5)
 
 
 def test_bad_environment_value_names_the_variable(short_tmp):

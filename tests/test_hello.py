@@ -178,12 +178,19 @@ def test_limits_a_hello_set_go_when_another_users_session_joins():
 def test_a_hello_of_the_same_user_sets_its_own_instances_limits_within_the_admins_bounds():
     """Another asked for a floor of the whole budget and weight 1e6, and the broker asked a
     bystander for 198,968 pages.  A hello's floor is cut to a share of the budget, its weight
-    to a maximum (config ``hello_max_floor_share``, ``hello_max_weight``)."""
+    to a maximum, its priority too (config ``hello_max_floor_share``, ``hello_max_weight``,
+    ``hello_max_priority``: by default a hello may lower its priority, never raise it past 0, so
+    that a worker cannot have other users' servers asked for memory back before its own)."""
     core = make_core(16 * GIB)
     _limited_hello(core, 1000, 5001, "mine")
     result, limits = _limited_hello(core, 1000, 5002, "mine", {"min_bytes": 16 * GIB, "weight": 1e6})
     assert result["hello_limits"]["outcome"] == "clamped"
     assert limits == {"max_bytes": None, "min_bytes": 8 * GIB, "weight": 4.0}
+    result, limits = _limited_hello(core, 1000, 5003, "other", {"priority": 1000})
+    assert result["hello_limits"]["outcome"] == "clamped" and "priority cut to 0" in result["hello_limits"]["reason"]
+    assert core.ledger.limits["other"].priority == 0
+    result, _ = _limited_hello(core, 1000, 5004, "volunteer", {"priority": -10})  # asked first: its own choice
+    assert result["hello_limits"]["outcome"] == "applied" and core.ledger.limits["volunteer"].priority == -10
     strict = make_core(16 * GIB, quotas=SessionQuotas(hello_max_floor_share=0.125, hello_max_weight=1.0))
     result, limits = _limited_hello(strict, 1000, 5001, "mine", {"min_bytes": 16 * GIB, "weight": 2.0})
     assert limits == {"max_bytes": None, "min_bytes": 2 * GIB, "weight": 1.0}

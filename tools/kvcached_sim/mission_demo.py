@@ -28,7 +28,6 @@ line saying what it checked, and exits 0.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from .. import json_lines
 from ..demo_view import EventLog, Frame, FrameChecks, KvFigures, Server, render
 from .pools import PoolProcess
 
@@ -79,10 +79,7 @@ class Dsv4Process:
         self.pid = int(self.receive()["pid"])
 
     def request(self, op: str, **args) -> dict:
-        stdin = self.proc.stdin
-        assert stdin is not None  # a pipe: Popen(stdin=PIPE)
-        stdin.write(json.dumps({"op": op, **args}) + "\n")
-        stdin.flush()
+        json_lines.send(self.proc, op, **args)
         answer = self.receive()
         for failure in ("refused", "crashed"):
             if failure in answer:
@@ -90,24 +87,13 @@ class Dsv4Process:
         return answer
 
     def receive(self) -> dict:
-        stdout = self.proc.stdout
-        assert stdout is not None  # a pipe: Popen(stdout=PIPE)
-        line = stdout.readline()
-        if not line:
-            raise RuntimeError(f"{DSV4} exited with {self.proc.wait(timeout=10)}")
-        return json.loads(line)
+        answer = json_lines.receive(self.proc)
+        if answer is None:
+            raise RuntimeError(f"{DSV4} exited with {json_lines.exit_status(self.proc)}")
+        return answer
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.request("exit")
-            except (RuntimeError, BrokenPipeError, OSError):
-                pass
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+        json_lines.stop(self.proc)
 
 
 @dataclass

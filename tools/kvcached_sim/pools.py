@@ -6,13 +6,13 @@ Used by the kvcached tests (tests/kvcached/kv_harness.py), the hand-over benchma
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import json_lines
 from . import child_env
 
 MODULE = "kvcached_broker.tools.kvcached_sim.pool_process"
@@ -64,18 +64,13 @@ class PoolProcess:
 
     def send(self, op: str, **args) -> None:
         """Send a request without waiting for its reply (:meth:`receive` reads it)."""
-        stdin = self.proc.stdin
-        assert stdin is not None  # a pipe: Popen(stdin=PIPE)
-        stdin.write(json.dumps({"op": op, **args}) + "\n")
-        stdin.flush()
+        json_lines.send(self.proc, op, **args)
 
     def receive(self) -> dict:
-        stdout = self.proc.stdout
-        assert stdout is not None  # a pipe: Popen(stdout=PIPE)
-        line = stdout.readline()
-        if not line:
-            raise AssertionError(f"pool process {self.instance} exited with {self.proc.wait(timeout=10)}")
-        return json.loads(line)
+        answer = json_lines.receive(self.proc)
+        if answer is None:
+            raise AssertionError(f"pool process {self.instance} exited with {json_lines.exit_status(self.proc)}")
+        return answer
 
     def pool(self) -> dict:
         return self.request("status")["pools"][0]
@@ -85,15 +80,6 @@ class PoolProcess:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.request("exit")
-            except (AssertionError, BrokenPipeError, OSError):
-                pass
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=15)
+        json_lines.stop(self.proc)
         (Path("/dev/shm") / self.ipc_name).unlink(missing_ok=True)
         (Path("/dev/shm") / f"{self.ipc_name}.kvcached-broker").unlink(missing_ok=True)  # the governors' record
