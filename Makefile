@@ -88,10 +88,10 @@ demo: $(STAMP)
 	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare the demo's kvcached pools (see $(SIM_LOG))"
 	KVCACHED_BROKER_KVCACHED_PATH=$(abspath $(KVCACHED_SIM)) $(VENV)/bin/kvcached-broker demo $(DEMO_ARGS)
 
-# The whole suite: the environments first (so the core's torch-using tests run too), then the
-# core, then the adapters against every supported upstream version.
+# The whole suite: the lint and type gates, the environments (so the core's torch-using tests
+# run too), then the core, then the adapters against every supported upstream version.
 # The compiled request core is an option with its own target (test-compiled), run by .ci/run.
-test: adapter-envs test-core test-adapters
+test: lint adapter-envs test-core test-adapters
 
 # ruff on the whole tree; mypy on the package, staged under its installed names (the source
 # folders are kvcached_broker.* only through pyproject's package-dir).  Configured in pyproject.

@@ -25,6 +25,11 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from types import TracebackType
+
+#: What ``exc_info=`` may be, as for :meth:`logging.Logger.log`.
+ExcInfo = (bool | BaseException | tuple[type[BaseException], BaseException, TracebackType | None]
+           | tuple[None, None, None] | None)
 
 _lock = threading.Lock()
 _said: set[str] = set()
@@ -61,7 +66,7 @@ class AdapterLog:
     def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - logging.Logger's name
         return level >= logging.INFO or self._logger.isEnabledFor(level)
 
-    def log(self, level: int, msg: object, *args: object, exc_info: object = None, stacklevel: int = 1) -> None:
+    def log(self, level: int, msg: object, *args: object, exc_info: ExcInfo = None, stacklevel: int = 1) -> None:
         if level < logging.INFO:
             self._logger.log(level, msg, *args, exc_info=exc_info, stacklevel=stacklevel + 1)
             return
@@ -72,21 +77,20 @@ class AdapterLog:
                                          exc_info or None, frame.f_code.co_name)
         _HANDLER.handle(record)
 
-    def debug(self, msg: object, *args: object, **kwargs: object) -> None:
-        self.log(logging.DEBUG, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+    def debug(self, msg: object, *args: object, exc_info: ExcInfo = None) -> None:
+        self.log(logging.DEBUG, msg, *args, exc_info=exc_info, stacklevel=2)
 
-    def info(self, msg: object, *args: object, **kwargs: object) -> None:
-        self.log(logging.INFO, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+    def info(self, msg: object, *args: object, exc_info: ExcInfo = None) -> None:
+        self.log(logging.INFO, msg, *args, exc_info=exc_info, stacklevel=2)
 
-    def warning(self, msg: object, *args: object, **kwargs: object) -> None:
-        self.log(logging.WARNING, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+    def warning(self, msg: object, *args: object, exc_info: ExcInfo = None) -> None:
+        self.log(logging.WARNING, msg, *args, exc_info=exc_info, stacklevel=2)
 
-    def error(self, msg: object, *args: object, **kwargs: object) -> None:
-        self.log(logging.ERROR, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+    def error(self, msg: object, *args: object, exc_info: ExcInfo = None) -> None:
+        self.log(logging.ERROR, msg, *args, exc_info=exc_info, stacklevel=2)
 
-    def exception(self, msg: object, *args: object, **kwargs: object) -> None:
-        kwargs.setdefault("exc_info", True)
-        self.log(logging.ERROR, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+    def exception(self, msg: object, *args: object, exc_info: ExcInfo = True) -> None:
+        self.log(logging.ERROR, msg, *args, exc_info=exc_info, stacklevel=2)
 
 
 def logger(name: str) -> AdapterLog:

@@ -10,9 +10,11 @@ from a regular and from an editable install (``pip install -e``), and
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+from types import ModuleType
 from typing import Iterable
 
 from . import announce, flags, instance, release_check
@@ -43,7 +45,7 @@ def apply(runtimes: Iterable[str] | None = None) -> list[PatchResult]:
         found = release_check.finding(runtime)
         if found is not None:
             if release_check.at_import(found):
-                when_imported(runtime, lambda _mod, f=found: _unsupported(f, at_import=True))
+                when_imported(runtime, functools.partial(_unsupported_at_import, found))
             else:
                 _unsupported(found)
             continue
@@ -53,8 +55,12 @@ def apply(runtimes: Iterable[str] | None = None) -> list[PatchResult]:
             if patch.name in _registered:
                 continue
             _registered.add(patch.name)
-            when_imported(patch.module, lambda mod, p=patch: apply_patch(p, mod))
+            when_imported(patch.module, functools.partial(apply_patch, patch))
     return list(RESULTS)
+
+
+def _unsupported_at_import(found: release_check.Finding, _module: ModuleType) -> None:
+    _unsupported(found, at_import=True)
 
 
 def _unsupported(found: release_check.Finding, at_import: bool = False) -> None:

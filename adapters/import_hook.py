@@ -15,7 +15,8 @@ import threading
 from types import ModuleType
 from typing import Callable
 
-Callback = Callable[[ModuleType], None]
+#: ``callback(module)``; what it returns is ignored.
+Callback = Callable[[ModuleType], object]
 
 _lock = threading.RLock()
 _callbacks: dict[str, list[Callback]] = {}

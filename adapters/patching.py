@@ -12,7 +12,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from . import announce, flags
 from .versions import in_range, installed
@@ -142,15 +142,16 @@ def class_with(module: ModuleType, class_name: str, methods: Any) -> type:
     """``module.class_name``, which must define every one of ``methods`` itself (not inherit it:
     a patch of an inherited method would change the base class too); else :class:`PatchError`."""
     cls = getattr(module, class_name, None)
-    missing = [name for name in methods if cls is None or name not in vars(cls)]
+    if cls is None:
+        raise PatchError(f"{module.__name__} has no {class_name}")
+    missing = [name for name in methods if name not in vars(cls)]
     if missing:
-        if cls is None:
-            raise PatchError(f"{module.__name__} has no {class_name}")
         raise PatchError(f"{module.__name__}.{class_name} lacks {', '.join(missing)}")
     return cls
 
 
-def wrap_methods(module: ModuleType, class_name: str, wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]) -> type:
+def wrap_methods(module: ModuleType, class_name: str,
+                 wrappers: Mapping[str, Callable[[Callable[..., Any]], Callable[..., Any]]]) -> type:
     """Wrap each named method of ``module.class_name`` with its ``wrap(original)``, once."""
     cls = class_with(module, class_name, wrappers)
     for name, wrap in wrappers.items():

@@ -184,12 +184,14 @@ def session(identity: WorkerIdentity) -> BrokerClient | None:
             return None
         if broker_disabled():
             _announce_active(identity, None)
-            return _unprotected_now(key, "KVCACHED_BROKER=off")
+            _unprotected_now(key, "KVCACHED_BROKER=off")
+            return None
         try:
             client = _connect(identity)
         except Exception as exc:  # noqa: BLE001 - any failure to open leaves the worker unprotected
             _announce_active(identity, None)
-            return _unprotected_now(key, _describe(exc), exc)
+            _unprotected_now(key, _describe(exc), exc)
+            return None
         _sessions[key] = _DeviceSession(client, identity)
         _announce_active(identity, client)
         log.info(
@@ -211,7 +213,6 @@ def _unprotected_now(key: str, why: str, cause: BaseException | None = None) -> 
             f"kvcached-broker is required (KVCACHED_REQUIRE=1) but unusable for device {key}: {why}"
         ) from cause
     _mark_unprotected(key, why)
-    return None
 
 
 def _mark_unprotected(key: str, why: str) -> None:
@@ -242,6 +243,7 @@ def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | N
     """
     if session(identity) is None:
         return None
+    cause: Exception
     try:
         return call()
     except BudgetExceeded:
@@ -253,7 +255,8 @@ def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | N
     except MALFORMED_ANSWER as exc:
         why, cause = f"the broker's answer is not in the shape this adapter reads ({type(exc).__name__}: {exc})", exc
     with _lock:
-        return _unprotected_now(str(identity.device), f"{action}: {why}", cause)
+        _unprotected_now(str(identity.device), f"{action}: {why}", cause)
+    return None
 
 
 def announce_process(runtime: str, role: str) -> None:
@@ -500,15 +503,16 @@ def _reserve(client: BrokerClient, pools: dict[str, int], usage: dict[str, int],
     cost the worker its protection: the request goes again without views, and the views go
     with a later report."""
     holds = dict(plan.holds)
-    extra = {"min_holds": plan.min_holds, "phase": plan.phase}
     try:
-        result = client.reserve(pools, usage=usage, holds=holds, measured_base=plan.pin_base, **extra)
+        result = client.reserve(pools, usage=usage, holds=holds, measured_base=plan.pin_base,
+                                min_holds=plan.min_holds, phase=plan.phase)
     except BadRequest as exc:
         if not usage or "view" not in exc.details:
             raise
         announce.once("views_dropped", logging.INFO, "usage_views_dropped", view=exc.details.get("view"),
                       detail="larger than the session's charge for now; reported without views")
-        result = client.reserve(pools, usage={}, holds=holds, measured_base=plan.pin_base, **extra)
+        result = client.reserve(pools, usage={}, holds=holds, measured_base=plan.pin_base,
+                                min_holds=plan.min_holds, phase=plan.phase)
     return result, int(result.get(RUNTIME_BASE_POOL, 0))
 
 

@@ -182,9 +182,9 @@ def test_priority_shows_in_status_and_comes_from_an_admin_or_a_hello():
     (a,) = [i for i in core.status(0.0)["instances"] if i["name"] == "a"]
     assert a["priority"] == -3
     hello = proto.Hello(id=1, versions=[1], instance="c", pid=4444, page_bytes=GIB, nonce="nonce-c-0001",
-                        limits=proto.LimitsRequest(priority=7))
+                        limits=proto.LimitsRequest(priority=-7))  # within hello_max_priority (0)
     reply = ask(core, hello, b"rc", Peer(uid=1000, gid=1000, pid=4444, address="localhost:1000:1000:4444"))
-    assert reply["result"]["limits"]["priority"] == 7
+    assert reply["result"]["limits"]["priority"] == -7
 
 
 def test_the_watermarks_keep_memory_free_for_an_instance_below_its_share():

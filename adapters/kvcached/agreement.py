@@ -58,7 +58,7 @@ WAIT_S = 2.0
 
 Reduce = Callable[[list[int]], list[int]]
 #: ``evict([(manager, pages), ...])``: free about that many pool pages of unused prefix blocks.
-Evict = Callable[[list[tuple[Any, int]]], None]
+Evict = Callable[[list[tuple[Any, int]]], object]
 
 
 @dataclass
@@ -148,17 +148,17 @@ class Agreement:
         record = SyncRecord(self.syncs + 1)
         lowered = False
         evictions = []
-        for i, (governor, manager) in enumerate(pools):
+        for i, (_governor, manager) in enumerate(pools):
             record.agreed_pages.append(agreed[2 * i])
             record.evicted_pages.append(max(0, -agreed[2 * i + 1]))
             if record.evicted_pages[-1]:
                 evictions.append((manager, record.evicted_pages[-1]))
         if evictions and evict is not None:
-            _guarded("evict", lambda: evict(evictions))
+            _guarded("evict", evict, evictions)
         for i, (governor, manager) in enumerate(pools):
             before = _size(governor)
             previous = self._states[manager].agreed_pages
-            _guarded("apply", lambda: self._apply(governor, manager, record.agreed_pages[i]))
+            _guarded("apply", self._apply, governor, manager, record.agreed_pages[i])
             after = _size(governor)
             record.limit_pages.append(after)
             if previous is not None and record.agreed_pages[i] < previous:
@@ -350,10 +350,10 @@ def ordered_pools() -> list[tuple[Any, Any]]:
     return sorted(found, key=lambda pair: pair[0].sequence)
 
 
-def _guarded(action: str, call: Callable[[], None]) -> None:
-    """A failure after the collective is logged, never raised into the scheduler."""
+def _guarded(action: str, call: Callable[..., object], *args: Any) -> None:
+    """``call(*args)``; a failure after the collective is logged, never raised into the scheduler."""
     try:
-        call()
+        call(*args)
     except Exception as exc:  # noqa: BLE001 - the runtime must never see an agreement failure
         log.warning("event=kvcached_agreement_failed action=%s error=%r", action, str(exc))
 

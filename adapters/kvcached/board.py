@@ -223,8 +223,8 @@ class Board:
     def live_writers(self) -> list[int]:
         """Pids of the processes with a record here not known to be gone (the engine's, then
         slots'; a writer in another PID namespace counts as running)."""
-        return [record.pid for record in (self.engine(), *(self.slot(i) for i in range(MAX_SLOTS)))
-                if record.pid > 0 and alive(record)]
+        records: list[EngineRecord | SlotRecord] = [self.engine(), *(self.slot(i) for i in range(MAX_SLOTS))]
+        return [record.pid for record in records if record.pid > 0 and alive(record)]
 
     def recorded_writers(self) -> int:
         """How many records name a process at all (dead or alive)."""
@@ -393,7 +393,7 @@ def sweep(directory: str = SHM_DIR, policy: shm_files.Policy | None = None) -> l
     board being joined, left or swept by someone else (its lock held) is skipped, and so is one
     no process ever wrote a record on, and one with a writer in another PID namespace."""
     policy = policy or shm_files.Policy.from_env()
-    removed = []
+    removed: list[str] = []
     try:
         names = [n for n in os.listdir(directory) if n.startswith(BOARD_PREFIX) and n.endswith(BOARD_SUFFIX)]
     except OSError:

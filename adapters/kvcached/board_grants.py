@@ -115,7 +115,8 @@ class BoardGrants:
         counted worker now holds above the old level (0: refused); None if none is counted.
         (``wait_s`` is not used: each worker asks its own broker, within ``ANSWER_WAIT_S``.)"""
         if not self._counted():
-            return self._unprotected()
+            self._unprotected()
+            return None
         old = self.pages
         self._ask_seq += 1
         seq = self._ask_seq
@@ -123,7 +124,8 @@ class BoardGrants:
         self._publish(floor_pages=old + min_pages, ask_seq=seq)
         self._wait_for(lambda: self._answered(seq), ANSWER_WAIT_S)
         if not self._counted():
-            return self._unprotected()
+            self._unprotected()
+            return None
         agreed = self.pages
         got = agreed - old if agreed - old >= min_pages else 0
         self.wanted = old + got  # the workers that got more give it back
@@ -142,10 +144,10 @@ class BoardGrants:
         self.board.write_engine(state=board_mod.ENGINE_UNGOVERNED)
         self._ring_workers()
         self.board.leave()
-        return None
 
-    def release(self, pages: int) -> bool:
-        """Lower the wanted level by ``pages`` below what every worker holds (they release it)."""
+    def release(self, pages: int, **_: Any) -> bool:
+        """Lower the wanted level by ``pages`` below what every worker holds (they release it);
+        the workers report what they map themselves."""
         self.wanted = max(0, self.pages - pages)
         self._publish()
         return True

@@ -60,7 +60,7 @@ from ...client import BudgetExceeded, SessionEvicted
 from .. import announce
 from . import eviction, pressure, runner, segment, shm_files
 from .geometry import PoolGeometry
-from .grants import SessionGrants
+from .grants import Grants, SessionGrants
 from .limits import DirectLimits, LimitChannel
 from .policy import Grow, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan, initial_pages
 
@@ -79,7 +79,7 @@ _sequence = itertools.count(1)
 
 
 class PoolGovernor:
-    def __init__(self, geometry: PoolGeometry, real_allocator: Any, grants: SessionGrants | None,
+    def __init__(self, geometry: PoolGeometry, real_allocator: Any, grants: Grants | None,
                  marks: Watermarks, *, limits: LimitChannel | None = None, why_ungoverned: str = ""):
         self.geometry = geometry
         self.real = real_allocator

@@ -8,20 +8,37 @@ returns None, an eviction is raised (fatal).
 Invariant: :attr:`pages` is what this pool holds from the broker; the session holds at least
 ``pages * ratio`` session pages (other reporters may hold more on the same session).
 
-A governor uses any object with this interface (``pages``, ``acquire``, ``release``,
-``report``, ``forget``, ``poll``, optionally ``lost`` and ``mapped``): :class:`SessionGrants` when the pool's memory is mapped in
-this process, ``board.BoardGrants`` when it is mapped in tensor-parallel workers that hold
-the grants themselves.
+A governor uses any object with the interface :class:`Grants` (and, where present, the optional
+``lost``, ``mapped``, ``idle`` and ``client``): :class:`SessionGrants` when the pool's memory is
+mapped in this process, ``board_grants.BoardGrants`` when it is mapped in tensor-parallel
+workers that hold the grants themselves.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
 
 from .. import announce, worker
 from ..worker import WorkerIdentity
 from .geometry import PoolGeometry, session_pages_per_page
 
 log = announce.logger("kvcached_broker.adapters")
+
+
+class Grants(Protocol):
+    """What a governor needs of a pool's grants, in pool pages.  A governor passes ``mapped`` and
+    ``key`` to :meth:`release` only to grants that have ``mapped``; ``report`` takes ``usage``
+    and ``allocated`` as :meth:`SessionGrants.report` does."""
+
+    @property
+    def pages(self) -> int: ...
+    def acquire(self, pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None: ...
+    def release(self, pages: int, *, mapped: int | None = None, key: str | None = None) -> bool: ...
+    def report(self, key: str, pools: dict[str, int], *, usage: dict[str, int] | None = None,
+               allocated: bool = True) -> bool: ...
+    def forget(self, key: str) -> None: ...
+    def forget_report(self, key: str) -> None: ...
+    def poll(self) -> int: ...
 
 
 class SessionGrants:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from types import ModuleType
 from typing import Any
 
 from ...client.units import parse_size
@@ -318,7 +317,7 @@ def _own_call() -> bool:
     return caller.startswith(_OWN_CALLERS)
 
 
-def patch_kv_cache_manager(module: ModuleType) -> None:
+def patch_kv_cache_manager(module: Any) -> None:
     module.PageAllocator = wrap_once(module.PageAllocator, _allocator_factory(module.PageAllocator))
     wrap_methods(module, "KVCacheManager", {"__init__": _wrap_init, "shutdown": _wrap_shutdown,
                                             "set_memory_limit": _wrap_set_memory_limit})

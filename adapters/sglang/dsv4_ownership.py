@@ -22,6 +22,7 @@ adapter's are never both counted:
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 from .. import announce
@@ -96,7 +97,7 @@ def _observability() -> Any:
     module = sys.modules.get("kvcached.observability")
     if module is None and "kvcached" in sys.modules:
         try:
-            import kvcached.observability as module  # noqa: PLC0415
+            module = importlib.import_module("kvcached.observability")
         except ImportError:
             return None
     return module

@@ -91,7 +91,9 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     eviction) raises only after the collective.
     """
     identity = parallel.identity(device, gpu_id)
-    sized, local_bytes, failure = None, int(runtime_bytes), None
+    sized: sizing.Sized | None = None
+    local_bytes = int(runtime_bytes)
+    failure: Exception | None = None
     try:
         ask = sizing.StartupAsk("SGLang", int(runtime_bytes), MIN_KV_BYTES, int(slack_bytes), elastic)
         sized = sizing.size(identity, ask)

@@ -76,7 +76,10 @@ def _give_fallback(elastic: type, native_name: str) -> bool:
             if hasattr(kvcache, "kvcached_allocator"):
                 return object.__new__(cls)
             _say_once(native_name, kvcache)
-            return native_class(native_name)(*args, **kwargs)  # fully built: not an instance of cls
+            fallback = native_class(native_name)
+            if fallback is None:  # found when the fallback was given, and never forgotten since
+                raise TypeError(f"SGLang's own {native_name} is gone")
+            return fallback(*args, **kwargs)  # fully built: not an instance of cls
 
         elastic.__new__ = staticmethod(__new__)  # type: ignore[assignment]
         setattr(elastic, _MARK, True)

@@ -83,9 +83,13 @@ def in_free_group(alloc: Any) -> bool:
 
 
 class BrokerPagedAllocatorMixin:
-    """Placed before the upstream class; ``self._kvb`` is None on instances of subclasses."""
+    """Placed before the upstream class; ``self._kvb`` is None on instances of subclasses.
+
+    Its methods reach upstream through :func:`_upstream` (``super()``, untyped: the upstream
+    class is known only at run time)."""
 
     _kvb: AllocatorState | None = None
+    num_pages: int  # the upstream allocator's
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._kvb = None
@@ -94,26 +98,26 @@ class BrokerPagedAllocatorMixin:
             self._kvb = AllocatorState.create(self)
 
     def clear(self) -> None:
-        super().clear()
+        _upstream(self).clear()
         if self._kvb is not None:
             self._kvb.tracker.reset(self.num_pages)
 
     def alloc(self, need_size: int) -> Any:
-        out = super().alloc(need_size)
+        out = _upstream(self).alloc(need_size)
         if self._kvb is not None:
             self._kvb.allocated(out)
         return out
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
                      num_new_pages: int | None = None) -> Any:
-        out = super().alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                                   extend_num_tokens, num_new_pages=num_new_pages)
+        out = _upstream(self).alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                                           extend_num_tokens, num_new_pages=num_new_pages)
         if self._kvb is not None:
             self._kvb.allocated(out)
         return out
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc) -> Any:
-        out = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        out = _upstream(self).alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         if self._kvb is not None:
             self._kvb.allocated(out)
         return out
@@ -121,16 +125,16 @@ class BrokerPagedAllocatorMixin:
     def free(self, free_index: Any) -> None:
         state = self._kvb
         if state is None or free_index.numel() == 0:
-            return super().free(free_index)
+            return _upstream(self).free(free_index)
         debug = debug_mode(self)  # upstream's own checks see every id, double frees included
         if in_free_group(self):  # applied at free_group_end, which frees through here again
-            return super().free(free_index if debug else state.tracker.in_range_token_ids(free_index))
+            return _upstream(self).free(free_index if debug else state.tracker.in_range_token_ids(free_index))
         if debug:
             state.tracker.release_token_ids(free_index, count=False)
-            return super().free(free_index)
+            return _upstream(self).free(free_index)
         kept, _freed_pages = state.tracker.release_token_ids(free_index)
         if kept.numel():
-            super().free(kept)
+            _upstream(self).free(kept)
 
     @property
     def stale_free_ids(self) -> int:
@@ -143,6 +147,8 @@ class _OptionalMethods:
 
     They run inside the derived class, so they reach upstream through ``_upstream``.
     """
+
+    _kvb: AllocatorState | None  # the mixin's, in the derived class
 
     def free_page_ids(self, page_ids: Any) -> None:  # 0.5.20+
         state = self._kvb
@@ -202,7 +208,7 @@ def broker_class(base: type) -> type:
         return derived
 
 
-def _check_upstream(base: type) -> None:
+def _check_upstream(base: type[Any]) -> None:
     params = inspect.signature(base.alloc_extend).parameters
     if "num_new_pages" not in params:
         raise PatchError(f"{base.__module__}.{base.__name__}.alloc_extend has no num_new_pages (SGLang < 0.5.12)")

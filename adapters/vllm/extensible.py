@@ -213,12 +213,12 @@ def wrap_measure(original: Callable[..., int]) -> Callable[..., int]:
     return wrap_once(original, measure_kv_cache_blocks)
 
 
-def wrap_extend_kv_cache(original: Callable[..., None]) -> Callable[..., None]:
-    def extend_kv_cache(self: Any, num_blocks: int, *args: Any, **kwargs: Any) -> None:
+def wrap_extend_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    def extend_kv_cache(self: Any, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
         result = original(self, num_blocks, *args, **kwargs)
         kv_cache = getattr(getattr(self, "model_runner", None), "extensible_kv_cache", None)
         state = _governed(kv_cache)
-        if state is not None:
+        if kv_cache is not None and state is not None:
             state.final = True
             left = worker.held_bytes(state.identity, KV_SIZING_HOLD)
             if left:

@@ -130,11 +130,12 @@ def wrap_allocate_uniform(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def apply_uniform_kv_caches(module: Any) -> None:
     """``KVConnectorModelRunnerMixin.allocate_uniform_kv_caches`` (a staticmethod, 0.19)."""
-    mixin = class_with(module, "KVConnectorModelRunnerMixin", ["allocate_uniform_kv_caches"])
-    found = vars(mixin)["allocate_uniform_kv_caches"]
+    name = "allocate_uniform_kv_caches"
+    mixin = class_with(module, "KVConnectorModelRunnerMixin", [name])
+    found = vars(mixin)[name]
     if not isinstance(found, staticmethod):
-        raise PatchError(f"{module.__name__}.KVConnectorModelRunnerMixin.allocate_uniform_kv_caches is not a staticmethod")
-    mixin.allocate_uniform_kv_caches = staticmethod(wrap_allocate_uniform(found.__func__))
+        raise PatchError(f"{module.__name__}.KVConnectorModelRunnerMixin.{name} is not a staticmethod")
+    setattr(mixin, name, staticmethod(wrap_allocate_uniform(found.__func__)))
 
 
 def _wrap_functions(module: Any, names: tuple[str, ...]) -> list[str]:

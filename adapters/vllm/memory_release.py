@@ -105,8 +105,8 @@ def wrap_discard(original: Callable[..., None]) -> Callable[..., None]:
     return wrap_once(original, discard)
 
 
-def wrap_wake_up(original: Callable[..., None]) -> Callable[..., None]:
-    def wake_up(self: Any, tags: list[str] | None = None, *args: Any, **kwargs: Any) -> None:
+def wrap_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wake_up(self: Any, tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
         identity = parallel.identity(self.device)
         admit(identity, wake_tags(tags))  # before vLLM maps the memory again
         try:
