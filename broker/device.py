@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 # Re-exported: the shared-usage files' writers (tools.shared_gpu) stamp their start with it.
-from ..client.procfs import running_start_ticks as running_start_ticks
+from ..client.procfs import running_start_ticks
 from .accounts import DeviceInfo
 
 log = logging.getLogger(__name__)
