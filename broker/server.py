@@ -206,7 +206,7 @@ class BrokerServer:
     def _apply_configured_limits(self) -> None:
         for instance, limit in self.config.limits.items():
             limits = self.ledger.set_limits(
-                instance, max_bytes=None if limit.clear_max else limit.max_bytes, min_bytes=limit.min_bytes,
+                instance, max_bytes=limit.max_bytes, min_bytes=limit.min_bytes,
                 weight=limit.weight, source="config", priority=limit.priority,
             )
             log.info("event=limits source=config instance=%s %s", instance,
