@@ -93,8 +93,9 @@ demo: $(STAMP)
 # The compiled request core is an option with its own target (test-compiled), run by .ci/run.
 test: lint adapter-envs test-core test-adapters
 
-# ruff on the whole tree; mypy on the package, staged under its installed names (the source
-# folders are kvcached_broker.* only through pyproject's package-dir).  Configured in pyproject.
+# ruff on the whole tree; mypy on the package (strict's flags on broker/ and client/), staged
+# under its installed names (the source folders are kvcached_broker.* only through pyproject's
+# package-dir).  Configured in pyproject.
 lint: $(LINT_STAMP)
 	$(PY) -m ruff check --quiet .
 	rm -rf build/typecheck/kvcached_broker && mkdir -p build/typecheck/kvcached_broker

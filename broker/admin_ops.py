@@ -15,7 +15,7 @@ from ..client import protocol as proto
 from ..client.errors import Forbidden, UnknownSession
 from .device_monitor import DeviceMonitor
 from .journal import Journal, NullJournal
-from .ledger import KEEP, Ledger
+from .ledger import Ledger
 from .lifecycle import SessionLifecycle
 from .security import Peer
 from .sessions import Binding
@@ -41,10 +41,7 @@ class AdminOps:
         self.require_admin(peer, "limit")
         limits = self.ledger.set_limits(
             req.instance,
-            max_bytes=KEEP if req.max_bytes is proto.UNSET else req.max_bytes,
-            min_bytes=KEEP if req.min_bytes is proto.UNSET else req.min_bytes,
-            weight=KEEP if req.weight is proto.UNSET else req.weight,
-            priority=KEEP if req.priority is proto.UNSET else req.priority,
+            max_bytes=req.max_bytes, min_bytes=req.min_bytes, weight=req.weight, priority=req.priority,
             revision=req.revision,
         )
         log.info(

@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from msgspec import UNSET
 
@@ -24,10 +24,12 @@ from ..client.errors import BrokerError, BrokerUnavailable
 from ..client.units import MAX_SIZE_BYTES, SizeError
 from . import __version__
 from . import config as serve_config
+from .quotas import DEFAULT_QUOTAS
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 MAX_PID = (1 << 31) - 1  # the protocol's largest pid
 log = logging.getLogger("kvcached_broker")
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -35,10 +37,10 @@ class UsageError(Exception):
 
 
 # --------------------------------------------------------------------- types
-def _arg_type(parse, name: str):
+def _arg_type(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
     """An argparse type from one of the config parsers, so flags and the file agree on values."""
 
-    def convert(text: str):
+    def convert(text: str) -> T:
         try:
             return parse(text)
         except (ValueError, SizeError, EndpointError) as exc:
@@ -67,7 +69,7 @@ def _size_or_none(text: str) -> int | None:
 def _simulated_size(flag: str, text: str) -> int:
     """A size for ``simulate``, within what the protocol carries; UsageError (one line) if not."""
     try:
-        size_bytes = serve_config.OPTIONS["simulate"][0](text.strip())
+        size_bytes: int = serve_config.OPTIONS["simulate"][0](text.strip())
     except (ValueError, SizeError) as exc:
         raise UsageError(f"{flag}: {exc}") from None
     if size_bytes > MAX_SIZE_BYTES:
@@ -116,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--headroom", type=_headroom, default=None, metavar="SIZE|PCT", help="kept free (default 5%%)")
     serve.add_argument("--state-dir", type=Path, metavar="DIR", help="checkpoint directory (default: per-user state dir)")
     serve.add_argument("--no-state", action="store_true", default=None, help="keep no checkpoint (lost if the broker dies)")
-    serve.add_argument("--lease", type=_positive_float, default=None, metavar="SECONDS", help=f"session lease (default {serve_config.DEFAULT_QUOTAS.lease_s:g})")
+    serve.add_argument("--lease", type=_positive_float, default=None, metavar="SECONDS", help=f"session lease (default {DEFAULT_QUOTAS.lease_s:g})")
     serve.add_argument("--config", type=Path, metavar="FILE", help="TOML file with serve options and [limits.INSTANCE]")
     serve.add_argument("--metrics-port", type=_port, metavar="PORT", help="serve Prometheus /metrics on this port")
     serve.add_argument("--metrics-address", metavar="ADDR", help="address for /metrics (default 127.0.0.1)")
@@ -183,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ commands
 def _target_endpoint(args: argparse.Namespace) -> str:
     if args.endpoint:
-        return args.endpoint
+        given: str = args.endpoint  # parsed by _endpoint
+        return given
     device = 0 if args.device is None else args.device
     try:
         endpoint = resolve_endpoint(device, uuid=_nvml_uuid(device))

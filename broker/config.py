@@ -272,10 +272,12 @@ LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float, "priority":
 
 @dataclass
 class LimitConfig:
+    """An instance's limits from the config file: the whole of them (a key left out is its
+    default; ``max = "none"`` or no ``max`` is no cap)."""
+
     max_bytes: int | None = None
     min_bytes: int = 0
     weight: float = 1.0
-    clear_max: bool = False
     priority: int = 0
 
 
@@ -311,7 +313,8 @@ def resolve(cli: Mapping[str, Any], env: Mapping[str, str] | None = None, config
     return ServeOptions(values, sources, limits, path if path.is_file() else None)
 
 
-def _pick(key, cli, env, file_values, path, values, sources):
+def _pick(key: str, cli: Mapping[str, Any], env: Mapping[str, str], file_values: Mapping[str, Any],
+          path: Path | None, values: dict[str, Any], sources: dict[str, str]) -> Any:
     parser, env_name, default = OPTIONS[key]
     if cli.get(key) is not None and cli.get(key) is not False:
         value, source = cli[key], "command line"
@@ -374,7 +377,7 @@ def _limit(path: Path, instance: str, table: Any) -> LimitConfig:
             raise ConfigError(f"{where}.{key}': unknown key (use max, min, weight, priority)")
         try:
             if key == "max" and isinstance(value, str) and value.strip().lower() == "none":
-                limit.clear_max = True
+                limit.max_bytes = None
                 continue
             if key == "max":
                 limit.max_bytes = _size(value)

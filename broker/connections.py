@@ -180,7 +180,7 @@ class ConnectionMonitor:
 
     Create it before ``sock`` binds, so that it sees every connection."""
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, book: ConnectionBook):
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], book: ConnectionBook):
         self.book = book
         self._lock = threading.Lock()
         address = f"inproc://kvcached-broker-monitor-{id(self):x}"

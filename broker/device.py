@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
+# Re-exported: the shared-usage files' writers (tools.shared_gpu) stamp their start with it.
 from ..client.procfs import running_start_ticks
 from .accounts import DeviceInfo
 

@@ -11,6 +11,7 @@ see :func:`.status.instance_conflicts`) once, and it is where the admin ``simula
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ..client.errors import BadRequest
 from ..client.units import parse_headroom
@@ -29,7 +30,8 @@ class DeviceMonitor:
         self.external_bytes = first.external_for((), 0)
         self._headroom_bytes, self._headroom_fraction = parse_headroom(headroom, first.total_bytes)
         self._was_overcommitted = False
-        self._collisions_seen: set[tuple] = set()  # the collisions of the last observation
+        # the collisions of the last observation: (instance, kind, rank, sessions)
+        self._collisions_seen: set[tuple[str, str, int | None, tuple[str, ...]]] = set()
 
     @property
     def headroom_bytes(self) -> int:
@@ -80,7 +82,7 @@ class DeviceMonitor:
 
         A collision is keyed by its instance, kind, rank and sessions: one that lasts is logged
         once; one whose sessions change (a third server joins) is new and logged again."""
-        current: set[tuple] = set()
+        current: set[tuple[str, str, int | None, tuple[str, ...]]] = set()
         for name, conflicts in instance_conflicts(ledger.sessions.values()).items():
             for conflict in conflicts:
                 key = (name, conflict["kind"], conflict.get("rank"), tuple(conflict["sessions"]))
@@ -102,7 +104,7 @@ class DeviceMonitor:
             self.probe.set_external(external_bytes)
 
 
-def _log_collision(instance: str, conflict: dict) -> None:
+def _log_collision(instance: str, conflict: dict[str, Any]) -> None:
     if conflict["kind"] == "rank":
         where = f"rank={conflict['rank']}"
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
+from typing import Any
 
 #: Upper bounds in seconds, Prometheus-style (the last bucket is +Inf).
 DEFAULT_BOUNDS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3)
@@ -20,7 +21,7 @@ class Histogram:
         self.sum_s += seconds * times
         self.count += times
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Cumulative buckets, as Prometheus exposes them."""
         cumulative, running = [], 0
         for bound, count in zip(list(self.bounds_s) + [float("inf")], self.counts):

@@ -42,7 +42,9 @@ Units: ``*_bytes`` are ints of bytes, ``*_pages`` ints of pages, ``*_s`` float s
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
+
+from msgspec import UNSET, UnsetType
 
 from ..client.errors import BadRequest, LimitExceeded, StaleRevision
 from ..client.units import format_bytes
@@ -62,8 +64,6 @@ from .accounts import (
 from .refusals import clean_pools, clean_views, largest_growth
 from .refusals import refusal as refusal_for
 
-#: Sentinel for "leave this limit as it is" in :meth:`Ledger.set_limits`.
-KEEP: Any = object()
 #: The pool that ``reserve(..., measured_base=True)`` sets: what a process had allocated
 #: before it reported anything (weights, CUDA context, runtime buffers).
 RUNTIME_BASE_POOL = "runtime_base"
@@ -656,15 +656,17 @@ class Ledger:
         self,
         instance: str,
         *,
-        max_bytes: Any = KEEP,  # int | None, or KEEP
-        min_bytes: Any = KEEP,  # int, or KEEP
-        weight: Any = KEEP,  # float, or KEEP
+        max_bytes: int | None | UnsetType = UNSET,
+        min_bytes: int | UnsetType = UNSET,
+        weight: float | UnsetType = UNSET,
         revision: int | None = None,
         source: LimitSource = "admin",
-        priority: Any = KEEP,  # int, or KEEP
+        priority: int | UnsetType = UNSET,
         owner_uid: int | None = None,
     ) -> Limits:
-        """Change an instance's limits (the instance need not be registered yet).
+        """Change an instance's limits (the instance need not be registered yet): a limit left
+        ``UNSET`` (msgspec's, as a request that omits it decodes) stays as it is; ``max_bytes=None``
+        is no cap.
 
         Refused with ``limit_exceeded`` if ``min > max`` or the floors would sum past the
         budget, and with ``stale_revision`` if ``revision`` is given and is not current.
@@ -676,12 +678,12 @@ class Ledger:
                 details={"instance": instance, "revision": current.revision},
             )
         new = Limits(
-            max_bytes=current.max_bytes if max_bytes is KEEP else max_bytes,
-            min_bytes=current.min_bytes if min_bytes is KEEP else min_bytes,
-            weight=current.weight if weight is KEEP else weight,
+            max_bytes=current.max_bytes if max_bytes is UNSET else max_bytes,
+            min_bytes=current.min_bytes if min_bytes is UNSET else min_bytes,
+            weight=current.weight if weight is UNSET else weight,
             revision=current.revision + 1,
             source=source,
-            priority=current.priority if priority is KEEP else priority,
+            priority=current.priority if priority is UNSET else priority,
             owner_uid=owner_uid,
         )
         if new.max_bytes is not None and new.min_bytes > new.max_bytes:

@@ -75,7 +75,7 @@ class StatusCollector:
         self._snapshot = snapshot
         self._gpu = gpu
 
-    def describe(self) -> list:
+    def describe(self) -> list[Any]:
         return []  # unchecked collector: metrics are known only from a snapshot
 
     def collect(self) -> Iterator[Any]:
@@ -288,7 +288,8 @@ class MetricsServer:
         self.timeout_s = timeout_s
         self.served = 0
         self.refused = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        # (request, client address) as socketserver hands them over, for a worker to answer
+        self._queue: queue.Queue[tuple[socket.socket | tuple[bytes, socket.socket], Any]] = queue.Queue(maxsize=queue_size)
         owner = self
         family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
 
@@ -296,7 +297,8 @@ class MetricsServer:
             address_family = family
             request_queue_size = queue_size
 
-            def process_request(self, request, client_address):  # called by serve_forever's thread
+            def process_request(self, request: socket.socket | tuple[bytes, socket.socket],
+                                client_address: Any) -> None:  # called by serve_forever's thread
                 try:
                     owner._queue.put_nowait((request, client_address))
                 except queue.Full:

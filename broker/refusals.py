@@ -11,14 +11,30 @@ session holds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..client.errors import BadRequest, BrokerError, BudgetExceeded, LimitExceeded, Overcommitted
 from ..client.units import format_bytes, format_bytes_apart
-from .accounts import Limits
+from .accounts import DeviceInfo, Limits
 
-if TYPE_CHECKING:
-    from .ledger import Ledger
+
+class LedgerView(Protocol):
+    """What a refusal reads of the ledger (:class:`.ledger.Ledger`), which words its refusals here."""
+
+    device: DeviceInfo
+    limits: dict[str, Limits]
+    growth_hold: str | None
+
+    @property
+    def budget_bytes(self) -> int: ...
+
+    @property
+    def charged_bytes(self) -> int: ...
+
+    def top_charges(self, exclude: str, count: int = 3) -> list[tuple[str, int]]: ...
+
+    def holds_of_others(self, exclude: str) -> list[tuple[str, int]]: ...
+
 
 def clean_pools(pools: dict[str, int]) -> dict[str, int]:
     for name, size in pools.items():
@@ -55,7 +71,7 @@ def refusal(
     instance: str,
     asked_bytes: int,
     room_bytes: int,
-    ledger: "Ledger",
+    ledger: LedgerView,
     details: dict[str, Any],
 ) -> BrokerError:
     dev = ledger.device

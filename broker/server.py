@@ -40,6 +40,7 @@ from .. import broker as _package
 from ..client import protocol as proto
 from ..client.endpoint import ipc_path, tcp_host
 from ..client.units import format_bytes
+from .counters import Counters
 from .connections import (
     ConnectionBook,
     ConnectionBounds,
@@ -144,8 +145,8 @@ class BrokerServer:
         self.replies = ReplyBudget()
         self.core.shell_view = self._limits_view
         self._journal_open = False  # only a journal this broker restored may be written
-        self._ctx: zmq.Context | None = None
-        self._sock: zmq.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._auth: ThreadAuthenticator | None = None
         self._stopping = False
         self._wakeups: WakeupThread | None = None
@@ -166,7 +167,7 @@ class BrokerServer:
         ]
 
     @property
-    def counters(self):
+    def counters(self) -> Counters:
         return self.core.counters
 
     # ------------------------------------------------------------ lifecycle
@@ -205,7 +206,7 @@ class BrokerServer:
     def _apply_configured_limits(self) -> None:
         for instance, limit in self.config.limits.items():
             limits = self.ledger.set_limits(
-                instance, max_bytes=None if limit.clear_max else limit.max_bytes, min_bytes=limit.min_bytes,
+                instance, max_bytes=limit.max_bytes, min_bytes=limit.min_bytes,
                 weight=limit.weight, source="config", priority=limit.priority,
             )
             log.info("event=limits source=config instance=%s %s", instance,
@@ -276,7 +277,7 @@ class BrokerServer:
             "metrics": self.metrics_view() if self.metrics_view is not None else None,
         }
 
-    def _start_curve(self, sock: zmq.Socket, curve_dir: Path) -> None:
+    def _start_curve(self, sock: zmq.Socket[bytes], curve_dir: Path) -> None:
         """CURVE on tcp: the broker's key pair, and only clients whose public key is authorised."""
         import zmq.auth
         from zmq.auth.thread import ThreadAuthenticator

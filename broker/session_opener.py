@@ -30,12 +30,13 @@ import logging
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from ..client import protocol as proto
 from ..client.errors import BadRequest, BrokerError, NotOwner, RateLimited, SessionEvicted, UnsupportedVersion, WrongDevice
 from .journal import NullJournal, Journal
 from .accounts import Claim, Limits
-from .ledger import KEEP, Ledger
+from .ledger import Ledger
 from .quotas import SessionQuotas
 from .lifecycle import SessionLifecycle
 from .security import Peer
@@ -248,7 +249,7 @@ class SessionOpener:
         budget = self.ledger.budget_bytes
         quotas = self.quotas
         cut: list[str] = []
-        floor = KEEP
+        floor: int | UnsetType = UNSET
         if asked.min_bytes is not proto.UNSET:
             others = sum(lim.min_bytes for name, lim in self.ledger.limits.items() if name != instance)
             bound = min(int(budget * quotas.hello_max_floor_share), budget - others)
@@ -256,12 +257,12 @@ class SessionOpener:
             if floor < asked.min_bytes:
                 cut.append(f"floor cut to {floor} bytes (at most {quotas.hello_max_floor_share:g} of the budget, "
                            "within what the other floors leave)")
-        weight = KEEP
+        weight: float | UnsetType = UNSET
         if asked.weight is not proto.UNSET:
             weight = min(asked.weight, quotas.hello_max_weight)
             if weight < asked.weight:
                 cut.append(f"weight cut to {weight:g} (at most {quotas.hello_max_weight:g})")
-        priority = KEEP
+        priority: int | UnsetType = UNSET
         if asked.priority is not proto.UNSET:
             priority = min(asked.priority, quotas.hello_max_priority)
             if priority < asked.priority:
@@ -269,7 +270,7 @@ class SessionOpener:
         try:
             self.ledger.set_limits(
                 instance,
-                max_bytes=KEEP if asked.max_bytes is proto.UNSET else asked.max_bytes,
+                max_bytes=asked.max_bytes,
                 min_bytes=floor, weight=weight, source="hello", owner_uid=uid,
                 priority=priority,
             )

@@ -127,7 +127,7 @@ def _rank_conflicts(members: list[Session]) -> list[dict[str, Any]]:
     ]
 
 
-def _who(members: list[Session]) -> dict[str, list]:
+def _who(members: list[Session]) -> dict[str, list[str] | list[int]]:
     return {"sessions": sorted(s.id for s in members), "pids": sorted({s.pid for s in members})}
 
 

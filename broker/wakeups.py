@@ -24,7 +24,8 @@ import threading
 
 import zmq
 
-from .liveness import PidWatcher, process_alive, process_start_ticks
+from ..client.procfs import running_start_ticks
+from .liveness import PidWatcher, process_alive
 
 log = logging.getLogger("kvcached_broker.server")
 
@@ -42,7 +43,7 @@ def parse_wakeup(body: bytes) -> int | None:
 class WakeupThread:
     """Watches pidfds and a wake pipe; posts their events to ``endpoint`` (an inproc ROUTER)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str):
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str):
         self.routing_id = b"\x7fwakeup-" + os.urandom(16).hex().encode()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
@@ -141,7 +142,7 @@ class PidfdProcesses:
         self._early.clear()
 
     def start_ticks(self, pid: int) -> int | None:
-        return process_start_ticks(pid)
+        return running_start_ticks(pid)
 
     def alive(self, pid: int, start_ticks: int | None) -> bool:
         return process_alive(pid, start_ticks)
@@ -152,7 +153,7 @@ class PidfdProcesses:
     def watch(self, pid: int) -> bool:
         if self._wakeups is None:
             self._early.add(pid)
-            return process_start_ticks(pid) is not None
+            return running_start_ticks(pid) is not None
         try:
             self._wakeups.watch(pid)
         except ProcessLookupError:

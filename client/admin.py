@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Callable
 
-from msgspec import UNSET
+from msgspec import UNSET, Struct, UnsetType
 
 from . import protocol as proto
 from .errors import BrokerUnavailable, error_from_wire
@@ -24,7 +24,7 @@ class AdminClient:
         self._guard = endpoint_guard(endpoint, self._transport.close)
         self._ids = itertools.count(1)
 
-    def _call(self, make: Any) -> Any:
+    def _call(self, make: Callable[[int], Struct]) -> dict[str, Any]:
         """Send one request; its reply is believed only once the endpoint it came from checks out."""
         request_id = next(self._ids)
         self._guard(False)
@@ -33,7 +33,8 @@ class AdminClient:
         if not reply.ok:
             assert reply.error is not None
             raise error_from_wire(reply.error.code, reply.error.message, reply.error.details)
-        return reply.result
+        result: dict[str, Any] = reply.result  # a reply's result is a map
+        return result
 
     def status(self) -> dict[str, Any]:
         return self._call(lambda rid: proto.Status(id=rid))
@@ -42,11 +43,11 @@ class AdminClient:
         self,
         instance: str,
         *,
-        max_bytes: int | None | Any = UNSET,
-        min_bytes: int | Any = UNSET,
-        weight: float | Any = UNSET,
+        max_bytes: int | None | UnsetType = UNSET,
+        min_bytes: int | UnsetType = UNSET,
+        weight: float | UnsetType = UNSET,
         revision: int | None = None,
-        priority: int | Any = UNSET,
+        priority: int | UnsetType = UNSET,
     ) -> dict[str, Any]:
         return self._call(
             lambda rid: proto.SetLimit(
@@ -58,7 +59,8 @@ class AdminClient:
     def evict(self, session_id: str, *, kill: bool = False) -> dict[str, Any]:
         return self._call(lambda rid: proto.Evict(id=rid, session_id=session_id, kill=kill))
 
-    def simulate(self, *, external_bytes: int | Any = UNSET, process_bytes: dict[int, int] | Any = UNSET) -> dict[str, Any]:
+    def simulate(self, *, external_bytes: int | UnsetType = UNSET,
+                 process_bytes: dict[int, int] | UnsetType = UNSET) -> dict[str, Any]:
         return self._call(lambda rid: proto.Simulate(id=rid, external_bytes=external_bytes, process_bytes=process_bytes))
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from . import protocol as proto
 from .core import ClientCore, check_pages, package_version, prepare
@@ -24,6 +24,8 @@ from .session_view import SessionView
 from .transport import AsyncTransport, CurveKeys, Timeouts
 from .trust import endpoint_guard
 
+T = TypeVar("T")
+
 #: What the runtime registers to free pages under pressure (as ``sync_client.PressureCallback``;
 #: it may be a coroutine function).
 AsyncPressureCallback = Callable[[int], Awaitable[int] | int]
@@ -32,12 +34,14 @@ AsyncPressureCallback = Callable[[int], Awaitable[int] | int]
 class AsyncBrokerClient(SessionView):
     """A session with one GPU's broker.  Create it with ``await AsyncBrokerClient.connect(...)``."""
 
+    _transport: AsyncTransport
+
     def __init__(self, core: ClientCore, transport: AsyncTransport):
         self._core = core
         self._ops = Operations(core, endpoint_guard(transport.endpoint, transport.close))
         self._transport = transport
-        self._task: asyncio.Task | None = None
-        self._resuming: asyncio.Future | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._resuming: asyncio.Future[None] | None = None
         self._next_heartbeat_s = 0.0
         self._pressure_callback: AsyncPressureCallback | None = None
         self._soft_pressure_callback: AsyncPressureCallback | None = None
@@ -62,8 +66,8 @@ class AsyncBrokerClient(SessionView):
         curve: CurveKeys | None = None,
         background: bool = True,
         client: str = "",
-        limits: dict | None = None,
-        adapter: dict | None = None,
+        limits: dict[str, Any] | None = None,
+        adapter: dict[str, Any] | None = None,
         report_mapping: bool = False,
     ) -> "AsyncBrokerClient":
         """As :meth:`BrokerClient.connect`."""
@@ -148,7 +152,7 @@ class AsyncBrokerClient(SessionView):
         await self.close()
 
     # ------------------------------------------------------------ the driver
-    async def _run(self, op: Op) -> Any:
+    async def _run(self, op: Op[T]) -> T:
         """Carry out an operation's actions until it returns (or raises)."""
         value: Any = None
         error: BaseException | None = None
@@ -156,7 +160,8 @@ class AsyncBrokerClient(SessionView):
             try:
                 action = op.throw(error) if error is not None else op.send(value)
             except StopIteration as done:
-                return done.value
+                result: T = done.value  # what ``op`` returned
+                return result
             value, error = None, None
             try:
                 value = await self._do(action)

@@ -363,10 +363,10 @@ class ClientCore:
         at most what it will hold."""
         if not self.report_mapping:
             raise BadRequest("this session does not report mapping: connect with report_mapping=True")
-        check_pages("mapped_pages", mapped_pages, minimum=0)
-        if mapped_pages > granted_pages:
-            raise BadRequest(f"mapped_pages ({mapped_pages}) must not exceed the {granted_pages} page(s) held")
-        return mapped_pages
+        mapped = check_pages("mapped_pages", mapped_pages, minimum=0)
+        if mapped > granted_pages:
+            raise BadRequest(f"mapped_pages ({mapped}) must not exceed the {granted_pages} page(s) held")
+        return mapped
 
     def book_late_grant(self, result: dict[str, Any]) -> None:
         """The answer to an acquire whose caller gave up: its pages go to the credit reserve."""
@@ -537,9 +537,10 @@ def check_pages(name: str, value: Any, *, minimum: int) -> int:
     if type(value) is int and minimum <= value <= proto.MAX_PAGES:
         return value  # the common case, in one test
     _check_int(name, value, minimum=minimum)
-    if value > proto.MAX_PAGES:
-        raise BadRequest(f"{name} must be at most {proto.MAX_PAGES}, got {value}")
-    return value
+    pages: int = value  # an int, as _check_int made sure
+    if pages > proto.MAX_PAGES:
+        raise BadRequest(f"{name} must be at most {proto.MAX_PAGES}, got {pages}")
+    return pages
 
 
 def check_wait(wait_s: Any) -> float | None:

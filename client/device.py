@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 
 class DeviceResolutionError(ValueError):
@@ -91,7 +91,8 @@ def _uuid_from_torch(ordinal: int) -> str | None:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
-def _nvml():
+def _nvml() -> Any:
+    """The initialised ``pynvml`` module (untyped: read as Any), or None without NVML."""
     try:
         import pynvml
 

@@ -22,9 +22,10 @@ I/O or reads a clock.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Final, Generator, TypeVar
 
 from . import protocol as proto
 from .core import RESUME_CODES, ClientCore, check_ask, check_pages, check_wait
@@ -50,13 +51,15 @@ class Resume:
 @dataclass(slots=True)
 class Invoke:
     fn: Callable[..., Any]
-    args: tuple
+    args: tuple[Any, ...]
 
 
 Action = Send | Resume | Invoke
-Op = Generator[Action, Any, Any]
+T = TypeVar("T")
+#: An operation: a generator of actions, sent what each action gave, returning the call's result.
+Op = Generator[Action, Any, T]
 
-def drive(op: Op, do: Callable[[Action], Any]) -> Any:
+def drive(op: Op[T], do: Callable[[Action], Any]) -> T:
     """Carry out ``op``'s actions with ``do`` until it returns (or raises): what each action
     gave, or raised, goes back into the operation, which decides (in doubt, refused, ...).
     The synchronous drivers' loop; the asyncio client awaits ``do`` in the same loop."""
@@ -66,7 +69,8 @@ def drive(op: Op, do: Callable[[Action], Any]) -> Any:
         try:
             action = op.throw(error) if error is not None else op.send(value)
         except StopIteration as done:
-            return done.value
+            result: T = done.value  # what ``op`` returned
+            return result
         value, error = None, None
         try:
             value = do(action)
@@ -74,8 +78,14 @@ def drive(op: Op, do: Callable[[Action], Any]) -> Any:
             error = exc
 
 
+class _Moot(enum.Enum):
+    """A sentinel's type, as an enum so that ``result is MOOT`` narrows a result."""
+
+    MOOT = "moot"
+
+
 #: What an exchange returns for a request that a lost session made moot.
-MOOT = object()
+MOOT: Final = _Moot.MOOT
 #: How many times one request resumes its session before its ``not_owner`` is raised: each
 #: resume is answered (a broker that restarts again and again while a call waits, as the chaos
 #: run's restarts in a row make it, is followed), but a broker that keeps answering
@@ -97,7 +107,7 @@ class Operations:
         self._reasserting = False  # a re-assertion runs now (its own requests must not start another)
 
     # ------------------------------------------------------------ the calls
-    def open(self, *, resume: bool) -> Op:
+    def open(self, *, resume: bool) -> Op[None]:
         """Hello (or resume); a broker that lost the session gets the books asked for again.
 
         The endpoint is checked before the hello and again once its reply has come, before
@@ -113,7 +123,7 @@ class Operations:
         if core.on_hello(reply.result):
             yield from self._reassert()
 
-    def _guard(self, *, answered: bool) -> Op:
+    def _guard(self, *, answered: bool) -> Op[None]:
         if self.guard is None:
             return
         try:
@@ -123,14 +133,15 @@ class Operations:
             raise
 
     def reserve(self, pools: dict[str, int], usage: dict[str, int] | None, holds: dict[str, int] | None,
-                measured_base: bool, min_holds: dict[str, int] | None = None, phase: str | None = None) -> Op:
+                measured_base: bool, min_holds: dict[str, int] | None = None,
+                phase: str | None = None) -> Op[dict[str, int]]:
         core = self.core
         build = core.reserve_request(pools, usage, holds, measured_base, min_holds, phase)
         result = yield from self.call(build, track={"on_answer": core.book_pools})
         core.book_pools(result)
         return dict(result["pools"])
 
-    def acquire(self, pages: int, min_pages: int | None, wait_s: float | None = None) -> Op:
+    def acquire(self, pages: int, min_pages: int | None, wait_s: float | None = None) -> Op[int]:
         """Take ``pages`` (or, with ``min_pages``, the most that fit in between); 0: refused.
 
         The credit reserve serves it with no round trip when it holds enough and no request
@@ -159,7 +170,7 @@ class Operations:
         core.last_acquire = dict(result)
         return credit.settle(pages, min_pages, int(result["granted"]))
 
-    def release(self, pages: int, mapped_pages: int | None = None) -> Op:
+    def release(self, pages: int, mapped_pages: int | None = None) -> Op[None]:
         """Give back ``pages``: they go to the reserve, and only its surplus above the high
         watermark goes to the broker.  More than held is refused and changes nothing.
 
@@ -176,7 +187,7 @@ class Operations:
         elif mapped_pages is not None:
             yield from self.mapped(mapped_pages)
 
-    def mapped(self, mapped_pages: int) -> Op:
+    def mapped(self, mapped_pages: int) -> Op[int]:
         """A session that reports mapping: ``mapped_pages`` of its granted pages are mapped now
         (an absolute count: sending it twice is harmless).  Returns its unmapped pages."""
         core = self.core
@@ -190,7 +201,7 @@ class Operations:
         )
         return int(result.get("unmapped_pages", 0))
 
-    def return_pages(self, pages: int, mapped_pages: int | None = None) -> Op:
+    def return_pages(self, pages: int, mapped_pages: int | None = None) -> Op[None]:
         """Hand ``pages`` (already off the books) back to the broker."""
         core, credit = self.core, self.core.credit
         if mapped_pages is not None:
@@ -210,7 +221,7 @@ class Operations:
             credit.reattach(pages)  # refused: the pages are still this session's
             raise
 
-    def acquire_tp(self, pages: int, reduce_min: Callable[[int], Any], min_pages: int | None) -> Op:
+    def acquire_tp(self, pages: int, reduce_min: Callable[[int], Any], min_pages: int | None) -> Op[int]:
         """Acquire here, agree on the group's minimum with ``reduce_min``, release the surplus.
 
         ``reduce_min`` is called exactly once on every path (refused arguments, a closed or
@@ -233,13 +244,13 @@ class Operations:
             raise failure
         return agreed
 
-    def status(self) -> Op:
+    def status(self) -> Op[dict[str, Any]]:
         core = self.core
         return (yield from self.call(
             lambda rid: proto.Status(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages)
         ))
 
-    def heartbeat(self) -> Op:
+    def heartbeat(self) -> Op[dict[str, Any]]:
         core = self.core
         return (yield from self.call(
             lambda rid: proto.Heartbeat(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages,
@@ -247,7 +258,7 @@ class Operations:
             total_s=max(1.0, core.heartbeat_s),
         ))
 
-    def refill(self) -> Op:
+    def refill(self) -> Op[None]:
         """Top the credit reserve up once it runs below its low watermark (the background does
         this; not while a caller's own request that changes holdings is in flight)."""
         core, credit = self.core, self.core.credit
@@ -262,7 +273,7 @@ class Operations:
 
     def background_round(self, pushes: list[proto.Pressure], callback: Callable[[int], Any] | None,
                          heartbeat_due: Callable[[], bool], pressure_log: list[dict[str, int]],
-                         soft_callback: Callable[[int], Any] | None = None) -> Op:
+                         soft_callback: Callable[[int], Any] | None = None) -> Op[None]:
         """One round of a driver's background work, in this order: answer the pressure pushes
         that came (each answer appended to ``pressure_log`` as it is made), top the reserve up,
         then heartbeat if ``heartbeat_due()`` (the driver's clock) says so, or if the idle figure
@@ -274,7 +285,7 @@ class Operations:
             yield from self.heartbeat()
 
     def answer_pressure(self, push: proto.Pressure, callback: Callable[[int], Any] | None,
-                        soft_callback: Callable[[int], Any] | None = None) -> Op:
+                        soft_callback: Callable[[int], Any] | None = None) -> Op[dict[str, int]]:
         """The broker asks for pages back: the credit reserve first, then what the runtime frees
         (a soft ask: only what ``soft_callback`` frees of idle memory; none without one)."""
         core = self.core
@@ -296,7 +307,7 @@ class Operations:
         )
         return {"asked": push.pages, "from_reserve": from_reserve, "from_runtime": from_runtime}
 
-    def close(self, timeout_s: float) -> Op:
+    def close(self, timeout_s: float) -> Op[None]:
         """Release everything and end the session (nothing to do if evicted or never opened)."""
         core = self.core
         if core.closed:
@@ -313,7 +324,7 @@ class Operations:
 
     # ------------------------------------------------------ request plumbing
     def call(self, build: Callable[[int], Any], *, total_s: float | None = None, resume: bool = True,
-             track: dict[str, Any] | None = None) -> Op:
+             track: dict[str, Any] | None = None) -> Op[dict[str, Any]]:
         """Send one request and return its result.
 
         ``track`` marks a request that changes holdings (see ``core.Outstanding``): it stays
@@ -352,14 +363,15 @@ class Operations:
         return {"settled": True} if result is MOOT else result
 
     def _exchange(self, request_id: int, payload: bytes, build: Callable[[int], Any] | None, *,
-                  total_s: float | None, resume: bool, booked: bool) -> Op:
+                  total_s: float | None, resume: bool, booked: bool) -> Op[dict[str, Any] | _Moot]:
         core = self.core
         for _ in range(MAX_RESUMES_PER_REQUEST + 1):
             token_used = core.token
             reply = yield Send(request_id, payload, total_s)
             if reply.ok:
                 core.answered(request_id)
-                return reply.result
+                result: dict[str, Any] = reply.result  # a reply's result is a map
+                return result
             assert reply.error is not None
             if resume and reply.error.code in RESUME_CODES:
                 log.info("event=resume session=%s reason=%s", core.session_id, reply.error.code)
@@ -378,7 +390,7 @@ class Operations:
         core.answered(request_id)
         raise core.error_of(reply)
 
-    def settle_in_doubt(self, total_s: float | None) -> Op:
+    def settle_in_doubt(self, total_s: float | None) -> Op[None]:
         """Send every request a caller gave up on again, before anything else, and book its answer.
 
         Callers skip it when nothing is outstanding (no generator to build on the hot path)."""
@@ -406,7 +418,7 @@ class Operations:
         if surplus:
             yield from self.return_pages(surplus)
 
-    def _reassert(self) -> Op:
+    def _reassert(self) -> Op[None]:
         """The broker lost this session: ask the new one for what the books say is held (the
         pools and holds, then the held pages, which are uncharged until granted again).
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Union
 
 import msgspec
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import UNSET as UNSET  # the schemas' "not given", read by both sides as proto.UNSET
+from msgspec import Meta, Struct, UnsetType
 
 from .units import MAX_SIZE_BYTES
 

@@ -7,14 +7,21 @@ inherit it, so their public surfaces cannot drift here.  A subclass sets ``_core
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .core import ClientCore
+
+
+class _HasEndpoint(Protocol):
+    endpoint: str
 
 
 class SessionView:
     """The session's books and identity, read from the client core (no request is made)."""
 
-    _core: Any
-    _transport: Any
+    _core: ClientCore
+    _transport: _HasEndpoint
 
     @property
     def session_id(self) -> str | None:

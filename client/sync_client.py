@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from .core import ClientCore, check_pages, package_version, prepare
 from .errors import BrokerError
@@ -32,6 +32,8 @@ from .session_view import SessionView
 from .transport import CurveKeys, SyncTransport, Timeouts
 from .trust import endpoint_guard
 
+T = TypeVar("T")
+
 #: What the runtime registers to free pages under pressure: called with the pages still
 #: wanted after the credit reserve, it frees what it can, hands those pages back with
 #: ``client.release()`` itself, and returns how many it released.
@@ -40,6 +42,8 @@ PressureCallback = Callable[[int], int]
 
 class BrokerClient(SessionView):
     """A session with one GPU's broker.  Create it with :meth:`connect`."""
+
+    _transport: SyncTransport
 
     def __init__(self, core: ClientCore, transport: SyncTransport):
         self._core = core
@@ -69,8 +73,8 @@ class BrokerClient(SessionView):
         curve: CurveKeys | None = None,
         background: bool = True,
         client: str = "",
-        limits: dict | None = None,
-        adapter: dict | None = None,
+        limits: dict[str, Any] | None = None,
+        adapter: dict[str, Any] | None = None,
         report_mapping: bool = False,
     ) -> "BrokerClient":
         """Open a session with the broker of ``device`` (a CUDA ordinal seen by this process).
@@ -211,7 +215,7 @@ class BrokerClient(SessionView):
         self.close()
 
     # ------------------------------------------------------------ the driver
-    def _run(self, op: Op) -> Any:
+    def _run(self, op: Op[T]) -> T:
         """Carry out an operation's actions until it returns (or raises)."""
         return drive(op, self._do)
 

@@ -97,7 +97,7 @@ class CurveKeys:
         return cls.from_files(server, client)
 
 
-def _configure(sock: zmq.Socket, attempt_s: float, curve: CurveKeys | None) -> None:
+def _configure(sock: zmq.Socket[Any], attempt_s: float, curve: CurveKeys | None) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.RECONNECT_IVL, 50)
@@ -136,7 +136,7 @@ class SyncTransport:
         self.timeouts = timeouts
         self.pushes: list[proto.Pressure] = []
         curve = curve or CurveKeys.from_env(endpoint)
-        self._sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         _configure(self._sock, timeouts.attempt_s, curve)
         self._recv_timeout_ms = max(1, int(timeouts.attempt_s * 1000))
         self._sock.connect(endpoint)

@@ -55,7 +55,7 @@ def parse_size(text: str) -> int:
     if "." in number:
         whole, frac = number.split(".")
         numerator = int(whole + frac) * scale
-        denominator = 10 ** len(frac)
+        denominator: int = 10 ** len(frac)
         if numerator % denominator:
             raise SizeError(f"invalid size {text!r}: does not come to a whole number of bytes")
         value = numerator // denominator

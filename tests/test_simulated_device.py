@@ -14,7 +14,8 @@ import subprocess
 
 import pytest
 
-from kvcached_broker.broker.device import SimulatedDevice, read_shared_usage, running_start_ticks
+from kvcached_broker.broker.device import SimulatedDevice, read_shared_usage
+from kvcached_broker.client.procfs import running_start_ticks
 from kvcached_broker.tools.shared_gpu import SharedGpu
 
 from helpers import CLI, GIB, wait_for

@@ -14,7 +14,8 @@ import fcntl
 import os
 from pathlib import Path
 
-from ..broker.device import format_shared_usage, parse_shared_usage, read_shared_usage, running_start_ticks
+from ..broker.device import format_shared_usage, parse_shared_usage, read_shared_usage
+from ..client.procfs import running_start_ticks
 
 
 class DeviceFull(RuntimeError):
