@@ -21,14 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "kvcached_broker"
 FOLDERS = ("broker", "client", "adapters", "tools")
 
-#: Cycles known and not removed yet, each the sorted modules (below ``kvcached_broker.``) of one
-#: strongly connected component.  Empty is the goal (issue 28); an entry gone from the graph
-#: fails :func:`test_known_cycles_are_still_there` until it is deleted here.
-KNOWN_CYCLES: list[list[str]] = [
-    ["broker.ledger", "broker.refusals"],
-]
-
-
 def _modules() -> dict[str, Path]:
     """Dotted module name -> source file, for every module of the installed package."""
     found: dict[str, Path] = {}
@@ -169,14 +161,8 @@ def test_the_finder_finds_a_cycle():
 
 def test_no_import_cycles():
     graph = _graph()
-    unexpected = [c for c in _cycles(graph) if [_short(m) for m in c] not in KNOWN_CYCLES]
-    assert not unexpected, "import cycles:\n" + "\n".join(_describe(c, graph) for c in unexpected)
-
-
-def test_known_cycles_are_still_there():
-    """An entry of KNOWN_CYCLES that is gone is deleted, so that it cannot come back unseen."""
-    cycles = [[_short(m) for m in c] for c in _cycles(_graph())]
-    assert [c for c in KNOWN_CYCLES if c not in cycles] == []
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(_describe(c, graph) for c in cycles)
 
 
 def test_the_floors_of_docs_design():
