@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import autopatch
 from . import identity, runner
 from .eviction import EvictionHook, register_eviction_hook
 
@@ -24,8 +25,6 @@ __all__ = ["EvictionHook", "identity", "register_eviction_hook", "status", "inst
 
 def install() -> None:
     """Register the kvcached patch (applied at once if kvcached is already imported)."""
-    from .. import autopatch
-
     autopatch.apply(["kvcached"])
 
 

@@ -49,6 +49,7 @@ from typing import Any
 from .. import announce
 from . import runner
 from .geometry import PoolGeometry
+from .governor import PoolGovernor
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -338,8 +339,6 @@ def _deferred_overage(governor: Any, manager: Any) -> int:
 def ordered_pools() -> list[tuple[Any, Any]]:
     """``(governor, manager)`` of every live kvcached pool of this process, in creation order
     (the same on every rank: they build the same pools in the same order)."""
-    from .governor import PoolGovernor
-
     found = []
     for governor in runner.governors():
         if not isinstance(governor, PoolGovernor):  # a TP worker's grant holder (vLLM): no pool here

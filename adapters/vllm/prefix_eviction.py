@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from ..patching import wrap_methods, wrap_once
 from .. import announce
+from ..kvcached import register_eviction_hook, runner
 
 log = announce.logger("kvcached_broker.adapters.vllm")
 
@@ -97,8 +98,6 @@ class PrefixEviction:
         self.last_run = where
         self.last_thread = threading.current_thread().name
         log.info("event=vllm_prefix_evicted asked_blocks=%d freed_blocks=%d", blocks, freed)
-        from ..kvcached import runner
-
         runner.wake()  # the governor re-reads what kvcached unmapped
         return freed
 
@@ -116,8 +115,6 @@ def attach_pool(pool: Any, engine_core: Any = None) -> PrefixEviction | None:
     manager = getattr(pool, "kv_cache_manager", None)
     if manager is None or not hasattr(pool, "_evict_blocks_from_pool") or not hasattr(manager, "page_allocator"):
         return None
-    from ..kvcached import register_eviction_hook
-
     hook = PrefixEviction(pool, engine_core)
     _hooks[pool] = hook
     register_eviction_hook(manager, hook)
