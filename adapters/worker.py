@@ -131,12 +131,14 @@ client_factory: Callable[[WorkerIdentity], BrokerClient] | None = None
 #: Given by the modules that build on this one (this module imports none of them).
 _forgets: list[Callable[[], None]] = []  # what reset() also forgets (on_reset)
 _before_settling: list[Callable[[], None]] = []  # what settle_warm_up runs first (before_settling_warm_up)
+#: Guards the two lists above only: registering never waits behind a broker call under _lock.
+_hooks_lock = threading.Lock()
 
 
 def on_reset(forget: Callable[[], None]) -> None:
     """Have :func:`reset` call ``forget`` too, once the sessions are closed (once however often
     given): :mod:`.handback` forgets what was handed back."""
-    with _lock:
+    with _hooks_lock:
         if forget not in _forgets:
             _forgets.append(forget)
 
@@ -145,7 +147,7 @@ def before_settling_warm_up(step: Callable[[], None]) -> None:
     """Have :func:`settle_warm_up` run ``step`` before it pins the base at what the device
     measures (once however often given): kvcached mode's governors report every page they
     mapped first (:mod:`.kvcached.runner`), so the base counts none of them."""
-    with _lock:
+    with _hooks_lock:
         if step not in _before_settling:
             _before_settling.append(step)
 
@@ -389,7 +391,7 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
     its activations need in later batches.  Returns the slack kept; None when unprotected."""
     if session(identity) is None:
         return None
-    with _lock:
+    with _hooks_lock:
         first = list(_before_settling)
     for step in first:
         step()
@@ -716,6 +718,7 @@ def reset() -> None:
                 pass
         _sessions.clear()
         _unprotected.clear()
+    with _hooks_lock:
         forgets = list(_forgets)
     for forget in forgets:
         forget()

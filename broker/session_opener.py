@@ -237,7 +237,7 @@ class SessionOpener:
         """A worker's requested limits, under admin policy: they apply only to an instance no
         admin or config has set limits for (``ignored``), whose sessions all belong to the
         asker's uid (``forbidden``); a floor is cut to the admin's share of the budget and to
-        what the other floors leave, a weight to the admin's maximum (``clamped``).  Returns
+        what the other floors leave, a weight and a priority to the admin's maxima (``clamped``).  Returns
         what became of them, as the hello's answer says it."""
         current = self.ledger.limits.get(instance)
         if current is not None and current.source != "hello":

@@ -255,3 +255,50 @@ def test_a_pool_refused_a_little_past_its_hold_says_how_little(adapter_broker, d
         reporting.report_pool(ME, Pool(), "kv_static", {"kv_static": 4 * GIB + 13 * 1024}, "its static KV pool",
                               last=True)
     assert "cannot give SGLang instance 'me' 13.00 KiB more for its static KV pool" in str(refused.value)
+
+
+def test_the_governors_run_a_round_before_the_end_of_the_warm_up_pins_the_base(
+        adapter_broker, device, neighbour):
+    """kvcached mode: :mod:`.kvcached.runner` has the worker let its governors run a round (and
+    report what they mapped) before the base is pinned where the device measures it, or the base
+    would count those pages.  The runner steps only when woken here, so the round that moved the
+    measurement can only be the one settle_warm_up asked for."""
+    from kvcached_broker.adapters.kvcached import runner
+
+    class Reporting:
+        """A governor whose armed round reports 384 MiB it mapped (the device measures them)."""
+        key = "test-pool"
+        armed = False
+
+        def step(self, now: float) -> None:
+            if self.armed:
+                self.armed = False
+                device(6 * GIB + 384 * MIB)
+
+    sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
+    worker.report(ME, "pool", {"kv_static": 4 * GIB}, holds=sizing.holds_after_pool(ME, 4 * GIB, last=True))
+    device(6 * GIB)
+    tick_s = runner.TICK_S
+    runner.TICK_S = 3600.0
+    governor = Reporting()
+    try:
+        runner.enlist(governor)
+        runner.enlist(governor)
+        assert worker._before_settling.count(runner._report_mapped) == 1  # registered once
+        assert runner.settle(1, timeout_s=30)  # the round enlisting woke is over
+        governor.armed = True
+        assert worker.settle_warm_up(ME) == GIB - 384 * MIB  # the round ran first: the base took it
+        assert not governor.armed
+    finally:
+        runner.TICK_S = tick_s
+        del governor
+        runner.wake()
+
+
+def test_resetting_the_worker_forgets_what_was_handed_back(adapter_broker, device):
+    """:mod:`.handback` registers its own reset with the worker (the worker does not import it):
+    after a fork's reset nothing handed back by the parent is left."""
+    handback._handed_back["cpu"] = object()
+    assert handback.reset in worker._forgets
+    worker.reset()
+    assert handback._handed_back == {}

@@ -37,7 +37,7 @@ _rounds_cond = threading.Condition()
 def enlist(governor) -> None:
     """Step ``governor`` on the thread (started on first use)."""
     global _thread
-    worker.before_settling_warm_up(_report_mapped)  # outside _lock: no lock is taken inside another
+    worker.before_settling_warm_up(_report_mapped)  # outside _lock: no lock is taken inside another; never waits on the broker
     with _lock:
         _governors.add(governor)
         if _thread is None or not _thread.is_alive():

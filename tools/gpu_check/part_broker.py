@@ -148,7 +148,9 @@ def broker_lag(ctx: PartContext, broker, worker) -> None:
     plus the device's own lag)."""
     def measured_bytes() -> int:
         session = session_of(broker.status(), INSTANCES["a"])
-        return 0 if session is None else int(session["measured_bytes"])
+        if session is None:  # the part fails, rather than measure a lag against nothing
+            raise RuntimeError(f"{INSTANCES['a']} has no session at the broker")
+        return int(session["measured_bytes"])
 
     def reached(target_bytes: int) -> Callable[[], bool]:
         return lambda: measured_bytes() >= target_bytes
