@@ -11,8 +11,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..client.errors import BrokerError
-
 class SessionState(str, enum.Enum):
     LIVE = "live"
     STALE = "stale"  # lease lapsed; still charged (a hung process still holds its memory)
@@ -171,11 +169,30 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request for room the ledger refused, typed for the broker's own decisions; ``code``,
+    ``message`` and ``details`` are what the worker gets (:mod:`.refusals` words them)."""
+
+    code: str  # budget_exceeded, overcommitted or limit_exceeded
+    message: str
+    details: dict[str, Any]
+    asked_bytes: int  # what the charge would have grown by
+    free_bytes: int  # the room there was
+    held: bool  # refused only because growth is held after damaged state
+
+    @property
+    def for_room(self) -> bool:
+        """Refused for the device's room (the budget, or an overcommit a reading may end), not
+        for the instance's own cap or a recovery hold: memory coming back could satisfy it."""
+        return self.code in ("budget_exceeded", "overcommitted") and not self.held
+
+
+@dataclass(frozen=True, slots=True)
 class Grant:
     """The answer to :meth:`Ledger.acquire`: ``pages`` granted (0 is a refusal, not an error)."""
 
     pages: int
-    refusal: BrokerError | None = None
+    refusal: Refusal | None = None
 
 
 #: Shared answers for the common small grants, so the grant path allocates none.

@@ -62,6 +62,7 @@ from .accounts import (
     SessionState,
 )
 from .refusals import clean_pools, clean_views, largest_growth
+from .refusal_errors import error_for
 from .refusals import refusal as refusal_for
 
 #: The pool that ``reserve(..., measured_base=True)`` sets: what a process had allocated
@@ -473,7 +474,7 @@ class Ledger:
             # name what costs the charge: a hold, charged in full, before a pool measured usage may cover
             grown = (session.holds, new_holds) if held_delta > 0 else (session.pools, new_pools)
             pool, pool_growth = largest_growth(*grown)
-            raise refusal_for(
+            raise error_for(refusal_for(
                 code,
                 what=f"reservation of pool {pool!r} (+{format_bytes(pool_growth)})",
                 instance=session.instance,
@@ -481,7 +482,7 @@ class Ledger:
                 room_bytes=room_bytes,
                 ledger=self,
                 details={"pool": pool, "pool_asked_bytes": pool_growth},
-            )
+            ))
         self._apply(session, pools=new_pools, granted_pages=session.granted_pages, holds=new_holds,
                     unmapped_pages=session.unmapped_pages)
         if session.reassert_allowance_bytes:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..client.errors import BadRequest, BrokerError, BudgetExceeded, LimitExceeded, Overcommitted
+from ..client.errors import BadRequest
 from ..client.units import format_bytes, format_bytes_apart
-from .accounts import DeviceInfo, Limits
+from .accounts import DeviceInfo, Limits, Refusal
 
 
 class LedgerView(Protocol):
@@ -73,12 +73,15 @@ def refusal(
     room_bytes: int,
     ledger: LedgerView,
     details: dict[str, Any],
-) -> BrokerError:
+) -> Refusal:
+    """The refusal of ``what`` for ``instance``: ``code`` is why (``held``, ``overcommitted``,
+    ``limit_exceeded``, else the budget), worded on one line with the room there is."""
     dev = ledger.device
     where = f"GPU {dev.index}"
-    if code == "held":
+    held = code == "held"
+    wire_code = code if code in ("overcommitted", "limit_exceeded") else "budget_exceeded"
+    if held:
         message = f"{what} for {instance!r} refused for now: {ledger.growth_hold}"
-        cls: type[BrokerError] = BudgetExceeded
         room_bytes = 0
         details = {**details, "held": True}
     elif code == "overcommitted":
@@ -86,19 +89,16 @@ def refusal(
             f"{what} for {instance!r} refused: {where} is overcommitted "
             f"(charges {format_bytes(ledger.charged_bytes)} > budget {format_bytes(ledger.budget_bytes)})"
         )
-        cls = Overcommitted
     elif code == "limit_exceeded":
         limits = ledger.limits.get(instance, Limits())
         asked, room = format_bytes_apart(asked_bytes, room_bytes)
         message = f"{what} for {instance!r} refused: asked {asked}, its cap of {format_bytes(limits.max_bytes)} leaves {room}"
-        cls = LimitExceeded
     else:
         asked, room = format_bytes_apart(asked_bytes, room_bytes)
         message = (
             f"{what} for {instance!r} refused: asked {asked}, {room} free on {where} "
             f"(budget {format_bytes(ledger.budget_bytes)}, charged {format_bytes(ledger.charged_bytes)})"
         )
-        cls = BudgetExceeded
     holders = ledger.top_charges(exclude=instance) if code in ("budget_exceeded", "overcommitted") else []
     if holders:
         message += "; held by " + ", ".join(f"{name} {format_bytes(size)}" for name, size in holders)
@@ -115,4 +115,4 @@ def refusal(
         "budget_bytes": ledger.budget_bytes,
         "holders": [{"instance": name, "charged_bytes": size} for name, size in holders],
     }
-    return cls(message, details=details)
+    return Refusal(wire_code, message, details, asked_bytes=asked_bytes, free_bytes=room_bytes, held=held)

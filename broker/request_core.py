@@ -29,12 +29,13 @@ from .counters import Counters
 from .device import DeviceProbe
 from .device_monitor import DeviceMonitor
 from .journal import Journal, NullJournal, Restored, record_bytes, records_may_be_lost, restore_session
-from .accounts import Grant, Session, SessionState
+from .accounts import Grant, Refusal, Session, SessionState
 from .ledger import Ledger
 from .lifecycle import ProcessOps, SessionLifecycle
 from .policy import Ask, PressureBook, fair_shares
 from .security import Peer
 from .quotas import SessionQuotas
+from .refusal_errors import refusal_of
 from .session_opener import SessionOpener
 from .sessions import Binding, SessionTable
 from .status import build_status
@@ -51,12 +52,6 @@ WAITING_READ_S = 0.002
 _decode_request = msgspec.msgpack.Decoder(proto.AnyRequest).decode
 _encode = msgspec.msgpack.Encoder().encode
 _LIVE = SessionState.LIVE  # bound once: no enum member lookup per request (docs/performance.md)
-
-
-def _may_wait(refusal: BrokerError) -> bool:
-    """Whether a refused ask may wait for memory to come back: one refused for room (the budget,
-    or an overcommit that a reading may end), not for its own cap or a recovery hold."""
-    return refusal.code in ("budget_exceeded", "overcommitted") and not refusal.details.get("held")
 
 
 class _Retried(Exception):
@@ -216,7 +211,9 @@ class RequestCore:
             reply = proto.error_reply(req.id, exc.code, exc.message, exc.details)
             binding.remember_reply(req.id, hash(self._body), reply, self.table.reply_cache)
             self.counters.refused(exc.code)
-            self._press_for(session.instance, int(exc.details.get("asked_bytes", 0)), exc, now)
+            refusal = refusal_of(exc)
+            if refusal is not None:
+                self._press_for(session.instance, refusal.asked_bytes, refusal, now)
             return reply
         result: dict[str, Any] = {
             "pools": pools, "holds": dict(session.holds), "reserved_bytes": session.reserved_bytes,
@@ -237,7 +234,7 @@ class RequestCore:
             self.device.observe(self.ledger, now)  # mapped pages are covered only by what a reading shows now
         self.pressure.note_active(session.instance, now)
         grant = self.ledger.acquire(session.id, req.pages, req.min_pages, req.mapped)
-        if grant.refusal is not None and req.wait_s and _may_wait(grant.refusal):
+        if grant.refusal is not None and req.wait_s and grant.refusal.for_room:
             self._wait(req, session, now)
             return None
         return self._granted(binding, session, req.id, grant, req.pages, req.min_pages, req.caller_pages,
@@ -361,12 +358,12 @@ class RequestCore:
                 pass
         return proto.ok_reply(req.id, self.status(now))
 
-    def _press_for(self, instance: str, asked_bytes: int, refusal: BrokerError, now: float) -> None:
+    def _press_for(self, instance: str, asked_bytes: int, refusal: Refusal, now: float) -> None:
         """A refused instance: ask those above their share (if it is below its floor or share),
         then idle pages elsewhere, for what the ask lacked."""
-        if refusal.code != "budget_exceeded" or refusal.details.get("held"):
+        if refusal.code != "budget_exceeded" or refusal.held:
             return  # its own cap, external overcommit or a recovery hold: taking from others would not help
-        self._plan_pressure(instance, asked_bytes - int(refusal.details.get("free_bytes", 0)), now)
+        self._plan_pressure(instance, asked_bytes - refusal.free_bytes, now)
 
     def _plan_pressure(self, instance: str, need_bytes: int, now: float) -> None:
         if need_bytes <= 0:

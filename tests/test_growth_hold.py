@@ -49,7 +49,7 @@ def test_an_allowance_is_used_up_by_reservations_and_pages_alike():
     ledger.reserve("lost", {"weights": GIB})
     assert ledger.acquire("lost", 4, min_pages=1).pages == 2  # what is left of the allowance
     refused = ledger.acquire("lost", 1)
-    assert refused.pages == 0 and refused.refusal.details["held"]
+    assert refused.pages == 0 and refused.refusal.held
     ledger.release_growth()
     assert ledger.sessions["lost"].reassert_allowance_bytes == 0
     assert ledger.acquire("lost", 1).pages == 1  # the hold is over: admission as usual
@@ -60,7 +60,7 @@ def test_a_restored_session_is_not_exempt_from_the_hold_for_later_growth():
     _open(ledger, "restored", granted_pages=2, restored=True)
     ledger.resume("restored", 1.0, holdings=None)
     refused = ledger.acquire("restored", 1)
-    assert refused.pages == 0 and refused.refusal.details["held"]
+    assert refused.pages == 0 and refused.refusal.held
 
 
 def test_measured_usage_caps_the_allowance_and_is_never_held():

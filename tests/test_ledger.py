@@ -12,7 +12,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from kvcached_broker.broker.accounts import Claim, DeviceInfo, SessionState
 from kvcached_broker.broker.ledger import Ledger
-from kvcached_broker.client.errors import BadRequest, BudgetExceeded, LimitExceeded, Overcommitted, StaleRevision
+from kvcached_broker.broker.refusal_errors import refusal_of
+from kvcached_broker.client.errors import BadRequest, BudgetExceeded, LimitExceeded, StaleRevision
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -54,6 +55,25 @@ def test_refused_reservation_names_the_pool_and_changes_nothing():
     assert err.details["free_bytes"] == 6 * GIB
     assert ledger.sessions["s1"].pools == before
     assert ledger.reserved_bytes == 70 * GIB
+    # the broker's own decisions read the refusal the error carries, typed, not the details it sends
+    refusal = refusal_of(err)
+    assert refusal is not None and (refusal.code, refusal.asked_bytes, refusal.free_bytes) == ("budget_exceeded", 7 * GIB, 6 * GIB)
+    assert refusal.for_room and not refusal.held and refusal.details == err.details and refusal.message == err.message
+
+
+def test_a_refusal_for_a_cap_or_a_recovery_hold_is_not_one_for_room():
+    ledger = new_ledger()
+    open_session(ledger)
+    ledger.set_limits("a", max_bytes=GIB)
+    with pytest.raises(LimitExceeded) as capped:
+        ledger.reserve("s1", {"kv": 2 * GIB})
+    refusal = refusal_of(capped.value)
+    assert refusal is not None and refusal.code == capped.value.code == "limit_exceeded" and not refusal.for_room
+    ledger.set_limits("a", max_bytes=None)
+    ledger.hold_growth("the state was damaged")
+    grant = ledger.acquire("s1", 1)
+    assert grant.refusal is not None and grant.refusal.code == "budget_exceeded"
+    assert grant.refusal.held and not grant.refusal.for_room and grant.refusal.details["held"]
 
 
 def test_acquire_is_all_or_nothing_unless_min_pages():
@@ -127,7 +147,7 @@ def test_external_growth_overcommits_and_blocks_new_grants_only():
     ledger.observe_device(external_bytes=4 * GIB)
     assert ledger.overcommitted and ledger.free_bytes == 0
     grant = ledger.acquire("s1", 1)
-    assert grant.pages == 0 and isinstance(grant.refusal, Overcommitted)
+    assert grant.pages == 0 and grant.refusal is not None and grant.refusal.code == "overcommitted"
     ledger.release("s1", 2)  # decreases are always allowed
     assert not ledger.overcommitted
     assert ledger.acquire("s1", 1).pages == 0  # exactly at budget
