@@ -12,7 +12,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from . import announce, flags
 from .versions import in_range, installed
@@ -70,6 +70,19 @@ class PatchResult:
 
 
 RESULTS: list[PatchResult] = []
+
+
+def layout_patches(patches: Sequence[Patch], version: str) -> list[Patch]:
+    """Those of ``patches`` for ``version``'s module layout, whatever the supported range (the canary)."""
+    return [p for p in patches if in_range(version, p.since, p.until)]
+
+
+def patches_for(patches: Sequence[Patch], version: str | None, supported: bool) -> list[Patch]:
+    """Those of ``patches`` for ``version``'s module layout; every one of them for a release the
+    table does not support (each then skips, saying why, or fails under ``KVCACHED_REQUIRE``)."""
+    if version is None or not supported:
+        return list(patches)
+    return layout_patches(patches, version)
 
 
 def _marker(patch: Patch) -> str:

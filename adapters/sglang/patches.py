@@ -30,9 +30,9 @@ hook says so once, and with ``KVCACHED_REQUIRE=1`` stops the start: :mod:`..rele
 
 from __future__ import annotations
 
-from .. import flags, support
+from .. import flags, patching, support
 from ..patching import AnyOf, Patch, PatchError, Target
-from ..versions import in_range, installed
+from ..versions import installed
 from . import (allocator_binding, dsv4_reservation, kv_sizing, kvcached_buffers, kvcached_sizing, kvcached_sync,
                memory_release, startup)
 
@@ -102,20 +102,14 @@ ALL_PATCHES: list[Patch] = [
 ]
 
 
-def supported(version: str | None) -> bool:
-    return RUNTIME.supports(version)
-
-
 def layout_patches(version: str) -> list[Patch]:
     """The patches for ``version``'s module layout, whatever the supported range (the canary)."""
-    return [p for p in ALL_PATCHES if in_range(version, p.since, p.until)]
+    return patching.layout_patches(ALL_PATCHES, version)
 
 
 def patches_for(version: str | None) -> list[Patch]:
     """The patches for ``version``'s module layout; every patch outside the supported range."""
-    if version is None or not supported(version):
-        return list(ALL_PATCHES)
-    return layout_patches(version)
+    return patching.patches_for(ALL_PATCHES, version, RUNTIME.supports(version))
 
 
 def __getattr__(name: str):

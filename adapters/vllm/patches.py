@@ -34,7 +34,7 @@ sized and charged by the broker.
 
 from __future__ import annotations
 
-from .. import support
+from .. import patching, support
 from ..patching import AnyOf, Patch, Target
 from ..versions import in_range, installed
 from . import engine, extensible, kv_reservation, kv_sizing, memory_release, prefix_eviction
@@ -96,20 +96,14 @@ ALL_PATCHES: list[Patch] = [
 ]
 
 
-def supported(version: str | None) -> bool:
-    return RUNTIME.supports(version)
-
-
 def layout_patches(version: str) -> list[Patch]:
     """The patches for ``version``'s module layout, whatever the supported range (the canary)."""
-    return [p for p in ALL_PATCHES if in_range(version, p.since, p.until)]
+    return patching.layout_patches(ALL_PATCHES, version)
 
 
 def patches_for(version: str | None) -> list[Patch]:
     """The patches for ``version``'s module layout; every patch outside the supported range."""
-    if version is None or not supported(version):
-        return list(ALL_PATCHES)
-    return layout_patches(version)
+    return patching.patches_for(ALL_PATCHES, version, RUNTIME.supports(version))
 
 
 def __getattr__(name: str):
