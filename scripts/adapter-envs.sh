@@ -174,87 +174,49 @@ uvloop==0.23.0
 xgrammar==0.2.9
 "
 
+# What vLLM 0.30.0 to 0.34.0 resolve to beside vllm itself (one closure: see each release below).
+VLLM_0_33_DEPS="
+annotated-doc==0.0.7
+apache-tvm-ffi==0.1.11
+cachetools==8.0.2
+cbor2==6.3.0
+cloudpickle==3.1.3
+fastapi==0.136.3
+httpcore2==2.16.2
+httpx2==2.16.2
+huggingface-hub==2.4.0
+llguidance==1.7.3
+openai==3.57.0
+openai-harmony==0.0.8
+partial-json-parser==0.2.1.1.post7
+prometheus-client==0.26.0
+py-cpuinfo==9.0.0
+starlette==1.10.0
+tokenizers==0.23.3
+transformers==5.20.2
+truststore==0.10.5
+uvloop==0.23.0
+xgrammar==0.2.8
+"
+
 # vllm 0.30.0 (HiSparse binds allocate_kv_cache; kvcached 0.1.6's newest vLLM, Model Runner V2)
 # pins torch==2.13.0 (the base's) and asks xgrammar<1, transformers>=5.10.4, tokenizers>=0.21.1,
 # openai-harmony>=0.0.3; it resolves to the 0.33.0 pins below.
 PINS_vllm_0_30_0="
 vllm==0.30.0
-annotated-doc==0.0.7
-apache-tvm-ffi==0.1.11
-cachetools==8.0.2
-cbor2==6.3.0
-cloudpickle==3.1.3
-fastapi==0.136.3
-httpcore2==2.16.2
-httpx2==2.16.2
-huggingface-hub==2.4.0
-llguidance==1.7.3
-openai==3.57.0
-openai-harmony==0.0.8
-partial-json-parser==0.2.1.1.post7
-prometheus-client==0.26.0
-py-cpuinfo==9.0.0
-starlette==1.10.0
-tokenizers==0.23.3
-transformers==5.20.2
-truststore==0.10.5
-uvloop==0.23.0
-xgrammar==0.2.8
-"
+$VLLM_0_33_DEPS"
 
 # vllm 0.33.0 pins xgrammar==0.2.8, llguidance<1.8, transformers<5.21,
 # fastapi<0.137, apache-tvm-ffi==0.1.11.
 PINS_vllm_0_33_0="
 vllm==0.33.0
-annotated-doc==0.0.7
-apache-tvm-ffi==0.1.11
-cachetools==8.0.2
-cbor2==6.3.0
-cloudpickle==3.1.3
-fastapi==0.136.3
-httpcore2==2.16.2
-httpx2==2.16.2
-huggingface-hub==2.4.0
-llguidance==1.7.3
-openai==3.57.0
-openai-harmony==0.0.8
-partial-json-parser==0.2.1.1.post7
-prometheus-client==0.26.0
-py-cpuinfo==9.0.0
-starlette==1.10.0
-tokenizers==0.23.3
-transformers==5.20.2
-truststore==0.10.5
-uvloop==0.23.0
-xgrammar==0.2.8
-"
+$VLLM_0_33_DEPS"
 
 # vllm 0.34.0 asks transformers<5.23, huggingface_hub>=2, tokenizers>=0.23.3 (and torch==2.14.0,
 # which --no-deps leaves to the base's 2.13.0): the 0.33.0 pins satisfy them.
 PINS_vllm_0_34_0="
 vllm==0.34.0
-annotated-doc==0.0.7
-apache-tvm-ffi==0.1.11
-cachetools==8.0.2
-cbor2==6.3.0
-cloudpickle==3.1.3
-fastapi==0.136.3
-httpcore2==2.16.2
-httpx2==2.16.2
-huggingface-hub==2.4.0
-llguidance==1.7.3
-openai==3.57.0
-openai-harmony==0.0.8
-partial-json-parser==0.2.1.1.post7
-prometheus-client==0.26.0
-py-cpuinfo==9.0.0
-starlette==1.10.0
-tokenizers==0.23.3
-transformers==5.20.2
-truststore==0.10.5
-uvloop==0.23.0
-xgrammar==0.2.8
-"
+$VLLM_0_33_DEPS"
 
 SUPPORT="$(dirname "$0")/support.py"  # the table of supported releases (adapters/support.py)
 
