@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -84,12 +84,8 @@ class ServeConfig:
         return total, per_peer
 
     def quotas(self) -> SessionQuotas:
-        return SessionQuotas(
-            lease_s=self.lease_s, max_sessions=self.max_sessions, max_sessions_per_pid=self.max_sessions_per_pid,
-            max_sessions_per_uid=self.max_sessions_per_uid, hello_rate_per_s=self.hello_rate_per_s,
-            hello_burst=self.hello_burst, hello_max_floor_share=self.hello_max_floor_share,
-            hello_max_weight=self.hello_max_weight, hello_max_priority=self.hello_max_priority,
-        )
+        """The session quotas among these options (each field of :class:`SessionQuotas` is one)."""
+        return SessionQuotas(**{f.name: getattr(self, f.name) for f in fields(SessionQuotas)})
 
 
 
