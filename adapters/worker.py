@@ -51,7 +51,7 @@ from typing import Any, Callable, TypeVar
 
 from ..client import BadRequest, BrokerClient, BrokerError, BudgetExceeded
 from ..client.endpoint import broker_disabled
-from . import announce, autopatch, flags, instance, patching, versions
+from . import announce, autopatch, flags, instance, patching, process_state, versions
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -724,3 +724,4 @@ def reset() -> None:
         forget()
     announce.reset()
     instance.reset()
+    process_state.reset()
