@@ -22,9 +22,9 @@ from types import ModuleType
 
 import pytest
 
-from kvcached_broker.adapters import patching
+from kvcached_broker.adapters import patching, process_state
 from kvcached_broker.adapters.kvcached import board as board_mod
-from kvcached_broker.adapters.kvcached import liveness, map_gate, worker_grants
+from kvcached_broker.adapters.kvcached import doorbell, liveness, map_gate, runner, worker_grants
 from kvcached_broker.adapters.kvcached.board_grants import BoardGrants
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
 from kvcached_broker.adapters.kvcached.map_gate import MapGate, MapRefused
@@ -283,8 +283,8 @@ class KvcachedStubs:
                              ("kvcached.integration.vllm.interfaces", interfaces)):
             monkeypatch.setitem(sys.modules, name, module)
         monkeypatch.setattr(board_mod, "SHM_DIR", str(tmp_path))
-        monkeypatch.setattr(worker_grants, "_holders", {})
-        monkeypatch.setattr(map_gate, "_gates", {})
+        process_state.forget(worker_grants._Holders)  # this test's holders and gates start empty
+        process_state.forget(map_gate._Gates)
 
 
 def test_registering_again_keeps_the_holder_its_slot_and_the_board(monkeypatch, tmp_path):
@@ -304,6 +304,49 @@ def test_registering_again_keeps_the_holder_its_slot_and_the_board(monkeypatch, 
     finally:
         first.close()
     assert not os.path.exists(board.path)  # nobody else on it: the last one out removed it
+
+
+def _abstract_names() -> set[str]:
+    """The abstract Unix socket names bound on this host now, as /proc/net/unix shows them."""
+    with open("/proc/net/unix") as table:
+        return {line.split()[-1] for line in table if line.split()[-1].startswith("@")}
+
+
+def test_a_reset_gives_back_leaves_and_ends_what_registration_started(monkeypatch, tmp_path):
+    """What a TP worker's registration started (its holder on the board, the doorbell's socket and
+    thread, the governors' thread) is closed by a reset of the process registry, as at exit."""
+    KvcachedStubs(monkeypatch, tmp_path)
+    holder = worker_grants.register(0, 4, 2)
+    assert holder is not None and runner.settle(1)
+    board, token = holder.board, doorbell.token()
+    bell = "@" + doorbell.address(liveness.own(), token)[1:]
+    assert token and bell in _abstract_names() and os.path.exists(board.path)
+    governors = process_state.registry().built(runner._Runner).thread
+    serving = process_state.registry().built(doorbell._Doorbell).thread
+    assert governors.is_alive() and serving.is_alive()
+
+    process_state.reset()
+
+    assert holder.closed and board.closed and not os.path.exists(board.path)  # left: nobody else on it
+    assert worker_grants.holder(0) is None and runner.governors() == []
+    assert not governors.is_alive() and not serving.is_alive()
+    assert bell not in _abstract_names() and doorbell.token() == 0  # the name is free: the next start binds anew
+
+
+def test_at_exit_the_holders_leave_before_the_boards_still_joined():
+    """The holders' part is built after the boards' part, so at exit (newest first) each holder
+    gives its grant back and leaves before the boards left over are left (the order the exit
+    handlers had when each module registered its own)."""
+    code = textwrap.dedent("""
+        from kvcached_broker.adapters import process_state
+        from kvcached_broker.adapters.kvcached import board, worker_grants
+        worker_grants._Holders.close_all = lambda self: print("holders", flush=True)
+        board._Joined.leave_all = lambda self: print("boards", flush=True)
+        process_state.part(worker_grants._Holders)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["holders", "boards"]
 
 
 def test_a_worker_registers_before_kvcached_creates_its_tensors(monkeypatch):

@@ -19,8 +19,9 @@ Lifetime.  A process takes part with :meth:`Board.join` and its record, written 
 file's ``flock`` (so a process leaving or sweeping never races it), and stops with
 :meth:`Board.leave`: it clears its own records and unlinks the file only if no other writer
 still runs (the last one out removes it, never one another live process still maps).  Every
-board this process joined is left at exit.  A board whose every writer died without leaving
-(SIGKILL) is removed by the next :meth:`Board.join` on the host (:func:`sweep`).
+board this process joined is left at exit, and when the process registry resets
+(:class:`_Joined`).  A board whose every writer died without leaving (SIGKILL) is removed by
+the next :meth:`Board.join` on the host (:func:`sweep`).
 
 Who wrote a record, and whether it still runs: its pid, start time and PID namespace
 (:mod:`.liveness`).  A writer in another PID namespace is never judged dead (its pid means
@@ -37,7 +38,6 @@ Each record publishes its process's doorbell (:mod:`.doorbell`) by its random to
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import mmap
 import os
@@ -48,6 +48,7 @@ import weakref
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from .. import process_state
 from . import doorbell, liveness, shm_files
 from .liveness import ProcessIdentity
 
@@ -193,8 +194,9 @@ class Board:
                 return cls.join(path, claim, policy)
             claim(board)
             board.joined = True
-        with _joined_lock:
-            _joined.add(board)
+        joined = process_state.part(_Joined)
+        with joined.lock:
+            joined.boards.add(board)
         return board
 
     def leave(self) -> bool:
@@ -215,8 +217,10 @@ class Board:
                 os.unlink(self.path)
                 removed = True
         self.joined = False
-        with _joined_lock:
-            _joined.discard(self)
+        joined = process_state.registry().built(_Joined)  # a reset may be leaving it: build none
+        if joined is not None:
+            with joined.lock:
+                joined.boards.discard(self)
         self.close()
         return removed
 
@@ -439,27 +443,31 @@ def _writers(mm: mmap.mmap) -> list[ProcessIdentity]:
 
 
 # ------------------------------------------------------------------ this process's boards
-_joined: "weakref.WeakSet[Board]" = weakref.WeakSet()
-_joined_lock = threading.Lock()
+class _Joined:
+    """The boards this process takes part in (weakly: a board nobody holds is gone), every one
+    of them left at exit or when the registry resets.  ``lock`` guards ``boards``."""
 
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.boards: "weakref.WeakSet[Board]" = weakref.WeakSet()
 
-def _leave_all() -> None:
-    """At exit: leave every board this process still takes part in."""
-    with _joined_lock:
-        boards = list(_joined)
-    for board in boards:
-        try:
-            board.leave()
-        except OSError:
-            pass
+    def leave_all(self) -> None:
+        """Leave every board this process still takes part in."""
+        with self.lock:
+            boards = list(self.boards)
+        for board in boards:
+            try:
+                board.leave()
+            except OSError:
+                pass
 
+    def at_exit(self) -> None:
+        self.leave_all()
 
-def _forget_in_child() -> None:
-    """A forked child takes part in nothing its parent joined (its records name the parent)."""
-    global _joined_lock
-    _joined_lock = threading.Lock()
-    _joined.clear()
+    def close(self) -> None:
+        self.leave_all()
 
-
-atexit.register(_leave_all)
-os.register_at_fork(after_in_child=_forget_in_child)
+    def after_fork_in_child(self) -> None:
+        """A forked child takes part in nothing its parent joined (its records name the parent)."""
+        self.lock = threading.Lock()
+        self.boards = weakref.WeakSet()

@@ -12,7 +12,9 @@ carries its writer's PID namespace, pid and token (:func:`start` returns the tok
 :func:`ring` sends one byte to such a name and never blocks or raises: a peer that is gone, or
 whose queue is full, simply is not woken (every reader also wakes on its own bounded timeout).
 A ring wakes the governors' thread (:func:`runner.wake`) and anyone in :func:`wait`.  A ring
-carries nothing: anyone who learns a name can only wake its process early.
+carries nothing: anyone who learns a name can only wake its process early.  The doorbell is a
+part of the process registry (:class:`_Doorbell`): a reset stops serving it and closes its
+sockets, and the next :func:`start` binds a new one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import socket
 import threading
 
-from .. import announce
+from .. import announce, process_state
 from . import liveness, runner
 from .liveness import ProcessIdentity
 
@@ -30,16 +32,72 @@ log = announce.logger("kvcached_broker.adapters")
 
 PREFIX = "\0kvcached-broker-doorbell-"
 
-_lock = threading.Lock()
-_cond = threading.Condition()
-_rings = 0
-_bound_pid = 0
-_token = 0
-_server: socket.socket | None = None
-_sender: socket.socket | None = None
 #: Tokens drawn before giving up on binding (each a fresh 64-bit draw: only a name taken on
 #: purpose, or a broken network namespace, ever fails one).
 BIND_ATTEMPTS = 8
+
+
+class _Doorbell:
+    """This process's doorbell: the socket it serves and the thread serving it, the socket it
+    rings others from, and how many rings it heard.
+
+    ``lock`` guards ``bound_pid``, ``token``, ``server``, ``thread`` and ``sender``; ``cond``
+    guards ``rings`` (which only grows).  ``bound_pid`` is the pid that bound ``server``: a
+    doorbell is this process's only while it equals ``os.getpid()``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.rings = 0
+        self.bound_pid = 0
+        self.token = 0
+        self.server: socket.socket | None = None
+        self.thread: threading.Thread | None = None
+        self.sender: socket.socket | None = None
+        self.closed = False
+
+    def serve(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                sock.recv(64)
+            except OSError:
+                return
+            if self.closed:
+                return
+            with self.cond:
+                self.rings += 1
+                self.cond.notify_all()
+            runner.wake()
+
+    def close(self) -> None:
+        """Stop serving (the thread ends) and close both sockets: the name is free again."""
+        with self.lock:
+            self.closed = True
+            server, thread, sender = self.server, self.thread, self.sender
+            self.bound_pid, self.token, self.server, self.thread, self.sender = 0, 0, None, None, None
+        if server is not None:
+            try:
+                server.shutdown(socket.SHUT_RDWR)  # wakes the thread's recv: it sees the part closed
+            except OSError:
+                pass
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        for sock in (server, sender):
+            if sock is not None:
+                sock.close()
+
+    def after_fork_in_child(self) -> None:
+        """The child's copies of the parent's doorbell and sender are closed (the child neither
+        serves the parent's doorbell nor keeps it bound once the parent is gone); the child binds
+        its own on its first :func:`start`."""
+        for sock in (self.server, self.sender):
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+        self.lock, self.cond = threading.Lock(), threading.Condition()
+        self.rings, self.bound_pid, self.server, self.thread, self.sender, self.token = 0, 0, None, None, None, 0
 
 
 def address(who: ProcessIdentity, token: int) -> str:
@@ -50,16 +108,17 @@ def address(who: ProcessIdentity, token: int) -> str:
 def start() -> int:
     """Bind this process's doorbell and serve it (idempotent; again after a fork): its token, as
     records publish it, or 0 if it cannot (peers then poll)."""
-    global _bound_pid, _server, _token
-    with _lock:
-        if _bound_pid == os.getpid():
-            return _token
+    state = process_state.part(_Doorbell)
+    with state.lock:
+        if state.bound_pid == os.getpid():
+            return state.token
         bound = _bind(liveness.own())
         if bound is None:
             return 0
         sock, drawn = bound
-        _bound_pid, _server, _token = os.getpid(), sock, drawn
-    threading.Thread(target=_serve, args=(sock,), name="kvcached-broker-doorbell", daemon=True).start()
+        thread = threading.Thread(target=state.serve, args=(sock,), name="kvcached-broker-doorbell", daemon=True)
+        state.bound_pid, state.server, state.token, state.thread = os.getpid(), sock, drawn, thread
+        thread.start()
     return drawn
 
 
@@ -84,65 +143,39 @@ def _bind(me: ProcessIdentity) -> "tuple[socket.socket, int] | None":
 
 def token() -> int:
     """This process's doorbell token (0: none bound yet)."""
-    with _lock:
-        return _token if _bound_pid == os.getpid() else 0
-
-
-def _serve(sock: socket.socket) -> None:
-    global _rings
-    while True:
-        try:
-            sock.recv(64)
-        except OSError:
-            return
-        with _cond:
-            _rings += 1
-            _cond.notify_all()
-        runner.wake()
-
-
-def _close_in_child() -> None:
-    """After a fork: the child's copies of the parent's doorbell and sender are closed (the child
-    neither serves the parent's doorbell nor keeps it bound once the parent is gone); the child
-    binds its own on its first :func:`start`."""
-    global _lock, _cond, _rings, _bound_pid, _server, _sender, _token
-    for sock in (_server, _sender):
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
-    _lock, _cond = threading.Lock(), threading.Condition()
-    _rings, _bound_pid, _server, _sender, _token = 0, 0, None, None, 0
-
-
-os.register_at_fork(after_in_child=_close_in_child)
+    state = process_state.part(_Doorbell)
+    with state.lock:
+        return state.token if state.bound_pid == os.getpid() else 0
 
 
 def ring(who: ProcessIdentity, token: int) -> None:
     """Wake process ``who`` at the doorbell its record publishes (``token`` 0: it has none).
     Never blocks, never raises."""
-    global _sender
     if who.pid <= 0 or token <= 0:
         return
+    state = process_state.part(_Doorbell)
     try:
-        with _lock:
-            if _sender is None:
-                _sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-                _sender.setblocking(False)
-            _sender.sendto(b"!", address(who, token))
+        with state.lock:
+            if state.closed:  # a reset is closing this doorbell
+                return
+            if state.sender is None:
+                state.sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                state.sender.setblocking(False)
+            state.sender.sendto(b"!", address(who, token))
     except OSError:
         pass  # gone, not listening, or its queue is full: it wakes on its own timeout
 
 
 def rings() -> int:
     """How many rings this process has heard (pass it to :func:`wait`)."""
-    with _cond:
-        return _rings
+    state = process_state.part(_Doorbell)
+    with state.cond:
+        return state.rings
 
 
 def wait(seen: int, timeout_s: float) -> int:
     """Wait until a ring after ``seen`` arrives, or ``timeout_s``; the ring count now."""
-    with _cond:
-        _cond.wait_for(lambda: _rings > seen, timeout=timeout_s)
-        return _rings
+    state = process_state.part(_Doorbell)
+    with state.cond:
+        state.cond.wait_for(lambda: state.rings > seen, timeout=timeout_s)
+        return state.rings

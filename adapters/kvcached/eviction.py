@@ -31,21 +31,29 @@ from __future__ import annotations
 import weakref
 from typing import Any, Protocol
 
+from .. import process_state
+
 
 class EvictionHook(Protocol):
     def evict(self, pages: int) -> int: ...  # optional: def cached_pages(self) -> int
 
 
-_hooks: "weakref.WeakKeyDictionary[Any, EvictionHook]" = weakref.WeakKeyDictionary()
+class _Hooks:
+    """Each live kvcached manager's prefix-cache hook (weakly keyed: a manager that is gone
+    takes its hook with it)."""
+
+    def __init__(self) -> None:
+        self.by_manager: "weakref.WeakKeyDictionary[Any, EvictionHook]" = weakref.WeakKeyDictionary()
 
 
 def register_eviction_hook(manager: Any, hook: EvictionHook | None) -> None:
     """Give ``manager`` (a kvcached ``KVCacheManager``) a prefix-cache hook (None removes it)."""
+    hooks = process_state.part(_Hooks).by_manager
     if hook is None:
-        _hooks.pop(manager, None)
+        hooks.pop(manager, None)
     else:
-        _hooks[manager] = hook
+        hooks[manager] = hook
 
 
 def hook_for(manager: Any) -> EvictionHook | None:
-    return _hooks.get(manager)
+    return process_state.part(_Hooks).by_manager.get(manager)

@@ -57,7 +57,7 @@ import weakref
 from typing import Any, Callable
 
 from ...client import BudgetExceeded, SessionEvicted
-from .. import announce
+from .. import announce, process_state
 from . import eviction, pressure, runner, segment, shm_files
 from .geometry import PoolGeometry
 from .grants import Grants, SessionGrants
@@ -75,7 +75,16 @@ GROW_WAIT_S = 0.5
 #: long, so what it gave back goes to the pool that asked rather than straight back to it.
 PRESSURE_QUIET_S = 2.0
 
-_sequence = itertools.count(1)
+
+class _Sequence:
+    """Numbers this process's governors in the order they were made (from 1).  A reset of the
+    registry keeps counting: a governor's key (its reporter name on the session) is never
+    another's in the process, not even one made before the reset that outlived it."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count(1)
 
 
 class PoolGovernor:
@@ -89,7 +98,7 @@ class PoolGovernor:
         self.ramp = Ramp(marks)
         self.governed = grants is not None
         self.why_ungoverned = why_ungoverned
-        self.sequence = next(_sequence)  # creation order in this process
+        self.sequence = next(process_state.part(_Sequence).numbers)  # creation order in this process
         self.key = f"kvcached:g{geometry.group_id}:{self.sequence}"
         self.pool_name = ""
         self._manager: "weakref.ref[Any] | None" = None

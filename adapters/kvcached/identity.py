@@ -15,24 +15,38 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from .. import process_state
 from ..worker import WorkerIdentity
 from .geometry import PoolGeometry
 
 Resolver = Callable[[PoolGeometry], "WorkerIdentity | None"]
 
-_resolver: Resolver | None = None
-
 _INTEGRATIONS = ("sglang", "vllm")
+
+
+class _Resolver:
+    """The resolver this process's wiring installed (None: :func:`default_identity`).  Wiring,
+    installed once by the runtime's patches (:mod:`..sglang.kvcached_sync`), so a reset of the
+    registry keeps it; :func:`set_resolver` replaces it."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.resolver: Resolver | None = None
 
 
 def set_resolver(resolver: Resolver | None) -> None:
     """Install how pools find their identity (None: :func:`default_identity`)."""
-    global _resolver
-    _resolver = resolver
+    process_state.part(_Resolver).resolver = resolver
+
+
+def installed_resolver() -> Resolver | None:
+    """The resolver :func:`set_resolver` installed, if any."""
+    return process_state.part(_Resolver).resolver
 
 
 def resolve(geometry: PoolGeometry) -> WorkerIdentity | None:
-    return (_resolver or default_identity)(geometry)
+    return (installed_resolver() or default_identity)(geometry)
 
 
 def default_identity(geometry: PoolGeometry) -> WorkerIdentity:

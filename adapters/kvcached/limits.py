@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+from .. import process_state
 from .geometry import PoolGeometry
 
 
@@ -44,15 +45,24 @@ class DirectLimits:
 
 Factory = Callable[[PoolGeometry], "LimitChannel | None"]
 
-_factory: Factory | None = None
+
+class _Factory:
+    """The channel factory this process's wiring installed (None: :class:`DirectLimits`).
+    Wiring, installed once by the runtime's patches (:mod:`..sglang.kvcached_sync`), so a reset
+    of the registry keeps it; :func:`set_factory` replaces it."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.factory: Factory | None = None
 
 
 def set_factory(factory: Factory | None) -> None:
     """Install how a new pool gets its channel (None, or a factory returning None: direct)."""
-    global _factory
-    _factory = factory
+    process_state.part(_Factory).factory = factory
 
 
 def channel_for(geometry: PoolGeometry) -> LimitChannel:
-    channel = _factory(geometry) if _factory is not None else None
+    factory = process_state.part(_Factory).factory
+    channel = factory(geometry) if factory is not None else None
     return channel if channel is not None else DirectLimits()

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from ..patching import wrap_once
-from .. import announce
+from .. import announce, process_state
 from . import board as board_mod
 from . import runner
 
@@ -119,22 +119,28 @@ class MapGate:
 
 
 # ------------------------------------------------------------------ this process's gates
-_gates: dict[int, MapGate] = {}
-_gates_lock = threading.Lock()
+class _Gates:
+    """This process's gates, by pool group (one each, never replaced); ``lock`` guards ``by_group``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_group: dict[int, MapGate] = {}
 
 
 def gate(group_id: int) -> MapGate:
     """This process's gate for ``group_id`` (made on first use, unbounded)."""
-    with _gates_lock:
-        found = _gates.get(group_id)
+    gates = process_state.part(_Gates)
+    with gates.lock:
+        found = gates.by_group.get(group_id)
         if found is None:
-            found = _gates[group_id] = MapGate(group_id)
+            found = gates.by_group[group_id] = MapGate(group_id)
         return found
 
 
 def existing(group_id: int) -> MapGate | None:
-    with _gates_lock:
-        return _gates.get(group_id)
+    gates = process_state.part(_Gates)
+    with gates.lock:
+        return gates.by_group.get(group_id)
 
 
 # ------------------------------------------------------------------ the patch

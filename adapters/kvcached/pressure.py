@@ -23,24 +23,33 @@ import math
 import threading
 import weakref
 
-from .. import announce
+from .. import announce, process_state
 from . import runner
 
 log = announce.logger("kvcached_broker.adapters")
 
-_lock = threading.Lock()
-_pools: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> WeakSet of governors
-_short_asked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> uncharged pages asked back
+class _Pressure:
+    """Which governors each client's pressure reaches, and how many of each client's uncharged
+    pages were asked back already; both weakly keyed by client (a closed client that is gone
+    takes its entries with it).  ``lock`` guards ``pools``; ``short_asked`` is written on the
+    governors' thread only and read without a lock on the engine's path.  A client is given
+    its pressure callback once, when it first appears in ``pools``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pools: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> WeakSet of governors
+        self.short_asked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # client -> pages asked back
 
 
 def enlist(client, governor) -> None:
     """Let broker pressure on ``client``'s session reach ``governor`` (its shortfalls too: from
     now on :func:`check_shortfalls` runs first in every round of the governors' thread)."""
     runner.first_in_every_round(check_shortfalls, "kvcached_shortfall_check_failed")
-    with _lock:
-        pools = _pools.get(client)
+    state = process_state.part(_Pressure)
+    with state.lock:
+        pools = state.pools.get(client)
         if pools is None:
-            pools = _pools[client] = weakref.WeakSet()
+            pools = state.pools[client] = weakref.WeakSet()
             ref = weakref.ref(client)
             client.on_pressure(lambda pages: _answer(ref, pages), soft=lambda pages: _answer(ref, pages, soft=True))
         pools.add(governor)
@@ -48,8 +57,9 @@ def enlist(client, governor) -> None:
 
 def _answer(client_ref, session_pages: int, soft: bool = False) -> int:
     client = client_ref()
-    with _lock:
-        pools = list(_pools.get(client, ())) if client is not None else []
+    state = process_state.part(_Pressure)
+    with state.lock:
+        pools = list(state.pools.get(client, ())) if client is not None else []
     split(pools, session_pages, soft=soft)
     runner.wake()
     return 0
@@ -85,7 +95,7 @@ def uncharged_pages(client) -> int:
 def unasked_shortfall(client) -> int:
     """Uncharged session pages of ``client`` not yet asked of its pools (the engine's path: no
     lock, no round trip)."""
-    return uncharged_pages(client) - _short_asked.get(client, 0)
+    return uncharged_pages(client) - process_state.part(_Pressure).short_asked.get(client, 0)
 
 
 def check_shortfalls() -> None:
@@ -95,15 +105,16 @@ def check_shortfalls() -> None:
     lowers its limit over free pages and releases at once, evicts its prefix cache and defers
     the rest.  The client gives uncharged pages back first, without a request, so what the
     pools release settles the shortfall, and the asked figure follows it down."""
-    with _lock:
-        clients = [(client, list(pools)) for client, pools in _pools.items()]
+    state = process_state.part(_Pressure)
+    with state.lock:
+        clients = [(client, list(pools)) for client, pools in state.pools.items()]
     for client, pools in clients:
         uncharged = uncharged_pages(client)
-        asked = min(_short_asked.get(client, 0), uncharged)
+        asked = min(state.short_asked.get(client, 0), uncharged)
         if uncharged > asked:
             split(pools, uncharged - asked)
             log.warning("event=kvcached_uncharged_pages session=%s session_pages=%d detail=the broker charges fewer "
                         "pages than the pools hold (a short re-assertion); asked back from the pools",
                         getattr(client, "session_id", None), uncharged - asked)
             asked = uncharged
-        _short_asked[client] = asked
+        state.short_asked[client] = asked

@@ -9,7 +9,9 @@ logged and never stops the others, nor reaches the runtime.
 
 This module imports nothing else of kvcached mode: the modules above it give it their
 governors and checks.  Once it steps governors, the worker's session lets it run a round before
-it pins its base at what the device measures (:func:`worker.before_settling_warm_up`).
+it pins its base at what the device measures (:func:`worker.before_settling_warm_up`).  The
+thread and what it steps are a part of the process registry (:class:`_Runner`): a reset ends
+the thread, and the next :func:`enlist` starts another.
 """
 
 from __future__ import annotations
@@ -19,30 +21,78 @@ import time
 import weakref
 from typing import Callable
 
-from .. import announce, worker
+from .. import announce, process_state, worker
 
 log = announce.logger("kvcached_broker.adapters")
 
 TICK_S = 0.1
 
-_lock = threading.Lock()
-_wake = threading.Event()
-_governors: "weakref.WeakSet" = weakref.WeakSet()
-_thread: threading.Thread | None = None
-_first: dict[Callable[[], None], str] = {}  # check -> the event its failure logs, in order given
-_rounds = 0
-_rounds_cond = threading.Condition()
+
+class _Runner:
+    """This process's governors' thread and what it steps.
+
+    Holds the governors (weakly), the checks run first in every round (check -> the event its
+    failure logs, in the order given), the thread, and how many rounds it ran.  ``lock`` guards
+    ``governors``, ``first`` and ``thread``; ``rounds_cond`` guards ``rounds``, which only
+    grows.  Once closed, the thread ends after the round it is in (it is not started again:
+    the next use builds a new part)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.governors: "weakref.WeakSet" = weakref.WeakSet()
+        self.thread: threading.Thread | None = None
+        self.first: dict[Callable[[], None], str] = {}
+        self.rounds = 0
+        self.rounds_cond = threading.Condition()
+        self.closed = False
+
+    def close(self) -> None:
+        """End the thread (after the round it is in) and forget the governors."""
+        with self.lock:
+            self.closed = True
+            thread, self.thread = self.thread, None
+            self.governors = weakref.WeakSet()
+        self.wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def loop(self) -> None:
+        while not self.closed:
+            self.wake.wait(TICK_S)
+            self.wake.clear()
+            if self.closed:
+                return
+            now = time.monotonic()
+            with self.lock:
+                first = list(self.first.items())
+            for check, failure_event in first:
+                try:
+                    check()
+                except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
+                    log.warning("event=%s error=%r", failure_event, str(exc))
+            with self.lock:
+                stepped = list(self.governors)
+            for governor in stepped:
+                try:
+                    governor.step(now)
+                except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
+                    log.warning("event=kvcached_governor_failed pool=%s error=%r", getattr(governor, "key", "?"),
+                                str(exc))
+            with self.rounds_cond:
+                self.rounds += 1
+                self.rounds_cond.notify_all()
 
 
 def enlist(governor) -> None:
     """Step ``governor`` on the thread (started on first use)."""
-    global _thread
-    worker.before_settling_warm_up(_report_mapped)  # outside _lock: no lock is taken inside another; never waits on the broker
-    with _lock:
-        _governors.add(governor)
-        if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_loop, name="kvcached-broker-governor", daemon=True)
-            _thread.start()
+    worker.before_settling_warm_up(_report_mapped)  # outside state.lock: no lock inside another; never waits on the broker
+    state = process_state.part(_Runner)
+    with state.lock:
+        state.governors.add(governor)
+        if state.thread is None or not state.thread.is_alive():
+            state.thread = threading.Thread(target=state.loop, name="kvcached-broker-governor", daemon=True)
+            state.thread.start()
     wake()
 
 
@@ -56,45 +106,25 @@ def _report_mapped() -> None:
 def first_in_every_round(check: Callable[[], None], failure_event: str) -> None:
     """Run ``check`` at the start of every round, before the governors step (once per ``check``,
     however often given); an exception it raises is logged as ``event=<failure_event>``."""
-    with _lock:
-        _first.setdefault(check, failure_event)
+    state = process_state.part(_Runner)
+    with state.lock:
+        state.first.setdefault(check, failure_event)
 
 
 def governors() -> list:
-    with _lock:
-        return list(_governors)
+    state = process_state.part(_Runner)
+    with state.lock:
+        return list(state.governors)
 
 
 def wake() -> None:
-    _wake.set()
-
-
-def _loop() -> None:
-    global _rounds
-    while True:
-        _wake.wait(TICK_S)
-        _wake.clear()
-        now = time.monotonic()
-        with _lock:
-            first = list(_first.items())
-        for check, failure_event in first:
-            try:
-                check()
-            except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
-                log.warning("event=%s error=%r", failure_event, str(exc))
-        for governor in governors():
-            try:
-                governor.step(now)
-            except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
-                log.warning("event=kvcached_governor_failed pool=%s error=%r", getattr(governor, "key", "?"), str(exc))
-        with _rounds_cond:
-            _rounds += 1
-            _rounds_cond.notify_all()
+    process_state.part(_Runner).wake.set()
 
 
 def settle(rounds: int = 2, timeout_s: float = 30.0) -> bool:
     """Wait until the thread has run ``rounds`` more rounds (tests, shutdown); False on timeout."""
-    wake()
-    with _rounds_cond:
-        target = _rounds + rounds
-        return _rounds_cond.wait_for(lambda: _rounds >= target, timeout=timeout_s)
+    state = process_state.part(_Runner)
+    state.wake.set()
+    with state.rounds_cond:
+        target = state.rounds + rounds
+        return state.rounds_cond.wait_for(lambda: state.rounds >= target, timeout=timeout_s)

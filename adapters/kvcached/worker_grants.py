@@ -28,19 +28,18 @@ runtime.
 
 Registering again (kvcached creating a group's tensors a second time) keeps the holder: its
 slot, its grant, its gate's bound and the board EngineCore maps.  A holder leaves the board
-when it closes (at exit): its slot cleared, the file removed only if no other writer runs.
+when it closes (at exit, or when the process registry resets): its slot cleared, the file
+removed only if no other writer runs.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
 import sys
 import threading
 from typing import Any
 
 from ...client import BudgetExceeded, SessionEvicted
-from .. import announce, worker
+from .. import announce, process_state, worker
 from ..patching import wrap_once
 from ..worker import WorkerIdentity
 from . import board as board_mod
@@ -273,9 +272,38 @@ class WorkerGrants:
 
 
 # ------------------------------------------------------------------ registration
-_holders: dict[int, WorkerGrants] = {}
-_lock = threading.Lock()
-_atexit_registered = False
+class _Holders:
+    """This process's holders, by pool group; ``lock`` guards ``by_group``.  Every holder gives
+    its grant back and leaves its board at exit, or when the process registry resets.
+
+    Built after the boards' part (:class:`.board._Joined`), so that at exit, newest first, the
+    holders give back and leave before every board still joined is left."""
+
+    def __init__(self) -> None:
+        process_state.part(board_mod._Joined)
+        self.lock = threading.Lock()
+        self.by_group: dict[int, WorkerGrants] = {}
+
+    def close_all(self) -> None:
+        """Every holder gives its grant back and leaves its board."""
+        with self.lock:
+            holders = list(self.by_group.values())
+        for found in holders:
+            try:
+                found.close()
+            except Exception as exc:  # noqa: BLE001 - exiting: what is left goes with the process
+                log.warning("event=kvcached_worker_close_failed pool=%s error=%r", found.key, str(exc))
+
+    def at_exit(self) -> None:
+        self.close_all()
+
+    def close(self) -> None:
+        self.close_all()
+
+    def after_fork_in_child(self) -> None:
+        """A forked child holds nothing its parent registered (the grants and slots are the parent's)."""
+        self.lock = threading.Lock()
+        self.by_group = {}
 
 
 def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrants | None:
@@ -283,7 +311,6 @@ def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrant
     governing engine appears) and gate its listener's maps, bounded at 0 until granted.  A
     group registered already keeps its holder (slot, grant, bound, board).  None outside a
     TP worker."""
-    global _atexit_registered
     listener = _listener()
     interfaces = sys.modules.get("kvcached.integration.vllm.interfaces")
     if listener is None or interfaces is None or not getattr(interfaces, "_is_worker", False):
@@ -302,8 +329,9 @@ def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrant
     if who is None:
         return None
     path = board_mod.board_path(group_id)
-    with _lock:
-        previous = _holders.get(group_id)
+    holders = process_state.part(_Holders)
+    with holders.lock:
+        previous = holders.by_group.get(group_id)
         if previous is not None and not previous.closed and previous.board.path == path and previous.slot == slot:
             if previous.geometry != geometry:
                 log.warning("event=kvcached_worker_reregistered group=%d slot=%d detail=geometry_changed_"
@@ -312,7 +340,7 @@ def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrant
                      group_id, slot, path)
             return previous
         if previous is not None:  # another board or slot: the old one is left (removed only if unused)
-            del _holders[group_id]
+            del holders.by_group[group_id]
             previous.close()
         fields = board_mod.identity_fields(board_mod.own_identity(), doorbell.start())
         gate = map_gate.gate(group_id)
@@ -322,40 +350,17 @@ def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrant
                 slot, **fields, state=board_mod.SLOT_REGISTERED, granted_pages=0,
                 mapped_pages=gate.mapped_pages(), answered_seq=0, pressure_pages_total=0, refused_maps=0,
                 page_bytes=geometry.page_bytes))
-            holder = _holders[group_id] = WorkerGrants(board, slot, who, geometry, gate)
-        if not _atexit_registered:
-            atexit.register(_close_all)
-            _atexit_registered = True
+            holder = holders.by_group[group_id] = WorkerGrants(board, slot, who, geometry, gate)
     board_mod.ring(board.engine())
     runner.enlist(holder)
     log.info("event=kvcached_worker_registered group=%d slot=%d board=%s", group_id, slot, board.path)
     return holder
 
 
-def _close_all() -> None:
-    """At exit: every holder gives its grant back and leaves its board."""
-    with _lock:
-        holders = list(_holders.values())
-    for found in holders:
-        try:
-            found.close()
-        except Exception as exc:  # noqa: BLE001 - exiting: what is left goes with the process
-            log.warning("event=kvcached_worker_close_failed pool=%s error=%r", found.key, str(exc))
-
-
-def _forget_in_child() -> None:
-    """A forked child holds nothing its parent registered (the grants and slots are the parent's)."""
-    global _lock
-    _lock = threading.Lock()
-    _holders.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
 def holder(group_id: int) -> WorkerGrants | None:
-    with _lock:
-        return _holders.get(group_id)
+    holders = process_state.part(_Holders)
+    with holders.lock:
+        return holders.by_group.get(group_id)
 
 
 def _listener() -> tuple[int, int] | None:
@@ -368,7 +373,7 @@ def _listener() -> tuple[int, int] | None:
 def _identity(geometry: PoolGeometry, rank: int, tp_size: int, device: Any) -> WorkerIdentity | None:
     """The identity whose session pays: the resolver's if one is installed, else this worker's
     vLLM identity (device, TP rank and size), the one the vLLM adapter uses."""
-    if identity._resolver is not None:
+    if identity.installed_resolver() is not None:
         return identity.resolve(geometry)
     return WorkerIdentity("vllm", identity._device_index(device), tp_rank=rank, tp_size=tp_size)
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import announce, sizing, worker
+from .. import announce, process_state, sizing, worker
 from ..patching import PatchError, wrap_methods, wrap_once
 from ..worker import KV_SIZING_HOLD, WorkerIdentity
 from . import kv_budget, kv_config, kvcached_mode, parallel
@@ -62,7 +62,12 @@ class _Cache:
     final: bool = False  # Worker.extend_kv_cache committed the final size
 
 
-_caches: "weakref.WeakKeyDictionary[Any, _Cache]" = weakref.WeakKeyDictionary()
+class _Caches:
+    """What the adapter keeps of each live extensible cache of this process (weakly keyed: a
+    cache that is gone takes its entry with it)."""
+
+    def __init__(self) -> None:
+        self.by_cache: "weakref.WeakKeyDictionary[Any, _Cache]" = weakref.WeakKeyDictionary()
 
 
 def is_extensible(allocate: Any) -> bool:
@@ -75,7 +80,7 @@ def track(kv_cache: Any, kv_cache_config: Any, device: Any) -> None:
     """Remember the cache ``allocate_kv_cache`` is about to back (its groups, for the views)."""
     blocks = max(1, int(kv_cache_config.num_blocks))
     per_block = {name: size // blocks for name, size in kv_config.usage_breakdown(kv_cache_config).items()}
-    _caches[kv_cache] = _Cache(parallel.identity(device), per_block)
+    process_state.part(_Caches).by_cache[kv_cache] = _Cache(parallel.identity(device), per_block)
 
 
 def _governed(kv_cache: Any) -> _Cache | None:
@@ -83,9 +88,10 @@ def _governed(kv_cache: Any) -> _Cache | None:
     not in kvcached mode); None otherwise, and for anything that is not an extensible cache."""
     if kvcached_mode.active() or type(kv_cache).__name__ != CLASS_NAME:
         return None
-    state = _caches.get(kv_cache)
+    caches = process_state.part(_Caches).by_cache
+    state = caches.get(kv_cache)
     if state is None:  # a cache backed some other way than through allocate_kv_cache: no views
-        state = _caches[kv_cache] = _Cache(parallel.identity(kv_cache.buffer.device), {})
+        state = caches[kv_cache] = _Cache(parallel.identity(kv_cache.buffer.device), {})
     return state if worker.session(state.identity) is not None else None
 
 
@@ -191,7 +197,7 @@ def wrap_committable_blocks(original: Callable[..., int]) -> Callable[..., int]:
 def wrap_free(original: Callable[..., None]) -> Callable[..., None]:
     def free(self: Any) -> None:
         original(self)
-        state = _caches.pop(self, None)
+        state = process_state.part(_Caches).by_cache.pop(self, None)
         if state is not None and worker.session(state.identity) is not None:
             worker.forget(state.identity, kv_budget.REPORTER)
 
@@ -253,4 +259,4 @@ def apply_gpu_worker(module: Any) -> None:
 
 def reset() -> None:
     """Forget every cache (tests)."""
-    _caches.clear()
+    process_state.forget(_Caches)

@@ -29,7 +29,15 @@ import sys
 import threading
 from typing import Any, Callable
 
-_local = threading.local()
+from .. import process_state
+
+
+class _Outermost:
+    """Per thread: whether a wrapper of ours is running on it (``local.depth`` 1), so that an
+    inner one passes through."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
 
 
 def enabled() -> bool:
@@ -46,10 +54,11 @@ def active() -> bool:
 def outermost(call: Callable[[], Any], passthrough: Callable[[], Any]) -> Any:
     """Run ``call`` unless an outer wrapper of ours is already running on this thread (then
     ``passthrough``): the broker's cap applies once, at the outermost wrapper."""
-    if getattr(_local, "depth", 0):
+    local = process_state.part(_Outermost).local
+    if getattr(local, "depth", 0):
         return passthrough()
-    _local.depth = 1
+    local.depth = 1
     try:
         return call()
     finally:
-        _local.depth = 0
+        local.depth = 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...client import BudgetExceeded
-from .. import announce, handback, worker
+from .. import announce, handback, process_state, worker
 from ..patching import wrap_methods, wrap_once
 from . import kv_budget, parallel
 
@@ -36,7 +36,14 @@ log = announce.logger("kvcached_broker.adapters.vllm")
 
 #: What ``Worker.sleep`` frees at every level, and what a wake without tags maps again
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
-_asleep: dict[str, worker.WorkerIdentity] = {}  # device -> the identity that handed memory back
+
+
+class _Asleep:
+    """The workers of this process that handed memory back and have not taken all of it back:
+    device -> the identity that handed it back."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[str, worker.WorkerIdentity] = {}
 
 
 def wake_tags(tags: list[str] | None) -> set[str]:
@@ -56,7 +63,7 @@ def after_release(identity: worker.WorkerIdentity, tags: set[str]) -> int:
     """Stop charging what vLLM freed; returns the bytes no longer charged."""
     freed = handback.after_release(identity, tags, [kv_budget.REPORTER])
     if handback.handed_back(identity):
-        _asleep[str(identity.device)] = identity
+        process_state.part(_Asleep).by_device[str(identity.device)] = identity
     log.info("event=vllm_memory_released rank=%d tags=%s bytes=%d", identity.tp_rank, ",".join(sorted(tags)), freed)
     return freed
 
@@ -76,7 +83,7 @@ def admit(identity: worker.WorkerIdentity, tags: set[str]) -> None:
 def settle(identity: worker.WorkerIdentity, tags: set[str]) -> None:
     handback.settle(identity, tags)
     if not handback.handed_back(identity):
-        _asleep.pop(str(identity.device), None)
+        process_state.part(_Asleep).by_device.pop(str(identity.device), None)
 
 
 # ------------------------------------------------------------------------ worker side
@@ -134,7 +141,7 @@ def on_worker(_worker: Any, action: str, tags: list[str] | None = None) -> str |
     """What ``collective_rpc`` runs in each worker: ``admit`` what ``tags`` bring back, or
     ``roll_back`` (hand it back again).  None, or why this worker could not."""
     wanted = wake_tags(tags)
-    for identity in list(_asleep.values()):
+    for identity in list(process_state.part(_Asleep).by_device.values()):
         try:
             if action == "roll_back":
                 handback.roll_back(identity)
@@ -164,4 +171,4 @@ def apply_executor(module: Any) -> None:
 
 def reset() -> None:
     """Forget which workers handed memory back (tests)."""
-    _asleep.clear()
+    process_state.forget(_Asleep)

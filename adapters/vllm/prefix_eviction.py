@@ -26,7 +26,7 @@ import weakref
 from typing import Any, Callable
 
 from ..patching import wrap_methods, wrap_once
-from .. import announce
+from .. import announce, process_state
 from ..kvcached import register_eviction_hook, runner
 
 log = announce.logger("kvcached_broker.adapters.vllm")
@@ -102,7 +102,12 @@ class PrefixEviction:
         return freed
 
 
-_hooks: "weakref.WeakKeyDictionary[Any, PrefixEviction]" = weakref.WeakKeyDictionary()
+class _Hooks:
+    """The hook of each live kvcached block pool of this process (weakly keyed: a pool that is
+    gone takes its hook with it)."""
+
+    def __init__(self) -> None:
+        self.by_pool: "weakref.WeakKeyDictionary[Any, PrefixEviction]" = weakref.WeakKeyDictionary()
 
 
 def attach(engine_core: Any) -> PrefixEviction | None:
@@ -116,14 +121,14 @@ def attach_pool(pool: Any, engine_core: Any = None) -> PrefixEviction | None:
     if manager is None or not hasattr(pool, "_evict_blocks_from_pool") or not hasattr(manager, "page_allocator"):
         return None
     hook = PrefixEviction(pool, engine_core)
-    _hooks[pool] = hook
+    process_state.part(_Hooks).by_pool[pool] = hook
     register_eviction_hook(manager, hook)
     log.info("event=vllm_prefix_eviction_attached blocks=%d", int(getattr(pool, "num_gpu_blocks", 0)))
     return hook
 
 
 def hook_of(pool: Any) -> PrefixEviction | None:
-    return _hooks.get(pool) if pool is not None else None
+    return process_state.part(_Hooks).by_pool.get(pool) if pool is not None else None
 
 
 def wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
