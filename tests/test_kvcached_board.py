@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from kvcached_broker.adapters import patching, process_state
+from kvcached_broker.adapters import patching, process_state, worker
 from kvcached_broker.adapters.kvcached import board as board_mod
 from kvcached_broker.adapters.kvcached import doorbell, liveness, map_gate, runner, worker_grants
 from kvcached_broker.adapters.kvcached.board_grants import BoardGrants
@@ -331,6 +331,51 @@ def test_a_reset_gives_back_leaves_and_ends_what_registration_started(monkeypatc
     assert worker_grants.holder(0) is None and runner.governors() == []
     assert not governors.is_alive() and not serving.is_alive()
     assert bell not in _abstract_names() and doorbell.token() == 0  # the name is free: the next start binds anew
+
+
+def _governed_holder(monkeypatch, tmp_path) -> worker_grants.WorkerGrants:
+    """A registered TP worker holding 2 pool pages from the broker, as its governing engine asked."""
+    KvcachedStubs(monkeypatch, tmp_path)
+    holder = worker_grants.register(0, 4, 2)
+    board = holder.board
+    board.write_engine(**mine(), state=board_mod.ENGINE_GOVERNING, wanted_pages=2, ask_seq=1)
+    runner.wake()
+    for _ in range(100):  # rounds of the governors' thread (each an event), until the grant is in
+        if board.slot(1).granted_pages == 2:
+            break
+        assert runner.settle(1)
+    assert holder.governed and holder.grants.pages == 2 and board.slot(1).granted_pages == 2
+    assert worker.open_identities() == [holder.identity]
+    return holder
+
+
+def test_closing_the_holders_alone_gives_the_grant_back_through_the_open_session(
+        adapter_broker, monkeypatch, tmp_path):
+    holder = _governed_holder(monkeypatch, tmp_path)
+    granted = [session["granted_bytes"] for inst in adapter_broker.status()["instances"] for session in inst["sessions"]]
+    assert granted == [2 * holder.geometry.page_bytes]
+
+    process_state.forget(worker_grants._Holders)  # as at exit: the sessions stay open
+
+    assert holder.closed and holder.grants.pages == 0 and not os.path.exists(holder.board.path)
+    assert worker.open_identities() == [holder.identity]
+    granted = [session["granted_bytes"] for inst in adapter_broker.status()["instances"] for session in inst["sessions"]]
+    assert granted == [0]
+
+
+def test_a_reset_frees_a_governed_workers_grant_with_its_session_and_opens_no_other(
+        adapter_broker, monkeypatch, tmp_path):
+    """A holder holding a real grant when the worker resets: the reset closes the session, which
+    frees the grant with it, and the holder's close leaves the board without a broker call (one
+    would open a new session after the reset, or find none and turn the device unprotected)."""
+    holder = _governed_holder(monkeypatch, tmp_path)
+    board = holder.board
+
+    worker.reset()
+
+    assert holder.closed and not os.path.exists(board.path)
+    assert worker.open_identities() == [] and worker.unprotected_reason(holder.identity) is None
+    assert [inst["sessions"] for inst in adapter_broker.status()["instances"]] in ([], [[]])
 
 
 def test_at_exit_the_holders_leave_before_the_boards_still_joined():

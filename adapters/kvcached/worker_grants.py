@@ -242,11 +242,13 @@ class WorkerGrants:
 
         What is mapped stays granted: it goes back as the listener unmaps it, or with the
         process when it exits (the broker reclaims a dead process's sessions), never while the
-        memory is still in use."""
+        memory is still in use.  Only through a session still open: a reset of the process
+        registry closes the session first, which frees the whole grant, and a broker call here
+        would open another one after the reset."""
         if self.closed:
             return
         self.closed = True
-        if self.governed and self.grants is not None and self.grants.pages:
+        if self.governed and self.grants is not None and self.grants.pages and self._session_open():
             with self.gate.lock:
                 mapped = self.gate.mapped_pages()
                 self.gate.bound_pages = mapped  # nothing more is mapped from here on
@@ -254,6 +256,10 @@ class WorkerGrants:
             if surplus > 0:
                 self.grants.release(surplus)
         self.board.leave()
+
+    def _session_open(self) -> bool:
+        """This worker's session is open (never opens one)."""
+        return any(str(open_.device) == str(self.identity.device) for open_ in worker.open_identities())
 
     def status(self) -> dict[str, Any] | None:
         """None until a governing engine appeared (a worker whose pool maps in-process, as with
