@@ -27,12 +27,12 @@ import sys
 import threading
 from types import TracebackType
 
+from . import process_state
+
 #: What ``exc_info=`` may be, as for :meth:`logging.Logger.log`.
 ExcInfo = (bool | BaseException | tuple[type[BaseException], BaseException, TracebackType | None]
            | tuple[None, None, None] | None)
 
-_lock = threading.Lock()
-_said: set[str] = set()
 
 
 class _StderrHandler(logging.Handler):
@@ -117,12 +117,21 @@ def say(level: int, event: str, **fields: object) -> None:
 
 def once(key: str, level: int, event: str, **fields: object) -> bool:
     """:func:`say`, the first time ``key`` is seen in this process; True if it was said."""
-    with _lock:
-        if key in _said:
+    said = process_state.part(_Said)
+    with said.lock:
+        if key in said.keys:
             return False
-        _said.add(key)
+        said.keys.add(key)
     say(level, event, **fields)
     return True
+
+
+class _Said:
+    """The keys :func:`once` has said in this process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.keys: set[str] = set()
 
 
 def handler() -> logging.Handler:
@@ -133,5 +142,4 @@ def handler() -> logging.Handler:
 
 def reset() -> None:
     """Forget what was said (tests)."""
-    with _lock:
-        _said.clear()
+    process_state.forget(_Said)

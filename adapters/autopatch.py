@@ -14,12 +14,13 @@ import functools
 import importlib
 import logging
 import os
+import threading
 from types import ModuleType
 from typing import Iterable
 
-from . import announce, flags, instance, release_check
+from . import announce, flags, instance, process_state, release_check
 from .import_hook import when_imported
-from .patching import RESULTS, PatchError, PatchResult, apply_patch
+from .patching import PatchError, PatchResult, apply_patch, results
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -30,8 +31,16 @@ RUNTIMES = {
     "kvcached": "kvcached_broker.adapters.kvcached.patches",
 }
 
-_registered: set[str] = set()
-_hook_ran = False
+class _Hook:
+    """The start-up hook's own record (hook wiring: a reset leaves it): whether the ``.pth``
+    line ran in this interpreter, and the patches registered with the import hook."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ran = False
+        self.registered: set[str] = set()
 
 
 def apply(runtimes: Iterable[str] | None = None) -> list[PatchResult]:
@@ -51,12 +60,14 @@ def apply(runtimes: Iterable[str] | None = None) -> list[PatchResult]:
             continue
         module = importlib.import_module(RUNTIMES[runtime])
         module.check_flags()
+        hook = process_state.part(_Hook)
         for patch in module.PATCHES:
-            if patch.name in _registered:
-                continue
-            _registered.add(patch.name)
+            with hook.lock:
+                if patch.name in hook.registered:
+                    continue
+                hook.registered.add(patch.name)
             when_imported(patch.module, functools.partial(apply_patch, patch))
-    return list(RESULTS)
+    return results()
 
 
 def _unsupported_at_import(found: release_check.Finding, _module: ModuleType) -> None:
@@ -86,10 +97,11 @@ def install_from_env() -> bool:
     ``KVCACHED_REQUIRE=1``, it exits at once with :data:`REQUIRE_EXIT_CODE`, before any
     runtime module is imported.
     """
-    global _hook_ran
-    if _hook_ran:  # some interpreters process site-packages .pth files twice
+    hook = process_state.part(_Hook)
+    with hook.lock:
+        ran_before, hook.ran = hook.ran, True
+    if ran_before:  # some interpreters process site-packages .pth files twice
         return _autopatch_quietly()
-    _hook_ran = True
     try:
         if not flags.autopatch():
             return False
@@ -124,4 +136,4 @@ def _autopatch_quietly() -> bool:
 
 def hook_installed() -> bool:
     """True if the ``.pth`` startup hook ran in this interpreter."""
-    return _hook_ran
+    return process_state.part(_Hook).ran

@@ -7,7 +7,8 @@ finaliser (which may run in the middle of a request on the very session it would
 queued again before it ran is run once, with the latest function.  A failure is logged and
 dropped: it never reaches the runtime.
 
-:func:`drain` waits until everything queued so far has run (tests, shutdown).
+:func:`drain` waits until everything queued so far has run (tests, shutdown).  A reset of the
+process's state drops what is still queued (its sessions are closed with it) and ends the thread.
 """
 
 from __future__ import annotations
@@ -15,51 +16,66 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from typing import Callable
-from . import announce
+from . import announce, process_state
 
 log = announce.logger("kvcached_broker.adapters")
 
-_cond = threading.Condition()
-_pending: OrderedDict[str, Callable[[], None]] = OrderedDict()
-_running = 0
-_thread: threading.Thread | None = None
+class _Queue:
+    """The queued work, by key in the order queued, the count of works running, and the thread
+    that runs them (started on first use; ended by :meth:`close`, which drops what is queued)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.pending: OrderedDict[str, Callable[[], None]] = OrderedDict()
+        self.running = 0
+        self.thread: threading.Thread | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.pending.clear()
+            self.cond.notify_all()
 
 
 def submit(key: str, work: Callable[[], None]) -> None:
     """Run ``work`` soon on the adapter's background thread (replacing a queued ``key``)."""
-    global _thread
-    with _cond:
-        _pending[key] = work
-        _pending.move_to_end(key)
-        if _thread is None or not _thread.is_alive():
+    queue = process_state.part(_Queue)
+    with queue.cond:
+        queue.pending[key] = work
+        queue.pending.move_to_end(key)
+        if queue.thread is None or not queue.thread.is_alive():
             try:
-                _thread = threading.Thread(target=_loop, name="kvcached-broker-background", daemon=True)
-                _thread.start()
+                queue.thread = threading.Thread(target=_loop, args=(queue,), name="kvcached-broker-background",
+                                                daemon=True)
+                queue.thread.start()
             except RuntimeError:  # interpreter shutdown: the session closes anyway
-                _pending.pop(key, None)
+                queue.pending.pop(key, None)
                 return
-        _cond.notify_all()
+        queue.cond.notify_all()
 
 
-def _loop() -> None:
-    global _running
+def _loop(queue: _Queue) -> None:
     while True:
-        with _cond:
-            while not _pending:
-                _cond.wait()
-            key, work = _pending.popitem(last=False)
-            _running += 1
+        with queue.cond:
+            while not queue.pending and not queue.closed:
+                queue.cond.wait()
+            if queue.closed:
+                return
+            key, work = queue.pending.popitem(last=False)
+            queue.running += 1
         try:
             work()
         except Exception as exc:  # noqa: BLE001 - background work must never reach the runtime
             log.warning("event=background_failed work=%s error=%r", key, str(exc))
         finally:
-            with _cond:
-                _running -= 1
-                _cond.notify_all()
+            with queue.cond:
+                queue.running -= 1
+                queue.cond.notify_all()
 
 
 def drain(timeout_s: float = 30.0) -> bool:
     """Wait until nothing is queued or running; False if that took longer than ``timeout_s``."""
-    with _cond:
-        return _cond.wait_for(lambda: not _pending and not _running, timeout=timeout_s)
+    queue = process_state.part(_Queue)
+    with queue.cond:
+        return queue.cond.wait_for(lambda: not queue.pending and not queue.running, timeout=timeout_s)

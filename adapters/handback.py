@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
-from . import announce, worker
+from . import announce, process_state, worker
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -55,9 +55,17 @@ class _Admission:
     base_from_bytes: int | None  # the base before it was raised (None: not raised)
 
 
-_lock = threading.Lock()
-_handed_back: dict[str, _HandedBack] = {}  # device -> what its base handed back
-_admitted: dict[str, _Admission] = {}  # device -> an admission not mapped yet
+class _Ledger:
+    """Per device: what its base handed back, and an admission not mapped yet."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.handed_back: dict[str, _HandedBack] = {}
+        self.admitted: dict[str, _Admission] = {}
+
+
+def _ledger() -> _Ledger:
+    return process_state.part(_Ledger)
 
 
 def frees_base(tags: set[str]) -> bool:
@@ -76,10 +84,11 @@ def before_release(identity: worker.WorkerIdentity, tags: set[str]) -> None:
     if base_bytes is None:
         return
     key = str(identity.device)
-    with _lock:
-        record = _handed_back.get(key)
+    ledger = _ledger()
+    with ledger.lock:
+        record = ledger.handed_back.get(key)
         if record is None or not record.tags:  # nothing handed back yet (or a release that never finished)
-            _handed_back[key] = _HandedBack(base_bytes)
+            ledger.handed_back[key] = _HandedBack(base_bytes)
         else:
             record.before_bytes = max(record.before_bytes, base_bytes)
 
@@ -95,7 +104,7 @@ def after_release(identity: worker.WorkerIdentity, tags: set[str], kv_names: lis
     base_bytes = worker.repin_base(identity, suspend=kv)
     if base_bytes is None:
         return 0
-    with _lock:
+    with _ledger().lock:
         record.tags |= tags - {KV_CACHE_TAG}
     freed = kv_bytes + max(0, charged_before - base_bytes)
     log.info("event=memory_handed_back device=%s tags=%s runtime_base=%s no_longer_charged=%s", identity.device,
@@ -130,34 +139,37 @@ def admit(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) 
 def _remember_admission(identity: worker.WorkerIdentity, kv_names: list[str], base_from_bytes: int | None) -> None:
     """Add to what is admitted and not mapped yet (EngineCore admits, then the worker's own wake does)."""
     key = str(identity.device)
-    with _lock:
-        earlier = _admitted.get(key)
+    ledger = _ledger()
+    with ledger.lock:
+        earlier = ledger.admitted.get(key)
         if earlier is not None:
             kv_names = earlier.kv_names + [name for name in kv_names if name not in earlier.kv_names]
             if earlier.base_from_bytes is not None:
                 base_from_bytes = earlier.base_from_bytes
-        _admitted[key] = _Admission(kv_names, base_from_bytes)
+        ledger.admitted[key] = _Admission(kv_names, base_from_bytes)
 
 
 def settle(identity: worker.WorkerIdentity, tags: set[str]) -> None:
     """The runtime mapped ``tags`` again: pin the base at what the device measures."""
-    with _lock:
-        _admitted.pop(str(identity.device), None)
+    ledger = _ledger()
+    with ledger.lock:
+        ledger.admitted.pop(str(identity.device), None)
     record = _record(identity)
     if record is None or not record.tags & tags:
         return
     worker.repin_base(identity)
-    with _lock:
+    with ledger.lock:
         record.tags -= tags
         if not record.tags:
-            _handed_back.pop(str(identity.device), None)
+            ledger.handed_back.pop(str(identity.device), None)
 
 
 def roll_back(identity: worker.WorkerIdentity) -> None:
     """What :func:`admit` charged was not mapped (another TP rank failed, or the runtime's own
     resume did): hand it back again, and nothing else."""
-    with _lock:
-        admission = _admitted.pop(str(identity.device), None)
+    ledger = _ledger()
+    with ledger.lock:
+        admission = ledger.admitted.pop(str(identity.device), None)
     if admission is not None:
         worker.suspend(identity, admission.kv_names, base_bytes=admission.base_from_bytes)
 
@@ -169,8 +181,9 @@ def handed_back(identity: worker.WorkerIdentity) -> bool:
 
 
 def _record(identity: worker.WorkerIdentity) -> _HandedBack | None:
-    with _lock:
-        return _handed_back.get(str(identity.device))
+    ledger = _ledger()
+    with ledger.lock:
+        return ledger.handed_back.get(str(identity.device))
 
 
 def _kv_coming_back(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> list[str]:
@@ -189,10 +202,5 @@ def _base_coming_back(identity: worker.WorkerIdentity, tags: set[str]) -> int | 
 
 
 def reset() -> None:
-    """Forget what was handed back (tests; :func:`worker.reset`, which this module gives it)."""
-    with _lock:
-        _handed_back.clear()
-        _admitted.clear()
-
-
-worker.on_reset(reset)
+    """Forget what was handed back (tests; :func:`worker.reset` resets it with the process's state)."""
+    process_state.forget(_Ledger)

@@ -15,11 +15,26 @@ import threading
 from types import ModuleType
 from typing import Callable
 
+from . import process_state
+
 #: ``callback(module)``; what it returns is ignored.
 Callback = Callable[[ModuleType], object]
 
-_lock = threading.RLock()
-_callbacks: dict[str, list[Callback]] = {}
+
+class _Watched:
+    """The callbacks waiting for each module name, in the order given (hook wiring: a reset
+    leaves them, since the patches they apply describe classes already patched)."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.callbacks: dict[str, list[Callback]] = {}
+
+
+def watched() -> dict[str, list[Callback]]:
+    """Module name -> the callbacks waiting for it (tests read and extend it)."""
+    return process_state.part(_Watched).callbacks
 
 
 class _PostImportLoader(importlib.abc.Loader):
@@ -41,7 +56,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     _busy = threading.local()
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _callbacks or getattr(self._busy, "active", False):
+        if fullname not in watched() or getattr(self._busy, "active", False):
             return None
         self._busy.active = True
         try:
@@ -66,10 +81,11 @@ _FINDER = _PostImportFinder()
 
 def when_imported(module_name: str, callback: Callback) -> None:
     """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is)."""
-    with _lock:
+    state = process_state.part(_Watched)
+    with state.lock:
         if _FINDER not in sys.meta_path:
             sys.meta_path.insert(0, _FINDER)
-        _callbacks.setdefault(module_name, []).append(callback)
+        state.callbacks.setdefault(module_name, []).append(callback)
         module = sys.modules.get(module_name)
     if module is not None and getattr(module, "__spec__", None) is not None and not _initialising(module):
         callback(module)
@@ -80,7 +96,8 @@ def _initialising(module: ModuleType) -> bool:
 
 
 def _run(name: str, module: ModuleType) -> None:
-    with _lock:
-        callbacks = list(_callbacks.get(name, ()))
+    state = process_state.part(_Watched)
+    with state.lock:
+        callbacks = list(state.callbacks.get(name, ()))
     for callback in callbacks:
         callback(module)

@@ -34,6 +34,7 @@ import sys
 import threading
 from typing import Mapping
 
+from . import process_state
 from .flags import FlagError
 
 ENV = "KVCACHED_BROKER_INSTANCE"
@@ -41,8 +42,14 @@ _MAX_NAME = 128  # the broker's limit on instance names
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:@/+-]")
 _HOST_CHARS = re.compile(r"[^A-Za-z0-9.-]")
 
-_lock = threading.Lock()
-_default: dict[str, str] = {}
+
+
+class _Defaults:
+    """This process's default instance name per runtime, fixed once computed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.names: dict[str, str] = {}
 
 
 class InstanceNameError(FlagError):
@@ -74,10 +81,11 @@ def instance_name(runtime: str, env: Mapping[str, str] | None = None) -> str:
 
 def default_name(runtime: str) -> str:
     """The default name of this server (computed on first use, then fixed for the process)."""
-    with _lock:
-        name = _default.get(runtime)
+    defaults = process_state.part(_Defaults)
+    with defaults.lock:
+        name = defaults.names.get(runtime)
         if name is None:
-            name = _default[runtime] = compose(runtime, rendezvous(), _host_scope)
+            name = defaults.names[runtime] = compose(runtime, rendezvous(), _host_scope)
         return name
 
 
@@ -155,5 +163,4 @@ def _fit(name: str) -> str:
 
 def reset() -> None:
     """Forget the computed default (tests)."""
-    with _lock:
-        _default.clear()
+    process_state.forget(_Defaults)

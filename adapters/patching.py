@@ -3,18 +3,19 @@
 A :class:`Patch` names the module it changes, the versions of the runtime it supports, and a
 function that applies it to the imported module.  Applying a patch twice does nothing the
 second time (a marker on the module records it).  Every outcome is logged in one line and
-kept in :data:`RESULTS`, so ``kvcached-broker`` users can see exactly what was patched where.
+kept in :func:`results`, so ``kvcached-broker`` users can see exactly what was patched where.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Mapping, Sequence
 
-from . import announce, flags
+from . import announce, flags, process_state
 from .versions import in_range, installed
 
 log = announce.logger("kvcached_broker.adapters")
@@ -69,7 +70,21 @@ class PatchResult:
     reason: str = ""
 
 
-RESULTS: list[PatchResult] = []
+class _Results:
+    """What each patch did in this process, in order (hook wiring: a reset leaves it)."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.results: list[PatchResult] = []
+
+
+def results() -> list[PatchResult]:
+    """What each patch did in this process so far, in order (a copy)."""
+    state = process_state.part(_Results)
+    with state.lock:
+        return list(state.results)
 
 
 def layout_patches(patches: Sequence[Patch], version: str) -> list[Patch]:
@@ -123,7 +138,9 @@ def _fail_or_skip(patch: Patch, outcome: str, reason: str) -> PatchResult:
 
 def _record(patch: Patch, outcome: str, reason: str = "") -> PatchResult:
     result = PatchResult(patch.name, patch.module, outcome, reason)
-    RESULTS.append(result)
+    state = process_state.part(_Results)
+    with state.lock:
+        state.results.append(result)
     level = logging.WARNING if outcome == "failed" else logging.INFO
     log.log(level, "event=patch patch=%s module=%s outcome=%s reason=%r", patch.name, patch.module, outcome, reason)
     return result

@@ -123,33 +123,51 @@ class _Plan:
     phase: str | None = None  # a new phase to show (None keeps it)
 
 
-_lock = threading.RLock()
-_sessions: dict[str, _DeviceSession] = {}
-_unprotected: dict[str, str] = {}  # device -> why
-#: Tests and embedders may replace how clients are made (e.g. a fixed endpoint).
-client_factory: Callable[[WorkerIdentity], BrokerClient] | None = None
-#: Given by the modules that build on this one (this module imports none of them).
-_forgets: list[Callable[[], None]] = []  # what reset() also forgets (on_reset)
-_before_settling: list[Callable[[], None]] = []  # what settle_warm_up runs first (before_settling_warm_up)
-#: Guards the two lists above only: registering never waits behind a broker call under _lock.
-_hooks_lock = threading.Lock()
+class _Sessions:
+    """This process's broker sessions, one per device, and the devices left unprotected (and
+    why).  ``lock`` guards both, and is held across a session's round trips (one request per
+    device at a time); ``hooks_lock`` guards only what :func:`settle_warm_up` runs first, so
+    registering never waits behind a broker call.  Closing the part closes every session."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.by_device: dict[str, _DeviceSession] = {}
+        self.unprotected: dict[str, str] = {}  # device -> why
+        #: How sessions are opened (None: :func:`connect`); tests and embedders set it.
+        self.client_factory: Callable[[WorkerIdentity], BrokerClient] | None = None
+        self.hooks_lock = threading.Lock()
+        self.before_settling: list[Callable[[], None]] = []  # given by the modules above this one
+
+    def close(self) -> None:
+        with self.lock:
+            entries = list(self.by_device.values())
+            self.by_device.clear()
+            self.unprotected.clear()
+        for entry in entries:
+            try:
+                entry.client.close()
+            except BrokerError:
+                pass
 
 
-def on_reset(forget: Callable[[], None]) -> None:
-    """Have :func:`reset` call ``forget`` too, once the sessions are closed (once however often
-    given): :mod:`.handback` forgets what was handed back."""
-    with _hooks_lock:
-        if forget not in _forgets:
-            _forgets.append(forget)
+def _state() -> _Sessions:
+    return process_state.part(_Sessions)
+
+
+def set_client_factory(factory: Callable[[WorkerIdentity], BrokerClient] | None) -> None:
+    """Open this process's sessions with ``factory`` (None: :func:`connect`, at
+    ``KVCACHED_BROKER`` or the default endpoint); tests and embedders.  Kept until a reset."""
+    _state().client_factory = factory
 
 
 def before_settling_warm_up(step: Callable[[], None]) -> None:
     """Have :func:`settle_warm_up` run ``step`` before it pins the base at what the device
     measures (once however often given): kvcached mode's governors report every page they
     mapped first (:mod:`.kvcached.runner`), so the base counts none of them."""
-    with _hooks_lock:
-        if step not in _before_settling:
-            _before_settling.append(step)
+    state = _state()
+    with state.hooks_lock:
+        if step not in state.before_settling:
+            state.before_settling.append(step)
 
 
 # ------------------------------------------------------------------ the adapter's identity
@@ -163,12 +181,12 @@ def adapter_info(runtime: str) -> dict[str, object]:
 
 
 def applied_patches(runtime: str) -> list[str]:
-    names = [r.patch for r in patching.RESULTS if r.outcome in ("applied", "already") and r.patch.startswith(f"{runtime}_")]
+    names = [r.patch for r in patching.results() if r.outcome in ("applied", "already") and r.patch.startswith(f"{runtime}_")]
     return sorted(set(names))
 
 
 def failed_patches(runtime: str) -> list[str]:
-    names = [r.patch for r in patching.RESULTS if r.outcome == "failed" and r.patch.startswith(f"{runtime}_")]
+    names = [r.patch for r in patching.results() if r.outcome == "failed" and r.patch.startswith(f"{runtime}_")]
     return sorted(set(names))
 
 
@@ -189,20 +207,22 @@ def connect(identity: WorkerIdentity, endpoint: str | None = None) -> BrokerClie
 
 
 def _connect(identity: WorkerIdentity) -> BrokerClient:
-    if client_factory is not None:
-        return client_factory(identity)
+    factory = _state().client_factory
+    if factory is not None:
+        return factory(identity)
     return connect(identity)
 
 
 # ------------------------------------------------------------------------------ the session
 def session(identity: WorkerIdentity) -> BrokerClient | None:
     """The session for ``identity.device``, opened on first use; None if unprotected."""
+    state = _state()
     key = str(identity.device)
-    with _lock:
-        existing = _sessions.get(key)
-        if existing is not None and key not in _unprotected:
+    with state.lock:
+        existing = state.by_device.get(key)
+        if existing is not None and key not in state.unprotected:
             return existing.client
-        if key in _unprotected:
+        if key in state.unprotected:
             return None
         if broker_disabled():
             _announce_active(identity, None)
@@ -214,7 +234,7 @@ def session(identity: WorkerIdentity) -> BrokerClient | None:
             _announce_active(identity, None)
             _unprotected_now(key, _describe(exc), exc)
             return None
-        _sessions[key] = _DeviceSession(client, identity)
+        state.by_device[key] = _DeviceSession(client, identity)
         _announce_active(identity, client)
         log.info(
             "event=adapter_session runtime=%s device=%s instance=%s session=%s endpoint=%s",
@@ -238,21 +258,24 @@ def _unprotected_now(key: str, why: str, cause: BaseException | None = None) -> 
 
 
 def _mark_unprotected(key: str, why: str) -> None:
-    with _lock:
-        _unprotected[key] = why
+    state = _state()
+    with state.lock:
+        state.unprotected[key] = why
     announce.once("unprotected", logging.WARNING, "unprotected", pid=os.getpid(), device=key, reason=why,
                   detail="this process's GPU memory is not arbitrated by kvcached-broker")
 
 
 def open_identities() -> list[WorkerIdentity]:
     """The identity of every usable session of this process (one per device)."""
-    with _lock:
-        return [entry.identity for key, entry in _sessions.items() if key not in _unprotected]
+    state = _state()
+    with state.lock:
+        return [entry.identity for key, entry in state.by_device.items() if key not in state.unprotected]
 
 
 def unprotected_reason(identity: WorkerIdentity) -> str | None:
-    with _lock:
-        return _unprotected.get(str(identity.device))
+    state = _state()
+    with state.lock:
+        return state.unprotected.get(str(identity.device))
 
 
 def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | None:
@@ -263,6 +286,7 @@ def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | N
     an answer the caller cannot read included, makes the worker unprotected (or, under
     ``KVCACHED_REQUIRE=1``, raises ``BrokerRequired``).
     """
+    state = _state()
     if session(identity) is None:
         return None
     cause: Exception
@@ -276,7 +300,7 @@ def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | N
         why, cause = str(exc), exc
     except MALFORMED_ANSWER as exc:
         why, cause = f"the broker's answer is not in the shape this adapter reads ({type(exc).__name__}: {exc})", exc
-    with _lock:
+    with state.lock:
         _unprotected_now(str(identity.device), f"{action}: {why}", cause)
     return None
 
@@ -345,10 +369,11 @@ def report(
     Raises ``BudgetExceeded`` (naming the pool) if the broker has no room; the book is then
     left as it was.  None when the worker runs unprotected (see :func:`guard`).
     """
+    state = _state()
     if session(identity) is None:
         return None
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         if entry.base_bytes is None and not allocated:
             if _pin(identity, entry) is None:
                 return None
@@ -370,10 +395,11 @@ def hold_what_fits(identity: WorkerIdentity, holds: dict[str, int], min_holds: d
 
     ``BudgetExceeded`` when even the least does not fit (nothing changes); None when unprotected.
     """
+    state = _state()
     if session(identity) is None:
         return None
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         wanted = _with_holds(entry.holds, holds)
         plan = _Plan(entry.book, entry.usage, wanted, frozenset(entry.suspended),
                      pin_base=entry.base_bytes is None, min_holds=min_holds, phase=phase)
@@ -391,12 +417,13 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
     its activations need in later batches.  Returns the slack kept; None when unprotected."""
     if session(identity) is None:
         return None
-    with _hooks_lock:
-        first = list(_before_settling)
+    state = _state()
+    with state.hooks_lock:
+        first = list(state.before_settling)
     for step in first:
         step()
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         slack_bytes = entry.holds.get(SLACK_HOLD, 0)
         base_before = entry.base_bytes or 0
         pinned = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended), pin_base=True)
@@ -420,10 +447,11 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
 def set_phase(identity: WorkerIdentity, phase: str) -> None:
     """Show ``phase`` in status (a request of its own, only if it changes; a broker failure
     is handled as any: the worker turns unprotected)."""
+    state = _state()
     if session(identity) is None:
         return
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         if entry.phase == phase:
             return
         _send(identity, entry, _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended),
@@ -436,10 +464,11 @@ def hold(identity: WorkerIdentity, name: str, size_bytes: int) -> dict[str, int]
     The first request of a session that holds anything pins the runtime base with it.
     ``BudgetExceeded`` if the broker has no room (nothing changes); None when unprotected.
     """
+    state = _state()
     if session(identity) is None:
         return None
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         holds = _with_holds(entry.holds, {name: size_bytes})
         if holds == entry.holds:
             return entry.client.pools
@@ -457,10 +486,11 @@ def pin_base(identity: WorkerIdentity) -> int | None:
     For a worker about to take elastic pages: a grant is reported before its pages are
     mapped, so without a base the process's weights would cover it.  None when unprotected.
     """
+    state = _state()
     if session(identity) is None:
         return None
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         if entry.base_bytes is None and _pin(identity, entry) is None:
             return None
         return entry.base_bytes
@@ -542,8 +572,9 @@ def _merge(by_reporter: dict[str, dict[str, int]]) -> dict[str, int]:
 
 def held_bytes(identity: WorkerIdentity, name: str | None = None) -> int:
     """Bytes this device's book holds under ``name`` (every hold, if None)."""
-    with _lock:
-        entry = _sessions.get(str(identity.device))
+    state = _state()
+    with state.lock:
+        entry = state.by_device.get(str(identity.device))
         if entry is None:
             return 0
         return sum(entry.holds.values()) if name is None else entry.holds.get(name, 0)
@@ -551,16 +582,18 @@ def held_bytes(identity: WorkerIdentity, name: str | None = None) -> int:
 
 def base_bytes(identity: WorkerIdentity) -> int | None:
     """The runtime base the broker pinned for this device's session (None: not pinned yet)."""
-    with _lock:
-        entry = _sessions.get(str(identity.device))
+    state = _state()
+    with state.lock:
+        entry = state.by_device.get(str(identity.device))
         return entry.base_bytes if entry is not None else None
 
 
 def suspend(identity: WorkerIdentity, names: list[str], *, base_bytes: int | None = None) -> int:
     """Stop charging ``names`` (their memory was handed back) and, with ``base_bytes``, lower the
     runtime base to it, in one request; returns the bytes no longer charged."""
-    with _lock:
-        entry = _sessions.get(str(identity.device))
+    state = _state()
+    with state.lock:
+        entry = state.by_device.get(str(identity.device))
         if entry is None:
             return 0
         names = [n for n in names if n in entry.book and n not in entry.suspended]
@@ -584,8 +617,9 @@ def resume(identity: WorkerIdentity, names: list[str] | None = None, *, base_byt
     if the broker has no room (nothing changes).  0 when nothing comes back or the worker
     runs unprotected.
     """
-    with _lock:
-        entry = _sessions.get(str(identity.device))
+    state = _state()
+    with state.lock:
+        entry = state.by_device.get(str(identity.device))
         if entry is None:
             return 0
         back = set(entry.suspended if names is None else entry.suspended.intersection(names))
@@ -609,10 +643,11 @@ def repin_base(identity: WorkerIdentity, suspend: list[str] | tuple[str, ...] = 
     process uses; after it, so that what it handed back is no longer charged.  None when the
     worker runs unprotected.
     """
+    state = _state()
     if session(identity) is None:
         return None
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         names = {n for n in suspend if n in entry.book}
         plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended | names), pin_base=True)
         if _send(identity, entry, plan, "re-pin runtime_base") is None:
@@ -627,10 +662,11 @@ def report_mapped(identity: WorkerIdentity, holder: str, session_pages: int) -> 
     so a granted page is charged as promised memory until it is mapped.  Never more than the
     broker charges the session (a re-assertion that came back short books the rest uncharged).
     A broker failure turns the worker unprotected, as any."""
+    state = _state()
     if session(identity) is None:
         return
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         client = entry.client
         total = max(0, min(_count(entry.mapped, holder, session_pages), _charged_pages(client)))
         if total != client.mapped_pages:
@@ -641,10 +677,11 @@ def release_mapped(identity: WorkerIdentity, holder: str, session_pages: int, ma
     """``holder`` gives ``session_pages`` back and keeps ``mapped_session_pages`` mapped: one
     release that says the session's new mapped total (the broker reads the device at once, so
     the memory is free for others in the same round).  False if the worker is unprotected."""
+    state = _state()
     if session(identity) is None:
         return False
-    with _lock:
-        entry = _sessions[str(identity.device)]
+    with state.lock:
+        entry = state.by_device[str(identity.device)]
         client = entry.client
         mapped = _count(entry.mapped, holder, mapped_session_pages)
         total = max(0, min(mapped, _charged_pages(client) - session_pages)) if client.report_mapping else None
@@ -660,11 +697,12 @@ def report_idle(identity: WorkerIdentity, holder: str, session_pages: int) -> No
     """``holder`` holds ``session_pages`` of the session's pages idle (free, or unused cache): the
     session says the sum over its holders with its next request (``BrokerClient.report_idle``; no
     round trip), and the broker asks sessions with idle pages first when memory must come back."""
+    state = _state()
     client = session(identity)
     if client is None:
         return
-    with _lock:
-        total = _count(_sessions[str(identity.device)].idle, holder, session_pages)
+    with state.lock:
+        total = _count(state.by_device[str(identity.device)].idle, holder, session_pages)
     client.report_idle(total)
 
 
@@ -685,22 +723,25 @@ def _charged_pages(client: BrokerClient) -> int:
 
 def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:
     """The bytes ``reporter`` has in this device's book (charged or suspended)."""
-    with _lock:
-        entry = _sessions.get(str(identity.device))
+    state = _state()
+    with state.lock:
+        entry = state.by_device.get(str(identity.device))
         return sum(entry.book.get(reporter, {}).values()) if entry is not None else 0
 
 
 def suspended(identity: WorkerIdentity) -> list[str]:
-    with _lock:
-        entry = _sessions.get(str(identity.device))
+    state = _state()
+    with state.lock:
+        entry = state.by_device.get(str(identity.device))
         return sorted(entry.suspended) if entry is not None else []
 
 
 def forget(identity: WorkerIdentity, reporter: str) -> None:
     """Drop ``reporter``'s pools (its pool was freed)."""
+    state = _state()
     key = str(identity.device)
-    with _lock:
-        entry = _sessions.get(key)
+    with state.lock:
+        entry = state.by_device.get(key)
         if entry is not None and reporter in entry.book:
             report(identity, reporter, {})
             del entry.book[reporter]
@@ -709,19 +750,7 @@ def forget(identity: WorkerIdentity, reporter: str) -> None:
 
 
 def reset() -> None:
-    """Close every session and forget the process's unprotected state (tests; a worker shutting down)."""
-    with _lock:
-        for entry in _sessions.values():
-            try:
-                entry.client.close()
-            except BrokerError:
-                pass
-        _sessions.clear()
-        _unprotected.clear()
-    with _hooks_lock:
-        forgets = list(_forgets)
-    for forget in forgets:
-        forget()
-    announce.reset()
-    instance.reset()
+    """Close every session and forget everything this process's adapters keep but the hook's
+    wiring (:func:`.process_state.reset`): unprotected devices, what was handed back, what was
+    said, the default instance name (tests; a worker shutting down)."""
     process_state.reset()

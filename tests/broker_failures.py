@@ -147,7 +147,7 @@ def arrange(kind: str, request, monkeypatch, total_bytes: int = 1 << 30) -> Arra
     """Set ``kind`` up for this test (environment, brokers, client factory)."""
     short_tmp = request.getfixturevalue("short_tmp")
     arranged = Arranged(kind, request)
-    worker.client_factory = None  # the adapter's own connection path
+    worker.set_client_factory(None)  # the adapter's own connection path
     monkeypatch.setenv("KVCACHED_BROKER_TIMEOUT_S", "0.5")
     if kind == "unreachable":
         monkeypatch.setenv("KVCACHED_BROKER", f"ipc://{short_tmp}/nobody{{device}}.sock")
@@ -163,9 +163,9 @@ def arrange(kind: str, request, monkeypatch, total_bytes: int = 1 << 30) -> Arra
         if kind == "unresolvable_device":
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000-dead-beef-0000-000000000000")
         if kind in INJECTED:
-            worker.client_factory = _failing_client(arranged, arranged.broker.endpoint)
+            worker.set_client_factory(_failing_client(arranged, arranged.broker.endpoint))
         elif kind in MALFORMED:
-            worker.client_factory = _malformed_client(arranged, arranged.broker.endpoint)
+            worker.set_client_factory(_malformed_client(arranged, arranged.broker.endpoint))
     request.addfinalizer(arranged.undo)
     return arranged
 

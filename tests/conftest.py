@@ -210,13 +210,13 @@ def adapter_broker(inproc_factory):
 
     b = inproc_factory(total_bytes=10 * GIB)
     worker.reset()
-    worker.client_factory = lambda ident: BrokerClient.connect(
+    worker.set_client_factory(lambda ident: BrokerClient.connect(
         ident.instance_name(), endpoint=b.endpoint, tp_rank=ident.tp_rank, tp_size=ident.tp_size,
         page_bytes=ident.page_bytes, credit_pages=0,
-    )
+    ))
     yield b
     worker.reset()
-    worker.client_factory = None
+    worker.set_client_factory(None)
 
 
 @pytest.fixture

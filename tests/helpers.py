@@ -37,7 +37,7 @@ def python_env() -> dict[str, str]:
 
 
 def connect_to(endpoint: str, credit_pages: int | None = 0):
-    """A ``worker.client_factory`` that opens adapter sessions on ``endpoint`` (adapter tests).
+    """A ``worker.set_client_factory`` factory that opens adapter sessions on ``endpoint`` (adapter tests).
 
     It opens them as the adapter does (``worker.connect``: the adapter identity included),
     only with the endpoint fixed.

@@ -34,10 +34,10 @@ def silenced_logging():
 def adapter_broker(inproc_factory):
     b = inproc_factory(total_bytes=GIB)
     worker.reset()
-    worker.client_factory = connect_to(b.endpoint)
+    worker.set_client_factory(connect_to(b.endpoint))
     yield b
     worker.reset()
-    worker.client_factory = None
+    worker.set_client_factory(None)
 
 
 def _lines(err: str, event: str) -> list[str]:

@@ -87,7 +87,7 @@ def test_any_error_from_a_patch_is_a_failed_patch_never_a_broken_import(fake_run
     def broken(m):
         raise error
 
-    monkeypatch.setitem(import_hook._callbacks, fake_runtime, [])  # this test's hook only, gone after it
+    monkeypatch.setitem(import_hook.watched(), fake_runtime, [])  # this test's hook only, gone after it
     when_imported(fake_runtime, lambda mod: apply_patch(_patch(fake_runtime, apply=broken), mod))
     import importlib
 

@@ -284,7 +284,7 @@ def test_the_governors_run_a_round_before_the_end_of_the_warm_up_pins_the_base(
     try:
         runner.enlist(governor)
         runner.enlist(governor)
-        assert worker._before_settling.count(runner._report_mapped) == 1  # registered once
+        assert worker._state().before_settling.count(runner._report_mapped) == 1  # registered once
         assert runner.settle(1, timeout_s=30)  # the round enlisting woke is over
         governor.armed = True
         assert worker.settle_warm_up(ME) == GIB - 384 * MIB  # the round ran first: the base took it
@@ -296,9 +296,13 @@ def test_the_governors_run_a_round_before_the_end_of_the_warm_up_pins_the_base(
 
 
 def test_resetting_the_worker_forgets_what_was_handed_back(adapter_broker, device):
-    """:mod:`.handback` registers its own reset with the worker (the worker does not import it):
-    after a fork's reset nothing handed back by the parent is left."""
-    handback._handed_back["cpu"] = object()
-    assert handback.reset in worker._forgets
+    """:mod:`.handback` keeps its ledger in the process registry, which :func:`worker.reset`
+    resets (the worker does not import it): after a reset nothing handed back before is left."""
+    _serving_after_warm_up(adapter_broker)
+    tags = {"weights", "kv_cache"}
+    handback.before_release(ME, tags)
+    _measure(adapter_broker, 384 * MIB)
+    handback.after_release(ME, tags, ["pool"])
+    assert handback.handed_back(ME)
     worker.reset()
-    assert handback._handed_back == {}
+    assert not handback.handed_back(ME)

@@ -49,7 +49,7 @@ def start_up(memory: Any, request: dict[str, Any]) -> dict[str, Any]:
     from ..adapters.worker import WorkerIdentity
 
     endpoint, instance = request["endpoint"], request["instance"]
-    worker.client_factory = lambda ident: worker.connect(ident, endpoint=endpoint)
+    worker.set_client_factory(lambda ident: worker.connect(ident, endpoint=endpoint))
     identity = WorkerIdentity("sglang", 0, instance=instance)
     taken: dict[str, int] = {}
 

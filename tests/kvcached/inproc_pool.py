@@ -102,7 +102,7 @@ def inproc_pools(short_tmp, monkeypatch, inproc_factory):
     monkeypatch.delenv("KVCACHED_REQUIRE", raising=False)
     broker = inproc_factory(total_bytes=2 * GIB)
     worker.reset()
-    monkeypatch.setattr(worker, "client_factory", connect_to(broker.endpoint))
+    worker.set_client_factory(connect_to(broker.endpoint))
 
     def identity_of(geometry=None):
         return WorkerIdentity("sglang", 0, instance=INSTANCE)

@@ -77,7 +77,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def connect_to(endpoint: str):
-    """A ``worker.client_factory`` opening the adapter's sessions on ``endpoint`` (no credit reserve)."""
+    """A ``worker.set_client_factory`` factory opening the adapter's sessions on ``endpoint`` (no credit reserve)."""
     from ...adapters import worker
 
     def factory(identity):
@@ -110,7 +110,7 @@ def run_pool(args: argparse.Namespace, gpu) -> None:
     from ...adapters import kvcached as kvmode
     from ...adapters.kvcached import runner
 
-    worker.client_factory = connect_to(args.endpoint)
+    worker.set_client_factory(connect_to(args.endpoint))
     if not autopatch.hook_installed():  # with ENABLE_KVCACHED=1 the .pth hook registered it at start
         autopatch.apply(["kvcached"])
     from kvcached.integration.sglang import interfaces

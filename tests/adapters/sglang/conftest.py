@@ -66,7 +66,7 @@ def adapter_state(monkeypatch):
     yield
     worker.reset()
     reporting.reset()
-    worker.client_factory = None
+    worker.set_client_factory(None)
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def sg_broker(inproc_factory, adapter_state, patched_sglang):
     from helpers import GIB
 
     b = inproc_factory(total_bytes=GIB)
-    worker.client_factory = connect_to(b.endpoint)
+    worker.set_client_factory(connect_to(b.endpoint))
     return b
 
 

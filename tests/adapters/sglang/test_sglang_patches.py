@@ -37,7 +37,7 @@ def test_the_patch_list_follows_the_module_layout_of_each_release():
 def test_every_patch_for_this_release_applied_once(patched_sglang, sglang_version):
     if sglang_cpu.at_least("0.5.21"):
         importlib.import_module("sglang.srt.mem_cache.dsv41_request_window")
-    applied = {r.patch for r in patching.RESULTS if r.outcome == "applied"}
+    applied = {r.patch for r in patching.results() if r.outcome == "applied"}
     for patch in patches.PATCHES:
         if patch.module == "sglang.srt.managers.scheduler":
             continue  # the scheduler module: test_sglang_measured_device (it imports only on 0.5.23 here)
@@ -47,7 +47,7 @@ def test_every_patch_for_this_release_applied_once(patched_sglang, sglang_versio
         assert patch.name in applied and getattr(module, f"__kvcached_broker_patched_{patch.name}__"), patch.name
         again = apply_patch(patch, module)
         assert again.outcome == "already"
-    assert not [r for r in patching.RESULTS if r.patch.startswith("sglang_") and r.outcome == "failed"]
+    assert not [r for r in patching.results() if r.patch.startswith("sglang_") and r.outcome == "failed"]
 
 
 def test_wrappers_are_idempotent(patched_sglang):

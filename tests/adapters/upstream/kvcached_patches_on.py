@@ -139,4 +139,4 @@ def _applied() -> list[str]:
         return []
     from kvcached_broker.adapters import patching
 
-    return sorted({result.patch for result in patching.RESULTS if result.outcome == "applied"})
+    return sorted({result.patch for result in patching.results() if result.outcome == "applied"})

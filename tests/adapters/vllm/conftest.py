@@ -46,7 +46,7 @@ def adapter_state(monkeypatch):
     monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "vllm-test")
     yield
     worker.reset()
-    worker.client_factory = None
+    worker.set_client_factory(None)
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def gpu_broker(inproc_factory, adapter_state):
     from helpers import GIB
 
     b = inproc_factory(total_bytes=GIB)
-    worker.client_factory = connect_to(b.endpoint)
+    worker.set_client_factory(connect_to(b.endpoint))
     return b
 
 

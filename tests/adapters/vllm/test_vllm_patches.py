@@ -61,13 +61,13 @@ def test_a_release_outside_the_range_is_skipped_with_a_clear_reason(monkeypatch,
     newer = f"{support.VLLM.supported.below}.5"  # the startup hook registers no patch for it: one line
     monkeypatch.setattr(release_check, "installed", lambda dist: newer if dist == "vllm" else None)
     capsys.readouterr()
-    registered = len(import_hook._callbacks)
+    registered = len(import_hook.watched())
     autopatch._unsupported(release_check.finding("vllm"))  # what apply() does for it, once per process
     autopatch._unsupported(release_check.finding("vllm"))
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert line.startswith("kvcached-broker: WARNING ") and "event=unprotected pid=" in line
     assert f"runtime=vllm version={newer} supported='{support.VLLM.supported}'" in line
-    assert len(import_hook._callbacks) == registered
+    assert len(import_hook.watched()) == registered
 
 
 def test_a_module_without_the_hooked_symbol_fails_clearly_and_only_raises_under_require(monkeypatch):
