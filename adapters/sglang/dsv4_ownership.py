@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import sys
 from typing import Any
-from .. import announce
+from .. import announce, process_state
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
@@ -37,7 +37,12 @@ PREFIX = "dsv4."
 #: kvcached names every V4 pool: step all of the adapter's aside
 ALL = frozenset({"*"})
 
-_said: set[str] = set()
+
+class _Said:
+    """The V4 pool names this process already said kvcached reports (each said once)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
 
 
 def kvcached_reports() -> bool:
@@ -76,10 +81,11 @@ def without_kvcached_reports(pools: dict[str, int]) -> dict[str, int]:
     if not reported:
         return pools
     kept = {}
+    said = process_state.part(_Said).names
     for name, size in pools.items():
         if reported is ALL or name in reported:
-            if name not in _said:
-                _said.add(name)
+            if name not in said:
+                said.add(name)
                 log.warning("event=dsv4_pool_reported_by_kvcached pool=%s detail=kvcached reports it: "
                             "not reserved here too", name)
             continue

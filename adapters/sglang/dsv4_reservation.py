@@ -26,15 +26,22 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import announce, background, flags
+from .. import announce, background, flags, process_state
 from ..patching import wrap_methods, wrap_once
 from . import dsv4_ownership, dsv4_pools, kv_budget, parallel, pool_bytes, reporting
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
-_windows: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
-_registered: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live V4 pools measured here
-_said_off = False
+
+class _V4Pools:
+    """The live V4 pools this process measured (``registered``), each live request window's
+    pool (``windows``: window -> weak reference to its pool), and whether the flag being off
+    was said.  Weak: a pool or window that is collected drops out."""
+
+    def __init__(self) -> None:
+        self.windows: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
+        self.registered: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.said_off = False
 
 
 def is_dsv4_pool(pool: Any) -> bool:
@@ -49,10 +56,10 @@ def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
     the same broker request.  None when the flag is off, the pool is managed, or the worker
     runs unprotected.
     """
-    global _said_off
     if not flags.dsv4_runtime_reservation():
-        if not _said_off:
-            _said_off = True
+        state = process_state.part(_V4Pools)
+        if not state.said_off:
+            state.said_off = True
             log.warning("event=dsv4_reservation_off detail=KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION=0_pools_not_reported")
         return None
     if pool_bytes.is_managed(pool):
@@ -71,14 +78,14 @@ def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
 
 def _remember(pool: Any) -> None:
     try:
-        _registered.add(pool)
+        process_state.part(_V4Pools).registered.add(pool)
     except TypeError:
         pass
 
 
 def remeasure_all() -> None:
     """Measure every live V4 pool again (what kvcached reports or owns by now is left out)."""
-    for pool in list(_registered):
+    for pool in list(process_state.part(_V4Pools).registered):
         register(pool)
 
 
@@ -94,7 +101,7 @@ def _track_window(pool: Any) -> None:
     window = getattr(pool, "request_window", None)
     if window is not None:
         try:
-            _windows[window] = weakref.ref(pool)
+            process_state.part(_V4Pools).windows[window] = weakref.ref(pool)
         except TypeError:
             pass
 
@@ -116,7 +123,7 @@ def wrap_ensure_workspace(original: Callable[..., None]) -> Callable[..., None]:
     def _ensure_workspace(self: Any, *args: Any, **kwargs: Any) -> None:
         before = getattr(self, "workspace", None)
         original(self, *args, **kwargs)
-        owner_ref = _windows.get(self)
+        owner_ref = process_state.part(_V4Pools).windows.get(self)
         if owner_ref is not None and getattr(self, "workspace", None) is not before:
             background.submit(f"dsv4 request window {id(self):x}", lambda: _remeasure(owner_ref))
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...client.units import format_bytes
-from .. import announce, sizing, worker
+from .. import announce, process_state, sizing, worker
 from ..patching import wrap_methods, wrap_once
 from . import (dsv4_reservation, kv_budget, kvcached_fallback, kvcached_sizing, kvcached_sync, parallel, pool_bytes,
                reporting, speculative, startup)
@@ -66,12 +66,16 @@ class SizingDecision:
         return self.capped_bytes < self.runtime_bytes
 
 
-_last = threading.local()
+class _Decisions:
+    """Per thread: the sizing decision it made last (``last.decision``, unset before its first)."""
+
+    def __init__(self) -> None:
+        self.last = threading.local()
 
 
 def last_decision() -> SizingDecision | None:
     """The sizing decision this thread made last (tests, and the config-failure message)."""
-    return getattr(_last, "decision", None)
+    return getattr(process_state.part(_Decisions).last, "decision", None)
 
 
 #: The least KV cache a start-up asks the broker for: SGLang itself refuses a pool of no tokens
@@ -109,7 +113,8 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     if failure is not None:
         raise failure
     client = worker.session(identity)
-    _last.decision = SizingDecision(int(runtime_bytes), agreed_bytes, sized, client.endpoint if client else "")
+    decision = SizingDecision(int(runtime_bytes), agreed_bytes, sized, client.endpoint if client else "")
+    process_state.part(_Decisions).last.decision = decision
     if sized is None:
         return agreed_bytes
     if agreed_bytes <= 0:
@@ -209,7 +214,7 @@ def wrap_profile(original: Callable[..., int]) -> Callable[..., int]:
 
 def wrap_resolve(original: Callable[..., Any]) -> Callable[..., Any]:
     def _resolve_memory_pool_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _last.decision = None
+        process_state.part(_Decisions).last.decision = None
         kvcached_sizing.ensure_outermost(type(self), wrap_profile)
         try:
             config = original(self, *args, **kwargs)

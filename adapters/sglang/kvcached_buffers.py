@@ -21,18 +21,23 @@ from collections.abc import Callable
 from typing import Any
 
 from ..patching import PatchError, wrap_methods, wrap_once
-from .. import announce
+from .. import announce, process_state
 from .pool_bytes import is_kvcached_class
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
 METHOD = "_build_kv_buffer_descs"
-_said = False
+
+
+class _Trimmed:
+    """Whether this process said it trimmed a kvcached pool's K/V views (said once)."""
+
+    def __init__(self) -> None:
+        self.said = False
 
 
 def trim_virtual_rows(pool: Any) -> bool:
     """Trim a kvcached pool's K/V views to its slots; True if it did."""
-    global _said
     if not is_kvcached_class(type(pool)) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
         return False
     rows = int(pool.size) + int(pool.page_size)
@@ -43,8 +48,9 @@ def trim_virtual_rows(pool: Any) -> bool:
         return False  # fewer rows than slots: SGLang's own check says so
     pool.k_buffer = [t[:rows] for t in k_buffer]
     pool.v_buffer = [t[:rows] for t in v_buffer]
-    if not _said:
-        _said = True
+    state = process_state.part(_Trimmed)
+    if not state.said:
+        state.said = True
         log.info("event=kvcached_buffers_trimmed pool=%s rows=%d detail=kvcached's virtual K/V views "
                  "cut to the pool's slots", type(pool).__name__, rows)
     return True

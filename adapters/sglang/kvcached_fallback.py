@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import Any
 
-from .. import announce
+from .. import announce, process_state
 from . import paged_allocator
 from .pool_bytes import is_kvcached_class
 
@@ -40,15 +40,32 @@ ELASTIC_TO_NATIVE = {
     "ElasticTokenToKVPoolAllocator": "TokenToKVPoolAllocator",
 }
 _MARK = "__kvcached_broker_fallback__"
-_lock = threading.Lock()
-_natives: dict[str, type] = {}  # SGLang's own classes, by name, as first seen
-_said: set[str] = set()
+
+
+class _Natives:
+    """SGLang's own allocator classes, by name, as the binding patch first saw them (before
+    kvcached aliased the names; never replaced), and the lock under which a kvcached class is
+    given its fallback.  Hook wiring: the fallbacks already given find their class here after a
+    reset, and the patch that recorded them does not run again."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.classes: dict[str, type] = {}
+
+
+class _Said:
+    """The ``allocator:pool kind`` pairs this process already said fall back (each said once)."""
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
 
 
 def remember_native(name: str, cls: Any) -> None:
     """Record SGLang's own allocator class ``name`` (before kvcached aliases the name)."""
     if isinstance(cls, type) and not is_kvcached_class(cls):
-        _natives.setdefault(name, cls)
+        process_state.part(_Natives).classes.setdefault(name, cls)
 
 
 def install() -> list[str]:
@@ -63,7 +80,7 @@ def install() -> list[str]:
 
 
 def _give_fallback(elastic: type, native_name: str) -> bool:
-    with _lock:
+    with process_state.part(_Natives).lock:
         if vars(elastic).get(_MARK):
             return True
         native = native_class(native_name)
@@ -88,7 +105,7 @@ def _give_fallback(elastic: type, native_name: str) -> bool:
 def native_class(name: str) -> type | None:
     """SGLang's own allocator class ``name`` with the adapter's bindings (``paged_allocator``
     for the paged one): from its implementation module (0.5.13+) or as first seen (0.5.12)."""
-    native = _natives.get(name) or _implementation(name)
+    native = process_state.part(_Natives).classes.get(name) or _implementation(name)
     if native is None:
         return None
     return paged_allocator.broker_class(native) if name == paged_allocator.CLASS_NAME else native
@@ -121,9 +138,10 @@ def _kvcache_argument(native_name: str, args: tuple, kwargs: dict) -> Any:
 def _say_once(native_name: str, kvcache: Any) -> None:
     kind = type(kvcache).__name__ if kvcache is not None else "None"
     key = f"{native_name}:{kind}"
-    if key in _said:
+    said = process_state.part(_Said).keys
+    if key in said:
         return
-    _said.add(key)
+    said.add(key)
     log.warning("event=kvcached_pool_static allocator=%s kvcache=%s detail=kvcached does not manage this pool: "
                 "SGLang's own allocator, broker-sized static KV", native_name, kind)
 

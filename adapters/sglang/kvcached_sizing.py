@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..patching import mark_wrapper
-from .. import announce
+from .. import announce, process_state
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
@@ -39,8 +39,24 @@ KVCACHED_MARK = "virtual_kv_capacity"
 
 Cap = Callable[[Any, Any, int, bool], int]  # (owner, pre_model_load_memory, runtime bytes, elastic) -> bytes
 
-_ours: "weakref.WeakSet[Callable[..., int]]" = weakref.WeakSet()
-_local = threading.local()
+
+class _Ours:
+    """The ``_profile_available_bytes`` wrappers this process made (weak: a class that is
+    collected drops its own).  Hook wiring: SGLang's classes hold these wrappers, so a reset
+    keeps the set, and one of ours is never wrapped again."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.wrappers: weakref.WeakSet[Callable[..., int]] = weakref.WeakSet()
+
+
+class _Profiling:
+    """Per thread, while an outer wrapper runs: ``active``, and ``native_ran`` (SGLang's own
+    profile ran beneath it).  Both unset outside a profile."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
 
 
 def outer_profile(original: Callable[..., int], cap: Cap) -> Callable[..., int]:
@@ -49,22 +65,24 @@ def outer_profile(original: Callable[..., int], cap: Cap) -> Callable[..., int]:
     Ours are told by identity, not by :func:`~..patching.wrap_once`'s mark: kvcached's capacity
     wrapper is made with ``functools.wraps`` over ours, which copies the mark onto it, and it
     must be wrapped again (:func:`ensure_outermost`)."""
-    if original in _ours:
+    ours = process_state.part(_Ours).wrappers
+    if original in ours:
         return original
 
     def _profile_available_bytes(self: Any, pre_model_load_memory: int) -> int:
-        if getattr(_local, "active", False):  # inside the outer wrapper: SGLang's own profile runs
-            _local.native_ran = True
+        local = process_state.part(_Profiling).local
+        if getattr(local, "active", False):  # inside the outer wrapper: SGLang's own profile runs
+            local.native_ran = True
             return original(self, pre_model_load_memory)
-        _local.active, _local.native_ran = True, False
+        local.active, local.native_ran = True, False
         try:
             runtime_bytes = original(self, pre_model_load_memory)
-            elastic = bool(getattr(original, KVCACHED_MARK, False)) and not _local.native_ran and not dsv4_model(self)
+            elastic = bool(getattr(original, KVCACHED_MARK, False)) and not local.native_ran and not dsv4_model(self)
         finally:
-            _local.active = False
+            local.active = False
         return cap(self, pre_model_load_memory, runtime_bytes, elastic)
 
-    _ours.add(mark_wrapper(original, _profile_available_bytes))
+    ours.add(mark_wrapper(original, _profile_available_bytes))
     return _profile_available_bytes
 
 
@@ -75,7 +93,7 @@ def ensure_outermost(cls: type, wrap: Callable[[Callable[..., int]], Callable[..
     if owner is None:
         return False
     current = vars(owner)[METHOD]
-    if current in _ours:
+    if current in process_state.part(_Ours).wrappers:
         return False
     setattr(owner, METHOD, wrap(current))
     log.info("event=sglang_kv_sizing_rewrapped class=%s detail=the broker's cap runs outside %s",

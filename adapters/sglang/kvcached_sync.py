@@ -37,7 +37,7 @@ from typing import Any
 
 from ..kvcached import agreement, eviction, identity, limits
 from ..patching import wrap_methods, wrap_once
-from .. import announce
+from .. import announce, process_state
 from . import dsv4_reservation, parallel
 
 log = announce.logger("kvcached_broker.adapters.sglang")
@@ -45,17 +45,24 @@ log = announce.logger("kvcached_broker.adapters.sglang")
 #: Sync every this many scheduler iterations (every rank counts alike).
 SYNC_EVERY = 1
 
-_installed = False
-_said_pipeline = False
+
+class _Installed:
+    """Whether this process's kvcached pools were routed through sync points (``done``).  Hook
+    wiring: the patches that install it do not run again, so a reset keeps it."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.done = False
 
 
 def install() -> None:
     """Route this process's kvcached pools through sync points, and name their sessions after
     SGLang's TP rank (idempotent; done when SGLang's scheduler or pool builder is patched)."""
-    global _installed
-    if _installed:
+    installed = process_state.part(_Installed)
+    if installed.done:
         return
-    _installed = True
+    installed.done = True
     limits.set_factory(agreement.channel_factory(agreement.AGREEMENT))
     identity.set_resolver(_identity)
 
@@ -82,7 +89,13 @@ class _Steps:
         self.group: parallel.RankGroup | None = None
 
 
-_steps: dict[int, _Steps] = {}
+class _SyncPoints:
+    """This process's schedulers' :class:`_Steps` (by the scheduler's ``id``; each touched by its
+    scheduler's thread only), and whether the pipeline warning was said (said once)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, _Steps] = {}
+        self.said_pipeline = False
 
 
 def after_ingest(scheduler: Any) -> agreement.SyncRecord | None:
@@ -95,7 +108,7 @@ def after_ingest(scheduler: Any) -> agreement.SyncRecord | None:
     before it.  A failure that leaves a rank unable to take part (no group at its first sync)
     is logged as such."""
     try:
-        steps = _steps.setdefault(id(scheduler), _Steps())
+        steps = process_state.part(_SyncPoints).steps.setdefault(id(scheduler), _Steps())
         steps.count += 1
         if steps.count % SYNC_EVERY:
             return None
@@ -125,9 +138,9 @@ def _guarded(action: str, call: Callable[[], None]) -> None:
 
 
 def _say_pipeline_once() -> None:
-    global _said_pipeline
-    if not _said_pipeline and parallel.pipeline_size() > 1:
-        _said_pipeline = True
+    sync_points = process_state.part(_SyncPoints)
+    if not sync_points.said_pipeline and parallel.pipeline_size() > 1:
+        sync_points.said_pipeline = True
         log.warning("event=kvcached_sglang_pipeline detail=pipeline stages agree on kvcached pool limits "
                      "within their own TP group only")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..patching import PatchError
-from .. import announce
+from .. import announce, process_state
 from . import page_tracking
 from .pool_bytes import is_kvcached_class
 
@@ -39,8 +39,18 @@ log = announce.logger("kvcached_broker.adapters.sglang")
 
 CLASS_NAME = "PagedTokenToKVPoolAllocator"
 _OWNER = "_kvcached_broker_owner"
-_lock = threading.Lock()
-_derived: dict[type, type] = {}
+
+
+class _Derived:
+    """The adapter's subclass of each upstream allocator class (upstream -> derived), made once
+    under ``lock``.  Hook wiring: SGLang's modules are bound to these classes, so a reset keeps
+    them and a later :func:`broker_class` returns the same class, never a second one."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.classes: dict[type, type] = {}
 
 
 class AllocatorState:
@@ -182,8 +192,9 @@ def broker_class(base: type) -> type:
     ``base`` itself when it is kvcached's elastic allocator (kvcached owns its free list)."""
     if getattr(base, _OWNER, None) is base or is_kvcached_class(base):
         return base
-    with _lock:
-        derived = _derived.get(base)
+    made = process_state.part(_Derived)
+    with made.lock:
+        derived = made.classes.get(base)
         if derived is None:
             _check_upstream(base)
             namespace = {
@@ -194,7 +205,7 @@ def broker_class(base: type) -> type:
             namespace.update(__module__=__name__, __qualname__=base.__name__, __doc__=base.__doc__)
             derived = type(base.__name__, (BrokerPagedAllocatorMixin, base), namespace)
             setattr(derived, _OWNER, derived)
-            _derived[base] = derived
+            made.classes[base] = derived
         return derived
 
 

@@ -27,27 +27,46 @@ from typing import Any
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import announce, background, sizing, worker
+from .. import announce, background, process_state, sizing, worker
 from . import kv_budget
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
-_lock = threading.RLock()
-_counter = itertools.count(1)
-_keys: dict[int, str] = {}
-_totals: dict[str, int] = {}
-_storages: dict[str, set] = {}  # reporter key -> storage keys it charged
-_identity: dict[str, worker.WorkerIdentity] = {}
-_holders: dict[str, worker.WorkerIdentity] = {}  # device -> the identity that took the sizing hold
+
+class _Reporting:
+    """This process's pool reporters: each live pool's reporter key (by the pool's ``id``), what
+    each key reported (bytes) and the storage keys it charged, the identity it reported under,
+    and per device the identity that took the sizing hold.  ``lock`` guards every field; a key
+    in ``totals``, ``storages`` or ``identity`` is one :func:`reporter_key` gave out."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.keys: dict[int, str] = {}
+        self.totals: dict[str, int] = {}
+        self.storages: dict[str, set] = {}  # reporter key -> storage keys it charged
+        self.identity: dict[str, worker.WorkerIdentity] = {}
+        self.holders: dict[str, worker.WorkerIdentity] = {}  # device -> the identity that took the sizing hold
+
+
+class _KeyCounter:
+    """Numbers reporter keys once for the life of the process, across resets: a pool from before
+    a reset is finalised later under its old key (:func:`_collected`), which must never name a
+    pool reported after the reset."""
+
+    KEPT_ACROSS_RESET = True
+
+    def __init__(self) -> None:
+        self.counter = itertools.count(1)  # next() is atomic under the GIL
 
 
 def reporter_key(pool: Any, kind: str) -> str:
     """The reporter key of ``pool`` (stable while it lives; forgotten when it is collected)."""
-    with _lock:
-        key = _keys.get(id(pool))
+    state = process_state.part(_Reporting)
+    with state.lock:
+        key = state.keys.get(id(pool))
         if key is None:
-            key = f"sglang:{kind}#{next(_counter)}"
-            _keys[id(pool)] = key
+            key = f"sglang:{kind}#{next(process_state.part(_KeyCounter).counter)}"
+            state.keys[id(pool)] = key
             _forget_when_collected(pool, key)
         return key
 
@@ -66,11 +85,12 @@ def _collected(pool_id: int, key: str) -> None:
     A finaliser runs wherever garbage collection happens, possibly in the middle of a
     request on this very session, so it never talks to the broker itself.
     """
-    with _lock:
-        _keys.pop(pool_id, None)
-        _totals.pop(key, None)
-        _storages.pop(key, None)
-        identity = _identity.pop(key, None)
+    state = process_state.part(_Reporting)
+    with state.lock:
+        state.keys.pop(pool_id, None)
+        state.totals.pop(key, None)
+        state.storages.pop(key, None)
+        identity = state.identity.pop(key, None)
     if identity is not None:
         background.submit(f"forget {key}", lambda: worker.forget(identity, key))
 
@@ -90,19 +110,20 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
         return False
     key = reporter_key(pool, kind)
     total = sum(pools.values())
-    with _lock:
-        growth = total - _totals.get(key, 0)
-        _identity[key] = identity
+    state = process_state.part(_Reporting)
+    with state.lock:
+        growth = total - state.totals.get(key, 0)
+        state.identity[key] = identity
     try:
         if worker.report(identity, key, pools, holds=sizing.holds_after_pool(identity, growth, last),
                          phase="warming" if last else None) is None:
             return False
     except BudgetExceeded as exc:
         raise kv_budget.explain_refusal(identity, client, max(0, growth), what, exc) from exc
-    with _lock:
-        _totals[key] = total
+    with state.lock:
+        state.totals[key] = total
         if storages is not None:
-            _storages[key] = set(storages)
+            state.storages[key] = set(storages)
     log.info(
         "event=sglang_pool_reported reporter=%s device=%s rank=%d total=%s pools=%s hold_left=%s",
         key, identity.device, identity.tp_rank, format_bytes(total),
@@ -125,8 +146,9 @@ def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
 
 def sized(identity: worker.WorkerIdentity) -> None:
     """``identity``'s device sized a start-up: its holds end with the start-up (:func:`end_start_ups`)."""
-    with _lock:
-        _holders[str(identity.device)] = identity
+    state = process_state.part(_Reporting)
+    with state.lock:
+        state.holders[str(identity.device)] = identity
 
 
 def release_hold(identity: worker.WorkerIdentity) -> None:
@@ -140,9 +162,10 @@ def end_start_ups() -> None:
     of this process, drop what is left of the KV hold and settle the warm-up
     (:func:`~..worker.settle_warm_up`: the base pinned where the device measures it, the slack
     the warm-up did not allocate kept as ``runtime_slack``)."""
-    with _lock:
-        holders = list(_holders.values())
-        _holders.clear()
+    state = process_state.part(_Reporting)
+    with state.lock:
+        holders = list(state.holders.values())
+        state.holders.clear()
     for identity in holders:
         release_hold(identity)
         worker.settle_warm_up(identity)
@@ -150,10 +173,11 @@ def end_start_ups() -> None:
 
 def charged_storages(identity: worker.WorkerIdentity, pool: Any) -> set:
     """Storage keys charged on ``identity``'s device by reporters other than ``pool``'s own."""
-    with _lock:
-        own = _keys.get(id(pool))
-        return set().union(*(keys for key, keys in _storages.items()
-                             if key != own and _same_device(_identity.get(key), identity)))
+    state = process_state.part(_Reporting)
+    with state.lock:
+        own = state.keys.get(id(pool))
+        return set().union(*(keys for key, keys in state.storages.items()
+                             if key != own and _same_device(state.identity.get(key), identity)))
 
 
 def _same_device(other: worker.WorkerIdentity | None, identity: worker.WorkerIdentity) -> bool:
@@ -162,9 +186,10 @@ def _same_device(other: worker.WorkerIdentity | None, identity: worker.WorkerIde
 
 def kv_reporters_by_device() -> list[tuple[worker.WorkerIdentity, list[str]]]:
     """``(identity, reporter keys)`` per device: every KV pool this module reported."""
-    with _lock:
+    state = process_state.part(_Reporting)
+    with state.lock:
         by_device: dict[str, tuple[worker.WorkerIdentity, list[str]]] = {}
-        for key, identity in _identity.items():
+        for key, identity in state.identity.items():
             by_device.setdefault(str(identity.device), (identity, []))[1].append(key)
     return [(identity, sorted(keys)) for identity, keys in by_device.values()]
 
@@ -175,9 +200,4 @@ def held_bytes(identity: worker.WorkerIdentity) -> int:
 
 def reset() -> None:
     """Forget every reporter (tests; a worker shutting down).  The session is not closed."""
-    with _lock:
-        _keys.clear()
-        _totals.clear()
-        _storages.clear()
-        _identity.clear()
-        _holders.clear()
+    process_state.forget(_Reporting)

@@ -20,31 +20,39 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import process_state
 from ..patching import wrap_methods, wrap_once
 from . import reporting
 
-_lock = threading.Lock()
-_depth = 0
+
+class _StartUps:
+    """How many model-worker start-ups are building pools in this process now (``depth`` >= 0,
+    guarded by ``lock``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
 
 
 def active() -> bool:
     """True while a model-worker start-up is building pools in this process."""
-    with _lock:
-        return _depth > 0
+    state = process_state.part(_StartUps)
+    with state.lock:
+        return state.depth > 0
 
 
 @contextlib.contextmanager
 def kv_startup() -> Iterator[None]:
     """The scope of one start-up: the sizing hold is dropped when the outermost one ends."""
-    global _depth
-    with _lock:
-        _depth += 1
+    state = process_state.part(_StartUps)  # the one this scope counted in, ended in, even across a reset
+    with state.lock:
+        state.depth += 1
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            outermost = _depth == 0
+        with state.lock:
+            state.depth -= 1
+            outermost = state.depth == 0
         if outermost:
             reporting.end_start_ups()
 
