@@ -177,8 +177,14 @@ def kvcached_mode_suite(name: str) -> tuple[str, ...]:
 
 
 def test_overlays() -> list[str]:
-    """What ``make test-adapters`` runs, in order: every overlay, then kvcached mode's."""
+    """What ``make test-matrix`` runs, in order: every overlay, then kvcached mode's."""
     return [o.name for o in overlays()] + kvcached_mode_overlays()
+
+
+def newest_overlays() -> list[str]:
+    """What ``make test`` runs (``make test-adapters``): each runtime's newest overlay, the
+    last in its row (the table lists releases oldest first)."""
+    return [r.overlays[-1].name for r in RUNTIMES.values() if r.overlays]
 
 
 def find_overlay(name: str) -> Overlay:
