@@ -40,7 +40,7 @@ else
 $(error CORE must be interpreted or compiled, not '$(CORE)')
 endif
 
-.PHONY: demo test lint test-core test-compiled test-adapters test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints canary
+.PHONY: demo test lint test-core test-compiled test-adapters test-matrix test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints canary
 
 $(STAMP): pyproject.toml setup.py adapters/kvcached_broker_autopatch.pth $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -88,9 +88,15 @@ demo: $(STAMP)
 	@$(MAKE) -s --no-print-directory $(SIM_STAMP) || echo "could not prepare the demo's kvcached pools (see $(SIM_LOG))"
 	KVCACHED_BROKER_KVCACHED_PATH=$(abspath $(KVCACHED_SIM)) $(VENV)/bin/kvcached-broker demo $(DEMO_ARGS)
 
-# The whole suite: the lint and type gates, the environments (so the core's torch-using tests
-# run too), then the core, then the adapters against every supported upstream version.
-# The compiled request core is an option with its own target (test-compiled), run by .ci/run.
+# pytest-xdist's workers for the suites: one per core (`make test TEST_JOBS=0` runs them in one
+# process, in file order).  Every test waits on events, so the suites pass however many run at once.
+TEST_JOBS ?= auto
+export TEST_JOBS
+
+# The developer's suite: the lint and type gates, the environments (so the core's torch-using
+# tests run too), then the core, then the adapters against each runtime's newest supported
+# release.  Every other release, upstream's own tests and kvcached mode inside each runtime are
+# `make test-matrix`; the compiled request core is `make test-compiled`.  .ci/run runs all three.
 test: lint adapter-envs test-core test-adapters
 
 # ruff on the whole tree; mypy on the package (strict's flags on broker/ and client/), staged
@@ -103,11 +109,11 @@ lint: $(LINT_STAMP)
 	cd build/typecheck && ../../$(PY) -m mypy --config-file ../../pyproject.toml --cache-dir .mypy_cache -p kvcached_broker
 
 test-core: $(STAMP)
-	KVCACHED_BROKER_EXPECT_COMPILED=0 $(PY) -m pytest -q --ignore=tests/adapters
+	KVCACHED_BROKER_EXPECT_COMPILED=0 $(PY) -m pytest -q -n $(TEST_JOBS) --ignore=tests/adapters
 
 # The core suite again against the compiled request core (no torch there: its tests skip).
 test-compiled: $(CSTAMP)
-	KVCACHED_BROKER_EXPECT_COMPILED=1 $(CPY) -m pytest -q -p no:cacheprovider --ignore=tests/adapters
+	KVCACHED_BROKER_EXPECT_COMPILED=1 $(CPY) -m pytest -q -n $(TEST_JOBS) -p no:cacheprovider --ignore=tests/adapters
 
 # The core suite on every supported Python but .venv's (no torch: its tests skip), about three
 # minutes each on 2 cores; `make test-pythons PYTHONS="3.12"` picks them.  .ci/run runs it
@@ -119,7 +125,7 @@ test-pythons: $(STAMP)
 		[ "$$v" = "$$main" ] && [ -z "$(PYTHONS)" ] && continue; \
 		echo "== the core suite on Python $$v"; \
 		$(MAKE) --no-print-directory .venv-py$$v/.installed && \
-		KVCACHED_BROKER_EXPECT_COMPILED=0 .venv-py$$v/bin/python -m pytest -q -p no:cacheprovider --ignore=tests/adapters \
+		KVCACHED_BROKER_EXPECT_COMPILED=0 .venv-py$$v/bin/python -m pytest -q -n $(TEST_JOBS) -p no:cacheprovider --ignore=tests/adapters \
 			|| exit 1; \
 	done
 
@@ -133,9 +139,15 @@ constraints: $(STAMP)
 adapter-envs: $(STAMP)
 	bash scripts/adapter-envs.sh --install-base --constraints $(CONSTRAINTS) --prune-native --check $(PY) $(ENVS)
 
-# each overlay's suite, then upstream's own tests with the patches off and on (scripts/upstream-tests.py)
+# each runtime's newest overlay (adapters/support.py's last in its row): its adapter suite, and
+# upstream's own tests with the patches off and on (scripts/upstream-tests.py)
 test-adapters: adapter-envs
-	bash scripts/test-adapters.sh $(PY) $(ENVS)
+	bash scripts/test-adapters.sh $(PY) $(ENVS) $$($(PY) scripts/support.py newest-overlays)
+
+# every other overlay, the same way: the older releases, then kvcached mode inside each runtime
+# (real servers starting up); .ci/run runs it after `make test`, so CI runs each overlay once
+test-matrix: adapter-envs
+	bash scripts/test-adapters.sh $(PY) $(ENVS) $$($(PY) scripts/support.py matrix-overlays)
 
 # The newest SGLang, vLLM and kvcached on the package index, checked statically against every
 # patch target (scripts/canary.py: downloaded into .canary/, parsed, never installed); a table of

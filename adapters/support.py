@@ -177,8 +177,21 @@ def kvcached_mode_suite(name: str) -> tuple[str, ...]:
 
 
 def test_overlays() -> list[str]:
-    """What ``make test-adapters`` runs, in order: every overlay, then kvcached mode's."""
+    """Every overlay a suite runs in, in order: each runtime's, then kvcached mode's."""
     return [o.name for o in overlays()] + kvcached_mode_overlays()
+
+
+def newest_overlays() -> list[str]:
+    """What ``make test`` runs (``make test-adapters``): each runtime's newest overlay, the
+    last in its row (the table lists releases oldest first)."""
+    return [r.overlays[-1].name for r in RUNTIMES.values() if r.overlays]
+
+
+def matrix_overlays() -> list[str]:
+    """What ``make test-matrix`` runs: every other overlay, in :func:`test_overlays`' order
+    (``make test`` and ``make test-matrix`` together run each overlay once)."""
+    newest = set(newest_overlays())
+    return [name for name in test_overlays() if name not in newest]
 
 
 def find_overlay(name: str) -> Overlay:

@@ -3,7 +3,9 @@
 
     support.py overlays                 the serving runtimes' overlays, in build order (scripts/adapter-envs.sh
                                         builds them from their pins; kvcached's is scripts/fetch-kvcached.py)
-    support.py test-overlays            what `make test-adapters` runs (scripts/test-adapters.sh)
+    support.py test-overlays            every overlay (scripts/test-adapters.sh without a list)
+    support.py newest-overlays          what `make test-adapters` runs: each runtime's newest overlay
+    support.py matrix-overlays          what `make test-matrix` runs: every other overlay
     support.py suite OVERLAY            the test paths OVERLAY's adapter suite runs
     support.py check-modules OVERLAY    the modules that must import in OVERLAY (adapter-envs.sh --check)
     support.py kvcached-overlay         kvcached's overlay (scripts/fetch-kvcached.py builds it)
@@ -68,6 +70,10 @@ def main(argv: list[str]) -> int:
             print(" ".join(o.name for o in support.overlays() if o.runtime in support.SERVING))
         elif command == "test-overlays" and not args:
             print(" ".join(support.test_overlays()))
+        elif command == "newest-overlays" and not args:
+            print(" ".join(support.newest_overlays()))
+        elif command == "matrix-overlays" and not args:
+            print(" ".join(support.matrix_overlays()))
         elif command == "suite" and len(args) == 1:
             suite = (support.kvcached_mode_suite(args[0]) if args[0].startswith("kvcached+")
                      else support.find_overlay(args[0]).suite)

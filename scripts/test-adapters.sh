@@ -7,6 +7,7 @@
 # one path: kvcached mode inside the runtime's real classes.
 # Which overlays run, and which tests each runs, is the table of supported releases
 # (adapters/support.py, read through scripts/support.py): by default every overlay it lists.
+# TEST_JOBS: pytest-xdist's workers per suite (a number, or auto: one per core); unset, one process.
 #   usage: test-adapters.sh PYTHON ENVS_DIR [OVERLAY...]
 set -euo pipefail
 PY=$1 ENVS=$2; shift 2
@@ -14,6 +15,7 @@ cd "$(dirname "$0")/.."
 SUPPORT=scripts/support.py
 OVERLAYS=${*:-$("$PY" "$SUPPORT" test-overlays)}
 KVCACHED=$("$PY" "$SUPPORT" kvcached-overlay)
+JOBS=${TEST_JOBS:-0}
 status=0
 for overlay in $OVERLAYS; do
   if [ "${overlay%%+*}" = kvcached ] && [ "$overlay" != "${overlay#*+}" ]; then
@@ -26,7 +28,7 @@ for overlay in $OVERLAYS; do
       export PYTHONPATH="$runtime_path:$PYTHONPATH"
       export KVCACHED_BROKER_TEST_RUNTIME="$inner" KVCACHED_BROKER_TEST_KVCACHED="$KVCACHED"
       # shellcheck disable=SC2086  # the suite is a list of paths
-      "$PY" -m pytest -q -p no:cacheprovider ${suite:-"tests/kvcached_${inner%%-*}"}
+      "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider ${suite:-"tests/kvcached_${inner%%-*}"}
     ) || status=1
     continue
   fi
@@ -38,7 +40,7 @@ for overlay in $OVERLAYS; do
     (
       set -a; . "$ENVS/$overlay.env"; set +a
       export KVCACHED_BROKER_TEST_RUNTIME="$overlay"
-      "$PY" -m pytest -q -p no:cacheprovider tests/kvcached
+      "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider tests/kvcached
     ) || status=1
     continue
   fi
@@ -48,7 +50,7 @@ for overlay in $OVERLAYS; do
     set -a; . "$ENVS/$overlay.env"; set +a
     export KVCACHED_BROKER_TEST_RUNTIME="$overlay"
     # shellcheck disable=SC2086  # the suite is a list of paths
-    "$PY" -m pytest -q -p no:cacheprovider ${suite:-"tests/adapters/$runtime"}
+    "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider ${suite:-"tests/adapters/$runtime"}
   ) || status=1
   "$PY" scripts/upstream-tests.py run "$PY" "$ENVS" "$overlay" || status=1
 done

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvcached_broker.adapters import support
+from kvcached_broker.adapters.versions import parse
 from kvcached_broker.adapters.kvcached import patches as kvcached_patches
 from kvcached_broker.adapters.sglang import patches as sglang_patches
 from kvcached_broker.adapters.vllm import patches as vllm_patches
@@ -52,6 +53,8 @@ def test_the_scripts_read_the_overlays_from_the_table():
 
     assert ask("overlays").split() == [o.name for o in support.overlays() if o.runtime in support.SERVING]
     assert ask("test-overlays").split() == support.test_overlays()
+    assert ask("newest-overlays").split() == support.newest_overlays()
+    assert ask("matrix-overlays").split() == support.matrix_overlays()
     assert ask("kvcached-overlay") == support.KVCACHED.overlays[0].name
     assert ask("range", "vllm") == str(support.VLLM.supported)
     for name in [o.name for o in support.overlays()] + support.kvcached_mode_overlays():
@@ -138,3 +141,15 @@ def test_each_adapter_readme_states_the_tables_range_and_releases(runtime):
     assert stated, f"adapters/{runtime.name}/README.md does not state its supported range"
     assert stated.group(1) == str(runtime.supported)
     assert re.split(r",\s*|\s+and\s+", stated.group(2).strip()) == runtime.tested()
+
+
+def test_each_row_lists_its_releases_oldest_first_so_make_test_runs_the_newest():
+    """``make test`` runs each runtime's last overlay only (``newest_overlays``): that must be its
+    newest release, inside the supported range; ``make test-matrix`` runs the rest."""
+    for row in support.RUNTIMES.values():
+        versions = [o.version for o in row.overlays]
+        assert versions == sorted(versions, key=parse), f"{row.name}'s overlays are not oldest first"
+        assert row.supports(versions[-1])
+    assert support.newest_overlays() == [row.overlays[-1].name for row in support.RUNTIMES.values()]
+    both = support.newest_overlays() + support.matrix_overlays()
+    assert sorted(both) == sorted(support.test_overlays())  # together, each overlay once
