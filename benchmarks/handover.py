@@ -362,24 +362,19 @@ def run_setups(setups: list[str], workdir: Path, trials: int, traces: list[str])
     for name in traces:
         groups.setdefault(trace_named(name).models, []).append(name)
     turn = 0
-
-    def each_in_turn(step) -> None:
-        nonlocal turn
-        for setup in setups[turn % len(setups):] + setups[:turn % len(setups)]:
-            started = time.monotonic()
-            step(setup)
-            results[setup]["wall_s"] += time.monotonic() - started
-        turn += 1
-
     for models, names in groups.items():
         with ExitStack() as stack:
             rigs = {setup: stack.enter_context(rig(setup, workdir, models)) for setup in setups}
-            if models == two:
-                for _ in range(trials):
-                    each_in_turn(lambda setup: results[setup]["trials"].append(handover_trial(rigs[setup])))
-            for name in names:
-                each_in_turn(lambda setup: results[setup]["traces"].__setitem__(name, run_trace(rigs[setup],
-                                                                                               trace_named(name))))
+            steps = [None] * (trials if models == two else 0) + list(names)  # None: a hand-over trial
+            for step in steps:
+                for setup in setups[turn % len(setups):] + setups[:turn % len(setups)]:
+                    started = time.monotonic()
+                    if step is None:
+                        results[setup]["trials"].append(handover_trial(rigs[setup]))
+                    else:
+                        results[setup]["traces"][step] = run_trace(rigs[setup], trace_named(step))
+                    results[setup]["wall_s"] += time.monotonic() - started
+                turn += 1
     for setup in setups:
         result = results[setup]
         print(f"  {SETUPS[setup]}: {trials} trials and {len(result['traces'])} trace(s) in {result['wall_s']:.0f} s",

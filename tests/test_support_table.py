@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from kvcached_broker.adapters import support
-from kvcached_broker.adapters.versions import parse
 from kvcached_broker.adapters.kvcached import patches as kvcached_patches
 from kvcached_broker.adapters.sglang import patches as sglang_patches
 from kvcached_broker.adapters.vllm import patches as vllm_patches
