@@ -23,11 +23,12 @@ from types import ModuleType
 import pytest
 
 from kvcached_broker.adapters import patching, process_state, worker
-from kvcached_broker.adapters.kvcached import board as board_mod
-from kvcached_broker.adapters.kvcached import doorbell, liveness, map_gate, runner, worker_grants
-from kvcached_broker.adapters.kvcached.board_grants import BoardGrants
+from kvcached_broker.adapters.kvcached.broadcast import board as board_mod
+from kvcached_broker.adapters.kvcached import liveness, runner
+from kvcached_broker.adapters.kvcached.broadcast import doorbell, map_gate, worker_grants
+from kvcached_broker.adapters.kvcached.broadcast.board_grants import BoardGrants
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
-from kvcached_broker.adapters.kvcached.map_gate import MapGate, MapRefused
+from kvcached_broker.adapters.kvcached.broadcast.map_gate import MapGate, MapRefused
 from kvcached_broker.adapters.worker import WorkerIdentity
 
 GEOMETRY = PoolGeometry(num_layers=4, page_size=2 << 20, num_kv_buffers=2, virtual_pages=64, group_id=0, world_size=2)
@@ -234,7 +235,8 @@ def test_a_closed_board_reads_empty_and_drops_writes(tmp_path):
 def test_a_forked_child_does_not_keep_its_parents_doorbell():
     code = textwrap.dedent("""
         import os, sys
-        from kvcached_broker.adapters.kvcached import doorbell, liveness
+        from kvcached_broker.adapters.kvcached import liveness
+        from kvcached_broker.adapters.kvcached.broadcast import doorbell
         token = doorbell.start()
         assert token
         name = "@" + doorbell.address(liveness.own(), token)[1:]
@@ -384,7 +386,7 @@ def test_at_exit_the_holders_leave_before_the_boards_still_joined():
     handlers had when each module registered its own)."""
     code = textwrap.dedent("""
         from kvcached_broker.adapters import process_state
-        from kvcached_broker.adapters.kvcached import board, worker_grants
+        from kvcached_broker.adapters.kvcached.broadcast import board, worker_grants
         worker_grants._Holders.close_all = lambda self: print("holders", flush=True)
         board._Joined.leave_all = lambda self: print("boards", flush=True)
         process_state.part(worker_grants._Holders)

@@ -33,8 +33,9 @@ from pathlib import Path
 import pytest
 from helpers import KvcachedAllocator as Allocator, FixedGrants as Grants, adapter_line
 
-from kvcached_broker.adapters.kvcached import board as board_mod
-from kvcached_broker.adapters.kvcached import board_grants, doorbell, liveness, segment, shm_files
+from kvcached_broker.adapters.kvcached.broadcast import board as board_mod
+from kvcached_broker.adapters.kvcached import liveness, segment, shm_files
+from kvcached_broker.adapters.kvcached.broadcast import board_grants, doorbell
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
 from kvcached_broker.adapters.kvcached.governor import PoolGovernor
 from kvcached_broker.adapters.kvcached.policy import Watermarks
@@ -255,7 +256,7 @@ def test_the_sweep_skips_a_fifo_named_as_a_board_without_blocking(shm_dir, child
     os.mkfifo(shm_dir / "kvcached-broker-fifo-g0.board")  # a read-only open of a FIFO waits for a writer
     child = children(f"""
         import json
-        from kvcached_broker.adapters.kvcached import board
+        from kvcached_broker.adapters.kvcached.broadcast import board
         print(json.dumps(board.sweep({str(shm_dir)!r})), flush=True)
     """)
     assert child.receive() == []
@@ -267,7 +268,7 @@ def test_a_board_whose_writer_runs_in_another_pid_namespace_is_never_swept(shm_d
     path = shm_dir / "kvcached-broker-container-g0.board"
     writer = children(f"""
         import json, os, sys
-        from kvcached_broker.adapters.kvcached import board as b
+        from kvcached_broker.adapters.kvcached.broadcast import board as b
         me = b.own_identity()
         board = b.Board.join({str(path)!r}, lambda x: x.write_engine(**b.identity_fields(me), state=b.ENGINE_GOVERNING))
         print(json.dumps({{"pid": me.pid, "pidns": me.pidns}}), flush=True)
@@ -291,7 +292,8 @@ def test_without_its_own_proc_a_process_judges_no_pid_and_sweeps_nothing(shm_dir
     /proc: a pid of its namespace would be looked up among the parent's processes there."""
     child = children(f"""
         import json
-        from kvcached_broker.adapters.kvcached import board, liveness
+        from kvcached_broker.adapters.kvcached import liveness
+        from kvcached_broker.adapters.kvcached.broadcast import board
         here = liveness.pid_namespace()
         stale = board.Board({str(shm_dir / "kvcached-broker-p-g0.board")!r})
         stale.write_engine(**board.identity_fields(liveness.ProcessIdentity(2, 12345, here)))
@@ -314,7 +316,8 @@ def test_the_board_is_named_for_this_user_and_pid_namespace(monkeypatch):
 def test_doorbells_of_processes_with_the_same_pid_in_two_pid_namespaces_never_collide(children):
     code = """
         import json, sys
-        from kvcached_broker.adapters.kvcached import doorbell, liveness
+        from kvcached_broker.adapters.kvcached import liveness
+        from kvcached_broker.adapters.kvcached.broadcast import doorbell
         me, token = liveness.own(), doorbell.start()
         seen = doorbell.rings()
         print(json.dumps({"pid": me.pid, "pidns": me.pidns, "token": token}), flush=True)

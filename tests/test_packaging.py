@@ -203,3 +203,16 @@ def _without_compile() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k != "KVCACHED_BROKER_COMPILE"}
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """pyproject lists the packages by name (the source folders map to ``kvcached_broker.*``):
+    a new subpackage missing there would import in an editable install and be absent from
+    the wheel, so every folder with an ``__init__.py`` must be listed, and nothing else."""
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    folders = {}
+    for name, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder)
+            folders[".".join((name, *relative.parts))] = init.parent
+    assert sorted(setuptools["packages"]) == sorted(folders)

@@ -37,7 +37,8 @@ from ...client.units import parse_size
 from .. import announce, flags, support
 from ..patching import Patch, Target, wrap_methods, wrap_once
 from ..worker import BrokerRequired
-from . import board_grants, identity, limits, map_gate, pressure, runner, segment, shm_files, worker_grants
+from . import identity, limits, pressure, runner, segment, shm_files
+from .broadcast import board_grants, map_gate, worker_grants
 from .allocator import GovernedPageAllocator
 from .geometry import PoolGeometry
 from .governor import PoolGovernor

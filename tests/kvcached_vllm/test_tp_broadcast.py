@@ -12,7 +12,7 @@ from __future__ import annotations
 from helpers import wait_for
 from tp_harness import BLOCKS_PER_PAGE, POOL_PAGE_BYTES, Sampler
 
-from kvcached_broker.adapters.kvcached import board as board_mod
+from kvcached_broker.adapters.kvcached.broadcast import board as board_mod
 
 
 def start_tp(gpus, processes, world_size: int = 2):

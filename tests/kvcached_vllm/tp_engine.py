@@ -149,7 +149,7 @@ def main(argv: list[str]) -> None:
 
     kvcached_cpu.install(usage_dir, total_bytes, os.environ["KVCACHED_IPC_NAME"])
     if os.environ.get("KVB_TEST_REGISTER_WAIT_S"):  # how long EngineCore waits for its workers to register
-        from kvcached_broker.adapters.kvcached import board_grants
+        from kvcached_broker.adapters.kvcached.broadcast import board_grants
 
         board_grants.REGISTER_WAIT_S = float(os.environ["KVB_TEST_REGISTER_WAIT_S"])
     import kvcached.autopatch  # noqa: F401  (what kvcached's own .pth does)

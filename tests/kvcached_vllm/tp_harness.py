@@ -25,7 +25,7 @@ from pathlib import Path
 import kv_model
 from helpers import device_and_status, granted_bytes_by_pid, python_env
 
-from kvcached_broker.adapters.kvcached import board as board_mod
+from kvcached_broker.adapters.kvcached.broadcast import board as board_mod
 from kvcached_broker.client import BrokerUnavailable
 from kvcached_broker.client.admin import AdminClient
 from kvcached_broker.tools.launch import BrokerLauncher

@@ -62,7 +62,8 @@ def main(argv: list[str]) -> None:
     from kvcached.integration.vllm import interfaces
 
     from kvcached_broker.adapters import kvcached as kvmode
-    from kvcached_broker.adapters.kvcached import map_gate, runner, worker_grants
+    from kvcached_broker.adapters.kvcached import runner
+    from kvcached_broker.adapters.kvcached.broadcast import map_gate, worker_grants
 
     activation = threading.Event()
     if os.environ.get("KVB_TEST_HOLD_ACTIVATE") == "1":

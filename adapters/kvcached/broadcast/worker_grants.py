@@ -38,15 +38,16 @@ import sys
 import threading
 from typing import Any
 
-from ...client import BudgetExceeded, SessionEvicted
-from .. import announce, process_state, worker
-from ..patching import wrap_once
-from ..worker import WorkerIdentity
+from ....client import BudgetExceeded, SessionEvicted
+from ... import announce, process_state, worker
+from ...patching import wrap_once
+from ...worker import WorkerIdentity
 from . import board as board_mod
-from . import doorbell, identity, map_gate, pressure, runner
-from .geometry import PoolGeometry
-from .governor import ZERO_PAGE_POOL
-from .grants import SessionGrants
+from .. import identity, pressure, runner
+from . import doorbell, map_gate
+from ..geometry import PoolGeometry
+from ..governor import ZERO_PAGE_POOL
+from ..grants import SessionGrants
 
 log = announce.logger("kvcached_broker.adapters")
 

@@ -46,10 +46,10 @@ import os
 import time
 from typing import Any
 
-from .. import announce
+from ... import announce
 from . import board as board_mod
 from . import doorbell
-from .geometry import PoolGeometry
+from ..geometry import PoolGeometry
 
 log = announce.logger("kvcached_broker.adapters")
 

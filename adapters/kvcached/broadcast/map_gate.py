@@ -31,10 +31,10 @@ import threading
 from types import ModuleType
 from typing import Any, Callable
 
-from ..patching import wrap_once
-from .. import announce, process_state
+from ...patching import wrap_once
+from ... import announce, process_state
 from . import board as board_mod
-from . import runner
+from .. import runner
 
 log = announce.logger("kvcached_broker.adapters")
 

@@ -24,9 +24,9 @@ import os
 import socket
 import threading
 
-from .. import announce, process_state
-from . import liveness, runner
-from .liveness import ProcessIdentity
+from ... import announce, process_state
+from .. import liveness, runner
+from ..liveness import ProcessIdentity
 
 log = announce.logger("kvcached_broker.adapters")
 

@@ -48,9 +48,10 @@ import weakref
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from .. import process_state
-from . import doorbell, liveness, shm_files
-from .liveness import ProcessIdentity
+from ... import process_state
+from .. import liveness, shm_files
+from . import doorbell
+from ..liveness import ProcessIdentity
 
 FIELD = struct.Struct("<q")
 RECORD_FIELDS = 16  # every record is 16 int64 fields (128 bytes), the unused ones zero
