@@ -22,7 +22,8 @@ log = announce.logger("kvcached_broker.adapters")
 
 class _Queue:
     """The queued work, by key in the order queued, the count of works running, and the thread
-    that runs them (started on first use; ended by :meth:`close`, which drops what is queued)."""
+    that runs them (started on first use; :meth:`stop` drops what is queued and ends it after
+    the work it runs, :meth:`close` waits for that)."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -31,11 +32,17 @@ class _Queue:
         self.thread: threading.Thread | None = None
         self.closed = False
 
-    def close(self) -> None:
+    def stop(self) -> None:
         with self.cond:
             self.closed = True
             self.pending.clear()
             self.cond.notify_all()
+
+    def close(self) -> None:
+        self.stop()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 def submit(key: str, work: Callable[[], None]) -> None:

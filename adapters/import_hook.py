@@ -22,14 +22,16 @@ Callback = Callable[[ModuleType], object]
 
 
 class _Watched:
-    """The callbacks waiting for each module name, in the order given (hook wiring: a reset
-    leaves them, since the patches they apply describe classes already patched)."""
+    """The callbacks waiting for each module name, in the order given, and the finder that runs
+    them (hook wiring: a reset leaves them, since the patches they apply describe classes
+    already patched)."""
 
     KEPT_ACROSS_RESET = True
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.callbacks: dict[str, list[Callback]] = {}
+        self.finder = _PostImportFinder()
 
 
 def watched() -> dict[str, list[Callback]]:
@@ -53,7 +55,8 @@ class _PostImportLoader(importlib.abc.Loader):
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    _busy = threading.local()
+    def __init__(self) -> None:
+        self._busy = threading.local()  # this thread is inside find_spec: let the others find
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in watched() or getattr(self._busy, "active", False):
@@ -76,15 +79,12 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-_FINDER = _PostImportFinder()
-
-
 def when_imported(module_name: str, callback: Callback) -> None:
     """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is)."""
     state = process_state.part(_Watched)
     with state.lock:
-        if _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
+        if state.finder not in sys.meta_path:
+            sys.meta_path.insert(0, state.finder)
         state.callbacks.setdefault(module_name, []).append(callback)
         module = sys.modules.get(module_name)
     if module is not None and getattr(module, "__spec__", None) is not None and not _initialising(module):

@@ -3,25 +3,32 @@
 Rules (kept by ``tests/test_adapter_process_state.py``, which reads every module of adapters/):
 
 * An adapter module keeps no process state at module level: no ``global`` statement, and no
-  lock, container, thread or socket assigned at the top of a module.  It declares a *part*, a
-  class whose constructor takes no argument, and reads the process's one instance of it with
-  :func:`part`.  Constants, loggers and the adapter's one log handler are not state.
+  lock, container, thread, socket, counter or object of its own bound at the top of a module
+  or in a class body.  It declares a *part*, a class whose constructor takes no argument, and
+  reads the process's one instance of it with :func:`part`.  Constant tables, loggers and the
+  adapters' one log handler (it holds nothing) are not state.
 * A part is built on first use, once per process, under the registry's lock; it holds its own
   lock for its own fields.
-* :func:`reset` closes every part that has a ``close()`` (newest first), then forgets them all:
-  the next use builds each again, empty (tests; a worker shutting down).  A part that owns a
-  broker session, a thread or a socket closes it there; a thread whose part was closed ends.
-  :func:`forget` does the same for one part.  The hook's own wiring (patches registered,
-  callbacks waiting for a module, what each patch did) describes classes already patched, so
-  its parts say ``KEPT_ACROSS_RESET = True`` and a reset leaves them.
-* After ``fork``, in the child, every part that has an ``after_fork_in_child()`` is told: a part
-  whose fields name the parent (its sessions, slots, sockets, locks that another thread held at
-  the fork) drops or rebuilds them there, since the child cannot use them.  A part without
-  that method keeps its fields, as a forked child's copy of memory does.
+* :func:`reset` closes every part but the hook's wiring, then forgets them: the next use
+  builds each again, empty (tests; a worker shutting down).  A part that runs a thread has a
+  ``stop()`` that signals it and never blocks, and a ``close()`` that joins it: a reset stops
+  every such part first, closes them next (so nothing steps the other parts while they
+  close), then closes the rest, newest first.  Parts stay registered while they close: what a
+  ``close()`` calls reads the parts being closed, never a fresh empty one.  A ``close()`` that
+  raises does not stop the others; the reset raises the first error once every part is closed
+  and forgotten.  :func:`forget` stops and closes one part.  The hook's own wiring (patches
+  registered, callbacks waiting for a module, what each patch did, the subclasses and wrappers
+  patched classes hold) describes classes already patched, so its parts say
+  ``KEPT_ACROSS_RESET = True`` and a reset leaves them.
+* After ``fork``, in the child, every part that has an ``after_fork_in_child()`` is told (the
+  board slots, grants and doorbell socket that name the parent are dropped there).  A part
+  without that method keeps its fields, as a forked child's copy of memory does: it must not
+  be used across a fork with its threads or sockets live (vLLM forks its workers before any
+  session, governor or queue exists).
 * At interpreter exit every part that has an ``at_exit()`` is told (newest first; the exit
   handler is registered when the first such part is built, so it runs before the handlers of
-  what was imported earlier): grants are given back, board slots left.  A failure there is the part's own to log; it never stops the
-  others.
+  what was imported earlier): grants are given back, board slots left.  A failure there is
+  written as one line on stderr and never stops the others.
 
 The registry is created when this module is imported, which the start-up hook does first
 (:mod:`.autopatch`, from the ``.pth`` file), so the hook owns it.
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from typing import TypeVar
 
@@ -63,40 +71,71 @@ class ProcessState:
         return self._parts.get(kind)  # type: ignore[return-value]
 
     def forget(self, kind: type) -> None:
-        """Close this process's ``kind`` if it was built, and forget it."""
-        with self._lock:
-            found = self._parts.pop(kind, None)
-        _close(found)
+        """Stop and close this process's ``kind`` if it was built, and forget it."""
+        found = self._parts.get(kind)
+        if found is None:
+            return
+        try:
+            _call_each([found], "stop")
+            error = _call_each([found], "close")
+        finally:
+            self._drop([found])
+        if error is not None:
+            raise error
 
     def reset(self) -> None:
-        """Close every part but the hook's wiring (newest first) and forget them."""
+        """Stop the parts that run threads, close them, close the rest newest first (every
+        part still registered meanwhile), then forget them all; the hook's wiring stays.  Raises
+        the first error a ``close()`` raised, once every part is closed and forgotten."""
         with self._lock:
-            parts = [found for found in self._parts.values() if not getattr(found, "KEPT_ACROSS_RESET", False)]
+            parts = [found for found in reversed(self._parts.values())
+                     if not getattr(found, "KEPT_ACROSS_RESET", False)]
+        running = [found for found in parts if hasattr(found, "stop")]
+        try:
+            _call_each(running, "stop")
+            error = _call_each(running + [found for found in parts if found not in running], "close")
+        finally:
+            self._drop(parts)
+        if error is not None:
+            raise error
+
+    def _drop(self, parts: list[object]) -> None:
+        with self._lock:
             for found in parts:
-                del self._parts[type(found)]
-        for found in reversed(parts):
-            _close(found)
+                if self._parts.get(type(found)) is found:
+                    del self._parts[type(found)]
 
     def after_fork_in_child(self) -> None:
         self._lock = threading.RLock()
-        for found in list(self._parts.values()):
-            hook = getattr(found, "after_fork_in_child", None)
-            if hook is not None:
-                hook()
+        _call_each(list(self._parts.values()), "after_fork_in_child")
 
     def at_exit(self) -> None:
         with self._lock:
-            parts = list(self._parts.values())
-        for found in reversed(parts):
-            hook = getattr(found, "at_exit", None)
-            if hook is not None:
-                hook()
+            parts = list(reversed(self._parts.values()))
+        _call_each(parts, "at_exit")
 
 
-def _close(found: object) -> None:
-    close = getattr(found, "close", None)
-    if close is not None:
-        close()
+def _call_each(parts: list[object], method: str) -> Exception | None:
+    """Call ``method`` on each part that has it, whatever the others do (each failure one line
+    on stderr); the first error."""
+    first: Exception | None = None
+    for found in parts:
+        call = getattr(found, method, None)
+        if call is None:
+            continue
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - one part's failure never stops the others
+            _report(exc, f"{type(found).__name__}.{method}")
+            first = first or exc
+    return first
+
+
+def _report(error: Exception, where: str) -> None:
+    try:
+        sys.stderr.write(f"kvcached-broker: WARNING event=process_state_failed where={where} error={str(error)!r}\n")
+    except Exception:  # noqa: BLE001 - a closed stderr at exit
+        pass
 
 
 _PROCESS = ProcessState()

@@ -137,9 +137,11 @@ class _Sessions:
         self.client_factory: Callable[[WorkerIdentity], BrokerClient] | None = None
         self.hooks_lock = threading.Lock()
         self.before_settling: list[Callable[[], None]] = []  # given by the modules above this one
+        self.closed = False  # closed by a reset: no session opens here again
 
     def close(self) -> None:
         with self.lock:
+            self.closed = True
             entries = list(self.by_device.values())
             self.by_device.clear()
             self.unprotected.clear()
@@ -219,6 +221,8 @@ def session(identity: WorkerIdentity) -> BrokerClient | None:
     state = _state()
     key = str(identity.device)
     with state.lock:
+        if state.closed:  # a reset is closing the process's state: nothing opens now
+            return None
         existing = state.by_device.get(key)
         if existing is not None and key not in state.unprotected:
             return existing.client
@@ -300,6 +304,8 @@ def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | N
         why, cause = str(exc), exc
     except MALFORMED_ANSWER as exc:
         why, cause = f"the broker's answer is not in the shape this adapter reads ({type(exc).__name__}: {exc})", exc
+    if state.closed:  # the reset closed the session under the call: nothing to mark
+        return None
     with state.lock:
         _unprotected_now(str(identity.device), f"{action}: {why}", cause)
     return None

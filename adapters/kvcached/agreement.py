@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import announce
+from .. import announce, process_state
 from . import runner
 from .geometry import PoolGeometry
 from .governor import PoolGovernor
@@ -85,7 +85,11 @@ class SyncRecord:
 
 
 class Agreement:
-    """This process's pools under sync points, and the syncs themselves."""
+    """This process's pools under sync points, and the syncs themselves.  The process's one
+    (:func:`shared`) is hook wiring: the limit factory kvcached mode installs once closes over
+    it, so a reset of the process's state keeps it."""
+
+    KEPT_ACROSS_RESET = True
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
@@ -380,10 +384,13 @@ class AgreedLimits:
         return manager.memory_limit_state()
 
 
-#: The process's agreement (one scheduler per process in SGLang).
-AGREEMENT = Agreement()
+def shared() -> Agreement:
+    """The process's agreement (one scheduler per process in SGLang)."""
+    return process_state.part(Agreement)
 
 
-def channel_factory(agreement: Agreement = AGREEMENT) -> Callable[[PoolGeometry], AgreedLimits]:
-    """A ``limits.set_factory`` factory: every new pool's limits go through ``agreement``."""
-    return lambda geometry: AgreedLimits(agreement)
+def channel_factory(agreement: Agreement | None = None) -> Callable[[PoolGeometry], AgreedLimits]:
+    """A ``limits.set_factory`` factory: every new pool's limits go through ``agreement`` (the
+    process's, :func:`shared`, by default)."""
+    chosen = shared() if agreement is None else agreement
+    return lambda geometry: AgreedLimits(chosen)

@@ -47,13 +47,17 @@ class _Runner:
         self.rounds_cond = threading.Condition()
         self.closed = False
 
+    def stop(self) -> None:
+        """Have the thread end after the round it is in (never waits)."""
+        self.closed = True
+        self.wake.set()
+
     def close(self) -> None:
-        """End the thread (after the round it is in) and forget the governors."""
+        """End the thread (after the round it is in), wait for it, and forget the governors."""
+        self.stop()
         with self.lock:
-            self.closed = True
             thread, self.thread = self.thread, None
             self.governors = weakref.WeakSet()
-        self.wake.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 

@@ -63,7 +63,7 @@ def install() -> None:
     if installed.done:
         return
     installed.done = True
-    limits.set_factory(agreement.channel_factory(agreement.AGREEMENT))
+    limits.set_factory(agreement.channel_factory(agreement.shared()))
     identity.set_resolver(_identity)
 
 
@@ -123,7 +123,7 @@ def after_ingest(scheduler: Any) -> agreement.SyncRecord | None:
         return None
     reduce = group.reduce_min_each if group.size > 1 else None
     try:
-        return agreement.AGREEMENT.sync(reduce, lambda asks: evict_prefix_cache(scheduler, asks))
+        return agreement.shared().sync(reduce, lambda asks: evict_prefix_cache(scheduler, asks))
     except Exception as exc:  # noqa: BLE001 - a failed collective (a peer gone) must not stop this rank here
         log.warning("event=kvcached_sync_failed error=%r", str(exc))
         return None
@@ -153,7 +153,7 @@ class QueuedEviction:
         self._manager = manager
 
     def evict(self, pages: int) -> int:
-        agreement.AGREEMENT.request_eviction(self._manager, pages)
+        agreement.shared().request_eviction(self._manager, pages)
         return 0
 
 

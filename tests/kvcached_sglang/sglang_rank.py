@@ -197,7 +197,7 @@ class Rank:
     def last_record(self) -> dict | None:
         from kvcached_broker.adapters.kvcached import agreement
 
-        last = agreement.AGREEMENT.last
+        last = agreement.shared().last
         if last is None:
             return None
         return {"number": last.number, "agreed_pages": last.agreed_pages, "evicted_pages": last.evicted_pages,
@@ -270,7 +270,7 @@ class Rank:
         while time.monotonic() < deadline:
             if self.args.direct and manager.page_allocator.get_num_total_pages() < before:
                 return {"wanted": True, **self.status()}
-            if not self.args.direct and agreement.AGREEMENT.pending_wants() > 0:
+            if not self.args.direct and agreement.shared().pending_wants() > 0:
                 return {"wanted": True, **self.status()}
             time.sleep(0.005)
         return {"wanted": False, **self.status()}
@@ -287,9 +287,9 @@ class Rank:
         manager = self.pool.kvcached_allocator
         deadline = time.monotonic() + timeout_s
         while True:
-            state = agreement.AGREEMENT.state_of(manager)
+            state = agreement.shared().state_of(manager)
             total = manager.page_allocator.get_num_total_pages()
-            if state is not None and (state.wanted_pages or 0) > total and agreement.AGREEMENT.pending_wants() > 0:
+            if state is not None and (state.wanted_pages or 0) > total and agreement.shared().pending_wants() > 0:
                 break
             if time.monotonic() > deadline:
                 return {"wanted": False, **self.status()}
@@ -315,7 +315,7 @@ class Rank:
 
         def all_reduce(*args, **kwargs):
             dist.all_reduce = real
-            state = agreement.AGREEMENT.state_of(manager)
+            state = agreement.shared().state_of(manager)
             released, waits = governor.counters["pages_released"], getattr(state, "release_waits", 0)
             self.race["granted_before"] = governor.grants.pages
             governor.ask_back(pages)

@@ -247,6 +247,8 @@ class BoardGrants:
             if left <= 0:
                 return False
             seen = doorbell.wait(seen, min(left, RECHECK_S))
+            if seen < 0:  # a reset stopped the doorbell: the process is shutting its state down
+                return False
         return True
 
     def status(self) -> dict[str, Any]:

@@ -69,17 +69,26 @@ class _Doorbell:
                 self.cond.notify_all()
             runner.wake()
 
-    def close(self) -> None:
-        """Stop serving (the thread ends) and close both sockets: the name is free again."""
+    def stop(self) -> None:
+        """Stop serving, and wake whoever waits for a ring (:func:`wait` then answers -1); never
+        waits itself."""
         with self.lock:
             self.closed = True
-            server, thread, sender = self.server, self.thread, self.sender
-            self.bound_pid, self.token, self.server, self.thread, self.sender = 0, 0, None, None, None
+            server = self.server
+        with self.cond:
+            self.cond.notify_all()
         if server is not None:
             try:
                 server.shutdown(socket.SHUT_RDWR)  # wakes the thread's recv: it sees the part closed
             except OSError:
                 pass
+
+    def close(self) -> None:
+        """Stop serving (the thread ends) and close both sockets: the name is free again."""
+        self.stop()
+        with self.lock:
+            server, thread, sender = self.server, self.thread, self.sender
+            self.bound_pid, self.token, self.server, self.thread, self.sender = 0, 0, None, None, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         for sock in (server, sender):
@@ -174,8 +183,9 @@ def rings() -> int:
 
 
 def wait(seen: int, timeout_s: float) -> int:
-    """Wait until a ring after ``seen`` arrives, or ``timeout_s``; the ring count now."""
+    """Wait until a ring after ``seen`` arrives, or ``timeout_s``; the ring count now, or -1 if
+    a reset stopped the doorbell (no ring will come: stop waiting)."""
     state = process_state.part(_Doorbell)
     with state.cond:
-        state.cond.wait_for(lambda: state.rings > seen, timeout=timeout_s)
-        return state.rings
+        state.cond.wait_for(lambda: state.rings > seen or state.closed, timeout=timeout_s)
+        return -1 if state.closed else state.rings

@@ -120,7 +120,9 @@ class MapGate:
 
 # ------------------------------------------------------------------ this process's gates
 class _Gates:
-    """This process's gates, by pool group (one each, never replaced); ``lock`` guards ``by_group``."""
+    """This process's gates, by pool group (one each, replaced only by a reset of the process's
+    state, which ends the worker's governing: tests, a worker shutting down); ``lock`` guards
+    ``by_group``."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

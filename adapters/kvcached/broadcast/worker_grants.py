@@ -243,9 +243,9 @@ class WorkerGrants:
 
         What is mapped stays granted: it goes back as the listener unmaps it, or with the
         process when it exits (the broker reclaims a dead process's sessions), never while the
-        memory is still in use.  Only through a session still open: a reset of the process
-        registry closes the session first, which frees the whole grant, and a broker call here
-        would open another one after the reset."""
+        memory is still in use.  Only through a session still open, never opening one: where a
+        reset of the process's state closed the session before this holder, closing it freed
+        the whole grant at the broker."""
         if self.closed:
             return
         self.closed = True
