@@ -40,7 +40,7 @@ else
 $(error CORE must be interpreted or compiled, not '$(CORE)')
 endif
 
-.PHONY: demo test lint test-core test-compiled test-adapters test-matrix test-pythons adapter-envs bench chaos replay gpu-check gpu-check-simulate clean constraints canary
+.PHONY: demo test lint test-core test-compiled test-adapters test-matrix test-pythons adapter-envs adapter-envs-newest bench chaos replay gpu-check gpu-check-simulate clean constraints canary
 
 $(STAMP): pyproject.toml setup.py adapters/kvcached_broker_autopatch.pth $(CONSTRAINTS) $(BUILD_CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -97,7 +97,7 @@ export TEST_JOBS
 # tests run too), then the core, then the adapters against each runtime's newest supported
 # release.  Every other release, upstream's own tests and kvcached mode inside each runtime are
 # `make test-matrix`; the compiled request core is `make test-compiled`.  .ci/run runs all three.
-test: lint adapter-envs test-core test-adapters
+test: lint adapter-envs-newest test-core test-adapters
 
 # ruff on the whole tree; mypy on the package (strict's flags on broker/ and client/), staged
 # under its installed names (the source folders are kvcached_broker.* only through pyproject's
@@ -136,12 +136,18 @@ constraints: $(STAMP)
 # torch (CPU, local file) and triton in .venv, plus one overlay per upstream version, and vLLM's own
 # block-pool tests from each release's sdist on the package index (stamped: a second run fetches
 # nothing; a failed fetch fails here in one line unless KVCACHED_UPSTREAM_OPTIONAL=1).
+ADAPTER_ENVS := bash scripts/adapter-envs.sh --install-base --constraints $(CONSTRAINTS) --prune-native --check $(PY) $(ENVS)
 adapter-envs: $(STAMP)
-	bash scripts/adapter-envs.sh --install-base --constraints $(CONSTRAINTS) --prune-native --check $(PY) $(ENVS)
+	$(ADAPTER_ENVS)
+
+# what `make test` needs of them: torch and triton, and each serving runtime's newest overlay
+# (a fresh machine builds two overlays, not seven; `make test-matrix` builds the rest)
+adapter-envs-newest: $(STAMP)
+	$(ADAPTER_ENVS) $$($(PY) scripts/support.py newest-serving)
 
 # each runtime's newest overlay (adapters/support.py's last in its row): its adapter suite, and
 # upstream's own tests with the patches off and on (scripts/upstream-tests.py)
-test-adapters: adapter-envs
+test-adapters: adapter-envs-newest
 	bash scripts/test-adapters.sh $(PY) $(ENVS) $$($(PY) scripts/support.py newest-overlays)
 
 # every other overlay, the same way: the older releases, then kvcached mode inside each runtime

@@ -187,6 +187,11 @@ def newest_overlays() -> list[str]:
     return [r.overlays[-1].name for r in RUNTIMES.values() if r.overlays]
 
 
+def newest_serving_overlays() -> list[str]:
+    """The serving runtimes' newest overlays, which ``make test`` builds (``make adapter-envs-newest``)."""
+    return [r.overlays[-1].name for r in RUNTIMES.values() if r.overlays and r.name in SERVING]
+
+
 def matrix_overlays() -> list[str]:
     """What ``make test-matrix`` runs: every other overlay, in :func:`test_overlays`' order
     (``make test`` and ``make test-matrix`` together run each overlay once)."""

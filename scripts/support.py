@@ -6,6 +6,7 @@
     support.py test-overlays            every overlay (scripts/test-adapters.sh without a list)
     support.py newest-overlays          what `make test-adapters` runs: each runtime's newest overlay
     support.py matrix-overlays          what `make test-matrix` runs: every other overlay
+    support.py newest-serving           the serving runtimes' newest overlays (`make adapter-envs-newest` builds them)
     support.py suite OVERLAY            the test paths OVERLAY's adapter suite runs
     support.py check-modules OVERLAY    the modules that must import in OVERLAY (adapter-envs.sh --check)
     support.py kvcached-overlay         kvcached's overlay (scripts/fetch-kvcached.py builds it)
@@ -74,6 +75,8 @@ def main(argv: list[str]) -> int:
             print(" ".join(support.newest_overlays()))
         elif command == "matrix-overlays" and not args:
             print(" ".join(support.matrix_overlays()))
+        elif command == "newest-serving" and not args:
+            print(" ".join(support.newest_serving_overlays()))
         elif command == "suite" and len(args) == 1:
             suite = (support.kvcached_mode_suite(args[0]) if args[0].startswith("kvcached+")
                      else support.find_overlay(args[0]).suite)

@@ -54,6 +54,8 @@ def test_the_scripts_read_the_overlays_from_the_table():
     assert ask("test-overlays").split() == support.test_overlays()
     assert ask("newest-overlays").split() == support.newest_overlays()
     assert ask("matrix-overlays").split() == support.matrix_overlays()
+    assert ask("newest-serving").split() == support.newest_serving_overlays()
+    assert set(support.newest_serving_overlays()) == set(ask("newest-overlays").split()) & set(ask("overlays").split())
     assert ask("kvcached-overlay") == support.KVCACHED.overlays[0].name
     assert ask("range", "vllm") == str(support.VLLM.supported)
     for name in [o.name for o in support.overlays()] + support.kvcached_mode_overlays():
