@@ -73,15 +73,8 @@ class ProcessState:
     def forget(self, kind: type) -> None:
         """Stop and close this process's ``kind`` if it was built, and forget it."""
         found = self._parts.get(kind)
-        if found is None:
-            return
-        try:
-            _call_each([found], "stop")
-            error = _call_each([found], "close")
-        finally:
-            self._drop([found])
-        if error is not None:
-            raise error
+        if found is not None:
+            self._retire([found])
 
     def reset(self) -> None:
         """Stop the parts that run threads, close them, close the rest newest first (every
@@ -90,6 +83,11 @@ class ProcessState:
         with self._lock:
             parts = [found for found in reversed(self._parts.values())
                      if not getattr(found, "KEPT_ACROSS_RESET", False)]
+        self._retire(parts)
+
+    def _retire(self, parts: list[object]) -> None:
+        """Stop ``parts`` that run threads, close those first, then the others in the order
+        given, and forget them all; the first error a close raised, raised after."""
         running = [found for found in parts if hasattr(found, "stop")]
         try:
             _call_each(running, "stop")
