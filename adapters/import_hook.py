@@ -31,7 +31,7 @@ class _Watched:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.callbacks: dict[str, list[Callback]] = {}
-        self.finder = _PostImportFinder()
+        self.finder = _PostImportFinder(self.callbacks)
 
 
 def watched() -> dict[str, list[Callback]]:
@@ -55,11 +55,12 @@ class _PostImportLoader(importlib.abc.Loader):
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    def __init__(self) -> None:
+    def __init__(self, watched: dict[str, list[Callback]]) -> None:
+        self._watched = watched  # its part's callbacks: read on every import, with no lookup
         self._busy = threading.local()  # this thread is inside find_spec: let the others find
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in watched() or getattr(self._busy, "active", False):
+        if fullname not in self._watched or getattr(self._busy, "active", False):
             return None
         self._busy.active = True
         try:
