@@ -401,6 +401,41 @@ class KvcachedAllocator:
 
 
 class FixedGrants:
-    """A governor's grants that hold 40 pages and never talk to a broker."""
+    """A governor's grants that hold 40 pages and never talk to a broker (the whole ``Grants``
+    interface of adapters/kvcached/grants.py: every call is accepted and changes nothing)."""
 
     pages = 40
+    maps_here = False
+
+    def lost(self) -> str | None:
+        return None
+
+    def acquire(self, pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None:
+        return 0
+
+    def release(self, pages: int, *, mapped: int | None = None, key: str | None = None) -> bool:
+        return True
+
+    def mapped(self, key: str, pages: int) -> None:
+        pass
+
+    def idle(self, key: str, pages: int) -> None:
+        pass
+
+    def uncharged_pages(self) -> int:
+        return 0
+
+    def unasked_shortfall(self) -> int:
+        return 0
+
+    def report(self, key: str, pools: dict, *, usage: dict | None = None, allocated: bool = True) -> bool:
+        return True
+
+    def forget(self, key: str) -> None:
+        pass
+
+    def forget_report(self, key: str) -> None:
+        pass
+
+    def poll(self) -> int:
+        return 0

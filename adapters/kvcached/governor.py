@@ -51,29 +51,25 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import threading
 import time
 import weakref
 from typing import Any, Callable
 
 from ...client import BudgetExceeded, SessionEvicted
 from .. import announce, process_state
-from . import eviction, pressure, runner, segment, shm_files
+from . import eviction, runner, segment, shm_files
 from .geometry import PoolGeometry
-from .grants import Grants, SessionGrants
+from .grants import Grants
 from .limits import DirectLimits, LimitChannel
 from .policy import Grow, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan, initial_pages
+from .pool_state import AskBook, GrowPacing, PoolState, limit_after_grant, surplus_pages
 
 log = announce.logger("kvcached_broker.adapters")
 
 ZERO_PAGE_POOL = "kvcached_zero_page"
-GROW_RETRY_S = (0.05, 0.5)  # first and longest wait after a refused growth
 #: A growth the engine is waiting for (it missed) waits at the broker this long for memory to
 #: come back (``acquire(wait_s=)``) rather than taking a refusal and a back-off.
 GROW_WAIT_S = 0.5
-#: After a pressure ask, a pool grows only on a refused allocation (not ahead of need) for this
-#: long, so what it gave back goes to the pool that asked rather than straight back to it.
-PRESSURE_QUIET_S = 2.0
 
 
 class _Sequence:
@@ -96,15 +92,15 @@ class PoolGovernor:
         self.limits = limits or DirectLimits()
         self.marks = marks
         self.ramp = Ramp(marks)
-        self.governed = grants is not None
-        self.why_ungoverned = why_ungoverned
+        self.state = PoolState(governed=grants is not None, why_ungoverned=why_ungoverned)
+        self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
+                         "pressure_asks": 0, "misses": 0, "deferred": 0}
+        self.asks = AskBook(self.counters)  # the only state other threads write
+        self.pacing = GrowPacing()
         self.sequence = next(process_state.part(_Sequence).numbers)  # creation order in this process
         self.key = f"kvcached:g{geometry.group_id}:{self.sequence}"
         self.pool_name = ""
         self._manager: "weakref.ref[Any] | None" = None
-        self._revision = 0  # the last revision this governor applied (always above any it saw)
-        self._outside_revision = -1  # the newest revision of an outside set_memory_limit
-        self._outside_cap: int | None = None  # an outside set_memory_limit's cap, for the next round
         self._own_targets: set[int] = set()  # kvctl watcher targets the governor's segment writes made
         self._synced = False
         self._seen_limit_pages = 0  # kvcached's allocator size when the last round ended
@@ -116,25 +112,35 @@ class PoolGovernor:
         #: this process's part in the segment (:func:`.segment.attach`, taken before kvcached opened it)
         self.segment_member: segment.Membership | None = None
         self.shm_unsafe = ""  # why the segment or its record is not trusted (empty: trusted)
-        self.pending_limit: int | None = None  # a deferred limit, waiting for frees
-        self.blocked = ""  # why the pool could not give back what was asked, if it could not
-        self._asks = threading.Lock()  # guards the two fields below (set from other threads)
-        self._short_pages = 0
-        self._pressure_pages = 0
-        self._soft_pages = 0  # asked back of idle memory only (a soft ask: never defer below use)
-        self._next_grow_s = 0.0
-        self._grow_wait_s = GROW_RETRY_S[0]
-        self._refusal_streak = 0
-        self._quiet_until_s = 0.0
-        self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
-                         "pressure_asks": 0, "misses": 0, "deferred": 0}
         self._published: tuple | None = None
         self._zero_reported = False
         self._zero_refusals = 0
         self._reported_mapped = 0  # the mapped pool pages the broker was last told
         self._reported_idle: int | None = None  # the idle pool pages the session was last told
-        self.closed = False
-        self._forgotten = False  # a closed pool's grant and reports are all given back
+
+    # ------------------------------------------------------------ the state, read
+    @property
+    def governed(self) -> bool:
+        """The pool holds a grant the governor keeps above kvcached's size (closing included)."""
+        return self.state.governed
+
+    @property
+    def why_ungoverned(self) -> str:
+        return self.state.why_ungoverned
+
+    @property
+    def closed(self) -> bool:
+        return self.state.closed
+
+    @property
+    def pending_limit(self) -> int | None:
+        """A deferred limit, waiting for blocks to be freed (pool pages)."""
+        return self.state.pending_limit
+
+    @property
+    def blocked(self) -> str:
+        """Why the pool could not give back what was asked, if it could not."""
+        return self.state.blocked
 
     # ------------------------------------------------------------ birth (constructing thread)
     def start(self) -> None:
@@ -184,9 +190,7 @@ class PoolGovernor:
             return False
         if result is None:
             blocks_per_page = max(1, self.geometry.page_size // max(1, block_mem_size))
-            with self._asks:
-                self._short_pages = max(self._short_pages, math.ceil(need_blocks / blocks_per_page))
-                self.counters["misses"] += 1
+            self.asks.missed(math.ceil(need_blocks / blocks_per_page))
             return True
         return self._free_pages() < self.ramp.current(now_s()).low_pages
 
@@ -199,16 +203,15 @@ class PoolGovernor:
 
     def note_miss(self) -> None:
         """An allocation missed before reaching kvcached (a charge not settled yet)."""
-        with self._asks:
-            self.counters["misses"] += 1
+        self.asks.missed()
 
     def charge_unsettled(self) -> bool:
         """Before ``alloc``: True while the broker charges this pool's session for fewer pages
         than its pools hold and the governors have not yet asked them back (a broker restart
         whose re-assertion came back short); the allocation then misses, so nothing is mapped
         on pages the broker does not charge.  Reads two numbers: no broker round trip."""
-        client = getattr(self.grants, "client", None) if self.governed else None
-        return client is not None and pressure.unasked_shortfall(client) > 0
+        grants = self.grants if self.governed else None
+        return grants is not None and grants.unasked_shortfall() > 0
 
     def charge_short(self) -> bool:
         """True while the broker charges this pool's session for fewer pages than its pools hold,
@@ -238,12 +241,9 @@ class PoolGovernor:
         Returns kvcached's limit state: ``applied`` when the cap is at or above the limit (the
         grant binds, nothing changes), ``deferred`` when the governor will lower the limit to it,
         ``stale`` for a revision older than the last outside one."""
-        with self._asks:
-            if revision < self._outside_revision:
-                return {**manager.memory_limit_state(), "status": "stale"}
-            self._outside_revision = revision
-            self._outside_cap = self.geometry.pages_of(limit_bytes)
-            cap = self._outside_cap
+        cap = self.geometry.pages_of(limit_bytes)
+        if not self.asks.outside_limit(cap, revision):
+            return {**manager.memory_limit_state(), "status": "stale"}
         runner.wake()
         state = manager.memory_limit_state()
         lowers = cap < self._limit_pages()
@@ -256,12 +256,7 @@ class PoolGovernor:
     def ask_back(self, pages: int, *, soft: bool = False) -> None:
         """The broker wants ``pages`` pool pages back (recorded; the governor's thread acts);
         ``soft``: only idle ones (free pages, the prefix cache's unused blocks)."""
-        with self._asks:
-            if soft:
-                self._soft_pages += pages
-            else:
-                self._pressure_pages += pages
-            self.counters["pressure_asks"] += 1
+        self.asks.ask_back(pages, soft=soft)
 
     def release_standing(self) -> None:
         """A limit channel lowered the limit below what this pool wanted (its TP peers gave
@@ -280,8 +275,7 @@ class PoolGovernor:
         manager = self.manager()
         if manager is None or not self.governed:
             return
-        lost = getattr(self.grants, "lost", None)
-        why = lost() if lost is not None else None
+        why = self.grants.lost() if self.grants is not None else None
         if why is not None:
             # Whatever call of the process found the broker unusable (a report, another pool's
             # grow), this pool is no longer arbitrated: it runs as kvcached alone from now on.
@@ -301,21 +295,17 @@ class PoolGovernor:
             self._set_limit(manager, self.real.get_num_total_pages())
             self._synced = True
         self._read_operator_cap()
-        with self._asks:
-            if self._outside_cap is not None:  # an outside set_memory_limit: an operator cap
-                self.operator_cap_pages, self._outside_cap = self._outside_cap, None
+        outside_cap = self.asks.take_outside_cap()
+        if outside_cap is not None:  # an outside set_memory_limit: an operator cap
+            self.operator_cap_pages = outside_cap
         if self.pending_limit is not None:
             self._finish_deferred(manager)
         self._adopt_lowered_limit(now_s)
         polled = self.grants.poll() if self.grants is not None else 0
-        with self._asks:
-            asked, self._pressure_pages = self._pressure_pages + polled, 0
-            soft, self._soft_pages = self._soft_pages, 0
-            short, self._short_pages = self._short_pages, 0
-            if polled:  # pressure that came through the grants object (a broadcast pool's board)
-                self.counters["pressure_asks"] += 1
-        if asked or soft:
-            self._quiet_until_s = now_s + PRESSURE_QUIET_S
+        asks = self.asks.take(polled)  # pressure that came through the grants: a broadcast pool's board
+        asked, soft, short = asks.pressure_pages, asks.soft_pages, asks.short_pages
+        if asks.any_pressure:
+            self.pacing.quiet(now_s)
             asked -= self._release_above_limit(asked + soft)  # a grant held above the limit first
             if asked < 0:
                 soft, asked = max(0, soft + asked), 0
@@ -339,25 +329,23 @@ class PoolGovernor:
 
     def _report_mapped(self) -> None:
         """Tell the broker how many of the pool's granted pages are mapped, if that changed."""
-        report = getattr(self.grants, "mapped", None)
-        if report is None or self.grants is None:
+        if self.grants is None or not self.grants.maps_here:
             return
         mapped = min(self._mapped_pages(), self.grants.pages)
         if mapped != self._reported_mapped:
-            report(self.key, mapped)
+            self.grants.mapped(self.key, mapped)
             self._reported_mapped = mapped
 
     def _report_idle(self, manager: Any) -> None:
         """Tell the session how many of the pool's granted pages are idle: its free pages and what
         its prefix cache could evict (the hook's ``cached_pages()``, if it has one).  No round
         trip: it goes with the session's next request; the broker asks idle pages first."""
-        report = getattr(self.grants, "idle", None)
-        if report is None or self.grants is None:
+        if self.grants is None or not self.grants.maps_here:
             return
         idle = min(self.grants.pages, max(0, self.grants.pages - self.real.get_num_inuse_pages())
                    + self._cached_pages(manager))
         if idle != self._reported_idle:
-            report(self.key, idle)
+            self.grants.idle(self.key, idle)
             self._reported_idle = idle
 
     def _cached_pages(self, manager: Any) -> int:
@@ -375,7 +363,7 @@ class PoolGovernor:
         pages = self.pages()
         decision = decide(pages, self.ramp.current(now_s), short_pages=short_pages)
         if isinstance(decision, Grow):
-            if not short_pages and (now_s < self._next_grow_s or now_s < self._quiet_until_s):
+            if not self.pacing.may_grow(now_s, short=short_pages > 0):
                 return
             # An ask the engine is waiting for waits at the broker (it paces itself there), so a
             # back-off after refused asks ahead of need does not delay it.
@@ -388,7 +376,7 @@ class PoolGovernor:
 
     def _grow(self, manager: Any, decision: Grow, now_s: float, *, waiting: bool = False) -> None:
         assert self.grants is not None
-        standing = min(self.grants.pages, self.pages().ceiling)
+        standing = limit_after_grant(self.grants.pages, self.pages().ceiling)
         if standing > self._limit_pages():
             # A grant already held above the limit (a limit channel that applies where TP
             # peers agree has not raised it yet): use it before asking the broker for more.
@@ -397,10 +385,8 @@ class PoolGovernor:
         # What the engine mapped since the last round first: a page mapped but not reported is
         # charged twice (measured, and promised) until it is, and would take the room asked for.
         self._report_mapped()
-        # After a refusal, every other ask is for the whole batch: the broker sizes the pressure
-        # it puts on pools above their share from what a refused ask needed at least.
-        whole = self._refusal_streak % 2 == 1
-        got = self.grants.acquire(decision.pages, decision.pages if whole and not waiting else decision.min_pages,
+        got = self.grants.acquire(decision.pages,
+                                  self.pacing.min_pages(decision.pages, decision.min_pages, waiting=waiting),
                                   wait_s=GROW_WAIT_S if waiting else None)
         if got is None:
             self._ungovern("broker unusable while growing")
@@ -408,29 +394,24 @@ class PoolGovernor:
         if got == 0:
             if waiting:
                 self.ramp.starved(now_s)
-            self._refusal_streak += 1
+            self.pacing.refused(now_s)
             self._refused()
-            self._next_grow_s = now_s + self._grow_wait_s
-            self._grow_wait_s = min(GROW_RETRY_S[1], 2 * self._grow_wait_s)
             return
         self._count_grant(got)
         self.ramp.grew(now_s, self.real.get_num_inuse_pages(), short=waiting)
-        self._refusal_streak = 0
-        self._grow_wait_s = GROW_RETRY_S[0]
-        self._next_grow_s = 0.0
-        self._set_limit(manager, min(self.grants.pages, self.pages().ceiling))
+        self.pacing.granted()
+        self._set_limit(manager, limit_after_grant(self.grants.pages, self.pages().ceiling))
 
     def _grow_before_post_init(self, manager: Any, now_s: float) -> None:
         """A pool that started with no page: its null block waits; grow the allocator itself."""
-        if self.real.get_num_total_pages() >= 1 or now_s < self._next_grow_s or self.grants is None:
+        if self.real.get_num_total_pages() >= 1 or now_s < self.pacing.next_grow_s or self.grants is None:
             return
         got = self.grants.acquire(initial_pages(self.marks, self.geometry.virtual_pages), 1)
         if got is None:
             self._ungovern("broker unusable at pool start")
         elif got == 0:
             self._refused()
-            self._next_grow_s = now_s + self._grow_wait_s
-            self._grow_wait_s = min(GROW_RETRY_S[1], 2 * self._grow_wait_s)
+            self.pacing.backed_off(now_s)
         else:
             self.resize_before_post_init(manager, got)
             self._count_grant(got)
@@ -466,19 +447,19 @@ class PoolGovernor:
         if now < pages.limit:
             self._lower_now(manager, now)
         if later >= now:  # free pages covered the ask, or the pool is at its floor
-            self.blocked = "" if pages.limit - now >= wanted else self._floor_reason(wanted)
+            self.state.blocked = "" if pages.limit - now >= wanted else self._floor_reason(wanted)
             return
         if evict:
             self._evict(manager, now - later)
             inuse = self.real.get_num_inuse_pages()
             if later >= inuse:  # the eviction freed enough at once
                 self._lower_now(manager, later)
-                self.blocked = ""
+                self.state.blocked = ""
                 return
             if inuse < self._limit_pages():
                 self._lower_now(manager, inuse)
         if not defer:
-            self.blocked = ""
+            self.state.blocked = ""
             return
         self._defer(manager, later)
 
@@ -486,7 +467,7 @@ class PoolGovernor:
         """Lower the limit to ``limit_pages`` (>= in use: kvcached applies it) and release."""
         state = self._set_limit(manager, limit_pages)
         if state.get("status") == "deferred":
-            self.pending_limit = limit_pages
+            self.state.defer(limit_pages)
             return
         self._release_above_limit()
 
@@ -495,15 +476,14 @@ class PoolGovernor:
         state = self._set_limit(manager, limit_pages)
         status = state.get("status")
         if status == "deferred":
-            self.pending_limit = limit_pages
             self.counters["deferred"] += 1
             hook = "a prefix-cache hook" if eviction.hook_for(manager) is not None else "no prefix-cache hook"
-            self.blocked = (f"deferred: {inuse - limit_pages} pages in use by blocks still allocated "
-                            f"({hook}); released as they are freed")
+            self.state.defer(limit_pages, f"deferred: {inuse - limit_pages} pages in use by blocks still allocated "
+                                          f"({hook}); released as they are freed")
             log.info("event=kvcached_giveback_deferred pool=%s limit_pages=%d inuse_pages=%d detail=%r",
                      self.key, limit_pages, inuse, self.blocked)
         elif status == "rejected":
-            self.blocked = f"rejected: {state.get('reason') or 'kvcached refused the resize'}"
+            self.state.blocked = f"rejected: {state.get('reason') or 'kvcached refused the resize'}"
             log.warning("event=kvcached_giveback_blocked pool=%s reason=%r", self.key, self.blocked)
         self._release_above_limit()
 
@@ -521,8 +501,7 @@ class PoolGovernor:
             state = self._set_limit(manager, self.pending_limit)
         self._release_above_limit()
         if state.get("status") != "deferred":
-            self.pending_limit = None
-            self.blocked = "" if state.get("status") == "applied" else f"{state.get('status')}: {state.get('reason')}"
+            self.state.settle("" if state.get("status") == "applied" else f"{state.get('status')}: {state.get('reason')}")
 
     def _evict(self, manager: Any, pages: int) -> None:
         hook = eviction.hook_for(manager)
@@ -539,9 +518,7 @@ class PoolGovernor:
         """Give the broker what kvcached can no longer map: granted pages above its size (at
         most ``at_most``); the pages released."""
         assert self.grants is not None
-        surplus = self.grants.pages - self._limit_pages()
-        if at_most is not None:
-            surplus = min(surplus, at_most)
+        surplus = surplus_pages(self.grants.pages, self._limit_pages(), at_most)
         if surplus <= 0:
             return 0
         if not self._release(surplus):
@@ -554,7 +531,7 @@ class PoolGovernor:
         """Give ``pages`` back, saying in the same request how many the pool still maps (the
         broker then reads the device at once: the memory is free for others in this round)."""
         assert self.grants is not None
-        if getattr(self.grants, "mapped", None) is None:
+        if not self.grants.maps_here:
             return self.grants.release(pages)
         mapped = min(self._mapped_pages(), max(0, self.grants.pages - pages))
         if not self.grants.release(pages, mapped=mapped, key=self.key):
@@ -569,7 +546,7 @@ class PoolGovernor:
         pool grows only on a real miss for a while (its peers gave back; it would hold alone)."""
         due, self._standing_due = self._standing_due, False
         if due:
-            self._quiet_until_s = max(self._quiet_until_s, now_s + PRESSURE_QUIET_S)
+            self.pacing.quiet(now_s)
         if due or self._limit_pages() < self._seen_limit_pages:
             self._release_above_limit()
 
@@ -581,9 +558,9 @@ class PoolGovernor:
         """``set_memory_limit`` with a revision newer than any the pool has seen (its own, an
         outside caller's, kvcached's current one); the state kvcached reports."""
         current = getattr(manager, "_memory_limit_revision", -1)
-        self._revision = max(self._revision, self._outside_revision, current if isinstance(current, int) else -1) + 1
+        revision = self.state.next_revision(self.asks.outside_revision, current if isinstance(current, int) else -1)
         try:
-            return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), self._revision)
+            return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), revision)
         except Exception as exc:  # noqa: BLE001 - a limit kvcached cannot take changes nothing
             log.warning("event=kvcached_limit_failed pool=%s limit_pages=%d error=%r", self.key, limit_pages, str(exc))
             return {"status": "rejected", "reason": str(exc)}
@@ -699,8 +676,7 @@ class PoolGovernor:
     def _publish(self) -> None:
         """Show the pool's limit and pending give-back in status (usage views, never charged)."""
         assert self.grants is not None
-        client = getattr(self.grants, "client", None)
-        if client is not None and pressure.uncharged_pages(client):
+        if self.grants.uncharged_pages():
             return  # the broker charges less than the pools hold: views above its charge are refused
         if not self._zero_reported:
             self._report_zero_page()
@@ -738,11 +714,8 @@ class PoolGovernor:
         segment writes made are never applied (:meth:`resize_target`); a later kvctl write is,
         as kvcached alone applies it.  Before kvcached's post-init (no manager call is possible
         yet: its null block may be waiting for a grant) the allocator itself is resized."""
-        if not self.governed:
+        if not self.state.ungovern(why):
             return
-        self.governed = False
-        self.why_ungoverned = why
-        self.pending_limit = None
         self.operator_cap_pages = None
         manager = self.manager()
         if manager is not None and manager._post_init_done.is_set():
@@ -754,7 +727,8 @@ class PoolGovernor:
 
     def abandon(self) -> None:
         """A start that failed midway: give back what was granted (best effort) and govern nothing."""
-        grants, self.grants, self.governed = self.grants, None, False
+        grants, self.grants = self.grants, None
+        self.state.ungovern("the pool's start failed")
         try:
             if grants is not None and grants.pages:
                 grants.release(grants.pages)
@@ -778,9 +752,8 @@ class PoolGovernor:
         the grant goes back, except the pages still mapped (blocks the engine has not freed, which
         stay mapped until they are freed or the process exits).  Those go back on the governors'
         thread as kvcached unmaps them; the zero page's report goes with the last of them."""
-        if self.closed:
+        if not self.state.close():
             return
-        self.closed = True
         if self.segment_member is not None:
             self.segment_member.leave()  # kvcached removes its segment at shutdown
         if not (self.governed and self.grants is not None):
@@ -794,10 +767,10 @@ class PoolGovernor:
         grant above it, and forget the pool once nothing is mapped.  A broadcast pool's grant goes
         at once: its workers keep what they map, and unmap their own."""
         grants = self.grants
-        if not self.governed or grants is None or self._forgotten:
+        if not self.governed or grants is None:
             return
         try:
-            if isinstance(grants, SessionGrants):
+            if grants.maps_here:
                 try:
                     if self.real.get_num_reserved_pages():
                         self.real.trim()
@@ -807,16 +780,16 @@ class PoolGovernor:
                 except Exception as exc:  # noqa: BLE001 - what stays mapped stays granted
                     log.warning("event=kvcached_close_shrink_failed pool=%s error=%r", self.key, str(exc))
             mapped = self.real.get_num_inuse_pages() + self.real.get_num_reserved_pages()
-            bound = max(mapped, self.real.get_num_total_pages()) if isinstance(grants, SessionGrants) else mapped
+            bound = max(mapped, self.real.get_num_total_pages()) if grants.maps_here else mapped
             surplus = grants.pages - bound
             if surplus > 0 and grants.release(surplus):
                 self.counters["pages_released"] += surplus
             self._report_mapped()
-            if grants.pages <= 0 or not isinstance(grants, SessionGrants):
-                self._forgotten = True
+            if grants.pages <= 0 or not grants.maps_here:
+                self.state.forget()
                 grants.forget(self.key)
         except SessionEvicted as exc:
-            self._forgotten = True
+            self.state.forget()
             log.error("event=kvcached_pool_evicted pool=%s detail=%s", self.key, exc)
 
     def status(self) -> dict[str, Any]:
@@ -832,7 +805,7 @@ class PoolGovernor:
             "reserve_pages": reserved, "virtual_bytes": g.limit_bytes(g.virtual_pages),
             "operator_cap_bytes": None if self.operator_cap_pages is None else g.limit_bytes(self.operator_cap_pages),
             "pending_limit_bytes": None if self.pending_limit is None else g.limit_bytes(self.pending_limit),
-            "blocked": self.blocked, "revision": self._revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
+            "blocked": self.blocked, "revision": self.state.revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
             "uncharged_pages": self._uncharged_pages(), "reported_mapped_pages": self._reported_mapped,
             "segment_untrusted": self.shm_unsafe,
             **self.counters,
@@ -840,8 +813,8 @@ class PoolGovernor:
 
     def _uncharged_pages(self) -> int:
         """Session pages of this pool's session its broker no longer charges (a short re-assertion)."""
-        client = getattr(self.grants, "client", None) if self.governed else None
-        return pressure.uncharged_pages(client) if client is not None else 0
+        grants = self.grants if self.governed else None
+        return grants.uncharged_pages() if grants is not None else 0
 
 
 def now_s() -> float:

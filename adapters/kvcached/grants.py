@@ -8,10 +8,11 @@ returns None, an eviction is raised (fatal).
 Invariant: :attr:`pages` is what this pool holds from the broker; the session holds at least
 ``pages * ratio`` session pages (other reporters may hold more on the same session).
 
-A governor uses any object with the interface :class:`Grants` (and, where present, the optional
-``lost``, ``mapped``, ``idle`` and ``client``): :class:`SessionGrants` when the pool's memory is
-mapped in this process, ``board_grants.BoardGrants`` when it is mapped in tensor-parallel
-workers that hold the grants themselves.
+A governor uses any object with the interface :class:`Grants`, which both backends implement:
+:class:`SessionGrants` when the pool's memory is mapped in this process (``maps_here``),
+``broadcast.board_grants.BoardGrants`` when it is mapped in tensor-parallel workers that hold
+the grants themselves (``maps_here`` False: the workers report what they map, and the reports
+below are theirs to make).
 """
 
 from __future__ import annotations
@@ -20,20 +21,31 @@ from typing import Protocol
 
 from .. import announce, worker
 from ..worker import WorkerIdentity
+from . import pressure
 from .geometry import PoolGeometry, session_pages_per_page
 
 log = announce.logger("kvcached_broker.adapters")
 
 
 class Grants(Protocol):
-    """What a governor needs of a pool's grants, in pool pages.  A governor passes ``mapped`` and
-    ``key`` to :meth:`release` only to grants that have ``mapped``; ``report`` takes ``usage``
-    and ``allocated`` as :meth:`SessionGrants.report` does."""
+    """What a governor needs of a pool's grants, in pool pages.
+
+    ``maps_here``: the pool's pages are mapped in this process, so the governor reports how many
+    are mapped and idle (:meth:`mapped`, :meth:`idle`), says in a release what it still maps,
+    and shrinks kvcached's allocator when the pool closes.  Where it is False those calls are
+    accepted and do nothing, and ``mapped``/``key`` of a release are ignored."""
+
+    maps_here: bool
 
     @property
     def pages(self) -> int: ...
+    def lost(self) -> str | None: ...
     def acquire(self, pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None: ...
     def release(self, pages: int, *, mapped: int | None = None, key: str | None = None) -> bool: ...
+    def mapped(self, key: str, pages: int) -> None: ...
+    def idle(self, key: str, pages: int) -> None: ...
+    def uncharged_pages(self) -> int: ...
+    def unasked_shortfall(self) -> int: ...
     def report(self, key: str, pools: dict[str, int], *, usage: dict[str, int] | None = None,
                allocated: bool = True) -> bool: ...
     def forget(self, key: str) -> None: ...
@@ -43,6 +55,8 @@ class Grants(Protocol):
 
 class SessionGrants:
     """A pool's grant through this process's own broker session (the memory is mapped here)."""
+
+    maps_here = True
 
     def __init__(self, identity: WorkerIdentity, client, ratio: int):
         self.identity = identity
@@ -107,6 +121,14 @@ class SessionGrants:
         """The pool ``key`` has ``pages`` pool pages mapped now (in use and kvcached's reserve):
         the broker charges the rest of its grant as promised memory."""
         worker.report_mapped(self.identity, key, min(pages, self.pages) * self.ratio)
+
+    def uncharged_pages(self) -> int:
+        """Session pages the broker no longer charges this session for (a short re-assertion)."""
+        return pressure.uncharged_pages(self.client)
+
+    def unasked_shortfall(self) -> int:
+        """Uncharged session pages the session's pools were not asked back for yet."""
+        return pressure.unasked_shortfall(self.client)
 
     def report(self, key: str, pools: dict[str, int], *, usage: dict[str, int] | None = None,
                allocated: bool = True) -> bool:

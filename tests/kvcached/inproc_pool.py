@@ -67,13 +67,16 @@ class InprocPools:
     def close(self) -> None:
         from kvcached_broker.adapters.kvcached import runner
         from kvcached_broker.adapters.kvcached.governor import PoolGovernor
+        from kvcached_broker.adapters.kvcached.pool_state import Phase
 
         for manager in self.managers:
             manager.shutdown()
         runner.settle()
         for governor in runner.governors():  # nothing of this test may reach the next one's broker
             if isinstance(governor, PoolGovernor):
-                governor.closed = governor._forgotten = True
+                governor.state.close()  # done, with no broker call: its grant went with the test's broker
+                if governor.state.phase is Phase.CLOSING:
+                    governor.state.forget()
 
 
 def governor_of(manager):

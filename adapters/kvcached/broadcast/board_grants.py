@@ -68,6 +68,10 @@ def expected_slots(geometry: PoolGeometry) -> int:
 
 
 class BoardGrants:
+    """The :class:`~..grants.Grants` of a pool whose pages are mapped in its TP workers."""
+
+    maps_here = False  # the workers map, and report what they map and hold idle
+
     def __init__(self, board: board_mod.Board, geometry: PoolGeometry, slots: int, real: Any):
         self.board = board
         self.geometry = geometry
@@ -145,14 +149,32 @@ class BoardGrants:
         self._ring_workers()
         self.board.leave()
 
-    def release(self, pages: int, **_: Any) -> bool:
+    def lost(self) -> str | None:
+        """Never here: a pool with no counted worker left finds out in :meth:`acquire`."""
+        return None
+
+    def mapped(self, key: str, pages: int) -> None:
+        """The workers report what they map."""
+
+    def idle(self, key: str, pages: int) -> None:
+        """The workers report what they hold idle."""
+
+    def uncharged_pages(self) -> int:
+        """EngineCore holds no session pages: each worker's own client books its shortfalls."""
+        return 0
+
+    def unasked_shortfall(self) -> int:
+        return 0
+
+    def release(self, pages: int, *, mapped: int | None = None, key: str | None = None) -> bool:
         """Lower the wanted level by ``pages`` below what every worker holds (they release it);
         the workers report what they map themselves."""
         self.wanted = max(0, self.pages - pages)
         self._publish()
         return True
 
-    def report(self, key: str, pools: dict[str, int], **_: Any) -> bool:
+    def report(self, key: str, pools: dict[str, int], *, usage: dict[str, int] | None = None,
+               allocated: bool = True) -> bool:
         """The workers report what they map (their zero pages included); the governor reports after
         every round that changed its limit, so the limit is published here, without waiting a round."""
         self._publish()

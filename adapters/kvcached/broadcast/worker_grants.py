@@ -48,6 +48,7 @@ from . import doorbell, map_gate
 from ..geometry import PoolGeometry
 from ..governor import ZERO_PAGE_POOL
 from ..grants import SessionGrants
+from ..pool_state import AskBook
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -78,13 +79,11 @@ class WorkerGrants:
         self.closed = False
         self._active = False
         self._answered = 0
-        self._asks = threading.Lock()
-        self._pressure_pages = 0
-        self._soft_pages = 0  # asked back as idle pages only (see ask_back)
         self._pressure_total = 0
         self._published: tuple | None = None
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
                          "pressure_asks": 0, "pressure_posted": 0}
+        self.asks = AskBook(self.counters)  # the only state other threads write
         with gate.lock:  # bounded from registration: nothing is mapped here beyond a grant
             gate.bound_pages = 0
             gate.engine_governs = map_gate.engine_governs(board)
@@ -95,12 +94,7 @@ class WorkerGrants:
         """This worker's broker wants ``pages`` pool pages back (recorded; the step acts).  ``soft``:
         idle pages only, so only what this worker holds above EngineCore's level and its own maps
         goes back, and nothing is asked of EngineCore (whose prefix cache is not idle memory)."""
-        with self._asks:
-            if soft:
-                self._soft_pages += pages
-            else:
-                self._pressure_pages += pages
-            self.counters["pressure_asks"] += 1
+        self.asks.ask_back(pages, soft=soft)
 
     def _gate_changed(self) -> None:
         self.board.write_slot(self.slot, mapped_pages=self.gate.mapped_pages(), refused_maps=self.gate.refused_maps)
@@ -162,9 +156,8 @@ class WorkerGrants:
                         self.key, exc)
 
     def _answer_pressure(self, engine: board_mod.EngineRecord) -> None:
-        with self._asks:
-            asked, self._pressure_pages = self._pressure_pages, 0
-            soft, self._soft_pages = self._soft_pages, 0
+        asks = self.asks.take()
+        asked, soft = asks.pressure_pages, asks.soft_pages
         if soft > 0:
             self._release_down_to(engine.wanted_pages, at_most=soft)
         if asked <= 0:
