@@ -1,0 +1,282 @@
+"""adapters/kvcached/pool_state.py: the pool's phases, and the invariant it keeps with the governor.
+
+The property test drives the real ``PoolGovernor`` against models of kvcached 0.1.6 and of a
+broker (tests/kvcached_model.py), with the engine's allocations and frees, kvcached's prealloc
+thread and a prefix cache's evictions run *between any two of the governor's own calls*, as
+their threads can, and checks at every mutation, not only between steps:
+
+* ``mapped <= limit``: kvcached maps at most its allocator's size (the model's own rule);
+* ``limit <= granted`` while the pool is governed: every size kvcached is given, and every grant
+  the broker takes back, keeps the size at most what the broker granted;
+
+and after each rule: the governor never gets a ``stale`` or ``conflict`` from kvcached (its
+revisions are newer than any the pool saw), never calls the broker once it stopped governing
+(except the best-effort give-back of a failed start), and a pool that closed, once the engine
+freed its blocks, gave back its whole grant.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvcached_broker.adapters.kvcached import eviction
+from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
+from kvcached_broker.adapters.kvcached.governor import PoolGovernor
+from kvcached_broker.adapters.kvcached.policy import Watermarks
+from kvcached_broker.adapters.kvcached.pool_state import (
+    _NEXT,
+    AskBook,
+    Event,
+    GrowPacing,
+    Phase,
+    PoolState,
+    PoolStateError,
+    limit_after_grant,
+    surplus_pages,
+)
+
+from kvcached_model import ModelAllocator, ModelBroker, ModelManager, ModelPrefixCache
+
+PAGE_SIZE = 4096  # per-layer bytes of one page id; one layer, one buffer: a pool page is 4 KiB
+VIRTUAL_PAGES = 48
+
+
+# ---------------------------------------------------------------- the phase table
+def _state_in(phase: Phase) -> PoolState:
+    state = PoolState(governed=True)
+    state.phase = phase
+    if phase is Phase.DEFERRING:
+        state.pending_limit = 3
+    return state
+
+
+def _fire(state: PoolState, event: Event) -> None:
+    {Event.DEFER: lambda: state.defer(2, "deferred"), Event.SETTLE: state.settle,
+     Event.UNGOVERN: lambda: state.ungovern("gone"), Event.CLOSE: state.close, Event.FORGET: state.forget}[event]()
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+@pytest.mark.parametrize("event", list(Event))
+def test_every_event_goes_where_the_table_says_or_is_refused_and_changes_nothing(phase, event):
+    state = _state_in(phase)
+    before = (state.phase, state.pending_limit, state.blocked, state.why_ungoverned)
+    allowed = (phase, event) in _NEXT
+    # ungovern and close say "already" where the pool is past them: no error, nothing changes
+    quiet = (event is Event.UNGOVERN and phase is Phase.DONE) or (event is Event.CLOSE and phase in (Phase.CLOSING,
+                                                                                                    Phase.DONE))
+    if allowed or quiet:
+        _fire(state, event)
+        assert state.phase is (_NEXT[(phase, event)] if allowed else phase)
+        if quiet:
+            assert (state.phase, state.pending_limit, state.blocked, state.why_ungoverned) == before
+    else:
+        with pytest.raises(PoolStateError, match=f"phase {phase.value} cannot {event.value}"):
+            _fire(state, event)
+        assert (state.phase, state.pending_limit, state.blocked, state.why_ungoverned) == before
+    assert (state.pending_limit is not None) == (state.phase is Phase.DEFERRING)
+
+
+def test_ungoverning_a_deferring_pool_drops_its_pending_limit_and_says_why_once():
+    state = _state_in(Phase.DEFERRING)
+    assert state.ungovern("evicted") and state.phase is Phase.UNGOVERNED and state.pending_limit is None
+    assert not state.ungovern("later") and state.why_ungoverned == "evicted"
+    assert not state.governed and not state.closed
+
+
+def test_a_closing_pool_counts_as_governed_until_its_grant_is_forgotten():
+    state = PoolState(governed=True)
+    assert state.close() and state.governed and state.closed and not state.close()
+    state.forget()
+    assert state.done and not state.governed and state.closed
+
+
+def test_revisions_are_newer_than_any_the_pool_saw():
+    state = PoolState(governed=True)
+    assert state.next_revision(-1, -1) == 1
+    assert state.next_revision(7, 2) == 8  # an outside caller's
+    assert state.next_revision(-1, 20) == 21  # kvcached's own
+    assert state.next_revision(-1, -1) == 22
+
+
+def test_the_ask_book_keeps_the_largest_miss_sums_asks_and_refuses_an_older_outside_revision():
+    counters = {"pressure_asks": 0, "misses": 0}
+    book = AskBook(counters)
+    book.missed(3)
+    book.missed(2)
+    book.ask_back(4)
+    book.ask_back(5, soft=True)
+    assert book.outside_limit(10, revision=5) and not book.outside_limit(9, revision=4)
+    asks = book.take(polled_pages=2)
+    assert (asks.pressure_pages, asks.soft_pages, asks.short_pages) == (6, 5, 3)
+    assert counters == {"pressure_asks": 3, "misses": 2}
+    assert book.take_outside_cap() == 10 and book.take_outside_cap() is None
+    assert not book.take().any_pressure and book.outside_revision == 5
+
+
+def test_pacing_backs_off_after_refusals_and_asks_for_the_whole_batch_every_other_time():
+    pacing = GrowPacing()
+    assert pacing.may_grow(0.0, short=False) and pacing.min_pages(8, 1, waiting=False) == 1
+    pacing.refused(1.0)
+    assert not pacing.may_grow(1.01, short=False) and pacing.may_grow(1.01, short=True)
+    assert pacing.may_grow(1.05, short=False) and pacing.min_pages(8, 1, waiting=False) == 8
+    assert pacing.min_pages(8, 1, waiting=True) == 1
+    pacing.refused(2.0)
+    assert not pacing.may_grow(2.09, short=False) and pacing.min_pages(8, 1, waiting=False) == 1
+    pacing.granted()
+    pacing.quiet(3.0)
+    assert not pacing.may_grow(4.9, short=False) and pacing.may_grow(5.0, short=False)
+
+
+def test_the_limit_never_passes_the_grant_nor_the_ceiling_and_only_what_is_above_the_size_goes_back():
+    assert limit_after_grant(10, 6) == 6 and limit_after_grant(4, 6) == 4 and limit_after_grant(-1, 6) == 0
+    assert surplus_pages(10, 7) == 3 and surplus_pages(10, 7, at_most=2) == 2 and surplus_pages(5, 7) == 0
+
+
+# ---------------------------------------------------------------- the governor, property-tested
+class GovernedPool(RuleBasedStateMachine):
+    """One governed pool: the real governor, kvcached and a broker as models, and the engine."""
+
+    @initialize(capacity=st.integers(min_value=4, max_value=2 * VIRTUAL_PAGES), hook=st.booleans())
+    def start(self, capacity, hook):
+        self.now_s = 0.0
+        self.revision = 100  # an outside caller's revisions (kvcached's start at -1)
+        self.schedule: list[str] = []
+        self.interleaving = False
+        self.violations: list[str] = []
+        self.geometry = PoolGeometry(num_layers=1, page_size=PAGE_SIZE, num_kv_buffers=1,
+                                     virtual_pages=VIRTUAL_PAGES, ipc_name=f"kvcached_broker_model_{uuid.uuid4().hex}")
+        self.allocator = ModelAllocator(VIRTUAL_PAGES, PAGE_SIZE)
+        self.broker = ModelBroker(capacity)
+        self.manager = ModelManager(self.allocator, self.geometry.page_bytes, VIRTUAL_PAGES)
+        self.cache = ModelPrefixCache(self.manager)
+        marks = Watermarks(batch_pages=4, low_pages=2, high_pages=8)
+        self.governor = PoolGovernor(self.geometry, self.allocator, self.broker, marks)
+        self.allocator.check = self.broker.check = self.check
+        self.governor.start()
+        self.started = True
+        self.allocator.interleave = self.interleave
+        if hook:
+            eviction.register_eviction_hook(self.manager, self.cache)
+        self.governor.attach(self.manager)
+
+    def teardown(self):
+        if hasattr(self, "manager"):
+            eviction.register_eviction_hook(self.manager, None)
+
+    # -------------------------------------------------------- the invariant, at every mutation
+    def check(self) -> None:
+        """Called at every mutation, from inside the governor's calls too: a violation is kept,
+        since the governor logs and carries on after any exception kvcached raises."""
+        if not getattr(self, "started", False):
+            return
+        a = self.allocator
+        if not (0 <= a.inuse and 0 <= a.reserved and a.mapped <= a.total):
+            self.violations.append(f"kvcached mapped {a.mapped} beyond its size {a.total}")
+        if self.governor.governed and self.governor.grants is not None and a.total > self.broker.pages:
+            self.violations.append(f"kvcached's size {a.total} above the grant {self.broker.pages} "
+                                   f"({self.governor.state.phase})")
+        assert not self.violations, self.violations[0]
+
+    def interleave(self) -> None:
+        """The engine's or kvcached's threads act between two of the governor's calls."""
+        if self.interleaving or not self.schedule:
+            return
+        self.interleaving = True
+        try:
+            self.act(self.schedule.pop(0), 2)
+        finally:
+            self.interleaving = False
+
+    def act(self, what: str, pages: int) -> None:
+        if what in ("alloc", "prealloc") and self.governor.closed:
+            return  # kvcached stopped its prealloc thread at shutdown, and the engine allocates no more
+        if what == "alloc":
+            got = self.allocator.alloc(pages)
+            self.governor.note_alloc(pages, object() if got else None, PAGE_SIZE)
+        elif what == "free":  # a running request's blocks: not the prefix cache's
+            self.manager.free(min(pages, self.allocator.inuse - self.cache.cached))
+            self.governor.note_free()
+        elif what == "finish":  # a request finished into the prefix cache
+            self.cache.cached = min(self.allocator.inuse, self.cache.cached + pages)
+        elif what == "prealloc":
+            self.allocator.prealloc()
+
+    # -------------------------------------------------------- what happens to a pool
+    @rule(what=st.sampled_from(["alloc", "free", "finish", "prealloc"]), pages=st.integers(1, 12))
+    def engine(self, what, pages):
+        self.interleaving = True  # the engine's own call: nothing else runs inside it
+        try:
+            self.act(what, pages)
+        finally:
+            self.interleaving = False
+
+    @rule(pages=st.integers(1, 24), soft=st.booleans())
+    def pressure(self, pages, soft):
+        self.governor.ask_back(pages, soft=soft)
+
+    @rule(cap_pages=st.integers(0, VIRTUAL_PAGES), older=st.booleans())
+    def outside_limit(self, cap_pages, older):
+        self.revision += -50 if older else 1
+        if self.governor.governed:  # what the patched set_memory_limit does with an outside call
+            self.governor.outside_limit(self.manager, cap_pages * self.geometry.page_bytes, self.revision)
+        elif not self.governor.closed:  # kvcached alone takes it
+            self.manager.set_memory_limit(cap_pages * self.geometry.page_bytes, revision=self.revision)
+            self.manager.statuses.pop()  # not the governor's own call
+
+    @rule(mode=st.sampled_from(["grant", "grant", "grant", "refuse", "lost", "evict"]))
+    def broker_turns(self, mode):
+        if self.broker.why_lost is not None:
+            return  # a process that turned unprotected stays so
+        self.broker.mode = mode
+
+    @rule(dt_s=st.sampled_from([0.0, 0.01, 0.06, 0.6, 2.5]),
+          schedule=st.lists(st.sampled_from(["alloc", "free", "finish", "prealloc"]), max_size=6))
+    def step(self, dt_s, schedule):
+        self.now_s += dt_s
+        self.schedule = list(schedule)
+        governed_before = self.governor.governed
+        calls_before = self.broker.calls_after_lost
+        self.governor.step(self.now_s)
+        self.schedule = []
+        if not governed_before:
+            assert self.broker.calls_after_lost == calls_before, "an ungoverned pool called the broker"
+
+    @rule()
+    def shut_down(self):
+        self.governor.close()
+
+    # -------------------------------------------------------- after every rule
+    @invariant()
+    def mapped_within_limit_within_grant_at_every_moment(self):
+        assert not self.violations, self.violations[0]
+
+    @invariant()
+    def revisions_are_never_stale(self):
+        assert not {"stale", "conflict"} & set(self.manager.statuses), self.manager.statuses
+
+    @invariant()
+    def the_state_agrees_with_the_pool(self):
+        state = self.governor.state
+        assert (state.pending_limit is not None) == (state.phase is Phase.DEFERRING)
+        self.check()
+
+    @invariant()
+    def a_closed_pool_gives_its_whole_grant_back_once_its_blocks_are_freed(self):
+        if not self.governor.closed or self.broker.why_lost is not None or self.broker.evictions:
+            return  # a broker that is gone or evicted the session frees the grant itself
+        mode, self.broker.mode = self.broker.mode, "grant"
+        self.cache.cached = 0
+        self.manager.free(self.allocator.inuse)
+        self.governor.step(self.now_s)
+        assert self.broker.pages == 0 and self.allocator.mapped == 0 and self.governor.state.done
+        self.broker.mode = mode
+
+
+GovernedPool.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+test_the_governor_keeps_mapped_within_limit_within_grant = GovernedPool.TestCase
