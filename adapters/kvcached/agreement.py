@@ -63,7 +63,7 @@ Evict = Callable[[list[tuple[Any, int]]], object]
 
 
 @dataclass
-class PoolState:
+class SyncState:
     """What one pool's governor asked the sync points for."""
 
     wanted_pages: int | None = None  # the limit it wants (None: not asked yet)
@@ -93,7 +93,7 @@ class Agreement:
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self._states: "weakref.WeakKeyDictionary[Any, PoolState]" = weakref.WeakKeyDictionary()
+        self._states: "weakref.WeakKeyDictionary[Any, SyncState]" = weakref.WeakKeyDictionary()
         self._seq = 0
         self._served_seq = 0  # every want up to this one was offered at a completed sync
         self.syncs = 0
@@ -104,7 +104,7 @@ class Agreement:
         """Record the limit ``manager``'s governor wants; the sequence number to wait for
         (0: nothing changed, nothing to wait for)."""
         with self._lock:
-            state = self._states.setdefault(manager, PoolState())
+            state = self._states.setdefault(manager, SyncState())
             if state.wanted_pages == pages:
                 return 0
             self._seq += 1
@@ -124,7 +124,7 @@ class Agreement:
     def request_eviction(self, manager: Any, pages: int) -> None:
         """Ask the next sync point to evict about ``pages`` pool pages of unused prefix blocks."""
         with self._lock:
-            state = self._states.setdefault(manager, PoolState())
+            state = self._states.setdefault(manager, SyncState())
             state.evict_pages = max(state.evict_pages, int(pages))
 
     # ------------------------------------------------------------ the scheduler's thread
@@ -181,12 +181,12 @@ class Agreement:
 
     def _offer(self, pools: list[tuple[Any, Any]], overages: list[int]) -> tuple[list[int], int]:
         """``[min(wanted, granted), -evict_pages]`` per pool, and the newest want offered; each
-        governed pool's offer is held (:attr:`PoolState.offered`) until the sync ends."""
+        governed pool's offer is held (:attr:`SyncState.offered`) until the sync ends."""
         offer: list[int] = []
         with self._lock:
             served = self._seq
             for (governor, manager), overage in zip(pools, overages):
-                state = self._states.setdefault(manager, PoolState())
+                state = self._states.setdefault(manager, SyncState())
                 proposal = _proposal(governor, state)
                 if _governed(governor):
                     if not _holds_offers(governor):  # no reservation possible yet: nothing above its size
@@ -210,7 +210,7 @@ class Agreement:
         holds the pool's offer, wait (at most ``wait_s``) for it to end; then give back only what
         is above both the offer still held and kvcached's size (the limit the sync applied)."""
         with self._lock:
-            state = self._states.setdefault(manager, PoolState())
+            state = self._states.setdefault(manager, SyncState())
             if state.offered is not None:
                 state.release_waits += 1
                 self._lock.notify_all()
@@ -230,7 +230,7 @@ class Agreement:
         return done
 
     def _apply(self, governor: Any, manager: Any, pages: int) -> None:
-        state = self._states.setdefault(manager, PoolState())
+        state = self._states.setdefault(manager, SyncState())
         if _governed(governor) and pages > governor.grants.pages:  # the offer is held: cannot happen
             log.error("event=kvcached_agreement_above_grant pool=%s agreed_pages=%d granted_pages=%d "
                       "detail=applying the grant (this rank's limit differs from its peers' until the next sync)",
@@ -255,7 +255,7 @@ class Agreement:
             applied = manager.set_memory_limit(governor.geometry.limit_bytes(pages), revision=revision)
         state.agreed_pages = pages
 
-    def state_of(self, manager: Any) -> PoolState | None:
+    def state_of(self, manager: Any) -> SyncState | None:
         with self._lock:
             return self._states.get(manager)
 
@@ -278,7 +278,7 @@ def _governed(governor: Any) -> bool:
     return bool(governor.governed) and governor.grants is not None
 
 
-def _proposal(governor: Any, state: PoolState) -> int:
+def _proposal(governor: Any, state: SyncState) -> int:
     """What this rank offers for a pool: the limit it wants, at most its grant (less what the
     governor is giving back right now); a rank without a broker offers no constraint (the
     pool's whole virtual range)."""

@@ -33,7 +33,7 @@ at every moment:
 read two counters and wake that thread when the pool runs short or holds too much, and a
 pressure ask from the broker only records how much is wanted.  kvcached's manager lock is
 made real at construction, before the engine can call the manager (an ``RLock`` where
-synchronous scheduling left a no-op; :func:`.patches.install_real_lock`), so a limit change
+synchronous scheduling left a no-op; :func:`.kvcached_api.make_lock_real`), so a limit change
 never races the engine's own calls.
 
 **Failing safe.**  A refusal leaves the pool as it is (the engine's allocation misses, as when
@@ -48,7 +48,6 @@ Units: pool pages (kvcached compound pages, :class:`PoolGeometry`) unless a name
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import time
@@ -57,7 +56,7 @@ from typing import Any, Callable
 
 from ...client import BudgetExceeded, SessionEvicted
 from .. import announce, process_state
-from . import eviction, runner, segment, shm_files
+from . import eviction, kvcached_api, runner, segment, shm_files
 from .geometry import PoolGeometry
 from .grants import Grants
 from .limits import DirectLimits, LimitChannel
@@ -282,7 +281,7 @@ class PoolGovernor:
             self._ungovern(f"unprotected ({why})")
             return
         try:
-            if not manager._post_init_done.is_set():
+            if not kvcached_api.post_init_done(manager):
                 self._grow_before_post_init(manager, now_s)
                 return
             self._round(manager, now_s)
@@ -430,8 +429,7 @@ class PoolGovernor:
         manager's lock (real since construction), which the post-init thread takes to reserve the
         null block: it sees every step or none, and the transient size maps nothing."""
         real, size = self.real, self.geometry.allocator_size(pages)
-        lock = getattr(manager, "_lock", None) if manager is not None else None
-        with lock if lock is not None else contextlib.nullcontext():
+        with kvcached_api.held_lock(manager):
             if real.get_num_inuse_pages() == 0 and real.get_num_reserved_pages() == 0:
                 real.resize(self.geometry.allocator_size(self.geometry.virtual_pages))
                 real.reset_free_page_order()
@@ -557,8 +555,7 @@ class PoolGovernor:
     def _set_limit(self, manager: Any, limit_pages: int) -> dict:
         """``set_memory_limit`` with a revision newer than any the pool has seen (its own, an
         outside caller's, kvcached's current one); the state kvcached reports."""
-        current = getattr(manager, "_memory_limit_revision", -1)
-        revision = self.state.next_revision(self.asks.outside_revision, current if isinstance(current, int) else -1)
+        revision = self.state.next_revision(self.asks.outside_revision, kvcached_api.limit_revision(manager))
         try:
             return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), revision)
         except Exception as exc:  # noqa: BLE001 - a limit kvcached cannot take changes nothing
@@ -718,7 +715,7 @@ class PoolGovernor:
             return
         self.operator_cap_pages = None
         manager = self.manager()
-        if manager is not None and manager._post_init_done.is_set():
+        if manager is not None and kvcached_api.post_init_done(manager):
             self._set_limit(manager, self.geometry.virtual_pages)
         else:
             self.resize_before_post_init(manager, self.geometry.virtual_pages)

@@ -16,6 +16,7 @@ import sys
 from typing import Callable
 
 from .. import process_state
+from . import kvcached_api
 from ..worker import WorkerIdentity
 from .geometry import PoolGeometry
 
@@ -58,9 +59,9 @@ def default_identity(geometry: PoolGeometry) -> WorkerIdentity:
 def _initialised_integration() -> tuple[str, int]:
     """(runtime, device index) of the kvcached integration initialised in this process."""
     for runtime in _INTEGRATIONS:
-        module = sys.modules.get(f"kvcached.integration.{runtime}.interfaces")
-        if module is not None and getattr(module, "_kvcached_initialized", False):
-            return runtime, _device_index(getattr(module, "_kvcached_device", None))
+        device = kvcached_api.initialised_device(runtime)
+        if device is not None:
+            return runtime, _device_index(device)
     return "kvcached", 0
 
 

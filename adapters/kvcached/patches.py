@@ -10,7 +10,7 @@ of the table of supported releases, ``adapters/support.py``), however the manage
   ``KVCacheManager.__init__``: a governor that cannot start (a resolver error, a refused
   runtime base, an eviction) leaves the pool ungoverned with one warning, and only under
   ``KVCACHED_REQUIRE=1`` is it a start-up error (:class:`~..worker.BrokerRequired`);
-* ``KVCacheManager.__init__`` then makes a governed manager's lock real (:func:`install_real_lock`),
+* ``KVCacheManager.__init__`` then makes a governed manager's lock real (:func:`.kvcached_api.make_lock_real`),
   attaches the governor and wraps the instance's ``alloc`` and ``free`` to wake the governors'
   thread when the pool runs short or holds too much;
 * ``KVCacheManager.set_memory_limit`` from outside the broker's own code, on a governed pool,
@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import Any
 
 from ...client.units import parse_size
 from .. import announce, flags, support
 from ..patching import Patch, Target, wrap_methods, wrap_once
 from ..worker import BrokerRequired
-from . import identity, limits, pressure, runner, segment, shm_files
+from . import identity, kvcached_api, limits, pressure, runner, segment, shm_files
 from .broadcast import board_grants, map_gate, worker_grants
 from .allocator import GovernedPageAllocator
 from .geometry import PoolGeometry
@@ -84,13 +83,7 @@ def _default_ipc_name(group_id: int) -> str:
 
 
 def _broadcast_mode(geometry: PoolGeometry) -> bool:
-    if geometry.world_size > 1:
-        return True
-    try:
-        from kvcached.integration.vllm.interfaces import should_use_worker_ipc
-    except ImportError:
-        return False
-    return bool(should_use_worker_ipc())
+    return geometry.world_size > 1 or kvcached_api.uses_worker_ipc()
 
 
 def new_governor(geometry: PoolGeometry, real: Any) -> PoolGovernor:
@@ -189,39 +182,6 @@ def _governor_or_ungoverned(geometry: PoolGeometry, real: Any) -> PoolGovernor:
         return governor
 
 
-def install_real_lock(manager: Any) -> None:
-    """A governed manager's lock, real from construction (before the engine can call it).
-
-    kvcached uses a no-op lock under synchronous scheduling; the governor's thread changes the
-    limit while the engine allocates, so the lock must be real, and swapping it while the engine
-    is inside a call would not exclude that call.  One hazard of a real lock: kvcached's
-    ``alloc``/``free``/``resize`` wait for its post-init (the null block, which may wait for a
-    grant) while holding it, and the post-init thread needs it to reserve the null block.  So a
-    governed manager's ``_wait_post_init`` releases the lock while it waits and takes it back
-    after, as a condition variable does: every caller waits before it reads any state."""
-    from kvcached.locks import NoOpLock
-
-    if isinstance(manager._lock, NoOpLock):
-        manager._lock = threading.RLock()
-    lock, done = manager._lock, manager._post_init_done
-    if not all(hasattr(lock, name) for name in ("_is_owned", "_release_save", "_acquire_restore")):
-        return
-
-    def _wait_post_init() -> None:
-        if done.is_set():
-            return
-        if not lock._is_owned():
-            done.wait()
-            return
-        state = lock._release_save()
-        try:
-            done.wait()
-        finally:
-            lock._acquire_restore(state)
-
-    manager._wait_post_init = _wait_post_init
-
-
 def _wrap_engine_calls(manager: Any, governor: PoolGovernor) -> None:
     """Instance ``alloc``/``free``/``available_size`` that wake the governors' thread when the
     pool needs it.
@@ -271,7 +231,7 @@ def _wrap_init(init):
         governor = allocator.governor
         try:
             if governor.governed:
-                install_real_lock(self)
+                kvcached_api.make_lock_real(self)
             governor.attach(self)
             if governor.governed:
                 _wrap_engine_calls(self, governor)

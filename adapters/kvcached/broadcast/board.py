@@ -49,7 +49,7 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 from ... import process_state
-from .. import liveness, shm_files
+from .. import kvcached_api, liveness, shm_files
 from . import doorbell
 from ..liveness import ProcessIdentity
 
@@ -121,9 +121,7 @@ def board_path(group_id: int, socket_dir: str | None = None) -> str:
     """The board of ``group_id``'s pool for this engine instance: kvcached's TP socket dir name,
     with this user's uid and PID namespace (which EngineCore and its workers share)."""
     if socket_dir is None:
-        from kvcached.utils import get_tp_socket_dir
-
-        socket_dir = get_tp_socket_dir()
+        socket_dir = kvcached_api.tp_socket_dir()
     engine = os.path.basename(socket_dir.rstrip('/'))
     name = f"{BOARD_PREFIX}u{os.geteuid()}-n{liveness.pid_namespace()}-{engine}-g{group_id}{BOARD_SUFFIX}"
     return os.path.join(SHM_DIR, name)

@@ -34,7 +34,6 @@ removed only if no other writer runs.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
@@ -43,7 +42,7 @@ from ... import announce, process_state, worker
 from ...patching import wrap_once
 from ...worker import WorkerIdentity
 from . import board as board_mod
-from .. import identity, pressure, runner
+from .. import identity, kvcached_api, pressure, runner
 from . import doorbell, map_gate
 from ..geometry import PoolGeometry
 from ..governor import ZERO_PAGE_POOL
@@ -311,21 +310,18 @@ def register(group_id: int, num_layers: int, num_kv_buffers: int) -> WorkerGrant
     governing engine appears) and gate its listener's maps, bounded at 0 until granted.  A
     group registered already keeps its holder (slot, grant, bound, board).  None outside a
     TP worker."""
-    listener = _listener()
-    interfaces = sys.modules.get("kvcached.integration.vllm.interfaces")
-    if listener is None or interfaces is None or not getattr(interfaces, "_is_worker", False):
+    worker_of = kvcached_api.tp_worker()
+    if worker_of is None:
         return None
-    rank, pp_rank = listener
-    tp_size = max(1, int(getattr(interfaces, "_world_size", 1)))
-    from kvcached.utils import PAGE_SIZE
-
-    geometry = PoolGeometry(num_layers=int(num_layers), page_size=int(PAGE_SIZE), num_kv_buffers=int(num_kv_buffers),
+    rank, pp_rank, tp_size = worker_of.tp_rank, worker_of.pp_rank, worker_of.tp_size
+    geometry = PoolGeometry(num_layers=int(num_layers), page_size=kvcached_api.page_size(),
+                            num_kv_buffers=int(num_kv_buffers),
                             virtual_pages=0, group_id=int(group_id), world_size=tp_size, pp_rank=max(0, pp_rank))
     slot = max(0, pp_rank) * tp_size + rank
     if slot >= board_mod.MAX_SLOTS:
         log.warning("event=kvcached_worker_unboarded slot=%d detail=more_ranks_than_board_slots", slot)
         return None
-    who = _identity(geometry, rank, tp_size, getattr(interfaces, "_kvcached_device", None))
+    who = _identity(geometry, rank, tp_size, worker_of.device)
     if who is None:
         return None
     path = board_mod.board_path(group_id)
@@ -361,13 +357,6 @@ def holder(group_id: int) -> WorkerGrants | None:
     holders = process_state.part(_Holders)
     with holders.lock:
         return holders.by_group.get(group_id)
-
-
-def _listener() -> tuple[int, int] | None:
-    """(tp rank, pp rank) of this process's kvcached listener, if it runs one."""
-    tp_ipc_util = sys.modules.get("kvcached.tp_ipc_util")
-    listeners = getattr(tp_ipc_util, "_listeners", None) or {}
-    return next(iter(listeners), None)
 
 
 def _identity(geometry: PoolGeometry, rank: int, tp_size: int, device: Any) -> WorkerIdentity | None:

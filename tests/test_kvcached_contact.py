@@ -1,0 +1,90 @@
+"""kvcached mode has one contact with kvcached: adapters/kvcached/kvcached_api.py.
+
+Every other module of ``adapters/kvcached/`` reaches kvcached through the public calls that
+module's docstring lists: none imports kvcached, looks a kvcached module up in ``sys.modules``
+or by name, or reads one of kvcached's private names.  The check reads the source (no kvcached
+needed), and a second test proves it catches each kind of contact.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "adapters" / "kvcached"
+CONTACT = PACKAGE / "kvcached_api.py"
+
+#: kvcached's private names kvcached_api.py reads (its manager's and its integration modules').
+PRIVATE = {"_post_init_done", "_memory_limit_revision", "_wait_post_init", "_is_worker", "_world_size",
+           "_kvcached_device", "_kvcached_initialized", "_listeners", "_is_owned", "_release_save",
+           "_acquire_restore"}
+
+
+def _is_kvcached(module: str) -> bool:
+    return module == "kvcached" or module.startswith("kvcached.")
+
+
+def contacts(source: str) -> list[str]:
+    """Each place ``source`` reaches kvcached other than through its public calls."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            found += [f"{line}: import {a.name}" for a in node.names if _is_kvcached(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_kvcached(node.module or ""):
+            found.append(f"{line}: from {node.module} import")
+        elif isinstance(node, ast.Attribute) and node.attr in PRIVATE:
+            found.append(f"{line}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in PRIVATE:
+                found.append(f"{line}: {node.value!r}")
+        elif isinstance(node, ast.Call) and node.args:
+            first = node.args[0]
+            text = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else (
+                first.values[0].value if isinstance(first, ast.JoinedStr) and first.values
+                and isinstance(first.values[0], ast.Constant) else None)
+            if isinstance(text, str) and _is_kvcached(text) and _looks_up_a_module(node.func):
+                found.append(f"{line}: looks up {text!r}")
+    return found
+
+
+def _looks_up_a_module(func: ast.expr) -> bool:
+    """``sys.modules.get(...)``, ``sys.modules[...]``-like ``get``, ``importlib.import_module(...)``."""
+    return isinstance(func, ast.Attribute) and func.attr in ("get", "import_module", "__getitem__")
+
+
+def test_only_kvcached_api_reaches_kvcached():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == CONTACT:
+            continue
+        found = contacts(path.read_text())
+        if found:
+            offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, f"kvcached reached outside kvcached_api.py: {offenders}"
+
+
+def test_the_contact_module_itself_is_what_the_check_would_catch():
+    assert contacts(CONTACT.read_text()), "kvcached_api.py reaches kvcached: the check must see it"
+
+
+@pytest.mark.parametrize("source", [
+    "import kvcached.utils",
+    "from kvcached.locks import NoOpLock",
+    "done = manager._post_init_done.is_set()",
+    "revision = getattr(manager, '_memory_limit_revision', -1)",
+    "module = sys.modules.get('kvcached.tp_ipc_util')",
+    "module = sys.modules.get(f'kvcached.integration.{runtime}.interfaces')",
+    "module = importlib.import_module('kvcached.observability')",
+])
+def test_the_check_catches_each_kind_of_contact(source):
+    assert contacts(source)
+
+
+def test_the_check_lets_the_patch_table_and_public_calls_through():
+    assert not contacts("Patch('p', 'kvcached', 'kvcached.kv_cache_manager', apply)\n"
+                        "manager.set_memory_limit(1, revision=2)\nmanager.memory_limit_state()\n"
+                        "allocator.get_num_total_pages()")
