@@ -1275,7 +1275,7 @@ class ChaosRun:
             self.note(f"evict {worker.session_id} refused: {exc.code}")
             return False
         self.figures.evictions += 1
-        self.note(f"evict{' --kill' if kill else ''} {worker.name} session {worker.session_id} freed {result.get('freed_bytes')}")
+        self.note(f"evict{' --kill' if kill else ''} {worker.name} session {worker.session_id} freed {result.freed_bytes}")
         if worker.session_id in sessions_by_id(self.status()):
             self.figures.evict_failures.append(f"{worker.name}: session {worker.session_id} still in status after evict")
         rc = worker.wait_exit(EVICT_NOTICE_TIMEOUT_S)

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..client import results
+
 class SessionState(str, enum.Enum):
     LIVE = "live"
     STALE = "stale"  # lease lapsed; still charged (a hung process still holds its memory)
@@ -53,6 +55,11 @@ class Limits:
     def to_dict(self) -> dict[str, Any]:
         return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,
                 "priority": self.priority, "revision": self.revision, "source": self.source}
+
+    def view(self) -> results.LimitsView:
+        """These limits as a reply carries them."""
+        return results.LimitsView(max_bytes=self.max_bytes, min_bytes=self.min_bytes, weight=self.weight,
+                                  priority=self.priority, revision=self.revision, source=self.source)
 
 
 @dataclass(eq=False)

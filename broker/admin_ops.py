@@ -9,9 +9,10 @@ own user); otherwise the whole request is refused and nothing is evicted.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 from ..client import protocol as proto
+from ..client import results
 from ..client.errors import Forbidden, UnknownSession
 from .device_monitor import DeviceMonitor
 from .journal import Journal, NullJournal
@@ -48,7 +49,10 @@ class AdminOps:
             "event=limits instance=%s max_bytes=%s min_bytes=%d weight=%s priority=%d revision=%d uid=%s",
             req.instance, limits.max_bytes, limits.min_bytes, limits.weight, limits.priority, limits.revision, peer.uid,
         )
-        return proto.ok_reply(req.id, {"instance": req.instance, **limits.to_dict()})
+        view = limits.view()
+        return proto.ok_reply(req.id, results.LimitResult(
+            instance=req.instance, max_bytes=view.max_bytes, min_bytes=view.min_bytes, weight=view.weight,
+            priority=view.priority, revision=view.revision, source=view.source))
 
     def evict(self, req: proto.Evict, rid: bytes, peer: Peer, now: float) -> bytes:
         self.require_admin(peer, "evict")
@@ -61,22 +65,25 @@ class AdminOps:
                 f"uid {peer.uid} may not kill pid {binding.pid} (uid {binding.uid}); only root or its own user may. "
                 "Nothing was evicted; evict without --kill, or ask root"
             )
-        result: dict[str, Any] = {"evicted": binding.session_id, "killed": False}
+        result = results.EvictResult(evicted=binding.session_id)
         if req.kill:
-            result.update(self._kill(binding))
+            self._kill(binding, result)
         table.fence(binding)
         self.journal.fence(binding.token, binding.session_id)
-        result["freed_bytes"] = self.lifecycle.end(binding, cause="evicted")
+        result.freed_bytes = self.lifecycle.end(binding, cause="evicted")
         return proto.ok_reply(req.id, result)
 
-    def _kill(self, binding: Binding) -> dict[str, Any]:
+    def _kill(self, binding: Binding, result: results.EvictResult) -> None:
+        """Kill the session's process; ``result`` says whether it was, or why not."""
         if not binding.pid_verified:
-            return {"kill_error": "pid not verified (remote or other pid namespace); not killed"}
+            result.kill_error = "pid not verified (remote or other pid namespace); not killed"
+            return
         try:
             self.lifecycle.processes.kill(binding.pid)
         except OSError as exc:
-            return {"kill_error": exc.strerror}
-        return {"killed": True}
+            result.kill_error = exc.strerror or str(exc)
+            return
+        result.killed = True
 
     def simulate(self, req: proto.Simulate, rid: bytes, peer: Peer, now: float) -> bytes:
         self.require_admin(peer, "simulate")
@@ -85,7 +92,8 @@ class AdminOps:
             None if req.process_bytes is proto.UNSET else dict(req.process_bytes),
         )
         self.device.observe(self.ledger, now)
-        return proto.ok_reply(req.id, {"external_bytes": self.ledger.external_bytes, "budget_bytes": self.ledger.budget_bytes})
+        return proto.ok_reply(req.id, results.SimulateResult(external_bytes=self.ledger.external_bytes,
+                                                             budget_bytes=self.ledger.budget_bytes))
 
 
 def _may_signal(peer: Peer, binding: Binding) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from msgspec import UNSET
 
+from ..client import results
 from ..client.admin import AdminClient
 from ..client.endpoint import EndpointError, resolve_endpoint
 from ..client.errors import BrokerError, BrokerUnavailable
@@ -311,14 +312,14 @@ def cmd_limit(args: argparse.Namespace) -> int:
     with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
         result = admin.limit(args.instance, max_bytes=args.max, min_bytes=args.min, weight=args.weight,
                              priority=args.priority, revision=args.revision)
-    print(json.dumps(result))
+    print(json.dumps(results.as_map(result)))
     return EXIT_OK
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
     with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
         result = admin.evict(args.session, kill=args.kill)
-    print(json.dumps(result))
+    print(json.dumps(results.as_map(result)))
     return EXIT_OK
 
 
@@ -328,7 +329,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     external = UNSET if args.external is None else _simulated_size("--external", args.external)
     processes = _process_usage(args.process) if args.process else UNSET
     with AdminClient(_target_endpoint(args), timeout_s=args.timeout) as admin:
-        print(json.dumps(admin.simulate(external_bytes=external, process_bytes=processes)))
+        print(json.dumps(results.as_map(admin.simulate(external_bytes=external, process_bytes=processes))))
     return EXIT_OK
 
 

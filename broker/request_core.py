@@ -21,6 +21,7 @@ from typing import Any, Callable
 import msgspec
 
 from ..client import protocol as proto
+from ..client import results
 from ..client.credit import split_grant
 from ..client.errors import BrokerError, NotOwner, SessionEvicted, UnknownSession
 from .admin_ops import AdminOps
@@ -215,15 +216,15 @@ class RequestCore:
             if refusal is not None:
                 self._press_for(session.instance, refusal.asked_bytes, refusal, now)
             return reply
-        result: dict[str, Any] = {
-            "pools": pools, "holds": dict(session.holds), "reserved_bytes": session.reserved_bytes,
-            "measured_bytes": self.ledger.measured_bytes(session.id),
-            "grantable_bytes": self.ledger.grantable_bytes(session.instance),
-            "ever_bytes": self.ledger.ever_bytes(session.instance),
-        }
+        result = results.ReserveResult(
+            pools=pools, holds=dict(session.holds), reserved_bytes=session.reserved_bytes,
+            measured_bytes=self.ledger.measured_bytes(session.id),
+            grantable_bytes=self.ledger.grantable_bytes(session.instance),
+            ever_bytes=self.ledger.ever_bytes(session.instance),
+        )
         if req.min_holds is not None:  # a worker sizing its start-up: who holds the rest, for its messages
-            result["holders"] = [{"instance": name, "charged_bytes": size}
-                                 for name, size in self.ledger.top_charges(exclude=session.instance)]
+            result.holders = [results.Holder(instance=name, charged_bytes=size)
+                              for name, size in self.ledger.top_charges(exclude=session.instance)]
         return self._answer(binding, req.id, result)
 
     def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes | None:
@@ -248,14 +249,14 @@ class RequestCore:
         if caller_pages is not None:  # the client's reserve after this grant, as it books it
             _, reserve_after = split_grant(session.reserve_pages, grant.pages, caller_pages, caller_min_pages)
             self.ledger.set_reserve_pages(session.id, reserve_after)
-        result: dict[str, Any] = {"granted": grant.pages, "granted_pages": session.granted_pages}
+        result = results.AcquireResult(granted=grant.pages, granted_pages=session.granted_pages)
         if waited_s is not None:
-            result["waited_s"] = round(waited_s, 6)
+            result.waited_s = round(waited_s, 6)
         if grant.refusal is not None:
             refusal = grant.refusal
             log.info("event=refusal session=%s op=acquire code=%s detail=%r", binding.session_id, refusal.code, refusal.message)
             self.counters.refused(refusal.code)
-            result["refused"] = {"code": refusal.code, "message": refusal.message, "details": refusal.details}
+            result.refused = proto.ErrorBody(code=refusal.code, message=refusal.message, details=refusal.details)
             floor_pages = pages if min_pages is None else max(1, min_pages)
             self._press_for(session.instance, floor_pages * session.page_bytes, refusal, now)
         else:
@@ -322,9 +323,9 @@ class RequestCore:
         if self.waiting:
             self._freed_since_read = True
             self.serve_waiting(now)
-        result: dict[str, Any] = {"granted_pages": remaining}
+        result = results.ReleaseResult(granted_pages=remaining)
         if session.report_mapping:
-            result["unmapped_pages"] = session.unmapped_pages
+            result.unmapped_pages = session.unmapped_pages
         return self._answer(binding, req.id, result)
 
     def _mapped(self, req: proto.Mapped, rid: bytes, peer: Peer, now: float) -> bytes:
@@ -339,16 +340,18 @@ class RequestCore:
         if self.waiting:
             self._freed_since_read = True
             self.serve_waiting(now)
-        return self._answer(binding, req.id, {"granted_pages": session.granted_pages, "unmapped_pages": unmapped})
+        return self._answer(binding, req.id, results.MappedResult(granted_pages=session.granted_pages,
+                                                                  unmapped_pages=unmapped))
 
     def _heartbeat(self, req: proto.Heartbeat, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, session = self._session_request(req, rid, now)
-        return self._answer(binding, req.id, {"state": session.state.value, "granted_pages": session.granted_pages})
+        return self._answer(binding, req.id, results.HeartbeatResult(state=session.state.value,
+                                                                     granted_pages=session.granted_pages))
 
     def _close(self, req: proto.Close, rid: bytes, peer: Peer, now: float) -> bytes:
         binding, _ = self._session_request(req, rid, now)
         freed = self.lifecycle.end(binding, cause="closed")
-        return proto.ok_reply(req.id, {"closed": binding.session_id, "freed_bytes": freed})
+        return proto.ok_reply(req.id, results.CloseResult(closed=binding.session_id, freed_bytes=freed))
 
     def _status(self, req: proto.Status, rid: bytes, peer: Peer, now: float) -> bytes:
         if req.session is not None:

@@ -27,12 +27,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 from ..client import protocol as proto
+from ..client import results
+from ..client.results import HelloOutcome
 from ..client.errors import BadRequest, BrokerError, NotOwner, RateLimited, SessionEvicted, UnsupportedVersion, WrongDevice
 from .journal import NullJournal, Journal
 from .accounts import Claim, Limits
@@ -117,7 +118,7 @@ class SessionOpener:
         if adopted:
             # The worker's books already show these requests (releases it booked before
             # sending); answer their retries from the cache instead of applying them again.
-            result = {"granted_pages": session.granted_pages, "settled": True}
+            result = results.ReleaseResult(granted_pages=session.granted_pages, settled=True)
             for request_id in req.settled:
                 binding.remember_reply(request_id, None, proto.ok_reply(request_id, result), self.table.reply_cache)
         elif restored and claim is not None:
@@ -180,7 +181,7 @@ class SessionOpener:
         )
         result = self._result(binding, version, resumed=False)
         if hello_limits is not None:
-            result["hello_limits"] = hello_limits
+            result.hello_limits = hello_limits
         if verified:
             self.lifecycle.watch(req.pid)  # a process already gone is reclaimed at once
         return proto.ok_reply(req.id, result)
@@ -233,7 +234,7 @@ class SessionOpener:
                 return False
         return True
 
-    def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest, uid: int | None) -> dict[str, str]:
+    def _limits_from_hello(self, instance: str, asked: proto.LimitsRequest, uid: int | None) -> results.HelloLimits:
         """A worker's requested limits, under admin policy: they apply only to an instance no
         admin or config has set limits for (``ignored``), whose sessions all belong to the
         asker's uid (``forbidden``); a floor is cut to the admin's share of the budget and to
@@ -278,35 +279,33 @@ class SessionOpener:
             return self._limits_outcome(instance, uid, "ignored", exc.message)
         return self._limits_outcome(instance, uid, "clamped" if cut else "applied", "; ".join(cut))
 
-    def _limits_outcome(self, instance: str, uid: int | None, outcome: str, reason: str) -> dict[str, str]:
+    def _limits_outcome(self, instance: str, uid: int | None, outcome: HelloOutcome,
+                        reason: str) -> results.HelloLimits:
         limits = self.ledger.limits.get(instance, Limits())
         log.log(logging.WARNING if outcome == "forbidden" else logging.INFO,
                 "event=hello_limits instance=%s uid=%s outcome=%s reason=%r %s", instance, uid, outcome, reason,
                 " ".join(f"{key}={value}" for key, value in limits.to_dict().items()))
-        return {"outcome": outcome, "reason": reason}
+        return results.HelloLimits(outcome=outcome, reason=reason)
 
-    def _result(self, binding: Binding, version: int, *, resumed: bool) -> dict[str, Any]:
+    def _result(self, binding: Binding, version: int, *, resumed: bool) -> results.HelloResult:
         session = self.ledger.sessions[binding.session_id]
         device = self.ledger.device
-        return {
-            "session": binding.token,
-            "session_id": binding.session_id,
-            "version": version,
-            "lease_s": self.quotas.lease_s,
-            "heartbeat_s": self.quotas.lease_s / 4,
-            "resumed": resumed,
-            "claims": session.resume_claims,
-            "pid_verified": binding.pid_verified,
-            "device": {"index": device.index, "uuid": device.uuid, "name": device.name, "simulated": device.simulated},
-            "limits": self.ledger.limits.get(session.instance, Limits()).to_dict(),
-            "holdings": {
-                "pools": dict(session.pools),
-                "granted_pages": session.granted_pages,
-                "reserve_pages": session.reserve_pages,
-                "holds": dict(session.holds),
-                "mapped_pages": session.mapped_pages,
-            },
-        }
+        return results.HelloResult(
+            session=binding.token,
+            session_id=binding.session_id,
+            version=version,
+            lease_s=self.quotas.lease_s,
+            heartbeat_s=self.quotas.lease_s / 4,
+            resumed=resumed,
+            claims=session.resume_claims,
+            pid_verified=binding.pid_verified,
+            device=results.DeviceInfo(index=device.index, uuid=device.uuid, name=device.name,
+                                      simulated=device.simulated),
+            limits=self.ledger.limits.get(session.instance, Limits()).view(),
+            holdings=proto.Holdings(pools=dict(session.pools), granted_pages=session.granted_pages,
+                                    reserve_pages=session.reserve_pages, holds=dict(session.holds),
+                                    mapped_pages=session.mapped_pages),
+        )
 
 
 def _claimed_bytes(holdings: proto.Holdings | None, page_bytes: int) -> int:

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from msgspec import UNSET, Struct, UnsetType
 
 from . import protocol as proto
+from . import results
 from .errors import BrokerUnavailable, error_from_wire
 from .transport import CurveKeys, SyncTransport, Timeouts, socket_missing
 from .trust import endpoint_guard
@@ -24,7 +25,7 @@ class AdminClient:
         self._guard = endpoint_guard(endpoint, self._transport.close)
         self._ids = itertools.count(1)
 
-    def _call(self, make: Callable[[int], Struct]) -> dict[str, Any]:
+    def _call(self, make: Callable[[int], Struct]) -> Any:
         """Send one request; its reply is believed only once the endpoint it came from checks out."""
         request_id = next(self._ids)
         self._guard(False)
@@ -33,11 +34,14 @@ class AdminClient:
         if not reply.ok:
             assert reply.error is not None
             raise error_from_wire(reply.error.code, reply.error.message, reply.error.details)
-        result: dict[str, Any] = reply.result  # a reply's result is a map
-        return result
+        return reply.result
 
     def status(self) -> dict[str, Any]:
-        return self._call(lambda rid: proto.Status(id=rid))
+        """The status document (docs/protocol.md, §6): a map."""
+        status = self._call(lambda rid: proto.Status(id=rid))
+        if not isinstance(status, dict):
+            raise proto.ProtocolError(f"the broker's status is not a map but {type(status).__name__}")
+        return status
 
     def limit(
         self,
@@ -48,20 +52,22 @@ class AdminClient:
         weight: float | UnsetType = UNSET,
         revision: int | None = None,
         priority: int | UnsetType = UNSET,
-    ) -> dict[str, Any]:
-        return self._call(
+    ) -> results.LimitResult:
+        return results.decode(self._call(
             lambda rid: proto.SetLimit(
                 id=rid, instance=instance, max_bytes=max_bytes, min_bytes=min_bytes, weight=weight,
                 priority=priority, revision=revision,
             )
-        )
+        ), results.LimitResult)
 
-    def evict(self, session_id: str, *, kill: bool = False) -> dict[str, Any]:
-        return self._call(lambda rid: proto.Evict(id=rid, session_id=session_id, kill=kill))
+    def evict(self, session_id: str, *, kill: bool = False) -> results.EvictResult:
+        return results.decode(self._call(lambda rid: proto.Evict(id=rid, session_id=session_id, kill=kill)),
+                              results.EvictResult)
 
     def simulate(self, *, external_bytes: int | UnsetType = UNSET,
-                 process_bytes: dict[int, int] | UnsetType = UNSET) -> dict[str, Any]:
-        return self._call(lambda rid: proto.Simulate(id=rid, external_bytes=external_bytes, process_bytes=process_bytes))
+                 process_bytes: dict[int, int] | UnsetType = UNSET) -> results.SimulateResult:
+        return results.decode(self._call(lambda rid: proto.Simulate(
+            id=rid, external_bytes=external_bytes, process_bytes=process_bytes)), results.SimulateResult)
 
     def close(self) -> None:
         self._transport.close()

@@ -42,6 +42,8 @@ from typing import Any, Callable
 import msgspec
 
 from . import protocol as proto
+from . import results
+from .protocol import UNSET
 from .credit import CreditReserve, default_credit_pages
 from .device import resolve_device
 from .endpoint import resolve_endpoint
@@ -77,12 +79,14 @@ class Outstanding:
     #: Its effect is already in the books (a release): a broker that adopts the books on
     #: resume must not apply it again.
     booked: bool
-    #: Book a late answer (the caller gave up on it): ``on_answer(result)``.
-    on_answer: Callable[[dict[str, Any]], None]
+    #: Book a late answer (the caller gave up on it): ``on_answer(result)``, the result decoded
+    #: as ``shape`` (the :mod:`.results` struct of the request).
+    on_answer: Callable[[Any], None]
     #: The broker refused it: undo what booking it did (put a release's pages back).
     on_refusal: Callable[[], None]
     #: A caller is waiting for it right now (not in doubt).
     waiting: bool = True
+    shape: type[results.Result] | None = None
 
 
 class ClientCore:
@@ -206,35 +210,36 @@ class ClientCore:
             mapped_pages=min(self.mapped_pages, self.credit.granted_pages) if self.report_mapping else None,
         )
 
-    def on_hello(self, result: dict[str, Any]) -> bool:
+    def on_hello(self, result: results.HelloResult) -> bool:
         """Take a hello's answer; True if it opened a new session where this client had one.
 
         Then the broker had lost the old session (its state did not survive): nothing
         outstanding can be answered any more, and the books must be asked for again.
         """
         self._hello_nonce = None
-        lost = self.token is not None and not result.get("resumed", False)
+        lost = self.token is not None and not result.resumed
         if lost:
             log.warning(
                 "event=session_lost old_session=%s new_session=%s detail=reasserting_holdings",
-                self.session_id, result["session_id"],
+                self.session_id, result.session_id,
             )
             self.outstanding.clear()
             self._lost()
-        elif result.get("claims") in ("adopted", "refused"):
+        elif result.claims in ("adopted", "refused"):
             self._follow_restored(result)
-        asked = result.get("hello_limits")
-        if isinstance(asked, dict) and asked.get("outcome") != "applied":
-            log.warning("event=hello_limits instance=%s outcome=%s reason=%r", self.instance, asked.get("outcome"),
-                        asked.get("reason"))
-        self.token = result["session"]
-        self.session_id = result["session_id"]
-        self.lease_s = float(result.get("lease_s", self.lease_s))
-        self.heartbeat_s = float(result.get("heartbeat_s", self.lease_s / 4))
-        self.device = result.get("device", {})
+        asked = result.hello_limits
+        if asked is not UNSET and asked.outcome != "applied":
+            log.warning("event=hello_limits instance=%s outcome=%s reason=%r", self.instance, asked.outcome,
+                        asked.reason)
+        self.token = result.session
+        self.session_id = result.session_id
+        if result.lease_s is not UNSET:
+            self.lease_s = result.lease_s
+        self.heartbeat_s = self.lease_s / 4 if result.heartbeat_s is UNSET else result.heartbeat_s
+        self.device = {} if result.device is UNSET else results.as_map(result.device)
         return lost
 
-    def _follow_restored(self, result: dict[str, Any]) -> None:
+    def _follow_restored(self, result: results.HelloResult) -> None:
         """A restored session's resume: the books become what the broker charges now.
 
         ``adopted``: the broker took the books as they were (held pages it did not charge are
@@ -244,11 +249,11 @@ class ClientCore:
         ``uncharged_pages``); and booked releases are dropped, since the broker's figures
         are now the books' and must not have them subtracted a second time.
         """
-        charged = result["holdings"]
-        charged_pages = int(charged["granted_pages"])
+        charged = result.holdings
+        charged_pages = charged.granted_pages
         if self.report_mapping:
-            self.mapped_pages = min(self.mapped_pages, int(charged.get("mapped_pages", 0)))
-        if result["claims"] == "adopted":
+            self.mapped_pages = min(self.mapped_pages, charged.mapped_pages or 0)
+        if result.claims == "adopted":
             self.charge_pages(charged_pages)
             return
         claimed_bytes = self._bytes_of(self.pools, self.holds, self.credit.granted_pages)
@@ -259,7 +264,7 @@ class ClientCore:
         log.error(
             "event=resume_claims_refused session=%s short_bytes=%d uncharged_pages=%d "
             "detail=the_broker_kept_its_restored_figures_and_the_books_follow_them",
-            result["session_id"], claimed_bytes - self._bytes_of(self.pools, self.holds, charged_pages), uncharged,
+            result.session_id, claimed_bytes - self._bytes_of(self.pools, self.holds, charged_pages), uncharged,
         )
 
     def _lost(self) -> None:
@@ -276,7 +281,7 @@ class ClientCore:
         self.uncharged_pages = credit.held_pages
         self.reasserting = True
 
-    def book_reasserted_pools(self, result: dict[str, Any]) -> None:
+    def book_reasserted_pools(self, result: results.ReserveResult) -> None:
         """The answer to the reserve that re-asserts the pools (late or not)."""
         self.book_pools(result)
         self.reassert_pools = None
@@ -321,11 +326,12 @@ class ClientCore:
 
     # --------------------------------------------------------- outstanding
     def track(self, request_id: int, payload: bytes, *, booked: bool = False,
-              on_answer: Callable[[dict[str, Any]], None] | None = None,
-              on_refusal: Callable[[], None] | None = None) -> None:
-        """Keep a request that changes holdings until the broker answers it."""
+              on_answer: Callable[[Any], None] | None = None,
+              on_refusal: Callable[[], None] | None = None, shape: type[results.Result] | None = None) -> None:
+        """Keep a request that changes holdings until the broker answers it (``shape``: how its
+        answer decodes)."""
         self.outstanding[request_id] = Outstanding(
-            payload, booked, on_answer or _ignore_answer, on_refusal or _nothing
+            payload, booked, on_answer or _ignore_answer, on_refusal or _nothing, shape=shape
         )
 
     def retrack(self, request_id: int, entry: Outstanding | None, payload: bytes) -> None:
@@ -352,11 +358,11 @@ class ClientCore:
         client can have many): the background leaves the reserve to it."""
         return any(o.waiting for o in self.outstanding.values())
 
-    def book_pools(self, result: dict[str, Any]) -> None:
-        """A reserve's answer: the pools and holds the broker now charges."""
-        self.pools = dict(result["pools"])
-        self.holds = dict(result.get("holds", {}))
-        self.last_reserve = dict(result)
+    def book_pools(self, result: results.ReserveResult | proto.Holdings) -> None:
+        """A reserve's answer (or a resume's holdings): the pools and holds the broker now charges."""
+        self.pools = dict(result.pools)
+        self.holds = dict(result.holds)
+        self.last_reserve = results.as_map(result)
 
     def check_mapped(self, mapped_pages: Any, granted_pages: int) -> int:
         """A mapped-page count the caller reports: only on a session that reports mapping, and
@@ -368,9 +374,9 @@ class ClientCore:
             raise BadRequest(f"mapped_pages ({mapped}) must not exceed the {granted_pages} page(s) held")
         return mapped
 
-    def book_late_grant(self, result: dict[str, Any]) -> None:
+    def book_late_grant(self, result: results.AcquireResult) -> None:
         """The answer to an acquire whose caller gave up: its pages go to the credit reserve."""
-        self.credit.reattach(int(result["granted"]))
+        self.credit.reattach(result.granted)
 
     def reasserted(self) -> None:
         """The re-assertion is over: what is still uncharged, the broker could not grant."""
@@ -430,7 +436,7 @@ class ClientCore:
         return err
 
 
-def _ignore_answer(result: dict[str, Any]) -> None:
+def _ignore_answer(result: Any) -> None:
     return None
 
 

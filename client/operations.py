@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Final, Generator, TypeVar
 
 from . import protocol as proto
+from . import results
 from .core import RESUME_CODES, ClientCore, check_ask, check_pages, check_wait
 from .errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted, UntrustedEndpoint
 
@@ -120,7 +121,7 @@ class Operations:
         yield from self._guard(answered=True)
         if not reply.ok:
             raise core.error_of(reply)
-        if core.on_hello(reply.result):
+        if core.on_hello(results.decode(reply.result, results.HelloResult)):
             yield from self._reassert()
 
     def _guard(self, *, answered: bool) -> Op[None]:
@@ -137,9 +138,9 @@ class Operations:
                 phase: str | None = None) -> Op[dict[str, int]]:
         core = self.core
         build = core.reserve_request(pools, usage, holds, measured_base, min_holds, phase)
-        result = yield from self.call(build, track={"on_answer": core.book_pools})
+        result = yield from self.call(build, results.ReserveResult, track={"on_answer": core.book_pools})
         core.book_pools(result)
-        return dict(result["pools"])
+        return dict(result.pools)
 
     def acquire(self, pages: int, min_pages: int | None, wait_s: float | None = None) -> Op[int]:
         """Take ``pages`` (or, with ``min_pages``, the most that fit in between); 0: refused.
@@ -165,10 +166,10 @@ class Operations:
                 reserve_pages=credit.reserve_pages, caller_pages=pages, caller_min_pages=min_pages,
                 wait_s=wait_s, idle_pages=core.idle_to_send(),
             ),
-            track={"on_answer": core.book_late_grant},
+            results.AcquireResult, track={"on_answer": core.book_late_grant},
         )
-        core.last_acquire = dict(result)
-        return credit.settle(pages, min_pages, int(result["granted"]))
+        core.last_acquire = results.as_map(result)
+        return credit.settle(pages, min_pages, result.granted)
 
     def release(self, pages: int, mapped_pages: int | None = None) -> Op[None]:
         """Give back ``pages``: they go to the reserve, and only its surplus above the high
@@ -194,12 +195,12 @@ class Operations:
         core.check_usable()
         core.check_mapped(mapped_pages, core.credit.granted_pages)
         core.mapped_pages = mapped_pages
-        result = yield from self.call(
+        result: results.MappedResult = yield from self.call(
             lambda rid: proto.Mapped(id=rid, session=core.session_token(), mapped_pages=mapped_pages,
                                      reserve_pages=core.credit.reserve_pages, idle_pages=core.idle_to_send()),
-            track={},
+            results.MappedResult, track={},
         )
-        return int(result.get("unmapped_pages", 0))
+        return result.unmapped_pages
 
     def return_pages(self, pages: int, mapped_pages: int | None = None) -> Op[None]:
         """Hand ``pages`` (already off the books) back to the broker."""
@@ -213,7 +214,7 @@ class Operations:
                 lambda rid: proto.Release(id=rid, session=core.session_token(), pages=pages,
                                           reserve_pages=credit.reserve_pages, mapped_pages=mapped_pages,
                                           idle_pages=core.idle_to_send()),
-                track={"booked": True, "on_refusal": lambda: credit.reattach(pages)},
+                results.ReleaseResult, track={"booked": True, "on_refusal": lambda: credit.reattach(pages)},
             )
         except BrokerUnavailable:
             raise  # in doubt: stays off the books and is sent again before the next request
@@ -246,17 +247,22 @@ class Operations:
 
     def status(self) -> Op[dict[str, Any]]:
         core = self.core
-        return (yield from self.call(
-            lambda rid: proto.Status(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages)
-        ))
+        status = yield from self.call(
+            lambda rid: proto.Status(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages),
+            None,
+        )
+        if not isinstance(status, dict):
+            raise proto.ProtocolError(f"the broker's status is not a map but {type(status).__name__}")
+        return status
 
-    def heartbeat(self) -> Op[dict[str, Any]]:
+    def heartbeat(self) -> Op[results.HeartbeatResult]:
         core = self.core
-        return (yield from self.call(
+        heartbeat: results.HeartbeatResult = yield from self.call(
             lambda rid: proto.Heartbeat(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages,
                                         idle_pages=core.idle_to_send()),
-            total_s=max(1.0, core.heartbeat_s),
-        ))
+            results.HeartbeatResult, total_s=max(1.0, core.heartbeat_s),
+        )
+        return heartbeat
 
     def refill(self) -> Op[None]:
         """Top the credit reserve up once it runs below its low watermark (the background does
@@ -267,9 +273,9 @@ class Operations:
             result = yield from self.call(
                 lambda rid: proto.Acquire(id=rid, session=core.session_token(), pages=wanted, min_pages=0,
                                           reserve_pages=credit.reserve_pages, caller_pages=0),
-                track={"on_answer": core.book_late_grant},
+                results.AcquireResult, track={"on_answer": core.book_late_grant},
             )
-            credit.reattach(int(result["granted"]))
+            credit.reattach(result.granted)
 
     def background_round(self, pushes: list[proto.Pressure], callback: Callable[[int], Any] | None,
                          heartbeat_due: Callable[[], bool], pressure_log: list[dict[str, int]],
@@ -315,7 +321,7 @@ class Operations:
         try:
             if not core.evicted and core.token is not None:
                 yield from self.call(lambda rid: proto.Close(id=rid, session=core.session_token()),
-                                     total_s=timeout_s, resume=False)
+                                     results.CloseResult, total_s=timeout_s, resume=False)
         except BrokerError as exc:
             if exc.code not in ("unknown_session", "evicted", "not_owner"):
                 log.warning("event=close_failed session=%s error=%s", core.session_id, exc)
@@ -323,9 +329,10 @@ class Operations:
             core.closed = True
 
     # ------------------------------------------------------ request plumbing
-    def call(self, build: Callable[[int], Any], *, total_s: float | None = None, resume: bool = True,
-             track: dict[str, Any] | None = None) -> Op[dict[str, Any]]:
-        """Send one request and return its result.
+    def call(self, build: Callable[[int], Any], shape: type[results.Result] | None, *, total_s: float | None = None,
+             resume: bool = True, track: dict[str, Any] | None = None) -> Op[Any]:
+        """Send one request and return its result, decoded as ``shape`` (None: as it came); None
+        for a booked request the books already show (moot: the broker took them up).
 
         ``track`` marks a request that changes holdings (see ``core.Outstanding``): it stays
         outstanding until answered, and is sent again before the next request if this call
@@ -344,7 +351,7 @@ class Operations:
             # Tracked before the requests in doubt are settled (and a re-assertion cut short
             # goes on): a resume meanwhile must name this one as settled if the books already
             # show it (a release), and a failure leaves it in doubt, never forgotten.
-            core.track(request_id, payload, **track)
+            core.track(request_id, payload, shape=shape, **track)
         try:
             if settle:
                 if reassert:
@@ -352,26 +359,27 @@ class Operations:
                 yield from self.settle_in_doubt(total_s)
                 if track is not None and request_id not in core.outstanding:
                     if booked:  # the books the broker took up already show it: moot
-                        return {"settled": True}
-                    core.track(request_id, payload, **track)  # a lost session dropped it: anew
+                        return None
+                    core.track(request_id, payload, shape=shape, **track)  # a lost session dropped it: anew
                 if core.token != token_built:  # the session was replaced meanwhile
                     payload = proto.encode(build(request_id))
                     core.retrack(request_id, core.outstanding.get(request_id), payload)
             result = yield from self._exchange(request_id, payload, build, total_s=total_s, resume=resume, booked=booked)
         finally:
             core.gave_up(request_id)  # nothing if it was answered
-        return {"settled": True} if result is MOOT else result
+        if result is MOOT:
+            return None
+        return result if shape is None else results.decode(result, shape)
 
     def _exchange(self, request_id: int, payload: bytes, build: Callable[[int], Any] | None, *,
-                  total_s: float | None, resume: bool, booked: bool) -> Op[dict[str, Any] | _Moot]:
+                  total_s: float | None, resume: bool, booked: bool) -> Op[Any]:
         core = self.core
         for _ in range(MAX_RESUMES_PER_REQUEST + 1):
             token_used = core.token
             reply = yield Send(request_id, payload, total_s)
             if reply.ok:
                 core.answered(request_id)
-                result: dict[str, Any] = reply.result  # a reply's result is a map
-                return result
+                return reply.result
             assert reply.error is not None
             if resume and reply.error.code in RESUME_CODES:
                 log.info("event=resume session=%s reason=%s", core.session_id, reply.error.code)
@@ -413,7 +421,7 @@ class Operations:
                 outstanding.on_refusal()
                 continue
             if result is not MOOT:
-                outstanding.on_answer(result)
+                outstanding.on_answer(result if outstanding.shape is None else results.decode(result, outstanding.shape))
         surplus = core.credit.trim()
         if surplus:
             yield from self.return_pages(surplus)
@@ -432,7 +440,7 @@ class Operations:
             if wanted is not None:
                 pools, holds = wanted
                 try:
-                    result = yield from self.call(core.reserve_request(pools, None, holds),
+                    result = yield from self.call(core.reserve_request(pools, None, holds), results.ReserveResult,
                                                   track={"on_answer": core.book_reasserted_pools})
                     core.book_reasserted_pools(result)
                 except BrokerUnavailable:
@@ -448,9 +456,9 @@ class Operations:
                     ask = min(ask, core.reassert_mapped_pages)
                 if not ask or not core.reasserting:
                     continue
-                result = yield from self.call(_reasserted_pages(core, ask, already_mapped),
+                result = yield from self.call(_reasserted_pages(core, ask, already_mapped), results.AcquireResult,
                                               track={"on_answer": _booked_reassertion(core, already_mapped)})
-                core.book_reasserted_pages(int(result["granted"]), already_mapped)
+                core.book_reasserted_pages(result.granted, already_mapped)
             if core.reasserting:
                 core.reasserted()
         finally:
@@ -466,11 +474,11 @@ def _reasserted_pages(core: ClientCore, pages: int, mapped: bool) -> Callable[[i
     return build
 
 
-def _booked_reassertion(core: ClientCore, mapped: bool) -> Callable[[dict[str, Any]], None]:
+def _booked_reassertion(core: ClientCore, mapped: bool) -> Callable[[results.AcquireResult], None]:
     """How the answer to a re-assertion's acquire is booked, late or not: the pages it grants
     are charged again (``ClientCore.book_reasserted_pages``)."""
-    def book(result: dict[str, Any]) -> None:
-        core.book_reasserted_pages(int(result["granted"]), mapped)
+    def book(result: results.AcquireResult) -> None:
+        core.book_reasserted_pages(result.granted, mapped)
 
     return book
 

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from kvcached_broker.client import protocol as proto
+from kvcached_broker.client import results
 from kvcached_broker.client.core import ClientCore, check_ask, check_pages, check_pools
 from kvcached_broker.client.errors import BadRequest, BrokerError, SessionEvicted
 
@@ -25,8 +26,13 @@ def _core(credit_pages: int = 4, **kwargs) -> ClientCore:
 
 def _opened(credit_pages: int = 4) -> ClientCore:
     core = _core(credit_pages)
-    core.on_hello({"session": "token-one", "session_id": "s-1", "lease_s": 8.0, "heartbeat_s": 2.0})
+    core.on_hello(_hello({"session": "token-one", "session_id": "s-1", "lease_s": 8.0, "heartbeat_s": 2.0}))
     return core
+
+
+def _hello(result: dict) -> results.HelloResult:
+    """A hello's answer as the client decodes it off the wire."""
+    return results.decode(result, results.HelloResult)
 
 
 def _reply_error(code: str) -> proto.Reply:
@@ -76,7 +82,7 @@ def test_a_first_hello_claims_nothing_and_a_resume_claims_the_books():
 def test_a_hello_that_opens_a_new_session_where_one_was_means_it_was_lost():
     core = _opened()
     core.track(5, b"acquire")
-    assert core.on_hello({"session": "token-two", "session_id": "s-2", "resumed": False}) is True
+    assert core.on_hello(_hello({"session": "token-two", "session_id": "s-2", "resumed": False})) is True
     assert core.outstanding == {} and core.token == "token-two"
     assert core.heartbeat_s == core.lease_s / 4  # no heartbeat_s: a quarter of the lease
 
@@ -86,7 +92,7 @@ def test_an_adopted_resume_charges_the_held_pages_first():
     core.credit.held_pages, core.credit.reserve_pages = 3, 2
     result = {"session": "token-one", "session_id": "s-1", "resumed": True, "claims": "adopted",
               "holdings": {"pools": {}, "granted_pages": 4, "holds": {}}}
-    assert core.on_hello(result) is False
+    assert core.on_hello(_hello(result)) is False
     assert (core.credit.held_pages, core.credit.reserve_pages, core.uncharged_pages) == (3, 1, 0)
 
 
@@ -97,14 +103,14 @@ def test_a_refused_resume_follows_the_brokers_figures_and_drops_booked_releases(
     core.track(10, b"acquire")
     result = {"session": "token-one", "session_id": "s-1", "resumed": True, "claims": "refused",
               "holdings": {"pools": {"w": 40}, "granted_pages": 2, "holds": {}}}
-    core.on_hello(result)
+    core.on_hello(_hello(result))
     assert core.pools == {"w": 40} and list(core.outstanding) == [10]
     assert (core.credit.held_pages, core.credit.reserve_pages, core.uncharged_pages) == (5, 0, 3)
 
 
 # ---------------------------------------------------------------------- uncharged pages
 def _lost(core: ClientCore) -> None:
-    assert core.on_hello({"session": "token-two", "session_id": "s-2", "resumed": False}) is True
+    assert core.on_hello(_hello({"session": "token-two", "session_id": "s-2", "resumed": False})) is True
 
 
 def test_uncharged_pages_are_released_first_without_a_request():
@@ -132,7 +138,7 @@ def test_a_lost_session_charges_nothing_until_the_books_are_asked_for_again():
     assert (core.pools, core.holds, core.credit.reserve_pages, core.uncharged_pages) == ({}, {}, 0, 3)
     assert core.reassert_pools == ({"w": 1}, {"kv": 2}) and core.reassert_mapped_pages == 2 and core.reasserting
     assert core.visible_uncharged_pages() == 0  # still being asked for: not short yet
-    core.book_reasserted_pools({"pools": {"w": 1}, "holds": {"kv": 2}})
+    core.book_reasserted_pools(results.ReserveResult(pools={"w": 1}, holds={"kv": 2}))
     core.book_reasserted_pages(2, mapped=True)
     assert (core.uncharged_pages, core.mapped_pages, core.reassert_pools) == (1, 2, None)
     assert core.put_back(1) == 0  # an uncharged page freed meanwhile leaves the books alone
@@ -145,7 +151,7 @@ def test_a_hello_never_answered_is_sent_again_with_its_nonce():
     core = _opened()
     first = core.hello(resume=True).nonce
     assert core.hello(resume=True).nonce == first  # no answer came: the same hello again
-    core.on_hello({"session": "token-one", "session_id": "s-1", "resumed": True, "claims": "kept"})
+    core.on_hello(_hello({"session": "token-one", "session_id": "s-1", "resumed": True, "claims": "kept"}))
     assert core.hello(resume=True).nonce != first
 
 
@@ -168,8 +174,8 @@ def test_a_request_stays_outstanding_until_answered_and_is_in_doubt_once_given_u
 
 def test_a_late_grant_goes_to_the_reserve_and_a_reserve_answer_books_pools():
     core = _opened()
-    core.book_late_grant({"granted": 6})
-    core.book_pools({"pools": {"w": 3}})
+    core.book_late_grant(results.AcquireResult(granted=6, granted_pages=6))
+    core.book_pools(results.ReserveResult(pools={"w": 3}))
     assert core.credit.reserve_pages == 6 and (core.pools, core.holds) == ({"w": 3}, {})
 
 

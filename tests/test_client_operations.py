@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvcached_broker.client import protocol as proto
+from kvcached_broker.client import results
 from kvcached_broker.client.core import ClientCore
 from kvcached_broker.client.errors import BadRequest, BrokerError, BrokerUnavailable, SessionEvicted
 from kvcached_broker.client.operations import Invoke, Operations, Resume, Send, drive
@@ -80,39 +81,40 @@ class FakeBroker:
             self.token, self.session_id = self.token + "x", self.session_id + "x"
             self.granted_pages, self.pools, self.holds, self.replies = 0, {}, {}, {}
         self.lost = self.rebound = False
-        return _ok(req.id, {
-            "session": self.token, "session_id": self.session_id, "lease_s": 8.0, "heartbeat_s": 2.0,
-            "resumed": resumed, "claims": "kept" if resumed else "ignored",
-        })
+        return _ok(req.id, results.HelloResult(
+            session=self.token, session_id=self.session_id, version=1, lease_s=8.0, heartbeat_s=2.0,
+            resumed=resumed, claims="kept" if resumed else "ignored",
+            holdings=proto.Holdings(pools=dict(self.pools), granted_pages=self.granted_pages, holds=dict(self.holds)),
+        ))
 
-    def _acquire(self, req: proto.Acquire) -> dict[str, int]:
+    def _acquire(self, req: proto.Acquire) -> results.AcquireResult:
         floor = req.pages if req.min_pages is None else req.min_pages
         granted = min(req.pages, self.free_pages)
         granted = granted if granted >= floor else 0
         self.free_pages -= granted
         self.granted_pages += granted
-        return {"granted": granted}
+        return results.AcquireResult(granted=granted, granted_pages=self.granted_pages)
 
-    def _release(self, req: proto.Release) -> dict[str, int]:
+    def _release(self, req: proto.Release) -> results.ReleaseResult:
         assert req.pages <= self.granted_pages, "the fake never sees more released than granted"
         self.free_pages += req.pages
         self.granted_pages -= req.pages
-        return {"granted_pages": self.granted_pages}
+        return results.ReleaseResult(granted_pages=self.granted_pages)
 
-    def _reserve(self, req: proto.Reserve) -> dict[str, Any]:
+    def _reserve(self, req: proto.Reserve) -> results.ReserveResult:
         self.pools = {k: v for k, v in req.pools.items() if v}
         if req.holds is not None:
             self.holds = {k: v for k, v in req.holds.items() if v}
-        return {"pools": dict(self.pools), "holds": dict(self.holds)}
+        return results.ReserveResult(pools=dict(self.pools), holds=dict(self.holds))
 
-    def _heartbeat(self, req: proto.Heartbeat) -> dict[str, Any]:
-        return {}
+    def _heartbeat(self, req: proto.Heartbeat) -> results.HeartbeatResult:
+        return results.HeartbeatResult(state="active", granted_pages=self.granted_pages)
 
     def _status(self, req: proto.Status) -> dict[str, Any]:
         return {"granted_pages": self.granted_pages}
 
-    def _close(self, req: proto.Close) -> dict[str, Any]:
-        return {}
+    def _close(self, req: proto.Close) -> results.CloseResult:
+        return results.CloseResult(closed=self.session_id, freed_bytes=0)
 
 
 def _ok(request_id: int, result: Any) -> proto.Reply:

@@ -43,7 +43,7 @@ def test_stopped_worker_turns_stale_stays_charged_until_evicted(broker_factory, 
     assert b.status()["reserved_bytes"] == 2 * GIB  # still charged
     with b.admin() as admin:
         result = admin.evict(w.session_id)
-    assert result["freed_bytes"] == 2 * GIB + 10 * 2 * MIB
+    assert result.freed_bytes == 2 * GIB + 10 * 2 * MIB
     assert b.status()["reserved_bytes"] == 0
     w.signal(signal.SIGCONT)
     line = w.proc.stdout.readline()  # its next heartbeat hits the fence
@@ -67,7 +67,7 @@ def test_evict_kill_sends_sigkill_first(broker, workers):
     workers.append(w)
     with broker.admin() as admin:
         result = admin.evict(w.session_id, kill=True)
-    assert result["killed"] is True
+    assert result.killed is True
     assert w.proc.wait(timeout=10) == -signal.SIGKILL
     assert broker.status()["reserved_bytes"] == 0
 

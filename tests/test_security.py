@@ -118,7 +118,7 @@ def test_admin_group_members_may_set_limits(broker_factory):
         "import os;"
         "from kvcached_broker.client.admin import AdminClient;"
         "os.setgid(65534); os.setuid(65534);"
-        f"print(AdminClient({b.endpoint!r}).limit('x', max_bytes=1 << 30)['max_bytes'])"
+        f"print(AdminClient({b.endpoint!r}).limit('x', max_bytes=1 << 30).max_bytes)"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,151 @@
+"""What an ok reply carries for each request: its ``result``, typed (docs/protocol.md, §5).
+
+The broker builds these and encodes them as MessagePack maps (the field names below are the
+map's keys; a field left ``UNSET`` is not sent); a client decodes the map of a reply with the
+struct of the request it answers (:func:`decode`), so a reply that does not have the shape its
+request calls for is a :class:`~.protocol.ProtocolError`, one line, never a ``KeyError`` deep
+in the client.  Unknown keys are ignored (a newer broker may say more).
+
+Units: bytes and pages as named; seconds as ``_s``.  ``status`` answers with the status
+document (docs/protocol.md, §6), which stays a map.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from .protocol import ErrorBody, Holdings, ProtocolError
+
+
+class Result(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
+    """Every field is sent, but an ``UNSET`` one (said only where it applies)."""
+
+
+class DeviceInfo(Result):
+    index: int
+    uuid: str
+    name: str
+    simulated: bool
+
+
+class LimitsView(Result):
+    """An instance's limits as the broker holds them (``source``: admin, config or hello)."""
+
+    max_bytes: int | None = None
+    min_bytes: int = 0
+    weight: float = 1.0
+    priority: int = 0
+    revision: int = 0
+    source: str = "admin"
+
+
+HelloOutcome = Literal["applied", "clamped", "ignored", "forbidden"]
+
+
+class HelloLimits(Result):
+    """What became of the limits a hello asked for."""
+
+    outcome: HelloOutcome
+    reason: str = ""
+
+
+class HelloResult(Result):
+    session: str  # the token the session's requests carry
+    session_id: str
+    version: int | UnsetType = UNSET
+    lease_s: float | UnsetType = UNSET  # (an older broker may leave these out: the client keeps its own)
+    heartbeat_s: float | UnsetType = UNSET
+    holdings: Holdings = msgspec.field(default_factory=Holdings)  # what the broker charges the session (a resume's, as it took them up)
+    resumed: bool = False
+    claims: str | None = None  # a resume's claimed holdings: "adopted", "refused" or None
+    pid_verified: bool = False
+    device: DeviceInfo | UnsetType = UNSET
+    limits: LimitsView | UnsetType = UNSET
+    hello_limits: HelloLimits | UnsetType = UNSET
+
+
+class Holder(Result):
+    instance: str
+    charged_bytes: int
+
+
+class ReserveResult(Result):
+    pools: dict[str, int]
+    holds: dict[str, int] = {}
+    reserved_bytes: int = 0
+    measured_bytes: int = 0
+    grantable_bytes: int = 0
+    ever_bytes: int = 0
+    holders: list[Holder] | UnsetType = UNSET  # only for a reserve with min_holds
+
+
+class AcquireResult(Result):
+    granted: int  # pages granted by this ask (0: refused)
+    granted_pages: int  # what the session holds now
+    waited_s: float | UnsetType = UNSET  # how long the ask waited at the broker, if it did
+    refused: ErrorBody | UnsetType = UNSET  # why nothing was granted
+
+
+class ReleaseResult(Result):
+    granted_pages: int
+    unmapped_pages: int | UnsetType = UNSET  # a session that reports mapping
+    settled: bool | UnsetType = UNSET  # True: answered by a resume that adopted the books (applied before)
+
+
+class MappedResult(Result):
+    granted_pages: int
+    unmapped_pages: int
+
+
+class HeartbeatResult(Result):
+    state: str
+    granted_pages: int
+
+
+class CloseResult(Result):
+    closed: str
+    freed_bytes: int
+
+
+class LimitResult(Result):
+    """The ``limit`` command's answer: the instance, and its limits as they now are (the
+    fields of :class:`LimitsView`, in the same map)."""
+
+    instance: str
+    max_bytes: int | None = None
+    min_bytes: int = 0
+    weight: float = 1.0
+    priority: int = 0
+    revision: int = 0
+    source: str = "admin"
+
+
+class EvictResult(Result):
+    evicted: str
+    killed: bool = False
+    kill_error: str | UnsetType = UNSET
+    freed_bytes: int = 0
+
+
+class SimulateResult(Result):
+    external_bytes: int
+    budget_bytes: int
+
+
+R = TypeVar("R", bound=Result)
+
+
+def decode(result: Any, shape: type[R]) -> R:
+    """A reply's ``result`` map as ``shape``; :class:`ProtocolError` (one line) if it is not one."""
+    try:
+        return msgspec.convert(result, shape)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"the broker's answer is not a {shape.__name__}: {exc}") from None
+
+
+def as_map(result: Struct) -> dict[str, Any]:
+    """``result`` as the map the wire carries (for callers that keep plain data)."""
+    return msgspec.to_builtins(result)  # type: ignore[no-any-return]

@@ -1,0 +1,57 @@
+"""client/results.py: every ok reply's result is read with the struct of its request.
+
+The broker builds these structs and the client decodes each reply with its request's, so a
+reply of another shape is one :class:`ProtocolError` line (the adapters take it as a broker
+failure, ``worker.MALFORMED_ANSWER``), never a ``KeyError`` deep inside the client; and the wire
+stays the maps docs/protocol.md gives (tests/test_protocol_doc.py reads them with plain msgpack).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvcached_broker.adapters import worker
+from kvcached_broker.client import protocol as proto
+from kvcached_broker.client import results
+
+
+def _wire(result: msgspec.Struct) -> dict:
+    """What a reply carrying ``result`` holds, as any MessagePack reader sees it."""
+    return msgspec.msgpack.decode(proto.ok_reply(1, result))["result"]
+
+
+def test_a_result_goes_on_the_wire_as_the_documented_map_with_unset_fields_left_out():
+    acquired = results.AcquireResult(granted=0, granted_pages=3,
+                                     refused=proto.ErrorBody(code="budget_exceeded", message="full"))
+    assert _wire(acquired) == {"granted": 0, "granted_pages": 3,
+                               "refused": {"code": "budget_exceeded", "message": "full", "details": {}}}
+    assert _wire(results.ReleaseResult(granted_pages=2)) == {"granted_pages": 2}
+    assert _wire(results.EvictResult(evicted="s-1", freed_bytes=5)) == {"evicted": "s-1", "killed": False,
+                                                                         "freed_bytes": 5}
+    hello = _wire(results.HelloResult(session="t" * 16, session_id="s-1", version=1, lease_s=8.0, heartbeat_s=2.0))
+    assert hello["resumed"] is False and hello["claims"] is None and "hello_limits" not in hello
+    assert hello["holdings"] == {"pools": {}, "granted_pages": 0, "reserve_pages": 0, "holds": {}, "mapped_pages": None}
+
+
+def test_each_result_decodes_what_it_encodes_and_ignores_keys_it_does_not_know():
+    sent = results.ReserveResult(pools={"w": 4}, holds={"kv": 1}, reserved_bytes=5,
+                                 holders=[results.Holder(instance="b", charged_bytes=7)])
+    assert results.decode(_wire(sent), results.ReserveResult) == sent
+    assert results.decode({"granted": 1, "granted_pages": 1, "newer": "key"}, results.AcquireResult).granted == 1
+
+
+@pytest.mark.parametrize("shape,result", [
+    (results.AcquireResult, {"granted_pages": 3}),  # no "granted"
+    (results.AcquireResult, {"granted": "2", "granted_pages": 3}),
+    (results.ReserveResult, {"pools": [1, 2]}),
+    (results.HelloResult, {"session_id": "s-1"}),  # no token
+    (results.HelloResult, {"session": "t", "session_id": "s-1", "hello_limits": {"outcome": "granted"}}),
+    (results.MappedResult, None),
+])
+def test_a_result_of_another_shape_is_one_protocol_error_line_the_adapters_take_as_a_broker_failure(shape, result):
+    with pytest.raises(proto.ProtocolError) as caught:
+        results.decode(result, shape)
+    message = str(caught.value)
+    assert message.startswith(f"the broker's answer is not a {shape.__name__}: ") and "\n" not in message
+    assert isinstance(caught.value, worker.MALFORMED_ANSWER)
