@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
+from ..client import results
 from .accounts import Limits, Session
 from .ledger import Ledger
 
@@ -366,14 +367,9 @@ class PressureBook:
             ignored.append((sid, ask))
         return ignored
 
-    def instance_view(self, instance: str) -> dict[str, Any]:
+    def instance_view(self, instance: str) -> results.PressureView:
         totals = self.totals.get(instance, InstancePressure())
         pending = sum(a.outstanding_pages * a.page_bytes for a in self.pending.values() if a.instance == instance)
-        return {
-            "pending_bytes": pending,
-            "asks": totals.asks,
-            "soft_asks": totals.soft_asks,
-            "asked_bytes": totals.asked_bytes,
-            "returned_bytes": totals.returned_bytes,
-            "ignored_bytes": totals.ignored_bytes,
-        }
+        return results.PressureView(pending_bytes=pending, asks=totals.asks, soft_asks=totals.soft_asks,
+                                    asked_bytes=totals.asked_bytes, returned_bytes=totals.returned_bytes,
+                                    ignored_bytes=totals.ignored_bytes)

@@ -497,7 +497,7 @@ class RequestCore:
         self._hold_until_s = now + hold_s
 
     # --------------------------------------------------------------- status
-    def status(self, now: float) -> dict[str, Any]:
+    def status(self, now: float) -> results.StatusDocument:
         broker_meta = {
             **self.meta,
             "protocol": proto.PROTOCOL_VERSION,
@@ -517,14 +517,12 @@ class RequestCore:
 
         page_bytes = {s.id: s.page_bytes for s in self.ledger.sessions.values()} if self.waiting else {}
 
-        def policy_view(instance: str) -> dict[str, Any]:
+        def policy_view(instance: str) -> tuple[int, results.PressureView]:
             view = self.pressure.instance_view(instance)
             if self.waiting:
                 ids = {s.id for s in self.ledger.sessions.values() if s.instance == instance}
-                view["waiting_asks"], view["waiting_bytes"] = self.waiting.of_instance_bytes(page_bytes, ids)
-            else:
-                view["waiting_asks"], view["waiting_bytes"] = 0, 0
-            return {"fair_share_bytes": shares.get(instance, 0), "pressure": view}
+                view.waiting_asks, view.waiting_bytes = self.waiting.of_instance_bytes(page_bytes, ids)
+            return shares.get(instance, 0), view
 
         return build_status(self.ledger, self.table, broker_meta, now, policy_view)
 

@@ -38,6 +38,7 @@ import zmq.backend
 
 from .. import broker as _package
 from ..client import protocol as proto
+from ..client import results
 from ..client.endpoint import ipc_path, tcp_host
 from ..client.units import format_bytes
 from .counters import Counters
@@ -404,7 +405,7 @@ class BrokerServer:
 
     def _answer_snapshots(self, now: float) -> None:
         requests, self._snapshot_requests = self._snapshot_requests, []
-        status = self.core.status(now)
+        status = results.as_map(self.core.status(now))
         for box in requests:
             box["status"] = status
             box["done"].set()

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+import msgspec
+
+from ..client import results
 from .accounts import Limits, Session, SessionState
 from .ledger import Ledger
 from .sessions import SessionTable
@@ -18,34 +21,39 @@ def build_status(
     table: SessionTable,
     broker: dict[str, Any],
     now_s: float,
-    policy_view: Callable[[str], dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    policy_view: Callable[[str], tuple[int, results.PressureView]] | None = None,
+) -> results.StatusDocument:
+    """The document; ``policy_view(instance)``: its fair share (bytes) and pressure figures."""
     dev = ledger.device
     names = sorted(set(ledger.instance_names()) | set(ledger.limits))
     by_instance: dict[str, list[Session]] = {name: [] for name in names}
     for session in ledger.sessions.values():
         by_instance[session.instance].append(session)
-    return {
-        "device": {"index": dev.index, "uuid": dev.uuid, "name": dev.name, "simulated": dev.simulated},
-        "total_bytes": ledger.total_bytes,
-        "headroom_bytes": ledger.headroom_bytes,
-        "external_bytes": ledger.external_bytes,
-        "budget_bytes": ledger.budget_bytes,
-        "reserved_bytes": ledger.reserved_bytes,
-        "granted_bytes": ledger.granted_bytes,
-        "unreported_bytes": ledger.unreported_bytes,
-        "held_bytes": ledger.held_bytes,
-        "free_bytes": ledger.free_bytes,
-        "overcommitted": ledger.overcommitted,
-        "instances": [
-            {**_instance(ledger, table, name, by_instance[name], now_s), **(policy_view(name) if policy_view else {})}
-            for name in names
-        ],
-        "broker": broker,
-    }
+    instances = []
+    for name in names:
+        instance = _instance(ledger, table, name, by_instance[name], now_s)
+        if policy_view is not None:
+            instance.fair_share_bytes, instance.pressure = policy_view(name)
+        instances.append(instance)
+    return results.StatusDocument(
+        device=results.DeviceInfo(index=dev.index, uuid=dev.uuid, name=dev.name, simulated=dev.simulated),
+        total_bytes=ledger.total_bytes,
+        headroom_bytes=ledger.headroom_bytes,
+        external_bytes=ledger.external_bytes,
+        budget_bytes=ledger.budget_bytes,
+        reserved_bytes=ledger.reserved_bytes,
+        granted_bytes=ledger.granted_bytes,
+        unreported_bytes=ledger.unreported_bytes,
+        held_bytes=ledger.held_bytes,
+        free_bytes=ledger.free_bytes,
+        overcommitted=ledger.overcommitted,
+        instances=instances,
+        broker=broker,
+    )
 
 
-def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Session], now_s: float) -> dict[str, Any]:
+def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Session],
+              now_s: float) -> results.InstanceStatus:
     limits = ledger.limits.get(name, Limits())
     reserved, granted, unreported = ledger.instance_totals(name)
     pools: dict[str, int] = {}
@@ -60,25 +68,26 @@ def _instance(ledger: Ledger, table: SessionTable, name: str, sessions: list[Ses
         for view, size in session.usage.items():
             usage[view] = usage.get(view, 0) + size
     sessions.sort(key=lambda s: (s.tp_rank, s.id))
-    return {
-        "name": name,
-        "max_bytes": limits.max_bytes,
-        "min_bytes": limits.min_bytes,
-        "weight": limits.weight,
-        "priority": limits.priority,
-        "limits_revision": limits.revision,
-        "reserved_bytes": reserved,
-        "granted_bytes": granted,
-        "unreported_bytes": unreported,
-        "charged_bytes": reserved + granted + unreported,
-        "grantable_bytes": ledger.grantable_bytes(name),
-        "held_bytes": sum(holds.values()),
-        "pools": _sorted(pools),
-        "holds": _sorted(holds),
-        "usage_breakdown": _sorted(usage),
-        "conflicts": instance_conflicts(sessions).get(name, []),
-        "sessions": [_session(table, s, now_s) for s in sessions],
-    }
+    conflicts = instance_conflicts(sessions).get(name)
+    return results.InstanceStatus(
+        name=name,
+        max_bytes=limits.max_bytes,
+        min_bytes=limits.min_bytes,
+        weight=limits.weight,
+        priority=limits.priority,
+        limits_revision=limits.revision,
+        reserved_bytes=reserved,
+        granted_bytes=granted,
+        unreported_bytes=unreported,
+        charged_bytes=reserved + granted + unreported,
+        grantable_bytes=ledger.grantable_bytes(name),
+        held_bytes=sum(holds.values()),
+        pools=_sorted(pools),
+        holds=_sorted(holds),
+        usage_breakdown=_sorted(usage),
+        conflicts=msgspec.convert(conflicts, list[results.Conflict]) if conflicts else [],
+        sessions=[_session(table, s, now_s) for s in sessions],
+    )
 
 
 def instance_conflicts(sessions: Iterable[Session]) -> dict[str, list[dict[str, Any]]]:
@@ -136,31 +145,31 @@ def _sorted(sizes: dict[str, int]) -> dict[str, int]:
     return dict(sorted(sizes.items())) if len(sizes) > 1 else dict(sizes)
 
 
-def _session(table: SessionTable, session: Session, now_s: float) -> dict[str, Any]:
+def _session(table: SessionTable, session: Session, now_s: float) -> results.SessionStatus:
     binding = table.by_id(session.id)
     account = session.account
-    return {
-        "id": session.id,
-        "rank": session.tp_rank,
-        "tp_size": session.tp_size,
-        "pid": session.pid,
-        "pid_verified": session.pid_verified,
-        "state": session.state._value_,
-        "page_bytes": session.page_bytes,
-        "granted_pages": session.granted_pages,
-        "reserve_pages": session.reserve_pages,
-        "reserved_bytes": session.reserved_bytes,
-        "granted_bytes": session.granted_bytes,
-        "held_bytes": session.held_bytes,
-        "report_mapping": session.report_mapping,
-        "unmapped_pages": session.unmapped_pages,
-        "idle_pages": session.idle_pages,
-        "phase": session.phase,
-        "measured_bytes": account.measured_bytes if account is not None else 0,
-        "pools": _sorted({**session.pools, **session.holds} if session.holds else session.pools),
-        "holds": _sorted(session.holds),
-        "usage_breakdown": _sorted(session.usage),
-        "idle_s": round(max(0.0, now_s - session.last_seen_s), 3),
-        "client": binding.client if binding else "",
-        "adapter": binding.adapter if binding else None,
-    }
+    return results.SessionStatus(
+        id=session.id,
+        rank=session.tp_rank,
+        tp_size=session.tp_size,
+        pid=session.pid,
+        pid_verified=session.pid_verified,
+        state=session.state._value_,
+        page_bytes=session.page_bytes,
+        granted_pages=session.granted_pages,
+        reserve_pages=session.reserve_pages,
+        reserved_bytes=session.reserved_bytes,
+        granted_bytes=session.granted_bytes,
+        held_bytes=session.held_bytes,
+        report_mapping=session.report_mapping,
+        unmapped_pages=session.unmapped_pages,
+        idle_pages=session.idle_pages,
+        phase=session.phase,
+        measured_bytes=account.measured_bytes if account is not None else 0,
+        pools=_sorted({**session.pools, **session.holds} if session.holds else session.pools),
+        holds=_sorted(session.holds),
+        usage_breakdown=_sorted(session.usage),
+        idle_s=round(max(0.0, now_s - session.last_seen_s), 3),
+        client=binding.client if binding else "",
+        adapter=binding.adapter if binding else None,
+    )

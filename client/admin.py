@@ -37,11 +37,8 @@ class AdminClient:
         return reply.result
 
     def status(self) -> dict[str, Any]:
-        """The status document (docs/protocol.md, §6): a map."""
-        status = self._call(lambda rid: proto.Status(id=rid))
-        if not isinstance(status, dict):
-            raise proto.ProtocolError(f"the broker's status is not a map but {type(status).__name__}")
-        return status
+        """The status document (``results.StatusDocument``), as the map it came as."""
+        return results.checked_status(self._call(lambda rid: proto.Status(id=rid)))
 
     def limit(
         self,

@@ -251,9 +251,7 @@ class Operations:
             lambda rid: proto.Status(id=rid, session=core.session_token(), reserve_pages=core.credit.reserve_pages),
             None,
         )
-        if not isinstance(status, dict):
-            raise proto.ProtocolError(f"the broker's status is not a map but {type(status).__name__}")
-        return status
+        return results.checked_status(status)
 
     def heartbeat(self) -> Op[results.HeartbeatResult]:
         core = self.core

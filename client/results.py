@@ -7,7 +7,8 @@ request calls for is a :class:`~.protocol.ProtocolError`, one line, never a ``Ke
 in the client.  Unknown keys are ignored (a newer broker may say more).
 
 Units: bytes and pages as named; seconds as ``_s``.  ``status`` answers with the status
-document (docs/protocol.md, §6), which stays a map.
+document (:class:`StatusDocument`), which a client checks and keeps as the map it came as
+(:func:`checked_status`), so the keys a newer broker adds are not lost.
 """
 
 from __future__ import annotations
@@ -133,6 +134,107 @@ class EvictResult(Result):
 class SimulateResult(Result):
     external_bytes: int
     budget_bytes: int
+
+
+# ------------------------------------------------------------------ the status document
+class Conflict(Result):
+    """Two servers under one instance name: sessions of one ``rank`` from several processes, or
+    sessions that disagree on ``tp_sizes``."""
+
+    kind: Literal["rank", "tp_size"]
+    sessions: list[str]
+    pids: list[int]
+    rank: int | UnsetType = UNSET
+    tp_sizes: list[int] | UnsetType = UNSET
+
+
+class SessionStatus(Result):
+    id: str
+    rank: int
+    tp_size: int
+    pid: int
+    pid_verified: bool
+    state: str  # live, stale or recovering
+    page_bytes: int
+    granted_pages: int
+    reserve_pages: int
+    reserved_bytes: int
+    granted_bytes: int
+    held_bytes: int
+    report_mapping: bool
+    unmapped_pages: int
+    idle_pages: int
+    phase: str
+    measured_bytes: int
+    pools: dict[str, int]
+    holds: dict[str, int]
+    usage_breakdown: dict[str, int]
+    idle_s: float
+    client: str
+    adapter: dict[str, Any] | None
+
+
+class PressureView(Result):
+    """What the broker asked an instance to give back, and what it did (bytes)."""
+
+    pending_bytes: int
+    asks: int
+    soft_asks: int
+    asked_bytes: int
+    returned_bytes: int
+    ignored_bytes: int
+    waiting_asks: int = 0
+    waiting_bytes: int = 0
+
+
+class InstanceStatus(Result):
+    name: str
+    max_bytes: int | None
+    min_bytes: int
+    weight: float
+    priority: int
+    limits_revision: int
+    reserved_bytes: int
+    granted_bytes: int
+    unreported_bytes: int
+    charged_bytes: int
+    grantable_bytes: int
+    held_bytes: int
+    pools: dict[str, int]
+    holds: dict[str, int]
+    usage_breakdown: dict[str, int]
+    conflicts: list[Conflict]
+    sessions: list[SessionStatus]
+    fair_share_bytes: int | UnsetType = UNSET
+    pressure: PressureView | UnsetType = UNSET
+
+
+class StatusDocument(Result):
+    """``status``'s answer and ``status --json`` (docs/design.md, "status --json"; the fields added
+    since in the README).  ``broker`` is the serving process's own figures (version, uptime,
+    counters, state writes), a map whose keys the README lists."""
+
+    device: DeviceInfo
+    total_bytes: int
+    headroom_bytes: int
+    external_bytes: int
+    budget_bytes: int
+    reserved_bytes: int
+    granted_bytes: int
+    unreported_bytes: int
+    held_bytes: int
+    free_bytes: int
+    overcommitted: bool
+    instances: list[InstanceStatus]
+    broker: dict[str, Any]
+
+
+def checked_status(status: Any) -> dict[str, Any]:
+    """``status`` as it came, once it has the shape of a :class:`StatusDocument` (keys a newer
+    broker adds stay); :class:`ProtocolError` (one line) if it has not."""
+    decode(status, StatusDocument)
+    assert isinstance(status, dict)  # a StatusDocument decodes only from a map
+    return status
 
 
 R = TypeVar("R", bound=Result)

@@ -110,8 +110,13 @@ class FakeBroker:
     def _heartbeat(self, req: proto.Heartbeat) -> results.HeartbeatResult:
         return results.HeartbeatResult(state="active", granted_pages=self.granted_pages)
 
-    def _status(self, req: proto.Status) -> dict[str, Any]:
-        return {"granted_pages": self.granted_pages}
+    def _status(self, req: proto.Status) -> results.StatusDocument:
+        total = 64 * (2 << 20)
+        return results.StatusDocument(
+            device=results.DeviceInfo(index=0, uuid="GPU-fake", name="fake", simulated=True), total_bytes=total,
+            headroom_bytes=0, external_bytes=0, budget_bytes=total, reserved_bytes=0,
+            granted_bytes=self.granted_pages * (2 << 20), unreported_bytes=0, held_bytes=0,
+            free_bytes=self.free_pages * (2 << 20), overcommitted=False, instances=[], broker={})
 
     def _close(self, req: proto.Close) -> results.CloseResult:
         return results.CloseResult(closed=self.session_id, freed_bytes=0)

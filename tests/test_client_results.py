@@ -55,3 +55,17 @@ def test_a_result_of_another_shape_is_one_protocol_error_line_the_adapters_take_
     message = str(caught.value)
     assert message.startswith(f"the broker's answer is not a {shape.__name__}: ") and "\n" not in message
     assert isinstance(caught.value, worker.MALFORMED_ANSWER)
+
+
+def test_the_status_document_is_checked_and_kept_as_the_map_it_came_as(broker_factory):
+    from kvcached_broker.client.admin import AdminClient
+
+    broker = broker_factory(simulate="4GiB")
+    with AdminClient(broker.endpoint) as admin:
+        status = admin.status()
+    assert isinstance(status, dict) and results.checked_status(status) is status
+    newer = {**status, "added_by_a_newer_broker": 1}
+    assert results.checked_status(newer)["added_by_a_newer_broker"] == 1  # kept, not dropped
+    for broken in ({**status, "instances": {}}, {k: v for k, v in status.items() if k != "budget_bytes"}, []):
+        with pytest.raises(proto.ProtocolError, match="^the broker's answer is not a StatusDocument: "):
+            results.checked_status(broken)

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 
+from kvcached_broker.client.results import as_map
 from kvcached_broker.broker.accounts import DeviceInfo
 from kvcached_broker.broker.journal import Restored
 from kvcached_broker.broker.ledger import Ledger
@@ -91,7 +92,7 @@ def _held_core(damage=DAMAGE, **kwargs):
                            pid=HOLDER_PID, pid_verified=True, page_bytes=GIB, granted_pages=0)
     core = make_core(16 * GIB, quotas=SessionQuotas(lease_s=30.0), **kwargs)
     core.restore(Restored([holder], damage=damage, found_state=True, secret=SECRET), now=0.0)
-    assert core.status(0.0)["broker"]["growth_held"]
+    assert as_map(core.status(0.0))["broker"]["growth_held"]
     return core
 
 
@@ -293,17 +294,17 @@ def test_a_restored_session_silent_past_its_lease_turns_stale_and_can_be_evicted
 
     def state(now: float) -> str:
         core.expire_leases(now)
-        return session_of(core.status(now), holder.id)["state"]
+        return session_of(as_map(core.status(now)), holder.id)["state"]
 
     assert state(105.0) == "recovering"
     with caplog.at_level(logging.WARNING, logger="kvcached_broker"):
         assert state(110.5) == "stale"
     assert "event=session_stale session=s-00000002" in caplog.text
-    assert core.status(110.5)["granted_bytes"] == 6 * GIB  # stale stays charged
+    assert as_map(core.status(110.5))["granted_bytes"] == 6 * GIB  # stale stays charged
     admin = CoreConnection(core, now=110.5)
     evicted = admin.ask({"op": "evict", "id": 1, "session_id": holder.id})
     assert evicted["ok"], evicted
-    assert core.status(110.5)["granted_bytes"] == 0
+    assert as_map(core.status(110.5))["granted_bytes"] == 0
 
 
 def test_a_stale_restored_session_keeps_growth_held_and_its_worker_can_still_resume():
@@ -311,22 +312,22 @@ def test_a_stale_restored_session_keeps_growth_held_and_its_worker_can_still_res
     until the worker resumes (or twice the lease), and the resume adopts its claims."""
     core = _held_core(TORN)  # lease 30 s; the holder restored with no pages at t=0
     core.expire_leases(31.0)
-    assert session_of(core.status(31.0), "s-00000001")["state"] == "stale"
+    assert session_of(as_map(core.status(31.0)), "s-00000001")["state"] == "stale"
     core.lift_growth_hold(31.0)
-    assert core.status(31.0)["broker"]["growth_held"]
+    assert as_map(core.status(31.0))["broker"]["growth_held"]
     conn = CoreConnection(core, local_peer(pid=HOLDER_PID), now=32.0)
     reply = conn.hello("nonce-holder-resume", instance="holder", page_bytes=GIB, resume="token-holder-0001",
                        holdings={"pools": {}, "granted_pages": 6, "reserve_pages": 0})
     assert reply["ok"] and reply["result"]["resumed"] and reply["result"]["claims"] == "adopted", reply
-    assert session_of(core.status(32.0), "s-00000001")["state"] == "live"
+    assert session_of(as_map(core.status(32.0)), "s-00000001")["state"] == "live"
     core.lift_growth_hold(32.0)
-    assert not core.status(32.0)["broker"]["growth_held"]  # nobody left to wait for
+    assert not as_map(core.status(32.0))["broker"]["growth_held"]  # nobody left to wait for
 
 
 def test_the_hold_still_ends_after_twice_the_lease_when_the_stale_worker_never_returns():
     core = _held_core()
     core.expire_leases(31.0)
     core.lift_growth_hold(59.0)
-    assert core.status(59.0)["broker"]["growth_held"]
+    assert as_map(core.status(59.0))["broker"]["growth_held"]
     core.lift_growth_hold(60.0)
-    assert not core.status(60.0)["broker"]["growth_held"]
+    assert not as_map(core.status(60.0))["broker"]["growth_held"]

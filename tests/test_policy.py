@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvcached_broker.broker.accounts import DeviceInfo, Limits
 from kvcached_broker.broker.ledger import Ledger
 from kvcached_broker.broker.policy import PressureBook, fair_shares
+from kvcached_broker.client.results import PressureView
 from kvcached_broker.client import BrokerClient
 
 from helpers import GIB, wait_for
@@ -56,10 +57,10 @@ def test_pressure_asks_those_above_their_share_and_counts_what_comes_back():
     ledger.release("s0", 4)
     assert book.on_release("s0", 4) == 4
     view = book.instance_view("idle")
-    assert view == {"pending_bytes": 6 * GIB, "asks": 1, "soft_asks": 0, "asked_bytes": 10 * GIB,
-                    "returned_bytes": 4 * GIB, "ignored_bytes": 0}
+    assert view == PressureView(pending_bytes=6 * GIB, asks=1, soft_asks=0, asked_bytes=10 * GIB,
+                                returned_bytes=4 * GIB, ignored_bytes=0)
     assert [sid for sid, _ in book.expire(now_s=6.0)] == ["s0"]
-    assert book.instance_view("idle")["ignored_bytes"] == 6 * GIB
+    assert book.instance_view("idle").ignored_bytes == 6 * GIB
     assert ledger.sessions["s0"].granted_pages == 86  # ignoring an ask never cuts what it holds
 
 

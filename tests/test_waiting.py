@@ -11,6 +11,7 @@ import pytest
 from kvcached_broker.broker.security import Peer
 from kvcached_broker.client import BrokerClient
 from kvcached_broker.client import protocol as proto
+from kvcached_broker.client.results import as_map
 from kvcached_broker.client.errors import BadRequest
 
 from helpers import GIB, make_core, wait_for
@@ -48,7 +49,7 @@ def test_an_ask_that_does_not_fit_waits_and_is_granted_in_the_round_memory_comes
     assert ask(core, waiting, b"rb", B_PEER, now=1.5) is None  # the client's resend: still waiting, not applied twice
     (b_session,) = [s for s in core.ledger.sessions.values() if s.instance == "b"]
     assert b_session.granted_pages == 0
-    status = core.status(1.5)
+    status = as_map(core.status(1.5))
     assert {i["name"]: i["pressure"]["waiting_asks"] for i in status["instances"]} == {"a": 0, "b": 1}
     asks = [m for _, m in pushed(core) if m["type"] == "pressure"]
     assert asks and asks[0]["pages"] >= 3  # the others are asked for all of it at once
@@ -115,7 +116,7 @@ def test_idle_pages_go_with_requests_and_show_in_status():
     ask(core, proto.Acquire(id=2, session=t["a"], pages=5, idle_pages=2), b"ra", A_PEER)
     assert _session(core, "a").idle_pages == 2
     ask(core, proto.Heartbeat(id=3, session=t["a"], idle_pages=4), b"ra", A_PEER)
-    (a,) = [i for i in core.status(0.0)["instances"] if i["name"] == "a"]
+    (a,) = [i for i in as_map(core.status(0.0))["instances"] if i["name"] == "a"]
     assert a["sessions"][0]["idle_pages"] == 4
 
 
@@ -179,7 +180,7 @@ def test_the_lowest_priority_is_asked_first_then_the_one_idle_longest(caplog):
 def test_priority_shows_in_status_and_comes_from_an_admin_or_a_hello():
     core, t = two_sessions()
     core.ledger.set_limits("a", priority=-3)
-    (a,) = [i for i in core.status(0.0)["instances"] if i["name"] == "a"]
+    (a,) = [i for i in as_map(core.status(0.0))["instances"] if i["name"] == "a"]
     assert a["priority"] == -3
     hello = proto.Hello(id=1, versions=[1], instance="c", pid=4444, page_bytes=GIB, nonce="nonce-c-0001",
                         limits=proto.LimitsRequest(priority=-7))  # within hello_max_priority (0)
