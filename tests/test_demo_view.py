@@ -194,3 +194,15 @@ def test_the_demo_stops_with_status_1_at_the_first_frame_that_does_not_add_up(br
     assert code == 1
     assert "CHECK FAILED: the budget does not add up: overcommitted" in out.getvalue()
     assert "kvcached-broker demo: FAILED at t =" in out.getvalue()
+
+
+def test_the_event_log_keeps_every_event_no_frame_has_shown_yet():
+    events = EventLog(keep=4)
+    for second in range(7):  # a slow machine: seven events before the next frame
+        events.add(float(second), f"event {second}")
+    assert [line.split("  ")[-1] for line in events.lines] == [f"event {n}" for n in range(7)]
+    events.shown(5)  # a frame rendered after five of them was shown
+    assert len(events.lines) == 4 and events.lines[-1].endswith("event 6")
+    events.shown(7)
+    events.add(7.0, "event 7")
+    assert [line.split("  ")[-1] for line in events.lines] == [f"event {n}" for n in range(4, 8)]

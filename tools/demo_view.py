@@ -203,17 +203,30 @@ def _pool_diff(before: dict[str, int], after: dict[str, int]) -> str:
 # ------------------------------------------------------------------ events
 @dataclass
 class EventLog:
-    """The last few things that happened: the demo's own events and what changed between frames."""
+    """The last few things that happened: the demo's own events and what changed between frames.
+
+    ``lines`` holds the last ``keep`` events, and more while events added since the last
+    :meth:`shown` were not on screen yet: a slow machine's frame may come after more than
+    ``keep`` events, and a transcript loses none of them."""
 
     keep: int = 4
     lines: list[str] = field(default_factory=list)
     _last: Frame | None = None
-    added: int = 0  # every event ever added (a transcript prints a frame before one scrolls away)
+    added: int = 0  # every event ever added
+    _shown: int = 0  # events added up to the last frame shown
 
     def add(self, t_s: float, text: str) -> None:
         self.lines.append(f"{t_s:5.1f} s  {text}")
-        del self.lines[:-self.keep]
         self.added += 1
+        self._trim()
+
+    def shown(self, added: int) -> None:
+        """The first ``added`` events were on screen (a frame rendered then was shown)."""
+        self._shown = max(self._shown, added)
+        self._trim()
+
+    def _trim(self) -> None:
+        del self.lines[:-max(self.keep, self.added - self._shown)]
 
     def observe(self, frame: Frame, servers: list[Server]) -> None:
         """Add what changed since the previous frame: phases, pressure asks, pages returned."""

@@ -281,17 +281,20 @@ class Show:
             frames.append(frame)
             self.script.events.observe(frame, self.servers)
             problems = checks.check(frame)
+            rendered_events = self.script.events.added
             text = render(frame, self.servers, self.script.events, problems, width=width, title=TITLE)
             finished = (self.script.done.is_set() and frame.t_s >= seconds) or frame.t_s > MAX_S
             if interactive and text.count("\n") + 2 <= rows:  # a shorter terminal gets plain frames
                 self.out.write(CLEAR_HOME + text + "\n")
                 self.out.flush()
+                self.script.events.shown(rendered_events)
             elif (problems or finished or frame.t_s - last_plain_s >= PLAIN_FRAME_S
                   or self.script.events.added - shown_events >= self.script.events.keep - 1):
                 # also before the event log scrolls past an event the transcript has not shown
                 self.out.write(f"\n{text}\n")
                 self.out.flush()
-                last_plain_s, shown_events = frame.t_s, self.script.events.added
+                last_plain_s, shown_events = frame.t_s, rendered_events
+                self.script.events.shown(rendered_events)
             if problems:
                 print(f"kvcached-broker demo: FAILED at t = {frame.t_s:.1f} s: {problems[0]}", file=sys.stderr)
                 self.out.write(f"kvcached-broker demo: FAILED at t = {frame.t_s:.1f} s: {'; '.join(problems)}\n")
