@@ -52,6 +52,7 @@ from typing import Any, Callable, TypeVar
 from ..client import BadRequest, BrokerClient, BrokerError, BudgetExceeded
 from ..client.endpoint import broker_disabled
 from . import announce, autopatch, flags, instance, patching, process_state, versions
+from .report_book import RUNTIME_BASE_POOL, SLACK_POOL, Plan, ReportBook, Request
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -83,44 +84,20 @@ class WorkerIdentity:
         return self.instance or instance.instance_name(self.runtime)
 
 
-#: The pool the broker sets to what a process already used when it pinned its base.
-RUNTIME_BASE_POOL = "runtime_base"
 #: The hold KV sizing takes (memory promised between sizing and allocating the KV cache).
 KV_SIZING_HOLD = "kv_sizing_hold"
 #: The hold for what a runtime keeps beside its KV cache (activations, CUDA graphs, request
 #: tables), promised at sizing until its warm-up has allocated it (:mod:`.sizing`).
 SLACK_HOLD = "runtime_slack_hold"
-#: What is left of that slack once warm-up ended: kept for the runtime, resident (the device's
-#: measurement covers it as the runtime allocates it).
-SLACK_POOL = "runtime_slack"
 
 
 @dataclass
 class _DeviceSession:
+    """One device's session and its book (:mod:`.report_book`: what the process reports and holds)."""
+
     client: BrokerClient
     identity: WorkerIdentity
-    book: dict[str, dict[str, int]] = field(default_factory=dict)  # reporter -> resident pools
-    usage: dict[str, dict[str, int]] = field(default_factory=dict)  # reporter -> views (never charged)
-    holds: dict[str, int] = field(default_factory=dict)  # hold name -> bytes promised, not allocated yet
-    base_bytes: int | None = None  # the runtime_base the broker pinned; None until pinned
-    suspended: set[str] = field(default_factory=set)
-    phase: str = ""  # where the worker is in its start-up, as the broker shows it
-    mapped: dict[str, int] = field(default_factory=dict)  # page holder -> session pages it has mapped
-    idle: dict[str, int] = field(default_factory=dict)  # page holder -> session pages it holds idle
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """One request's worth of book: what to charge, and whether the broker pins the base with it."""
-
-    book: dict[str, dict[str, int]]
-    usage: dict[str, dict[str, int]]
-    holds: dict[str, int]
-    suspended: frozenset[str]
-    pin_base: bool = False
-    base_bytes: int | None = None  # a runtime base to book instead of the pinned one (memory coming back)
-    min_holds: dict[str, int] | None = None  # one hold that may shrink to what fits, and its least
-    phase: str | None = None  # a new phase to show (None keeps it)
+    book: ReportBook = field(default_factory=ReportBook)
 
 
 class _Sessions:
@@ -380,17 +357,10 @@ def report(
         return None
     with state.lock:
         entry = state.by_device[str(identity.device)]
-        if entry.base_bytes is None and not allocated:
-            if _pin(identity, entry) is None:
+        if entry.book.base_bytes is None and not allocated:
+            if _send(identity, entry, entry.book.pin(), "pin runtime_base") is None:
                 return None
-        proposed = {**entry.book, reporter: _positive(pools)}
-        proposed_usage = {**entry.usage, reporter: _positive(usage or {})}
-        plan = _Plan(proposed, proposed_usage, _with_holds(entry.holds, holds), frozenset(entry.suspended),
-                     pin_base=entry.base_bytes is None, phase=phase)
-        result = _send(identity, entry, plan, f"report {reporter}")
-        if result is not None:
-            entry.book, entry.usage, entry.holds = plan.book, plan.usage, plan.holds
-        return result
+        return _send(identity, entry, entry.book.report(reporter, pools, usage, holds, phase), f"report {reporter}")
 
 
 def hold_what_fits(identity: WorkerIdentity, holds: dict[str, int], min_holds: dict[str, int] | None,
@@ -406,12 +376,9 @@ def hold_what_fits(identity: WorkerIdentity, holds: dict[str, int], min_holds: d
         return None
     with state.lock:
         entry = state.by_device[str(identity.device)]
-        wanted = _with_holds(entry.holds, holds)
-        plan = _Plan(entry.book, entry.usage, wanted, frozenset(entry.suspended),
-                     pin_base=entry.base_bytes is None, min_holds=min_holds, phase=phase)
-        if _send(identity, entry, plan, "hold what fits") is None:
+        plan = entry.book.hold_what_fits(holds, min_holds, phase)
+        if _send(identity, entry, plan, "hold what fits", holds_granted=True) is None:
             return None
-        entry.holds = dict(entry.client.holds)
         return entry.client.last_reserve
 
 
@@ -430,23 +397,19 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
         step()
     with state.lock:
         entry = state.by_device[str(identity.device)]
-        slack_bytes = entry.holds.get(SLACK_HOLD, 0)
-        base_before = entry.base_bytes or 0
-        pinned = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended), pin_base=True)
-        if _send(identity, entry, pinned, "re-pin runtime_base after warm-up") is None:
+        book = entry.book
+        slack_bytes = book.held_bytes(SLACK_HOLD)
+        base_before = book.base_bytes or 0
+        if _send(identity, entry, book.pin(), "re-pin runtime_base after warm-up") is None:
             return None
         if not slack_bytes and kept_slack_bytes is None:  # settled before: the re-pin kept its slack
-            return entry.book.get(SLACK_POOL, {}).get(SLACK_POOL, 0)
-        grown = max(0, (entry.base_bytes or 0) - base_before)
+            return book.booked_bytes(SLACK_POOL)
+        grown = max(0, (book.base_bytes or 0) - base_before)
         kept = max(0, slack_bytes - grown) if kept_slack_bytes is None else min(kept_slack_bytes, slack_bytes)
-        book = {**entry.book, SLACK_POOL: {SLACK_POOL: kept} if kept else {}}
-        holds = _with_holds(entry.holds, {SLACK_HOLD: 0})
-        plan = _Plan(book, entry.usage, holds, frozenset(entry.suspended), phase="serving")
-        if _send(identity, entry, plan, "slack after warm-up") is None:
+        if _send(identity, entry, book.keep_slack(kept, SLACK_HOLD), "slack after warm-up") is None:
             return None
-        entry.book, entry.holds = {k: v for k, v in book.items() if v}, holds
         log.info("event=warm_up_settled runtime=%s device=%s rank=%d runtime_base=%d slack_allocated=%d slack_kept=%d",
-                 identity.runtime, identity.device, identity.tp_rank, entry.base_bytes or 0, slack_bytes - kept, kept)
+                 identity.runtime, identity.device, identity.tp_rank, book.base_bytes or 0, slack_bytes - kept, kept)
         return kept
 
 
@@ -458,10 +421,9 @@ def set_phase(identity: WorkerIdentity, phase: str) -> None:
         return
     with state.lock:
         entry = state.by_device[str(identity.device)]
-        if entry.phase == phase:
-            return
-        _send(identity, entry, _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended),
-                                     phase=phase), f"phase {phase}")
+        plan = entry.book.show_phase(phase)
+        if plan is not None:
+            _send(identity, entry, plan, f"phase {phase}")
 
 
 def hold(identity: WorkerIdentity, name: str, size_bytes: int) -> dict[str, int] | None:
@@ -475,15 +437,10 @@ def hold(identity: WorkerIdentity, name: str, size_bytes: int) -> dict[str, int]
         return None
     with state.lock:
         entry = state.by_device[str(identity.device)]
-        holds = _with_holds(entry.holds, {name: size_bytes})
-        if holds == entry.holds:
+        plan = entry.book.hold(name, size_bytes)
+        if plan is None:
             return entry.client.pools
-        plan = _Plan(entry.book, entry.usage, holds, frozenset(entry.suspended),
-                     pin_base=entry.base_bytes is None and bool(holds))
-        result = _send(identity, entry, plan, f"hold {name}")
-        if result is not None:
-            entry.holds = holds
-        return result
+        return _send(identity, entry, plan, f"hold {name}")
 
 
 def pin_base(identity: WorkerIdentity) -> int | None:
@@ -497,58 +454,29 @@ def pin_base(identity: WorkerIdentity) -> int | None:
         return None
     with state.lock:
         entry = state.by_device[str(identity.device)]
-        if entry.base_bytes is None and _pin(identity, entry) is None:
+        if entry.book.base_bytes is None and _send(identity, entry, entry.book.pin(), "pin runtime_base") is None:
             return None
-        return entry.base_bytes
+        return entry.book.base_bytes
 
 
-def _pin(identity: WorkerIdentity, entry: _DeviceSession) -> dict[str, int] | None:
-    """Pin the base in a request that changes nothing else (never a growth: it is measured)."""
-    plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended), pin_base=True)
-    return _send(identity, entry, plan, "pin runtime_base")
-
-
-def _positive(sizes: dict[str, int]) -> dict[str, int]:
-    return {name: size for name, size in sizes.items() if size > 0}
-
-
-def _with_holds(current: dict[str, int], changes: dict[str, int] | None) -> dict[str, int]:
-    if not changes:
-        return dict(current)
-    return _positive({**current, **changes})
-
-
-def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: _Plan, action: str) -> dict[str, int] | None:
-    """One reserve request for the whole book; books the base it pinned or raised."""
-    charged = {name: pools for name, pools in plan.book.items() if name not in plan.suspended}
-    shown = {name: views for name, views in plan.usage.items() if name not in plan.suspended}
-    pools = _merge(charged)
-    base_bytes = entry.base_bytes if plan.base_bytes is None else plan.base_bytes
-    if base_bytes and not plan.pin_base:
-        pools[RUNTIME_BASE_POOL] = base_bytes
-    answer = guard(identity, action, lambda: _reserve(entry.client, pools, _merge(shown), plan))
+def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: Plan, action: str, *,
+          holds_granted: bool = False) -> dict[str, int] | None:
+    """One reserve request for the whole book; once answered, the book is the plan's (with the
+    holds the broker granted, for ``holds_granted``)."""
+    request = entry.book.request(plan)
+    answer = guard(identity, action, lambda: _reserve(entry.client, request, plan))
     if answer is None:
         return None
-    result, pinned_bytes = answer
-    if plan.phase is not None:
-        entry.phase = plan.phase
-    if plan.pin_base:
-        entry.base_bytes = pinned_bytes
-        if SLACK_POOL in pools and result.get(SLACK_POOL, 0) != pools[SLACK_POOL]:
-            # the base grew into the slack kept (activations the device measures): the broker
-            # moved that much from one to the other, and the book follows
-            kept = result.get(SLACK_POOL, 0)
-            entry.book[SLACK_POOL] = {SLACK_POOL: kept} if kept else {}
+    charged, base_bytes = answer
+    granted = dict(entry.client.holds) if holds_granted else None
+    if entry.book.took(plan, request, charged, base_bytes, holds=granted):
         log.info("event=runtime_base_pinned runtime=%s device=%s rank=%d runtime_base=%d",
-                 identity.runtime, identity.device, identity.tp_rank, entry.base_bytes)
-    elif plan.base_bytes is not None:
-        entry.base_bytes = plan.base_bytes
-    return result
+                 identity.runtime, identity.device, identity.tp_rank, entry.book.base_bytes)
+    return charged
 
 
-def _reserve(client: BrokerClient, pools: dict[str, int], usage: dict[str, int],
-             plan: _Plan) -> tuple[dict[str, int], int]:
-    """The reserve request and the runtime base its answer gives (read inside :func:`guard`).
+def _reserve(client: BrokerClient, request: Request, plan: Plan) -> tuple[dict[str, int], int]:
+    """The reserve request and the runtime base its answer gives (sent and read inside :func:`guard`).
 
     Usage views are never charged, so a view the broker finds larger than what the session
     holds (its charge not caught up yet: a short broker restart, a grant in flight) does not
@@ -556,24 +484,16 @@ def _reserve(client: BrokerClient, pools: dict[str, int], usage: dict[str, int],
     with a later report."""
     holds = dict(plan.holds)
     try:
-        result = client.reserve(pools, usage=usage, holds=holds, measured_base=plan.pin_base,
-                                min_holds=plan.min_holds, phase=plan.phase)
+        charged = client.reserve(request.pools, usage=request.usage, holds=holds, measured_base=plan.pin_base,
+                                 min_holds=plan.min_holds, phase=plan.phase)
     except BadRequest as exc:
-        if not usage or "view" not in exc.details:
+        if not request.usage or "view" not in exc.details:
             raise
         announce.once("views_dropped", logging.INFO, "usage_views_dropped", view=exc.details.get("view"),
                       detail="larger than the session's charge for now; reported without views")
-        result = client.reserve(pools, usage={}, holds=holds, measured_base=plan.pin_base,
-                                min_holds=plan.min_holds, phase=plan.phase)
-    return result, int(result.get(RUNTIME_BASE_POOL, 0))
-
-
-def _merge(by_reporter: dict[str, dict[str, int]]) -> dict[str, int]:
-    merged: dict[str, int] = {}
-    for pools in by_reporter.values():
-        for name, size in pools.items():
-            merged[name] = merged.get(name, 0) + size
-    return merged
+        charged = client.reserve(request.pools, usage={}, holds=holds, measured_base=plan.pin_base,
+                                 min_holds=plan.min_holds, phase=plan.phase)
+    return charged, int(charged.get(RUNTIME_BASE_POOL, 0))
 
 
 def held_bytes(identity: WorkerIdentity, name: str | None = None) -> int:
@@ -583,7 +503,7 @@ def held_bytes(identity: WorkerIdentity, name: str | None = None) -> int:
         entry = state.by_device.get(str(identity.device))
         if entry is None:
             return 0
-        return sum(entry.holds.values()) if name is None else entry.holds.get(name, 0)
+        return entry.book.held_bytes(name)
 
 
 def base_bytes(identity: WorkerIdentity) -> int | None:
@@ -591,7 +511,7 @@ def base_bytes(identity: WorkerIdentity) -> int | None:
     state = _state()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
-        return entry.base_bytes if entry is not None else None
+        return entry.book.base_bytes if entry is not None else None
 
 
 def suspend(identity: WorkerIdentity, names: list[str], *, base_bytes: int | None = None) -> int:
@@ -602,17 +522,11 @@ def suspend(identity: WorkerIdentity, names: list[str], *, base_bytes: int | Non
         entry = state.by_device.get(str(identity.device))
         if entry is None:
             return 0
-        names = [n for n in names if n in entry.book and n not in entry.suspended]
-        base_drop_bytes = max(0, (entry.base_bytes or 0) - base_bytes) if base_bytes is not None else 0
-        if not names and not base_drop_bytes:
+        planned = entry.book.suspend(names, base_bytes)
+        if planned is None:
             return 0
-        freed = sum(sum(entry.book[n].values()) for n in names) + base_drop_bytes
-        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended | set(names)),
-                     base_bytes=base_bytes if base_drop_bytes else None)
-        if _send(identity, entry, plan, "suspend") is not None:
-            entry.suspended |= set(names)
-            return freed
-        return 0
+        plan, freed = planned
+        return freed if _send(identity, entry, plan, "suspend") is not None else 0
 
 
 def resume(identity: WorkerIdentity, names: list[str] | None = None, *, base_bytes: int | None = None) -> int:
@@ -628,17 +542,11 @@ def resume(identity: WorkerIdentity, names: list[str] | None = None, *, base_byt
         entry = state.by_device.get(str(identity.device))
         if entry is None:
             return 0
-        back = set(entry.suspended if names is None else entry.suspended.intersection(names))
-        base_growth_bytes = max(0, (base_bytes or 0) - (entry.base_bytes or 0))
-        if not back and not base_growth_bytes:
+        planned = entry.book.resume(names, base_bytes)
+        if planned is None:
             return 0
-        charged = sum(sum(entry.book[n].values()) for n in back) + base_growth_bytes
-        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended - back),
-                     base_bytes=base_bytes if base_growth_bytes else None)
-        if _send(identity, entry, plan, "resume") is None:
-            return 0
-        entry.suspended -= back
-        return charged
+        plan, charged = planned
+        return charged if _send(identity, entry, plan, "resume") is not None else 0
 
 
 def repin_base(identity: WorkerIdentity, suspend: list[str] | tuple[str, ...] = ()) -> int | None:
@@ -654,12 +562,9 @@ def repin_base(identity: WorkerIdentity, suspend: list[str] | tuple[str, ...] = 
         return None
     with state.lock:
         entry = state.by_device[str(identity.device)]
-        names = {n for n in suspend if n in entry.book}
-        plan = _Plan(entry.book, entry.usage, entry.holds, frozenset(entry.suspended | names), pin_base=True)
-        if _send(identity, entry, plan, "re-pin runtime_base") is None:
+        if _send(identity, entry, entry.book.repin(suspend), "re-pin runtime_base") is None:
             return None
-        entry.suspended |= names
-        return entry.base_bytes
+        return entry.book.base_bytes
 
 
 def report_mapped(identity: WorkerIdentity, holder: str, session_pages: int) -> None:
@@ -674,7 +579,7 @@ def report_mapped(identity: WorkerIdentity, holder: str, session_pages: int) -> 
     with state.lock:
         entry = state.by_device[str(identity.device)]
         client = entry.client
-        total = max(0, min(_count(entry.mapped, holder, session_pages), _charged_pages(client)))
+        total = max(0, min(entry.book.count_mapped(holder, session_pages), _charged_pages(client)))
         if total != client.mapped_pages:
             guard(identity, "report mapped pages", lambda: client.mapped(total))
 
@@ -689,7 +594,7 @@ def release_mapped(identity: WorkerIdentity, holder: str, session_pages: int, ma
     with state.lock:
         entry = state.by_device[str(identity.device)]
         client = entry.client
-        mapped = _count(entry.mapped, holder, mapped_session_pages)
+        mapped = entry.book.count_mapped(holder, mapped_session_pages)
         total = max(0, min(mapped, _charged_pages(client) - session_pages)) if client.report_mapping else None
     return guard(identity, "release pages", lambda: _release(client, session_pages, total)) is not None
 
@@ -708,17 +613,8 @@ def report_idle(identity: WorkerIdentity, holder: str, session_pages: int) -> No
     if client is None:
         return
     with state.lock:
-        total = _count(state.by_device[str(identity.device)].idle, holder, session_pages)
+        total = state.by_device[str(identity.device)].book.count_idle(holder, session_pages)
     client.report_idle(total)
-
-
-def _count(by_holder: dict[str, int], holder: str, pages: int) -> int:
-    """Set ``holder``'s pages (0 forgets it) and return the sum over every holder."""
-    if pages > 0:
-        by_holder[holder] = pages
-    else:
-        by_holder.pop(holder, None)
-    return sum(by_holder.values())
 
 
 def _charged_pages(client: BrokerClient) -> int:
@@ -732,14 +628,14 @@ def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:
     state = _state()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
-        return sum(entry.book.get(reporter, {}).values()) if entry is not None else 0
+        return entry.book.booked_bytes(reporter) if entry is not None else 0
 
 
 def suspended(identity: WorkerIdentity) -> list[str]:
     state = _state()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
-        return sorted(entry.suspended) if entry is not None else []
+        return sorted(entry.book.suspended) if entry is not None else []
 
 
 def forget(identity: WorkerIdentity, reporter: str) -> None:
@@ -748,11 +644,9 @@ def forget(identity: WorkerIdentity, reporter: str) -> None:
     key = str(identity.device)
     with state.lock:
         entry = state.by_device.get(key)
-        if entry is not None and reporter in entry.book:
+        if entry is not None and reporter in entry.book.book:
             report(identity, reporter, {})
-            del entry.book[reporter]
-            entry.usage.pop(reporter, None)
-            entry.suspended.discard(reporter)
+            entry.book.drop(reporter)
 
 
 def reset() -> None:
