@@ -389,7 +389,7 @@ def test_the_record_is_private_and_one_another_user_made_is_never_applied(shm_di
         kvctl_round(g, other)
     assert g.operator_cap_pages is None and other.operator_cap_pages is None
     assert Path(record).read_bytes() == forged  # never written
-    assert g.resize_target(0) == -1 and g.shm_unsafe.endswith("(another user's file)")
+    assert g.resize_target(0) == -1 and g.kvctl.unsafe.endswith("(another user's file)")
     warnings = [line for line in capsys.readouterr().err.splitlines() if "kvcached_shm_unsafe" in line]
     assert all(adapter_line(line, "WARNING", "kvcached_shm_unsafe") for line in warnings)
     assert len(warnings) == 2 and "owned by uid 65534" in warnings[0]  # one line per pool
@@ -403,7 +403,7 @@ def test_a_segment_another_user_made_is_never_read_for_a_cap_nor_written(shm_dir
         segment.attach(name)
     g = governor(name)
     kvctl_round(g, g)
-    assert g.operator_cap_pages is None and g.shm_unsafe
+    assert g.operator_cap_pages is None and g.kvctl.unsafe
     assert Path(name).read_bytes() == struct.pack("=qqq", 0, 0, 0)
     assert not os.path.exists(segment.sidecar_path(name))
 
@@ -471,21 +471,21 @@ def test_a_cap_belongs_to_the_server_it_was_set_on(shm_dir, children):
     server = children(attach_and_cap(name, 5))
     assert server.receive() == {"cap": 5 * PAGE_BYTES}
     rank = governor(name)  # another pool of the same (running) server joins: the cap is its too
-    rank.segment_member = segment.attach(name)
+    rank.kvctl.member = segment.attach(name)
     kvcached_start(name)
     kvctl_round(rank, rank)
     assert rank.operator_cap_pages == 5
-    rank.segment_member.leave()
+    rank.kvctl.member.leave()
 
     server.kill()  # SIGKILL: segment, record and cap stay behind
     assert os.path.exists(name) and os.path.exists(segment.sidecar_path(name))
     nxt = governor(name)  # the next server, same KVCACHED_IPC_NAME
-    nxt.segment_member = segment.attach(name)
+    nxt.kvctl.member = segment.attach(name)
     kvcached_start(name)
     kvctl_round(nxt, nxt)
     assert nxt.operator_cap_pages is None and nxt.pages().ceiling == VIRTUAL_PAGES
     assert segment.read(name).total_bytes == 8 * PAGE_BYTES
-    nxt.segment_member.leave()
+    nxt.kvctl.member.leave()
 
 
 def test_the_segment_and_record_of_a_sigkilled_server_are_collected(shm_dir, children):
@@ -513,10 +513,10 @@ def test_a_segment_used_from_another_pid_namespace_is_collected_only_once_that_s
     assert server.receive() == {"cap": 4 * PAGE_BYTES}
     assert segment.collect(str(shm_dir)) == []  # its pid means nothing here; its lock does
     rank = governor(name)
-    rank.segment_member = segment.attach(name)
+    rank.kvctl.member = segment.attach(name)
     kvcached_start(name)
     kvctl_round(rank, rank)
     assert rank.operator_cap_pages == 4  # the same server's cap, across namespaces
-    rank.segment_member.leave()
+    rank.kvctl.member.leave()
     server.kill()
     assert sorted(segment.collect(str(shm_dir))) == sorted([name, segment.sidecar_path(name)])

@@ -52,11 +52,12 @@ import itertools
 import math
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 from ...client import BudgetExceeded, SessionEvicted
 from .. import announce, process_state
-from . import eviction, kvcached_api, runner, segment, shm_files
+from . import eviction, kvcached_api, runner, segment
+from .kvctl import KvctlSegment
 from .geometry import PoolGeometry
 from .grants import Grants
 from .limits import DirectLimits, LimitChannel
@@ -100,17 +101,11 @@ class PoolGovernor:
         self.key = f"kvcached:g{geometry.group_id}:{self.sequence}"
         self.pool_name = ""
         self._manager: "weakref.ref[Any] | None" = None
-        self._own_targets: set[int] = set()  # kvctl watcher targets the governor's segment writes made
         self._synced = False
         self._seen_limit_pages = 0  # kvcached's allocator size when the last round ended
         self._standing_due = False  # a limit channel lowered the limit below what this pool wanted
         self.operator_cap_pages: int | None = None
-        self._segment_bytes: int | None = None  # total_size the governor last wrote
-        self._segment_seq: int | None = None  # the segment's cap sequence last taken (None: not shown yet)
-        self.shm_policy = shm_files.Policy.from_env()
-        #: this process's part in the segment (:func:`.segment.attach`, taken before kvcached opened it)
-        self.segment_member: segment.Membership | None = None
-        self.shm_unsafe = ""  # why the segment or its record is not trusted (empty: trusted)
+        self.kvctl = KvctlSegment(geometry, lambda: self.key)
         self._published: tuple | None = None
         self._zero_reported = False
         self._zero_refusals = 0
@@ -169,7 +164,6 @@ class PoolGovernor:
         if self.pool_name:
             self._rename(f"kvcached:{self.pool_name}:g{self.geometry.group_id}:{self.key.rsplit(':', 1)[1]}")
         self._write_segment()
-        self._note_segment()
 
     def _rename(self, key: str) -> None:
         """Report under ``key`` from now on; the zero page reported under the old key moves to it
@@ -226,8 +220,8 @@ class PoolGovernor:
         pool's limits change only where its TP ranks agree (``at_sync_points``, SGLang): the
         segment is shared by the ranks, so the target may be a governed peer's limit, and a
         resize on this rank alone would leave the ranks' capacities unequal."""
-        if (self.governed or target in self._own_targets or getattr(self.limits, "at_sync_points", False)
-                or self.shm_unsafe):
+        if (self.governed or self.kvctl.own_target(target) or getattr(self.limits, "at_sync_points", False)
+                or self.kvctl.unsafe):
             return -1  # (an untrusted segment's value is never applied)
         return target
 
@@ -315,7 +309,6 @@ class PoolGovernor:
         if self.pending_limit is None:
             self._follow_policy(manager, short, now_s)
         self._write_segment()
-        self._note_segment()
         self._publish()
         self._report_mapped()
         self._report_idle(manager)
@@ -575,40 +568,12 @@ class PoolGovernor:
 
     # ------------------------------------------------------------ kvctl
     def _read_operator_cap(self) -> None:
-        """An operator's cap from the segment: a ``total_size`` no governor wrote (``kvctl
-        limit``).  The segment may be shared (an SGLang server's TP ranks, pools of servers
-        started in one process group): :func:`.segment.exchange` tells the governors' writes
-        from an operator's and keeps the cap for every pool on it."""
-        if self._segment_seq is None:
-            return  # nothing shown yet: the segment holds kvcached's own start-up value
-        self._take_operator_cap(self._exchange())
-
-    def _exchange(self, show_bytes: int | None = None,
-                  own_start: "Callable[[int], bool] | None" = None) -> "segment.Shared | None":
-        """:func:`.segment.exchange` on this pool's segment; None (one warning per reason, no
-        value taken, nothing written) if the segment or its record is not this user's own."""
-        try:
-            shared = segment.exchange(self.geometry.ipc_name, show_bytes, own_start=own_start,
-                                      policy=self.shm_policy, member=self.segment_member)
-        except shm_files.UnsafeFile as exc:
-            self.untrusted_segment(str(exc))
-            return None
-        self.shm_unsafe = ""
-        return shared
-
-    def untrusted_segment(self, why: str) -> None:
-        """The segment (or its record) is not this user's own private file: kvctl caps are not taken
-        from it and nothing is written there (said once per reason)."""
-        if why != self.shm_unsafe:
-            log.warning("event=kvcached_shm_unsafe pool=%s file=%r detail=not_trusted_kvctl_caps_ignored_"
-                        "the_grant_still_bounds_the_pool", self.key, why)
-        self.shm_unsafe = why
+        """An operator's cap from the segment (``kvctl limit``), if it changed (:mod:`.kvctl`)."""
+        self._take_operator_cap(self.kvctl.read())
 
     def _take_operator_cap(self, shared: "segment.Shared | None") -> None:
-        if shared is None or shared.seq == self._segment_seq:
+        if shared is None:
             return
-        self._segment_seq = shared.seq
-        self._segment_bytes = None  # show the broker's limit again
         cap = None if shared.cap_bytes is None else self.geometry.pages_of(shared.cap_bytes)
         if cap == self.operator_cap_pages:
             return
@@ -623,39 +588,11 @@ class PoolGovernor:
                  "a cap below the grant lowers the limit" if cap < granted else "the grant bounds the pool, not the cap")
 
     def _write_segment(self) -> None:
-        shown = self.pending_limit if self.pending_limit is not None else self._limit_pages()
+        """Show the limit (a deferred one while it waits) in the segment, and take a cap it brings."""
         if not self.governed:
             return
-        size = self.geometry.limit_bytes(shown)
-        if size == self._segment_bytes:
-            return
-        joining = self._segment_seq is None
-        own_start = (lambda total: self.geometry.pages_of(total) == self.geometry.virtual_pages) if joining else None
-        shared = self._exchange(size, own_start)
-        if shared is None:
-            return
-        self._segment_bytes = size
-        if joining:
-            self._segment_seq = -1  # take whatever cap the segment's governors hold
-        self._take_operator_cap(shared)
-
-    def _note_segment(self) -> None:
-        """Remember the kvctl watcher target a segment write of ours makes: kvcached's watcher turns
-        any change of ``total_size`` into a sticky resize target (per-layer bytes), which must
-        never be applied once the pool is ungoverned (:meth:`resize_target`)."""
-        if self._segment_bytes is not None:
-            self._own_targets.add(self._segment_bytes // (self.geometry.num_layers * self.geometry.num_kv_buffers))
-
-    def _write_lifted_segment(self) -> None:
-        """Ungoverned: the segment shows kvcached alone's limit, the pool's virtual size (as a
-        governor's write, so the governors of pools sharing the segment take it for no cap)."""
-        size = self.geometry.limit_bytes(self.geometry.virtual_pages)
-        try:
-            if self._exchange(size) is not None:
-                self._segment_bytes = size
-                self._note_segment()
-        except OSError as exc:
-            log.warning("event=kvcached_segment_unwritten pool=%s error=%r", self.key, str(exc))
+        shown = self.pending_limit if self.pending_limit is not None else self._limit_pages()
+        self._take_operator_cap(self.kvctl.show(self.geometry.limit_bytes(shown)))
 
     # ------------------------------------------------------------ the broker's view
     def _report_zero_page(self) -> None:
@@ -719,7 +656,7 @@ class PoolGovernor:
             self._set_limit(manager, self.geometry.virtual_pages)
         else:
             self.resize_before_post_init(manager, self.geometry.virtual_pages)
-        self._write_lifted_segment()
+        self.kvctl.show_lifted()
         log.warning("event=kvcached_pool_ungoverned pool=%s reason=%r detail=runs_as_kvcached_alone", self.key, why)
 
     def abandon(self) -> None:
@@ -751,8 +688,7 @@ class PoolGovernor:
         thread as kvcached unmaps them; the zero page's report goes with the last of them."""
         if not self.state.close():
             return
-        if self.segment_member is not None:
-            self.segment_member.leave()  # kvcached removes its segment at shutdown
+        self.kvctl.leave()  # kvcached removes its segment at shutdown
         if not (self.governed and self.grants is not None):
             return
         self._release_unmapped()
@@ -804,7 +740,7 @@ class PoolGovernor:
             "pending_limit_bytes": None if self.pending_limit is None else g.limit_bytes(self.pending_limit),
             "blocked": self.blocked, "revision": self.state.revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
             "uncharged_pages": self._uncharged_pages(), "reported_mapped_pages": self._reported_mapped,
-            "segment_untrusted": self.shm_unsafe,
+            "segment_untrusted": self.kvctl.unsafe,
             **self.counters,
         }
 

@@ -143,9 +143,9 @@ def _allocator_factory(real_class: type):
                 member.leave()
             raise
         governor = _governor_or_ungoverned(geometry, real)
-        governor.segment_member = member
+        governor.kvctl.member = member
         if untrusted:
-            governor.untrusted_segment(untrusted)
+            governor.kvctl.untrusted(untrusted)
         return GovernedPageAllocator(real, governor)
 
     return build
