@@ -1,4 +1,5 @@
-"""What an ok reply carries for each request: its ``result``, typed (docs/protocol.md, §5).
+"""What an ok reply carries for each request: its ``result``, typed (docs/protocol.md, §4 under
+each request, and §13 for the status document).
 
 The broker builds these and encodes them as MessagePack maps (the field names below are the
 map's keys; a field left ``UNSET`` is not sent); a client decodes the map of a reply with the
@@ -148,30 +149,33 @@ class Conflict(Result):
     tp_sizes: list[int] | UnsetType = UNSET
 
 
+# The status document's fields: those of its contract (docs/design.md, "status --json") are
+# required; those added since (the README's list) have defaults, so a client reads an older
+# broker's document too.
 class SessionStatus(Result):
     id: str
     rank: int
     tp_size: int
     pid: int
-    pid_verified: bool
     state: str  # live, stale or recovering
     page_bytes: int
     granted_pages: int
     reserve_pages: int
-    reserved_bytes: int
-    granted_bytes: int
-    held_bytes: int
-    report_mapping: bool
-    unmapped_pages: int
-    idle_pages: int
-    phase: str
-    measured_bytes: int
     pools: dict[str, int]
-    holds: dict[str, int]
-    usage_breakdown: dict[str, int]
-    idle_s: float
-    client: str
-    adapter: dict[str, Any] | None
+    pid_verified: bool = False
+    reserved_bytes: int = 0
+    granted_bytes: int = 0
+    held_bytes: int = 0
+    report_mapping: bool = False
+    unmapped_pages: int = 0
+    idle_pages: int = 0
+    phase: str = ""
+    measured_bytes: int = 0
+    holds: dict[str, int] = {}
+    usage_breakdown: dict[str, int] = {}
+    idle_s: float = 0.0
+    client: str = ""
+    adapter: dict[str, Any] | None = None
 
 
 class PressureView(Result):
@@ -191,20 +195,20 @@ class InstanceStatus(Result):
     name: str
     max_bytes: int | None
     min_bytes: int
-    weight: float
-    priority: int
-    limits_revision: int
     reserved_bytes: int
     granted_bytes: int
-    unreported_bytes: int
-    charged_bytes: int
-    grantable_bytes: int
-    held_bytes: int
     pools: dict[str, int]
-    holds: dict[str, int]
-    usage_breakdown: dict[str, int]
-    conflicts: list[Conflict]
     sessions: list[SessionStatus]
+    weight: float = 1.0
+    priority: int = 0
+    limits_revision: int = 0
+    unreported_bytes: int = 0
+    charged_bytes: int = 0
+    grantable_bytes: int = 0
+    held_bytes: int = 0
+    holds: dict[str, int] = {}
+    usage_breakdown: dict[str, int] = {}
+    conflicts: list[Conflict] = []
     fair_share_bytes: int | UnsetType = UNSET
     pressure: PressureView | UnsetType = UNSET
 
@@ -222,11 +226,11 @@ class StatusDocument(Result):
     reserved_bytes: int
     granted_bytes: int
     unreported_bytes: int
-    held_bytes: int
     free_bytes: int
     overcommitted: bool
     instances: list[InstanceStatus]
-    broker: dict[str, Any]
+    held_bytes: int = 0
+    broker: dict[str, Any] = {}
 
 
 def checked_status(status: Any) -> dict[str, Any]:

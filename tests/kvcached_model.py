@@ -168,7 +168,9 @@ class ModelBroker:
         return self.why_lost
 
     def _call(self) -> None:
-        if self.why_lost is not None:
+        """Every call the governor makes: counted once the broker is gone or evicted the session
+        (an ungoverned pool must make none), and failing as the mode says."""
+        if self.why_lost is not None or self.evictions:
             self.calls_after_lost += 1
         if self.mode == "lost" and self.why_lost is None:
             self.why_lost = "broker gone (model)"
@@ -190,6 +192,7 @@ class ModelBroker:
         return got
 
     def release(self, pages: int, *, mapped: int | None = None, key: str | None = None) -> bool:
+        self._call()
         if self.why_lost is not None:
             return False
         pages = min(pages, self.pages)
@@ -200,10 +203,11 @@ class ModelBroker:
         return True
 
     def mapped(self, key: str, pages: int) -> None:
+        self._call()
         self.mapped_said = pages
 
     def idle(self, key: str, pages: int) -> None:
-        pass
+        self._call()
 
     def uncharged_pages(self) -> int:
         return 0
@@ -212,6 +216,7 @@ class ModelBroker:
         return 0
 
     def report(self, key: str, pools: dict, *, usage: dict | None = None, allocated: bool = True) -> bool:
+        self._call()
         return self.why_lost is None
 
     def forget(self, key: str) -> None:

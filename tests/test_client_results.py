@@ -69,3 +69,27 @@ def test_the_status_document_is_checked_and_kept_as_the_map_it_came_as(broker_fa
     for broken in ({**status, "instances": {}}, {k: v for k, v in status.items() if k != "budget_bytes"}, []):
         with pytest.raises(proto.ProtocolError, match="^the broker's answer is not a StatusDocument: "):
             results.checked_status(broken)
+
+
+def test_an_older_brokers_status_with_only_the_contracts_fields_is_read(broker_factory):
+    """docs/design.md's contract names the fields every broker sends; the rest were added since."""
+    from helpers import connect
+
+    from kvcached_broker.client.admin import AdminClient
+
+    broker = broker_factory(simulate="4GiB")
+    with connect(broker, "old") as client:
+        client.reserve({"w": 1 << 30})
+        with AdminClient(broker.endpoint) as admin:
+            status = admin.status()
+    contract = {"device", "total_bytes", "headroom_bytes", "external_bytes", "budget_bytes", "reserved_bytes",
+                "granted_bytes", "unreported_bytes", "free_bytes", "overcommitted", "instances"}
+    instance_fields = {"name", "max_bytes", "min_bytes", "reserved_bytes", "granted_bytes", "pools", "sessions"}
+    session_fields = {"id", "rank", "tp_size", "pid", "state", "page_bytes", "granted_pages", "pools", "reserve_pages"}
+    old = {k: v for k, v in status.items() if k in contract}
+    old["instances"] = [{**{k: v for k, v in i.items() if k in instance_fields},
+                         "sessions": [{k: v for k, v in s.items() if k in session_fields} for s in i["sessions"]]}
+                        for i in status["instances"]]
+    assert old["instances"][0]["sessions"] and results.checked_status(old) is old
+    typed = results.decode(old, results.StatusDocument)
+    assert typed.instances[0].sessions[0].phase == "" and typed.held_bytes == 0 and typed.broker == {}

@@ -38,21 +38,38 @@ def contacts(source: str) -> list[str]:
             found.append(f"{line}: from {node.module} import")
         elif isinstance(node, ast.Attribute) and node.attr in PRIVATE:
             found.append(f"{line}: .{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "_lock" and not _is_self(node.value):
+            found.append(f"{line}: another object's ._lock")  # the manager's lock (our own objects say self._lock)
+        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "modules"
+              and _is_kvcached(_text(node.slice) or "")):
+            found.append(f"{line}: looks up {_text(node.slice)!r}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if node.value in PRIVATE:
+            if node.value in PRIVATE or node.value == "_lock":
                 found.append(f"{line}: {node.value!r}")
         elif isinstance(node, ast.Call) and node.args:
-            first = node.args[0]
-            text = first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else (
-                first.values[0].value if isinstance(first, ast.JoinedStr) and first.values
-                and isinstance(first.values[0], ast.Constant) else None)
-            if isinstance(text, str) and _is_kvcached(text) and _looks_up_a_module(node.func):
+            text = _text(node.args[0])
+            if text is not None and _is_kvcached(text) and _looks_up_a_module(node.func):
                 found.append(f"{line}: looks up {text!r}")
     return found
 
 
+def _text(node: ast.expr) -> str | None:
+    """A string constant, or an f-string's leading constant part."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        return str(node.values[0].value)
+    return None
+
+
+def _is_self(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
 def _looks_up_a_module(func: ast.expr) -> bool:
-    """``sys.modules.get(...)``, ``sys.modules[...]``-like ``get``, ``importlib.import_module(...)``."""
+    """``sys.modules.get(...)``, ``importlib.import_module(...)``, ``__import__(...)``."""
+    if isinstance(func, ast.Name):
+        return func.id == "__import__"
     return isinstance(func, ast.Attribute) and func.attr in ("get", "import_module", "__getitem__")
 
 
@@ -79,6 +96,10 @@ def test_the_contact_module_itself_is_what_the_check_would_catch():
     "module = sys.modules.get('kvcached.tp_ipc_util')",
     "module = sys.modules.get(f'kvcached.integration.{runtime}.interfaces')",
     "module = importlib.import_module('kvcached.observability')",
+    "module = sys.modules['kvcached.utils']",
+    "module = __import__('kvcached.utils')",
+    "lock = getattr(manager, '_lock', None)",
+    "manager._lock = threading.RLock()",
 ])
 def test_the_check_catches_each_kind_of_contact(source):
     assert contacts(source)
@@ -87,4 +108,4 @@ def test_the_check_catches_each_kind_of_contact(source):
 def test_the_check_lets_the_patch_table_and_public_calls_through():
     assert not contacts("Patch('p', 'kvcached', 'kvcached.kv_cache_manager', apply)\n"
                         "manager.set_memory_limit(1, revision=2)\nmanager.memory_limit_state()\n"
-                        "allocator.get_num_total_pages()")
+                        "allocator.get_num_total_pages()\nwith self._lock:\n    pass\nviews[f'kvcached.{name}.limit'] = 1")

@@ -22,7 +22,7 @@ import uuid
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcached_broker.adapters.kvcached import eviction
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
@@ -66,9 +66,11 @@ def test_every_event_goes_where_the_table_says_or_is_refused_and_changes_nothing
     state = _state_in(phase)
     before = (state.phase, state.pending_limit, state.blocked, state.why_ungoverned)
     allowed = (phase, event) in _NEXT
-    # ungovern and close say "already" where the pool is past them: no error, nothing changes
-    quiet = (event is Event.UNGOVERN and phase is Phase.DONE) or (event is Event.CLOSE and phase in (Phase.CLOSING,
-                                                                                                    Phase.DONE))
+    # ungovern and close say "already" where the pool is past them, and a round under way when the
+    # pool stopped being governed (or was closed) defers and settles nothing: no error, no change
+    quiet = ((event is Event.UNGOVERN and phase is Phase.DONE)
+             or (event is Event.CLOSE and phase in (Phase.CLOSING, Phase.DONE))
+             or (event in (Event.DEFER, Event.SETTLE) and phase in (Phase.UNGOVERNED, Phase.CLOSING, Phase.DONE)))
     if allowed or quiet:
         _fire(state, event)
         assert state.phase is (_NEXT[(phase, event)] if allowed else phase)
@@ -78,7 +80,10 @@ def test_every_event_goes_where_the_table_says_or_is_refused_and_changes_nothing
         with pytest.raises(PoolStateError, match=f"phase {phase.value} cannot {event.value}"):
             _fire(state, event)
         assert (state.phase, state.pending_limit, state.blocked, state.why_ungoverned) == before
-    assert (state.pending_limit is not None) == (state.phase is Phase.DEFERRING)
+    if state.phase is Phase.DEFERRING:
+        assert state.pending_limit is not None
+    elif state.phase in (Phase.GOVERNED, Phase.UNGOVERNED):
+        assert state.pending_limit is None
 
 
 def test_ungoverning_a_deferring_pool_drops_its_pending_limit_and_says_why_once():
@@ -205,6 +210,8 @@ class GovernedPool(RuleBasedStateMachine):
             self.cache.cached = min(self.allocator.inuse, self.cache.cached + pages)
         elif what == "prealloc":
             self.allocator.prealloc()
+        elif what == "shutdown":  # the engine shuts the pool down (KVCacheManager.shutdown)
+            self.governor.close()
 
     # -------------------------------------------------------- what happens to a pool
     @rule(what=st.sampled_from(["alloc", "free", "finish", "prealloc"]), pages=st.integers(1, 12))
@@ -235,16 +242,21 @@ class GovernedPool(RuleBasedStateMachine):
         self.broker.mode = mode
 
     @rule(dt_s=st.sampled_from([0.0, 0.01, 0.06, 0.6, 2.5]),
-          schedule=st.lists(st.sampled_from(["alloc", "free", "finish", "prealloc"]), max_size=6))
+          schedule=st.lists(st.sampled_from(["alloc", "free", "finish", "prealloc", "alloc", "free", "shutdown"]),
+                            max_size=6))
     def step(self, dt_s, schedule):
         self.now_s += dt_s
         self.schedule = list(schedule)
-        governed_before = self.governor.governed
+        governed_before, closed_before = self.governor.governed, self.governor.closed
         calls_before = self.broker.calls_after_lost
-        self.governor.step(self.now_s)
+        self.governor.step(self.now_s)  # raises nothing: the runner would log it and skip the round
         self.schedule = []
         if not governed_before:
             assert self.broker.calls_after_lost == calls_before, "an ungoverned pool called the broker"
+        if governed_before and not closed_before and not self.governor.governed and not self.governor.closed:
+            # it stopped being governed in this round: it runs as kvcached alone, at its whole size
+            assert self.allocator.total == VIRTUAL_PAGES and not self.manager.in_shrink, (
+                f"an ungoverned pool left at {self.allocator.total} pages, shrink pending: {self.manager.in_shrink}")
 
     @rule()
     def shut_down(self):
@@ -262,12 +274,18 @@ class GovernedPool(RuleBasedStateMachine):
     @invariant()
     def the_state_agrees_with_the_pool(self):
         state = self.governor.state
-        assert (state.pending_limit is not None) == (state.phase is Phase.DEFERRING)
+        if state.phase is Phase.DEFERRING:
+            assert state.pending_limit is not None
+        elif state.phase in (Phase.GOVERNED, Phase.UNGOVERNED):
+            assert state.pending_limit is None, state.phase
         self.check()
 
-    @invariant()
+    @precondition(lambda self: self.governor.closed)
+    @rule()
     def a_closed_pool_gives_its_whole_grant_back_once_its_blocks_are_freed(self):
-        if not self.governor.closed or self.broker.why_lost is not None or self.broker.evictions:
+        """Any time after shutdown (other rules run on the closed pool before): the engine frees
+        every block, and one round later nothing is mapped and nothing is granted."""
+        if self.broker.why_lost is not None or self.broker.evictions:
             return  # a broker that is gone or evicted the session frees the grant itself
         mode, self.broker.mode = self.broker.mode, "grant"
         self.cache.cached = 0

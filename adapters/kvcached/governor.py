@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 import weakref
 from typing import Any
@@ -106,6 +107,7 @@ class PoolGovernor:
         self._standing_due = False  # a limit channel lowered the limit below what this pool wanted
         self.operator_cap_pages: int | None = None
         self.kvctl = KvctlSegment(geometry, lambda: self.key)
+        self._round_lock = threading.Lock()  # held by a round, and by a shutdown's give-back
         self._published: tuple | None = None
         self._zero_reported = False
         self._zero_refusals = 0
@@ -261,7 +263,12 @@ class PoolGovernor:
 
     # ------------------------------------------------------------ the governor's thread
     def step(self, now_s: float) -> None:
-        """One round: kvctl, a deferred limit, pressure, then grow or give back."""
+        """One round: kvctl, a deferred limit, pressure, then grow or give back (under the
+        round lock: a shutdown on the engine's thread never gives back in the middle of one)."""
+        with self._round_lock:
+            self._step(now_s)
+
+    def _step(self, now_s: float) -> None:
         if self.closed:
             self._release_unmapped()
             return
@@ -284,6 +291,9 @@ class PoolGovernor:
             self._ungovern(f"evicted: {exc}")
 
     def _round(self, manager: Any, now_s: float) -> None:
+        """One round on a governed pool.  It stops as soon as the pool is no longer governed (a
+        broker failure found by one of its calls) or closed (from the engine's thread): nothing
+        more is asked of the broker, and an ungoverned pool's lifted limit is never lowered again."""
         if not self._synced:
             self._set_limit(manager, self.real.get_num_total_pages())
             self._synced = True
@@ -293,7 +303,10 @@ class PoolGovernor:
             self.operator_cap_pages = outside_cap
         if self.pending_limit is not None:
             self._finish_deferred(manager)
-        self._adopt_lowered_limit(now_s)
+        if self._live():
+            self._adopt_lowered_limit(now_s)
+        if not self._live():
+            return
         polled = self.grants.poll() if self.grants is not None else 0
         asks = self.asks.take(polled)  # pressure that came through the grants: a broadcast pool's board
         asked, soft, short = asks.pressure_pages, asks.soft_pages, asks.short_pages
@@ -302,17 +315,23 @@ class PoolGovernor:
             asked -= self._release_above_limit(asked + soft)  # a grant held above the limit first
             if asked < 0:
                 soft, asked = max(0, soft + asked), 0
-        if asked > 0:
+        if asked > 0 and self._live():
             self._give_back(manager, asked, evict=True)
-        elif soft > 0:
+        elif soft > 0 and self._live():
             self._give_back(manager, soft, evict=True, defer=False)
-        if self.pending_limit is None:
+        if self.pending_limit is None and self._live():
             self._follow_policy(manager, short, now_s)
+        if not self._live():
+            return
         self._write_segment()
         self._publish()
         self._report_mapped()
         self._report_idle(manager)
         self._seen_limit_pages = self._limit_pages()
+
+    def _live(self) -> bool:
+        """The round may go on: the pool is governed and not closed."""
+        return self.governed and not self.closed
 
     def _mapped_pages(self) -> int:
         """What kvcached has mapped: pages in use and its prealloc reserve (never below 0: the
@@ -437,6 +456,8 @@ class PoolGovernor:
         now, later = give_back_plan(pages, wanted, self.marks.floor_pages)
         if now < pages.limit:
             self._lower_now(manager, now)
+            if not self._live():
+                return
         if later >= now:  # free pages covered the ask, or the pool is at its floor
             self.state.blocked = "" if pages.limit - now >= wanted else self._floor_reason(wanted)
             return
@@ -449,6 +470,8 @@ class PoolGovernor:
                 return
             if inuse < self._limit_pages():
                 self._lower_now(manager, inuse)
+                if not self._live():
+                    return
         if not defer:
             self.state.blocked = ""
             return
@@ -482,14 +505,15 @@ class PoolGovernor:
         """Release what a deferred limit freed; re-apply it once its blocks are freed (kvcached
         finishes it on a ``free``, but a prealloc refill racing that resize can leave it pending)."""
         state = manager.memory_limit_state()
-        assert self.pending_limit is not None
-        above = self.real.get_num_inuse_pages() - self.pending_limit
+        pending = self.pending_limit
+        assert pending is not None
+        above = self.real.get_num_inuse_pages() - pending
         if state.get("status") == "deferred" and above > 0 and self._cached_pages(manager) > 0:
             # Requests finished into the prefix cache since the limit was deferred: what they
             # left there goes now, rather than at the next ask.
             self._evict(manager, above)
-        if state.get("status") == "deferred" and self.real.get_num_inuse_pages() <= self.pending_limit:
-            state = self._set_limit(manager, self.pending_limit)
+        if state.get("status") == "deferred" and self.real.get_num_inuse_pages() <= pending:
+            state = self._set_limit(manager, pending)
         self._release_above_limit()
         if state.get("status") != "deferred":
             self.state.settle("" if state.get("status") == "applied" else f"{state.get('status')}: {state.get('reason')}")
@@ -691,7 +715,14 @@ class PoolGovernor:
         self.kvctl.leave()  # kvcached removes its segment at shutdown
         if not (self.governed and self.grants is not None):
             return
-        self._release_unmapped()
+        # A round under way on the governors' thread stops at its next step (it sees the pool
+        # closed) and the next round gives back: a give-back here, in the middle of that round,
+        # could meet a limit it raised from a grant read before.
+        if self._round_lock.acquire(blocking=False):
+            try:
+                self._release_unmapped()
+            finally:
+                self._round_lock.release()
         runner.wake()
 
     def _release_unmapped(self) -> None:

@@ -25,8 +25,10 @@ the package to it, ``tests/test_kvcached_contact.py``):
   ``kvcached.tp_ipc_util._listeners`` (this worker's listener), ``kvcached.utils``
   (``PAGE_SIZE``, ``get_tp_socket_dir``).
 
-Every function reads without raising where kvcached is absent or differs: None, -1 or False,
-so a kvcached outside the supported range leaves a pool ungoverned rather than failing it.
+The functions that read (post-init, the revision, the process facts) never raise where kvcached
+is absent or differs: they answer False, -1 or None.  :func:`make_lock_real`, :func:`page_size`
+and :func:`tp_socket_dir` import kvcached: they are called only where kvcached built the pool,
+and a failure there is the caller's to contain (a pool's start fails safe, :mod:`.patches`).
 """
 
 from __future__ import annotations

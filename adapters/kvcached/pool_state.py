@@ -16,15 +16,21 @@ and raises :class:`PoolStateError` (nothing changes)::
     GOVERNED    ungovern     UNGOVERNED  no broker, or evicted: the pool runs as kvcached alone
     DEFERRING   ungovern     UNGOVERNED  (the pending limit is dropped with the governing)
     GOVERNED    close        CLOSING     the pool shut down: its grant goes back as kvcached unmaps
-    DEFERRING   close        CLOSING     (the pending limit is dropped: nothing maps any more)
+    DEFERRING   close        CLOSING     (the pending limit stays, for status: nothing maps any more)
     CLOSING     forget       DONE        all of the grant went back, or the session is gone
     CLOSING     ungovern     DONE        a start that failed midway gave its grant back
     UNGOVERNED  close        DONE        nothing to give back
     UNGOVERNED  ungovern     UNGOVERNED  (already: said once, nothing changes)
+    UNGOVERNED, CLOSING, DONE
+                defer|settle (the same)  a round already under way when the pool stopped being
+                                         governed, or was closed from the engine's thread:
+                                         nothing is recorded
 
 ``governed`` is GOVERNED, DEFERRING or CLOSING (the pool holds a grant the shell must keep
 above kvcached's size); ``closed`` is CLOSING or DONE.  UNGOVERNED and DONE are final for the
-broker: the shell never calls it for the pool again.
+broker: the shell never calls it for the pool again, and a round stops as soon as its pool
+stopped being governed.  ``pending_limit`` is set in DEFERRING and None in GOVERNED and
+UNGOVERNED; a closing pool keeps the one it had (status shows it until the pool is done).
 
 **Limits** (the invariant; :func:`limit_after_grant`, :func:`surplus_pages`):
 
@@ -85,7 +91,10 @@ _NEXT: dict[tuple[Phase, Event], Phase] = {
     (Phase.CLOSING, Event.UNGOVERN): Phase.DONE,
     (Phase.UNGOVERNED, Event.CLOSE): Phase.DONE,
     (Phase.UNGOVERNED, Event.UNGOVERN): Phase.UNGOVERNED,
+    **{(phase, event): phase for phase in (Phase.UNGOVERNED, Phase.CLOSING, Phase.DONE)
+       for event in (Event.DEFER, Event.SETTLE)},
 }
+_DECIDING = frozenset({Phase.GOVERNED, Phase.DEFERRING})  # where defer and settle record something
 
 _GOVERNED = frozenset({Phase.GOVERNED, Phase.DEFERRING, Phase.CLOSING})
 _CLOSED = frozenset({Phase.CLOSING, Phase.DONE})
@@ -259,14 +268,20 @@ class PoolState:
     def defer(self, limit_pages: int, why: str | None = None) -> None:
         """kvcached deferred ``limit_pages`` (below what is in use): it applies as blocks are
         freed; ``why`` (if given) is what ``blocked`` says meanwhile."""
+        deciding = self.phase in _DECIDING
         self._go(Event.DEFER)
+        if not deciding:
+            return
         self.pending_limit = limit_pages
         if why is not None:
             self.blocked = why
 
     def settle(self, blocked: str = "") -> None:
         """Nothing is pending any more; ``blocked``: why a give-back could not be done, if so."""
+        deciding = self.phase in _DECIDING
         self._go(Event.SETTLE)
+        if not deciding:
+            return
         self.pending_limit = None
         self.blocked = blocked
 
@@ -286,7 +301,6 @@ class PoolState:
         if self.closed:
             return False
         self._go(Event.CLOSE)
-        self.pending_limit = None
         return True
 
     def forget(self) -> None:
