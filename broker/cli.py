@@ -6,15 +6,17 @@ Exit codes: 0 ok, 1 refused, 2 usage, 3 broker unreachable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from msgspec import UNSET
 
@@ -287,8 +289,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(_render(_fetch(endpoints, args.timeout, strict=not args.all), args.json, False, args.all))
         return EXIT_OK
     interactive = sys.stdout.isatty() and not args.json
-    try:
-        while True:
+    with _stopped_by_interrupt() as stop:
+        while not stop.is_set():
             try:
                 frame = _render(_fetch(endpoints, args.timeout, strict=not args.all), args.json, True, args.all)
             except BrokerUnavailable as exc:
@@ -301,9 +303,25 @@ def cmd_status(args: argparse.Namespace) -> int:
             else:
                 sys.stdout.write(frame + "\n" if args.json else f"--- {stamp}\n{frame}\n")
             sys.stdout.flush()
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return EXIT_OK
+            stop.wait(args.watch)
+    return EXIT_OK
+
+
+@contextlib.contextmanager
+def _stopped_by_interrupt() -> Iterator[threading.Event]:
+    """An event Ctrl-C (SIGINT) sets, in place of a ``KeyboardInterrupt`` that could land in the
+    middle of a broker round trip or a socket's close and leave the process unable to exit: the
+    round in progress finishes (bounded by its timeout), then the loop ends."""
+    stop = threading.Event()
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    except ValueError:  # not the main thread (an embedder): Ctrl-C is the caller's
+        yield stop
+        return
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_limit(args: argparse.Namespace) -> int:
