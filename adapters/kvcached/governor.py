@@ -34,7 +34,11 @@ read two counters and wake that thread when the pool runs short or holds too muc
 pressure ask from the broker only records how much is wanted.  kvcached's manager lock is
 made real at construction, before the engine can call the manager (an ``RLock`` where
 synchronous scheduling left a no-op; :func:`.kvcached_api.make_lock_real`), so a limit change
-never races the engine's own calls.
+never races the engine's own calls.  A round holds the governor's round lock, and a shutdown
+(``close``, on the engine's thread) gives back under it, or leaves the give-back to the next
+round, which it wakes: a give-back never lands between a round's read of the grant and the
+limit it sets from it.  The pool's state decides the rest (:mod:`.pool_state`): a round stops as
+soon as its pool is no longer governed or is closed.
 
 **Failing safe.**  A refusal leaves the pool as it is (the engine's allocation misses, as when
 kvcached finds no physical memory, and is retried); a broker failure turns the process
