@@ -21,7 +21,8 @@ Rules (bytes unless a name says pages; docs/accounting.md):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 #: The pool the broker sets to what a process already used when it pinned its base.
 RUNTIME_BASE_POOL = "runtime_base"
@@ -65,11 +66,9 @@ class ReportBook:
     idle: dict[str, int] = field(default_factory=dict)  # page holder -> session pages it holds idle
 
     # ------------------------------------------------------------ plans
-    def _plan(self, **changes: object) -> Plan:
-        fields: dict[str, object] = {"book": self.book, "usage": self.usage, "holds": self.holds,
-                                     "suspended": frozenset(self.suspended)}
-        fields.update(changes)
-        return Plan(**fields)  # type: ignore[arg-type]
+    def _plan(self, **changes: Any) -> Plan:
+        """The book as it stands, with ``changes``."""
+        return replace(Plan(self.book, self.usage, self.holds, frozenset(self.suspended)), **changes)
 
     def report(self, reporter: str, pools: Pools, usage: Pools | None, holds: Pools | None,
                phase: str | None) -> Plan:

@@ -58,8 +58,7 @@ class Limits:
 
     def view(self) -> results.LimitsView:
         """These limits as a reply carries them."""
-        return results.LimitsView(max_bytes=self.max_bytes, min_bytes=self.min_bytes, weight=self.weight,
-                                  priority=self.priority, revision=self.revision, source=self.source)
+        return results.LimitsView(**self.to_dict())
 
 
 @dataclass(eq=False)

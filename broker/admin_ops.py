@@ -49,10 +49,7 @@ class AdminOps:
             "event=limits instance=%s max_bytes=%s min_bytes=%d weight=%s priority=%d revision=%d uid=%s",
             req.instance, limits.max_bytes, limits.min_bytes, limits.weight, limits.priority, limits.revision, peer.uid,
         )
-        view = limits.view()
-        return proto.ok_reply(req.id, results.LimitResult(
-            instance=req.instance, max_bytes=view.max_bytes, min_bytes=view.min_bytes, weight=view.weight,
-            priority=view.priority, revision=view.revision, source=view.source))
+        return proto.ok_reply(req.id, results.LimitResult(instance=req.instance, **limits.to_dict()))
 
     def evict(self, req: proto.Evict, rid: bytes, peer: Peer, now: float) -> bytes:
         self.require_admin(peer, "evict")

@@ -112,17 +112,11 @@ class CloseResult(Result):
     freed_bytes: int
 
 
-class LimitResult(Result):
+class LimitResult(LimitsView, kw_only=True):
     """The ``limit`` command's answer: the instance, and its limits as they now are (the
     fields of :class:`LimitsView`, in the same map)."""
 
     instance: str
-    max_bytes: int | None = None
-    min_bytes: int = 0
-    weight: float = 1.0
-    priority: int = 0
-    revision: int = 0
-    source: str = "admin"
 
 
 class EvictResult(Result):

@@ -22,6 +22,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from helpers import FixedGrants
+
 from kvcached_broker.client import SessionEvicted
 
 MIN_RESERVED = 2
@@ -147,10 +149,11 @@ class ModelManager:
                 self.in_shrink, self.target_pages = False, None
 
 
-class ModelBroker:
+class ModelBroker(FixedGrants):
     """A broker session's grant to one pool (the ``Grants`` interface, ``maps_here``): grants
     what fits in ``capacity_pages``, refuses, has gone (the process turned unprotected), or
-    evicts, as its ``mode`` says."""
+    evicts, as its ``mode`` says.  The calls it does not model (no shortfall, nothing polled,
+    nothing forgotten) are :class:`helpers.FixedGrants`'."""
 
     maps_here = True
 
@@ -209,24 +212,9 @@ class ModelBroker:
     def idle(self, key: str, pages: int) -> None:
         self._call()
 
-    def uncharged_pages(self) -> int:
-        return 0
-
-    def unasked_shortfall(self) -> int:
-        return 0
-
     def report(self, key: str, pools: dict, *, usage: dict | None = None, allocated: bool = True) -> bool:
         self._call()
         return self.why_lost is None
-
-    def forget(self, key: str) -> None:
-        pass
-
-    def forget_report(self, key: str) -> None:
-        pass
-
-    def poll(self) -> int:
-        return 0
 
 
 class ModelPrefixCache:
