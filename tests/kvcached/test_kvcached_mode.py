@@ -301,5 +301,8 @@ def test_memory_taken_outside_a_pool_after_it_started_never_hides_in_its_unmappe
     while (status := broker.status())["overcommitted"]:
         assert time.monotonic() < deadline_s, f"overcommitted for 60 s: {_charges(status)}"
         time.sleep(0.05)
-    me = session_of(status, "model-a")
-    assert me["report_mapping"] and me["granted_pages"] * (2 << 20) >= filled["granted_bytes"]
+    # B's asks may take A's idle pages back meanwhile (its floor is below what it now holds), so the
+    # broker's ledger is held against the governor's book read at the same moment, not against `filled`.
+    agreed = wait_for(lambda: _books_agree(broker, {"model-a": a}),
+                      what="the broker's ledger to hold the grant A's governor holds")
+    assert session_of(agreed, "model-a")["report_mapping"]
