@@ -8,7 +8,10 @@ The allocator follows kvcached's ``PageAllocator`` (csrc/page_allocator.cpp of t
 as ``tools/kvcached_sim/vmm_ops_double.py`` models it): mapped (in use + reserve) never exceeds
 its size; ``resize`` refuses to go below what is in use, and otherwise shrinks over unmapped
 pages, then the reserve; frees refill the reserve up to ``MAX_RESERVED`` and unmap the rest;
-``trim`` unmaps the reserve.  The manager follows ``KVCacheManager.set_memory_limit`` of 0.1.6:
+``trim`` unmaps the reserve.  The engine's ``alloc`` counts its pages in use before it has
+mapped them (kvcached's ``alloc_page`` pops a free page, then maps it), and holds the manager's
+lock until they are mapped: whoever takes that lock (the governor, or kvcached's own synchronized
+calls) waits for the mapping to finish.  The manager follows ``KVCacheManager.set_memory_limit`` of 0.1.6:
 a revision older than the current one is ``stale``, the same revision with another limit a
 ``conflict``; a limit below what is in use leaves the size as it is and is ``deferred`` until
 frees bring the use down to it.
@@ -36,6 +39,7 @@ class ModelAllocator:
         self.total = size_pages
         self.inuse = 0
         self.reserved = 0
+        self.mapping = 0  # counted in use, not mapped yet: the engine's alloc is under way
         self.interleave: Callable[[], None] = lambda: None
         self.check: Callable[[], None] = lambda: None
 
@@ -77,15 +81,23 @@ class ModelAllocator:
         return self.total - self.inuse - self.reserved
 
     def alloc(self, pages: int) -> bool:
+        """The engine's alloc starts: it counts ``pages`` in use at once, and maps those not taken
+        from the reserve until :meth:`finish_mapping` (it holds the manager's lock meanwhile)."""
+        self.finish_mapping()
         if self.reserved + self.unmapped_free() < pages:
             return False
         from_reserve = min(self.reserved, pages)
         self.reserved -= from_reserve
         self.inuse += pages
+        self.mapping = pages - from_reserve
         self.check()
         return True
 
+    def finish_mapping(self) -> None:
+        self.mapping = 0
+
     def free(self, pages: int) -> None:
+        self.finish_mapping()
         pages = min(pages, self.inuse)
         self.inuse -= pages
         self.reserved = min(MAX_RESERVED, self.reserved + pages)
@@ -97,7 +109,30 @@ class ModelAllocator:
 
     @property
     def mapped(self) -> int:
+        """What kvcached counts mapped (in use and the reserve)."""
         return self.inuse + self.reserved
+
+    @property
+    def physical(self) -> int:
+        """What the device would measure: the pages the engine is still mapping are not in it."""
+        return self.mapped - self.mapping
+
+
+class ModelLock:
+    """The manager's lock as another thread meets it: taking it waits for the engine's alloc
+    under way to finish mapping (the engine holds the lock until then)."""
+
+    def __init__(self, allocator: ModelAllocator):
+        self.allocator = allocator
+        self.held = 0
+
+    def __enter__(self) -> bool:
+        self.allocator.finish_mapping()
+        self.held += 1
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self.held -= 1
 
 
 class ModelManager:
@@ -110,7 +145,7 @@ class ModelManager:
         self.pool_name = "mha"
         self._post_init_done = threading.Event()
         self._post_init_done.set()
-        self._lock = threading.RLock()
+        self._lock = ModelLock(allocator)
         self._memory_limit_revision = -1
         self._memory_limit_bytes: int | None = None
         self.in_shrink = False
@@ -118,6 +153,7 @@ class ModelManager:
         self.statuses: list[str] = []  # what each set_memory_limit call returned
 
     def set_memory_limit(self, limit_bytes: int, *, revision: int) -> dict:
+        self.page_allocator.finish_mapping()  # synchronized: it waits for the engine's alloc
         if revision < self._memory_limit_revision:
             return self._record("stale")
         if revision == self._memory_limit_revision:
@@ -138,6 +174,7 @@ class ModelManager:
         return state
 
     def memory_limit_state(self) -> dict:
+        self.page_allocator.finish_mapping()
         return {"status": "deferred" if self.in_shrink else "applied", "revision": self._memory_limit_revision,
                 "limit_bytes": self._memory_limit_bytes}
 
@@ -166,6 +203,7 @@ class ModelBroker(FixedGrants):
         self.calls_after_lost = 0
         self.evictions = 0
         self.mapped_said: int | None = None
+        self.said_mapped: Callable[[int], None] = lambda pages: None  # the test's check of each
 
     def lost(self) -> str | None:
         return self.why_lost
@@ -201,12 +239,14 @@ class ModelBroker(FixedGrants):
         pages = min(pages, self.pages)
         self.pages -= pages
         if mapped is not None:
+            self.said_mapped(mapped)
             self.mapped_said = mapped
         self.check()
         return True
 
     def mapped(self, key: str, pages: int) -> None:
         self._call()
+        self.said_mapped(pages)
         self.mapped_said = pages
 
     def idle(self, key: str, pages: int) -> None:

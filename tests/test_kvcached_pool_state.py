@@ -8,6 +8,9 @@ their threads can, and checks at every mutation, not only between steps:
 * ``mapped <= limit``: kvcached maps at most its allocator's size (the model's own rule);
 * ``limit <= granted`` while the pool is governed: every size kvcached is given, and every grant
   the broker takes back, keeps the size at most what the broker granted;
+* ``said <= mapped``: every count of mapped pages the broker is told is at most what the device
+  would measure then (the engine's alloc counts a page in use before it has mapped it, and the
+  broker takes a page said mapped off its promised charge);
 
 and after each rule: the governor never gets a ``stale`` or ``conflict`` from kvcached (its
 revisions are newer than any the pool saw), never calls the broker once it stopped governing
@@ -162,6 +165,7 @@ class GovernedPool(RuleBasedStateMachine):
         marks = Watermarks(batch_pages=4, low_pages=2, high_pages=8)
         self.governor = PoolGovernor(self.geometry, self.allocator, self.broker, marks)
         self.allocator.check = self.broker.check = self.check
+        self.broker.said_mapped = self.said_mapped
         self.governor.start()
         self.started = True
         self.allocator.interleave = self.interleave
@@ -187,6 +191,11 @@ class GovernedPool(RuleBasedStateMachine):
                                    f"({self.governor.state.phase})")
         assert not self.violations, self.violations[0]
 
+    def said_mapped(self, pages: int) -> None:
+        if pages > self.allocator.physical:
+            self.violations.append(f"the broker was told {pages} pages are mapped; {self.allocator.physical} are "
+                                   f"({self.allocator.mapping} still being mapped)")
+
     def interleave(self) -> None:
         """The engine's or kvcached's threads act between two of the governor's calls."""
         if self.interleaving or not self.schedule:
@@ -200,7 +209,11 @@ class GovernedPool(RuleBasedStateMachine):
     def act(self, what: str, pages: int) -> None:
         if what in ("alloc", "prealloc") and self.governor.closed:
             return  # kvcached stopped its prealloc thread at shutdown, and the engine allocates no more
-        if what == "alloc":
+        if what in ("alloc", "free") and self.manager._lock.held:
+            return  # the engine waits for the manager's lock, and acts once the governor let it go
+        if what == "mapped":  # the engine's alloc under way finishes mapping its pages
+            self.allocator.finish_mapping()
+        elif what == "alloc":
             got = self.allocator.alloc(pages)
             self.governor.note_alloc(pages, object() if got else None, PAGE_SIZE)
         elif what == "free":  # a running request's blocks: not the prefix cache's
@@ -214,7 +227,7 @@ class GovernedPool(RuleBasedStateMachine):
             self.governor.close()
 
     # -------------------------------------------------------- what happens to a pool
-    @rule(what=st.sampled_from(["alloc", "free", "finish", "prealloc"]), pages=st.integers(1, 12))
+    @rule(what=st.sampled_from(["alloc", "free", "finish", "prealloc", "mapped"]), pages=st.integers(1, 12))
     def engine(self, what, pages):
         self.interleaving = True  # the engine's own call: nothing else runs inside it
         try:
@@ -242,7 +255,8 @@ class GovernedPool(RuleBasedStateMachine):
         self.broker.mode = mode
 
     @rule(dt_s=st.sampled_from([0.0, 0.01, 0.06, 0.6, 2.5]),
-          schedule=st.lists(st.sampled_from(["alloc", "free", "finish", "prealloc", "alloc", "free", "shutdown"]),
+          schedule=st.lists(st.sampled_from(["alloc", "free", "finish", "prealloc", "alloc", "free", "mapped",
+                                             "shutdown"]),
                             max_size=6))
     def step(self, dt_s, schedule):
         self.now_s += dt_s

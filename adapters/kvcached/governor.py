@@ -342,11 +342,19 @@ class PoolGovernor:
         in-use count is two relaxed loads, transiently negative during an expansion)."""
         return max(0, self.real.get_num_inuse_pages()) + self.real.get_num_reserved_pages()
 
+    def _mapped_pages_done(self) -> int:
+        """What kvcached has finished mapping, as the broker must be told it: read under the
+        manager's lock, which kvcached's ``alloc`` holds while it maps a page it already counts in
+        use.  A page said to be mapped comes off the broker's promised charge against a device
+        reading made at once, so a page still being mapped would be charged nowhere."""
+        with kvcached_api.held_lock(self.manager()):
+            return self._mapped_pages()
+
     def _report_mapped(self) -> None:
         """Tell the broker how many of the pool's granted pages are mapped, if that changed."""
         if self.grants is None or not self.grants.maps_here:
             return
-        mapped = min(self._mapped_pages(), self.grants.pages)
+        mapped = min(self._mapped_pages_done(), self.grants.pages)
         if mapped != self._reported_mapped:
             self.grants.mapped(self.key, mapped)
             self._reported_mapped = mapped
@@ -552,7 +560,7 @@ class PoolGovernor:
         assert self.grants is not None
         if not self.grants.maps_here:
             return self.grants.release(pages)
-        mapped = min(self._mapped_pages(), max(0, self.grants.pages - pages))
+        mapped = min(self._mapped_pages_done(), max(0, self.grants.pages - pages))
         if not self.grants.release(pages, mapped=mapped, key=self.key):
             return False
         self._reported_mapped = mapped
