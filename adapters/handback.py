@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
-from . import announce, process_state, worker
+from . import announce, process_state, worker, worker_identity
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -73,7 +73,7 @@ def frees_base(tags: set[str]) -> bool:
     return bool(tags - {KV_CACHE_TAG})
 
 
-def before_release(identity: worker.WorkerIdentity, tags: set[str]) -> None:
+def before_release(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:
     """Pin the base at what the process uses now, if this release frees more than the KV cache."""
     if not frees_base(tags):
         return
@@ -93,7 +93,7 @@ def before_release(identity: worker.WorkerIdentity, tags: set[str]) -> None:
             record.before_bytes = max(record.before_bytes, base_bytes)
 
 
-def after_release(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
+def after_release(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
     """The release is done: stop charging what it freed; returns the bytes no longer charged."""
     kv = list(kv_names) if KV_CACHE_TAG in tags else []
     record = _record(identity)
@@ -112,7 +112,7 @@ def after_release(identity: worker.WorkerIdentity, tags: set[str], kv_names: lis
     return freed
 
 
-def coming_back_bytes(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
+def coming_back_bytes(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
     """What :func:`admit` would charge again for ``tags``."""
     kv = _kv_coming_back(identity, tags, kv_names)
     base_bytes = _base_coming_back(identity, tags)
@@ -120,7 +120,7 @@ def coming_back_bytes(identity: worker.WorkerIdentity, tags: set[str], kv_names:
     return sum(worker.booked_bytes(identity, name) for name in kv) + growth
 
 
-def admit(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
+def admit(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
     """Before the runtime maps ``tags`` again: charge them again, in one request.
 
     ``BudgetExceeded`` if the broker has no room (nothing changes, and the runtime must not
@@ -136,7 +136,7 @@ def admit(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) 
     return charged
 
 
-def _remember_admission(identity: worker.WorkerIdentity, kv_names: list[str], base_from_bytes: int | None) -> None:
+def _remember_admission(identity: worker_identity.WorkerIdentity, kv_names: list[str], base_from_bytes: int | None) -> None:
     """Add to what is admitted and not mapped yet (EngineCore admits, then the worker's own wake does)."""
     key = str(identity.device)
     ledger = _ledger()
@@ -149,7 +149,7 @@ def _remember_admission(identity: worker.WorkerIdentity, kv_names: list[str], ba
         ledger.admitted[key] = _Admission(kv_names, base_from_bytes)
 
 
-def settle(identity: worker.WorkerIdentity, tags: set[str]) -> None:
+def settle(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:
     """The runtime mapped ``tags`` again: pin the base at what the device measures."""
     ledger = _ledger()
     with ledger.lock:
@@ -164,7 +164,7 @@ def settle(identity: worker.WorkerIdentity, tags: set[str]) -> None:
             ledger.handed_back.pop(str(identity.device), None)
 
 
-def roll_back(identity: worker.WorkerIdentity) -> None:
+def roll_back(identity: worker_identity.WorkerIdentity) -> None:
     """What :func:`admit` charged was not mapped (another TP rank failed, or the runtime's own
     resume did): hand it back again, and nothing else."""
     ledger = _ledger()
@@ -174,26 +174,26 @@ def roll_back(identity: worker.WorkerIdentity) -> None:
         worker.suspend(identity, admission.kv_names, base_bytes=admission.base_from_bytes)
 
 
-def handed_back(identity: worker.WorkerIdentity) -> bool:
+def handed_back(identity: worker_identity.WorkerIdentity) -> bool:
     """True while memory of this device's base or KV cache is handed back."""
     record = _record(identity)
     return (record is not None and bool(record.tags)) or bool(worker.suspended(identity))
 
 
-def _record(identity: worker.WorkerIdentity) -> _HandedBack | None:
+def _record(identity: worker_identity.WorkerIdentity) -> _HandedBack | None:
     ledger = _ledger()
     with ledger.lock:
         return ledger.handed_back.get(str(identity.device))
 
 
-def _kv_coming_back(identity: worker.WorkerIdentity, tags: set[str], kv_names: list[str]) -> list[str]:
+def _kv_coming_back(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: list[str]) -> list[str]:
     if KV_CACHE_TAG not in tags:
         return []
     suspended = set(worker.suspended(identity))
     return [name for name in kv_names if name in suspended]
 
 
-def _base_coming_back(identity: worker.WorkerIdentity, tags: set[str]) -> int | None:
+def _base_coming_back(identity: worker_identity.WorkerIdentity, tags: set[str]) -> int | None:
     """The base to book before ``tags`` map again (None: the base does not change)."""
     record = _record(identity)
     if record is None or not record.tags & tags:

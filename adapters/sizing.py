@@ -41,8 +41,9 @@ from typing import Mapping
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
-from . import announce, worker
-from .worker import KV_SIZING_HOLD, SLACK_HOLD, WorkerIdentity
+from . import announce, sessions, worker
+from .worker import KV_SIZING_HOLD, SLACK_HOLD
+from .worker_identity import WorkerIdentity
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -108,7 +109,7 @@ def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
     answer = _hold_waiting_for_start_ups(identity, ask, holds, min_holds)
     if answer is None:
         return None
-    read = worker.guard(identity, "read the broker's answer", lambda: _read(answer))
+    read = sessions.guard(identity, "read the broker's answer", lambda: _read(answer))
     if read is None:
         return None
     held, grantable_bytes, ever_bytes, holders = read
@@ -188,7 +189,7 @@ def _read(answer: dict) -> tuple[dict[str, int], int, int, tuple[tuple[str, int]
 
 
 def refusal(identity: WorkerIdentity, ask: StartupAsk, why: str) -> StartupRefused:
-    client = worker.session(identity)
+    client = sessions.session(identity)
     endpoint = client.endpoint if client is not None else "?"
     return StartupRefused(
         f"kvcached-broker at {endpoint} cannot give {ask.runtime} instance {identity.instance_name()!r} "

@@ -24,65 +24,22 @@ back (weights, CUDA graphs) is inside the runtime base: :func:`repin_base` pins 
 what the device measures, and :func:`resume` can raise it back before the runtime maps the
 memory again (:mod:`.handback`).
 
-Failing safe.  No broker, endpoint, device or protocol failure may crash a server:
-
-* :func:`session` catches every failure to open a session (an unreachable or refusing
-  broker, ``KVCACHED_BROKER=ipc://relative``, a ``CUDA_VISIBLE_DEVICES`` entry NVML cannot
-  resolve, a malformed instance name) and returns None: the worker runs unprotected;
-* :func:`guard` runs a broker round trip of an open session, reading of the answer included:
-  a refusal (``BudgetExceeded``) goes to the caller, which explains it; an eviction is always
-  raised (its memory was given away); anything else (a timeout, ``rate_limited``,
-  ``internal``, an unknown code, an answer in a shape the adapter cannot read) turns the
-  worker unprotected and returns None.
-
-Unprotected is said once per process (``event=unprotected`` on stderr, :mod:`.announce`).
-With ``KVCACHED_REQUIRE=1`` every one of those failures raises :class:`BrokerRequired`
-instead: a startup error with the reason.  Callers that sit between TP collectives call
-:func:`guard` and keep taking part in the collective whatever it returns.
+Every operation here runs through the device's session (:mod:`.sessions`) and its fail-safe
+:func:`.sessions.guard`: None (or False) when the worker runs unprotected.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
-from ..client import BadRequest, BrokerClient, BrokerError, BudgetExceeded
-from ..client.endpoint import broker_disabled
-from . import announce, autopatch, flags, instance, patching, process_state, versions
-from .report_book import RUNTIME_BASE_POOL, SLACK_POOL, Plan, ReportBook, Request
+from ..client import BadRequest, BrokerClient
+from . import announce, process_state
+from .report_book import RUNTIME_BASE_POOL, SLACK_POOL, Plan, Request
+from .sessions import DeviceSession, guard, registry, session
+from .worker_identity import WorkerIdentity
 
 log = announce.logger("kvcached_broker.adapters")
-
-T = TypeVar("T")
-
-#: What reading a broker answer of an unexpected shape raises (a missing field, a field of the
-#: wrong type or value): a protocol failure, handled like any other broker failure.
-MALFORMED_ANSWER = (LookupError, TypeError, ValueError, AttributeError)
-
-
-class BrokerRequired(RuntimeError):
-    """KVCACHED_REQUIRE=1 and the broker cannot protect this worker.  One line."""
-
-
-@dataclass
-class WorkerIdentity:
-    runtime: str  # "sglang" or "vllm"
-    device: int | str
-    tp_rank: int = 0
-    tp_size: int = 1
-    page_bytes: int = 2 << 20
-    instance: str | None = None
-    #: Adapters batch their own elastic grants (kvcached mode grows a pool a batch at a time),
-    #: so by default the client keeps no credit reserve of its own: a worker that only
-    #: reserves holds no idle pages.
-    credit_pages: int | None = 0
-
-    def instance_name(self) -> str:
-        return self.instance or instance.instance_name(self.runtime)
-
 
 #: The hold KV sizing takes (memory promised between sizing and allocating the KV cache).
 KV_SIZING_HOLD = "kv_sizing_hold"
@@ -91,242 +48,14 @@ KV_SIZING_HOLD = "kv_sizing_hold"
 SLACK_HOLD = "runtime_slack_hold"
 
 
-@dataclass
-class _DeviceSession:
-    """One device's session and its book (:mod:`.report_book`: what the process reports and holds)."""
-
-    client: BrokerClient
-    identity: WorkerIdentity
-    book: ReportBook = field(default_factory=ReportBook)
-
-
-class _Sessions:
-    """This process's broker sessions, one per device, and the devices left unprotected (and
-    why).  ``lock`` guards both, and is held across a session's round trips (one request per
-    device at a time); ``hooks_lock`` guards only what :func:`settle_warm_up` runs first, so
-    registering never waits behind a broker call.  Closing the part closes every session."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.by_device: dict[str, _DeviceSession] = {}
-        self.unprotected: dict[str, str] = {}  # device -> why
-        #: How sessions are opened (None: :func:`connect`); tests and embedders set it.
-        self.client_factory: Callable[[WorkerIdentity], BrokerClient] | None = None
-        self.hooks_lock = threading.Lock()
-        self.before_settling: list[Callable[[], None]] = []  # given by the modules above this one
-        self.closed = False  # closed by a reset: no session opens here again
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            entries = list(self.by_device.values())
-            self.by_device.clear()
-            self.unprotected.clear()
-        for entry in entries:
-            try:
-                entry.client.close()
-            except BrokerError:
-                pass
-
-
-def _state() -> _Sessions:
-    return process_state.part(_Sessions)
-
-
-def set_client_factory(factory: Callable[[WorkerIdentity], BrokerClient] | None) -> None:
-    """Open this process's sessions with ``factory`` (None: :func:`connect`, at
-    ``KVCACHED_BROKER`` or the default endpoint); tests and embedders.  Kept until a reset."""
-    _state().client_factory = factory
-
-
 def before_settling_warm_up(step: Callable[[], None]) -> None:
     """Have :func:`settle_warm_up` run ``step`` before it pins the base at what the device
     measures (once however often given): kvcached mode's governors report every page they
     mapped first (:mod:`.kvcached.runner`), so the base counts none of them."""
-    state = _state()
+    state = registry()
     with state.hooks_lock:
         if step not in state.before_settling:
             state.before_settling.append(step)
-
-
-# ------------------------------------------------------------------ the adapter's identity
-def adapter_info(runtime: str) -> dict[str, object]:
-    """What the broker shows as this session's ``adapter``: runtime, version, applied patches."""
-    return {
-        "runtime": runtime,
-        "runtime_version": versions.installed(runtime) or "",
-        "patches": applied_patches(runtime)[:64],
-    }
-
-
-def applied_patches(runtime: str) -> list[str]:
-    names = [r.patch for r in patching.results() if r.outcome in ("applied", "already") and r.patch.startswith(f"{runtime}_")]
-    return sorted(set(names))
-
-
-def failed_patches(runtime: str) -> list[str]:
-    names = [r.patch for r in patching.results() if r.outcome == "failed" and r.patch.startswith(f"{runtime}_")]
-    return sorted(set(names))
-
-
-def connect(identity: WorkerIdentity, endpoint: str | None = None) -> BrokerClient:
-    """Open a session for ``identity`` (``endpoint=None``: ``KVCACHED_BROKER`` or the default)."""
-    return BrokerClient.connect(
-        identity.instance_name(),
-        device=identity.device,
-        tp_rank=identity.tp_rank,
-        tp_size=identity.tp_size,
-        page_bytes=identity.page_bytes,
-        endpoint=endpoint,
-        credit_pages=identity.credit_pages,
-        client=f"kvcached-broker-adapter/{identity.runtime}",
-        adapter=adapter_info(identity.runtime),
-        report_mapping=True,  # pages are taken by kvcached pools, which say what they have mapped
-    )
-
-
-def _connect(identity: WorkerIdentity) -> BrokerClient:
-    factory = _state().client_factory
-    if factory is not None:
-        return factory(identity)
-    return connect(identity)
-
-
-# ------------------------------------------------------------------------------ the session
-def session(identity: WorkerIdentity) -> BrokerClient | None:
-    """The session for ``identity.device``, opened on first use; None if unprotected."""
-    state = _state()
-    key = str(identity.device)
-    with state.lock:
-        if state.closed:  # a reset is closing the process's state: nothing opens now
-            return None
-        existing = state.by_device.get(key)
-        if existing is not None and key not in state.unprotected:
-            return existing.client
-        if key in state.unprotected:
-            return None
-        if broker_disabled():
-            _announce_active(identity, None)
-            _unprotected_now(key, "KVCACHED_BROKER=off")
-            return None
-        try:
-            client = _connect(identity)
-        except Exception as exc:  # noqa: BLE001 - any failure to open leaves the worker unprotected
-            _announce_active(identity, None)
-            _unprotected_now(key, _describe(exc), exc)
-            return None
-        state.by_device[key] = _DeviceSession(client, identity)
-        _announce_active(identity, client)
-        log.info(
-            "event=adapter_session runtime=%s device=%s instance=%s session=%s endpoint=%s",
-            identity.runtime, identity.device, identity.instance_name(), client.session_id, client.endpoint,
-        )
-        return client
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return text if isinstance(exc, BrokerError) else f"{type(exc).__name__}: {text}"
-
-
-def _unprotected_now(key: str, why: str, cause: BaseException | None = None) -> None:
-    """Mark ``key`` unprotected (said once per process); under KVCACHED_REQUIRE=1, raise."""
-    if flags.required():
-        raise BrokerRequired(
-            f"kvcached-broker is required (KVCACHED_REQUIRE=1) but unusable for device {key}: {why}"
-        ) from cause
-    _mark_unprotected(key, why)
-
-
-def _mark_unprotected(key: str, why: str) -> None:
-    state = _state()
-    with state.lock:
-        state.unprotected[key] = why
-    announce.once("unprotected", logging.WARNING, "unprotected", pid=os.getpid(), device=key, reason=why,
-                  detail="this process's GPU memory is not arbitrated by kvcached-broker")
-
-
-def open_identities() -> list[WorkerIdentity]:
-    """The identity of every usable session of this process (one per device)."""
-    state = _state()
-    with state.lock:
-        return [entry.identity for key, entry in state.by_device.items() if key not in state.unprotected]
-
-
-def unprotected_reason(identity: WorkerIdentity) -> str | None:
-    state = _state()
-    with state.lock:
-        return state.unprotected.get(str(identity.device))
-
-
-def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | None:
-    """Run ``call`` (a broker round trip, and the reading of its answer); None if the worker is,
-    or just turned, unprotected.
-
-    ``BudgetExceeded`` (a refusal) and a fatal error (eviction) propagate; any other failure,
-    an answer the caller cannot read included, makes the worker unprotected (or, under
-    ``KVCACHED_REQUIRE=1``, raises ``BrokerRequired``).
-    """
-    state = _state()
-    if session(identity) is None:
-        return None
-    cause: Exception
-    try:
-        return call()
-    except BudgetExceeded:
-        raise
-    except BrokerError as exc:
-        if exc.fatal:
-            raise
-        why, cause = str(exc), exc
-    except MALFORMED_ANSWER as exc:
-        why, cause = f"the broker's answer is not in the shape this adapter reads ({type(exc).__name__}: {exc})", exc
-    if state.closed:  # the reset closed the session under the call: nothing to mark
-        return None
-    with state.lock:
-        _unprotected_now(str(identity.device), f"{action}: {why}", cause)
-    return None
-
-
-def announce_process(runtime: str, role: str) -> None:
-    """The ``adapter_active`` line of a process that opens no session itself (vLLM's EngineCore).
-
-    Its ``instance`` is ``KVCACHED_BROKER_INSTANCE``, or ``default`` where that is unset: the
-    default comes from the workers' process group, which this process is not in, and each
-    worker's own line shows it.
-    """
-    failed = failed_patches(runtime)
-    announce.once(
-        "active", logging.INFO, "adapter_active", runtime=runtime, version=versions.installed(runtime),
-        pid=os.getpid(), hook="pth" if autopatch.hook_installed() else "explicit", role=role,
-        instance="default" if instance.defaulted() else _shown_instance(runtime),
-        endpoint=os.environ.get("KVCACHED_BROKER", "").strip() or "default",
-        patches=",".join(applied_patches(runtime)) or "none", failed=",".join(failed) or None,
-    )
-
-
-def _shown_instance(runtime: str, name: str | None = None) -> str:
-    """The instance name as the ``adapter_active`` line shows it (an invalid one, with why)."""
-    try:
-        return name or instance.instance_name(runtime)
-    except instance.InstanceNameError as exc:
-        return f"invalid ({exc})"
-
-
-def _announce_active(identity: WorkerIdentity, client: BrokerClient | None) -> None:
-    runtime = identity.runtime
-    failed = failed_patches(runtime)
-    name = _shown_instance(runtime, identity.instance)
-    announce.once(
-        "active", logging.INFO, "adapter_active", runtime=runtime, version=versions.installed(runtime),
-        pid=os.getpid(), hook="pth" if autopatch.hook_installed() else "explicit", instance=name,
-        endpoint=client.endpoint if client is not None else "none",
-        session=client.session_id if client is not None else "none",
-        patches=",".join(applied_patches(runtime)) or "none", failed=",".join(failed) or None,
-    )
-    if identity.instance is None and instance.defaulted():
-        announce.once("instance", logging.WARNING, "instance_default", instance=name,
-                      detail="KVCACHED_BROKER_INSTANCE is unset: give every rank of this server the same name there")
 
 
 # ------------------------------------------------------------------------------ the book
@@ -350,9 +79,9 @@ def report(
     or, for pools reported ahead of their allocation, in a request of its own first.
 
     Raises ``BudgetExceeded`` (naming the pool) if the broker has no room; the book is then
-    left as it was.  None when the worker runs unprotected (see :func:`guard`).
+    left as it was.  None when the worker runs unprotected (see :func:`.sessions.guard`).
     """
-    state = _state()
+    state = registry()
     if session(identity) is None:
         return None
     with state.lock:
@@ -371,7 +100,7 @@ def hold_what_fits(identity: WorkerIdentity, holds: dict[str, int], min_holds: d
 
     ``BudgetExceeded`` when even the least does not fit (nothing changes); None when unprotected.
     """
-    state = _state()
+    state = registry()
     if session(identity) is None:
         return None
     with state.lock:
@@ -390,7 +119,7 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
     its activations need in later batches.  Returns the slack kept; None when unprotected."""
     if session(identity) is None:
         return None
-    state = _state()
+    state = registry()
     with state.hooks_lock:
         first = list(state.before_settling)
     for step in first:
@@ -416,7 +145,7 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
 def set_phase(identity: WorkerIdentity, phase: str) -> None:
     """Show ``phase`` in status (a request of its own, only if it changes; a broker failure
     is handled as any: the worker turns unprotected)."""
-    state = _state()
+    state = registry()
     if session(identity) is None:
         return
     with state.lock:
@@ -432,7 +161,7 @@ def hold(identity: WorkerIdentity, name: str, size_bytes: int) -> dict[str, int]
     The first request of a session that holds anything pins the runtime base with it.
     ``BudgetExceeded`` if the broker has no room (nothing changes); None when unprotected.
     """
-    state = _state()
+    state = registry()
     if session(identity) is None:
         return None
     with state.lock:
@@ -449,7 +178,7 @@ def pin_base(identity: WorkerIdentity) -> int | None:
     For a worker about to take elastic pages: a grant is reported before its pages are
     mapped, so without a base the process's weights would cover it.  None when unprotected.
     """
-    state = _state()
+    state = registry()
     if session(identity) is None:
         return None
     with state.lock:
@@ -459,7 +188,7 @@ def pin_base(identity: WorkerIdentity) -> int | None:
         return entry.book.base_bytes
 
 
-def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: Plan, action: str, *,
+def _send(identity: WorkerIdentity, entry: DeviceSession, plan: Plan, action: str, *,
           holds_granted: bool = False) -> dict[str, int] | None:
     """One reserve request for the whole book; once answered, the book is the plan's (with the
     holds the broker granted, for ``holds_granted``)."""
@@ -476,7 +205,7 @@ def _send(identity: WorkerIdentity, entry: _DeviceSession, plan: Plan, action: s
 
 
 def _reserve(client: BrokerClient, request: Request, plan: Plan) -> tuple[dict[str, int], int]:
-    """The reserve request and the runtime base its answer gives (sent and read inside :func:`guard`).
+    """The reserve request and the runtime base its answer gives (sent and read inside :func:`.sessions.guard`).
 
     Usage views are never charged, so a view the broker finds larger than what the session
     holds (its charge not caught up yet: a short broker restart, a grant in flight) does not
@@ -498,7 +227,7 @@ def _reserve(client: BrokerClient, request: Request, plan: Plan) -> tuple[dict[s
 
 def held_bytes(identity: WorkerIdentity, name: str | None = None) -> int:
     """Bytes this device's book holds under ``name`` (every hold, if None)."""
-    state = _state()
+    state = registry()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
         if entry is None:
@@ -508,7 +237,7 @@ def held_bytes(identity: WorkerIdentity, name: str | None = None) -> int:
 
 def base_bytes(identity: WorkerIdentity) -> int | None:
     """The runtime base the broker pinned for this device's session (None: not pinned yet)."""
-    state = _state()
+    state = registry()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
         return entry.book.base_bytes if entry is not None else None
@@ -517,7 +246,7 @@ def base_bytes(identity: WorkerIdentity) -> int | None:
 def suspend(identity: WorkerIdentity, names: list[str], *, base_bytes: int | None = None) -> int:
     """Stop charging ``names`` (their memory was handed back) and, with ``base_bytes``, lower the
     runtime base to it, in one request; returns the bytes no longer charged."""
-    state = _state()
+    state = registry()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
         if entry is None:
@@ -537,7 +266,7 @@ def resume(identity: WorkerIdentity, names: list[str] | None = None, *, base_byt
     if the broker has no room (nothing changes).  0 when nothing comes back or the worker
     runs unprotected.
     """
-    state = _state()
+    state = registry()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
         if entry is None:
@@ -557,7 +286,7 @@ def repin_base(identity: WorkerIdentity, suspend: list[str] | tuple[str, ...] = 
     process uses; after it, so that what it handed back is no longer charged.  None when the
     worker runs unprotected.
     """
-    state = _state()
+    state = registry()
     if session(identity) is None:
         return None
     with state.lock:
@@ -573,7 +302,7 @@ def report_mapped(identity: WorkerIdentity, holder: str, session_pages: int) -> 
     so a granted page is charged as promised memory until it is mapped.  Never more than the
     broker charges the session (a re-assertion that came back short books the rest uncharged).
     A broker failure turns the worker unprotected, as any."""
-    state = _state()
+    state = registry()
     if session(identity) is None:
         return
     with state.lock:
@@ -588,7 +317,7 @@ def release_mapped(identity: WorkerIdentity, holder: str, session_pages: int, ma
     """``holder`` gives ``session_pages`` back and keeps ``mapped_session_pages`` mapped: one
     release that says the session's new mapped total (the broker reads the device at once, so
     the memory is free for others in the same round).  False if the worker is unprotected."""
-    state = _state()
+    state = registry()
     if session(identity) is None:
         return False
     with state.lock:
@@ -608,7 +337,7 @@ def report_idle(identity: WorkerIdentity, holder: str, session_pages: int) -> No
     """``holder`` holds ``session_pages`` of the session's pages idle (free, or unused cache): the
     session says the sum over its holders with its next request (``BrokerClient.report_idle``; no
     round trip), and the broker asks sessions with idle pages first when memory must come back."""
-    state = _state()
+    state = registry()
     client = session(identity)
     if client is None:
         return
@@ -625,14 +354,14 @@ def _charged_pages(client: BrokerClient) -> int:
 
 def booked_bytes(identity: WorkerIdentity, reporter: str) -> int:
     """The bytes ``reporter`` has in this device's book (charged or suspended)."""
-    state = _state()
+    state = registry()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
         return entry.book.booked_bytes(reporter) if entry is not None else 0
 
 
 def suspended(identity: WorkerIdentity) -> list[str]:
-    state = _state()
+    state = registry()
     with state.lock:
         entry = state.by_device.get(str(identity.device))
         return sorted(entry.book.suspended) if entry is not None else []
@@ -640,7 +369,7 @@ def suspended(identity: WorkerIdentity) -> list[str]:
 
 def forget(identity: WorkerIdentity, reporter: str) -> None:
     """Drop ``reporter``'s pools (its pool was freed)."""
-    state = _state()
+    state = registry()
     key = str(identity.device)
     with state.lock:
         entry = state.by_device.get(key)

@@ -9,7 +9,7 @@ know (a newer broker), and an answer in a shape the adapter does not read (a res
 or a status document with fields missing, or of the wrong type).
 
 ``arrange(kind)`` sets the failure up for the adapter's real connection path
-(``worker.session`` with ``KVCACHED_BROKER``); for the failures of a live session,
+(``sessions.session`` with ``KVCACHED_BROKER``); for the failures of a live session,
 ``break_after_open(identity)`` opens the session first and then breaks it.
 """
 
@@ -19,7 +19,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import sessions, worker, worker_identity
 from kvcached_broker.client.errors import error_from_wire
 
 #: failure kind -> a piece of the reason the worker gives when it turns unprotected
@@ -76,11 +76,11 @@ class Arranged:
     def reason(self) -> str | None:
         return REASONS.get(self.kind)
 
-    def break_after_open(self, identity: worker.WorkerIdentity) -> None:
+    def break_after_open(self, identity: worker_identity.WorkerIdentity) -> None:
         """For the failures of a live session: open it now, then make it fail."""
         if self.kind not in AFTER_OPEN:
             return
-        client = worker.session(identity)
+        client = sessions.session(identity)
         assert client is not None, "the session should open before it fails"
         if self.kind == "slow":
             self.stopped_pid = self.broker.proc.pid
@@ -106,7 +106,7 @@ def _failing_client(arranged: Arranged, endpoint: str):
     code, message = INJECTED[arranged.kind]
 
     def factory(identity):
-        client = worker.connect(identity, endpoint=endpoint)
+        client = sessions.connect(identity, endpoint=endpoint)
         for name in ("reserve", "status", "acquire", "release"):
             real = getattr(client, name)
 
@@ -127,7 +127,7 @@ def _malformed_client(arranged: Arranged, endpoint: str):
     reshape = MALFORMED[arranged.kind]
 
     def factory(identity):
-        client = worker.connect(identity, endpoint=endpoint)
+        client = sessions.connect(identity, endpoint=endpoint)
         real_status, real_reserve = client.status, client.reserve
 
         def reserve(*args, **kwargs):
@@ -147,7 +147,7 @@ def arrange(kind: str, request, monkeypatch, total_bytes: int = 1 << 30) -> Arra
     """Set ``kind`` up for this test (environment, brokers, client factory)."""
     short_tmp = request.getfixturevalue("short_tmp")
     arranged = Arranged(kind, request)
-    worker.set_client_factory(None)  # the adapter's own connection path
+    sessions.set_client_factory(None)  # the adapter's own connection path
     monkeypatch.setenv("KVCACHED_BROKER_TIMEOUT_S", "0.5")
     if kind == "unreachable":
         monkeypatch.setenv("KVCACHED_BROKER", f"ipc://{short_tmp}/nobody{{device}}.sock")
@@ -163,9 +163,9 @@ def arrange(kind: str, request, monkeypatch, total_bytes: int = 1 << 30) -> Arra
         if kind == "unresolvable_device":
             monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-00000000-dead-beef-0000-000000000000")
         if kind in INJECTED:
-            worker.set_client_factory(_failing_client(arranged, arranged.broker.endpoint))
+            sessions.set_client_factory(_failing_client(arranged, arranged.broker.endpoint))
         elif kind in MALFORMED:
-            worker.set_client_factory(_malformed_client(arranged, arranged.broker.endpoint))
+            sessions.set_client_factory(_malformed_client(arranged, arranged.broker.endpoint))
     request.addfinalizer(arranged.undo)
     return arranged
 

@@ -37,17 +37,17 @@ def python_env() -> dict[str, str]:
 
 
 def connect_to(endpoint: str, credit_pages: int | None = 0):
-    """A ``worker.set_client_factory`` factory that opens adapter sessions on ``endpoint`` (adapter tests).
+    """A ``sessions.set_client_factory`` factory that opens adapter sessions on ``endpoint`` (adapter tests).
 
-    It opens them as the adapter does (``worker.connect``: the adapter identity included),
+    It opens them as the adapter does (``sessions.connect``: the adapter identity included),
     only with the endpoint fixed.
     """
     import dataclasses
 
-    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters import sessions
 
     def factory(identity):
-        return worker.connect(dataclasses.replace(identity, credit_pages=credit_pages), endpoint=endpoint)
+        return sessions.connect(dataclasses.replace(identity, credit_pages=credit_pages), endpoint=endpoint)
 
     return factory
 

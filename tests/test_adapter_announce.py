@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import sessions, worker, worker_identity
 
 from helpers import GIB, adapter_line, connect_to
 
@@ -34,10 +34,10 @@ def silenced_logging():
 def adapter_broker(inproc_factory):
     b = inproc_factory(total_bytes=GIB)
     worker.reset()
-    worker.set_client_factory(connect_to(b.endpoint))
+    sessions.set_client_factory(connect_to(b.endpoint))
     yield b
     worker.reset()
-    worker.set_client_factory(None)
+    sessions.set_client_factory(None)
 
 
 def _lines(err: str, event: str) -> list[str]:
@@ -48,12 +48,12 @@ def test_one_active_line_and_one_instance_warning_past_any_logging_configuration
     adapter_broker, silenced_logging, monkeypatch, capsys
 ):
     monkeypatch.delenv("KVCACHED_BROKER_INSTANCE", raising=False)
-    first = worker.session(worker.WorkerIdentity("sglang", 0))
-    worker.session(worker.WorkerIdentity("sglang", 1))  # a second device in the process: no second line
+    first = sessions.session(worker_identity.WorkerIdentity("sglang", 0))
+    sessions.session(worker_identity.WorkerIdentity("sglang", 1))  # a second device in the process: no second line
     err = capsys.readouterr().err
     (active,) = _lines(err, "adapter_active")
     (unset,) = _lines(err, "instance_default")
-    name = worker.WorkerIdentity("sglang", 0).instance_name()
+    name = worker_identity.WorkerIdentity("sglang", 0).instance_name()
     assert adapter_line(active, "INFO", "adapter_active") and f"instance={name}" in active
     assert f"endpoint={adapter_broker.endpoint}" in active and f"session={first.session_id}" in active
     assert "runtime=sglang" in active and "hook=explicit" in active
@@ -63,17 +63,17 @@ def test_one_active_line_and_one_instance_warning_past_any_logging_configuration
 
 def test_no_instance_warning_when_the_name_is_set(adapter_broker, monkeypatch, capsys):
     monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "named")
-    worker.session(worker.WorkerIdentity("vllm", 0))
+    sessions.session(worker_identity.WorkerIdentity("vllm", 0))
     err = capsys.readouterr().err
     assert len(_lines(err, "adapter_active")) == 1 and _lines(err, "instance_default") == []
 
 
 def test_the_broker_shows_which_adapter_opened_each_session(adapter_broker, monkeypatch):
     monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "named")
-    worker.session(worker.WorkerIdentity("vllm", 0))
+    sessions.session(worker_identity.WorkerIdentity("vllm", 0))
     (inst,) = adapter_broker.status()["instances"]
     adapter = inst["sessions"][0]["adapter"]
-    assert adapter == worker.adapter_info("vllm") and adapter["runtime"] == "vllm"
+    assert adapter == worker_identity.adapter_info("vllm") and adapter["runtime"] == "vllm"
 
 
 @pytest.mark.parametrize("name", ["llama-a", None])
@@ -85,7 +85,7 @@ def test_a_process_without_a_session_names_its_instance_in_its_active_line(monke
     else:
         monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", name)
     worker.reset()
-    worker.announce_process("vllm", "engine_core")
+    worker_identity.announce_process("vllm", "engine_core")
     (active,) = _lines(capsys.readouterr().err, "adapter_active")
     assert f"instance={name or 'default'} " in active and "role=engine_core" in active
     assert adapter_line(active, "INFO", "adapter_active") and " event=adapter_active runtime=vllm " in active

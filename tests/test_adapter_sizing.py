@@ -19,8 +19,9 @@ import pytest
 
 from helpers import GIB, MIB, Worker
 
-from kvcached_broker.adapters import announce, handback, sizing, worker
-from kvcached_broker.adapters.worker import KV_SIZING_HOLD, SLACK_HOLD, SLACK_POOL, WorkerIdentity
+from kvcached_broker.adapters import announce, handback, sessions, sizing, worker
+from kvcached_broker.adapters.worker import KV_SIZING_HOLD, SLACK_HOLD, SLACK_POOL
+from kvcached_broker.adapters.worker_identity import WorkerIdentity
 from kvcached_broker.client.admin import AdminClient
 
 PID = os.getpid()
@@ -48,7 +49,7 @@ def neighbour(adapter_broker, workers):
 
 
 def _me(broker) -> dict:
-    session_id = worker.session(ME).session_id
+    session_id = sessions.session(ME).session_id
     (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
     return found
 
@@ -284,7 +285,7 @@ def test_the_governors_run_a_round_before_the_end_of_the_warm_up_pins_the_base(
     try:
         runner.enlist(governor)
         runner.enlist(governor)
-        assert worker._state().before_settling.count(runner._report_mapped) == 1  # registered once
+        assert sessions.registry().before_settling.count(runner._report_mapped) == 1  # registered once
         assert runner.settle(1, timeout_s=30)  # the round enlisting woke is over
         governor.armed = True
         assert worker.settle_warm_up(ME) == GIB - 384 * MIB  # the round ran first: the base took it

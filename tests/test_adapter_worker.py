@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import sessions, worker, worker_identity
 from kvcached_broker.client import BudgetExceeded
 
 from helpers import GIB, MIB
 
 
 def test_reporters_merge_into_one_reservation_map(adapter_broker):
-    ident = worker.WorkerIdentity("sglang", 0, instance="merge")
+    ident = worker_identity.WorkerIdentity("sglang", 0, instance="merge")
     worker.report(ident, "dsv4", {"swa_kv_pool": GIB, "c4_kv_pool": 512 * MIB})
     worker.report(ident, "kv_static", {"kv_static": 2 * GIB})
     worker.report(ident, "dsv4", {"swa_kv_pool": 2 * GIB, "c4_kv_pool": 0})  # rebuilt: replaces its own entry
@@ -28,12 +28,12 @@ def test_unreachable_broker_is_a_warning_or_under_require_an_error(monkeypatch, 
     worker.reset()
     monkeypatch.setenv("KVCACHED_BROKER", f"ipc://{short_tmp}/none{{device}}.sock")
     monkeypatch.setenv("KVCACHED_BROKER_TIMEOUT_S", "0.3")
-    ident = worker.WorkerIdentity("sglang", 0, instance="lonely")
-    assert worker.session(ident) is None
+    ident = worker_identity.WorkerIdentity("sglang", 0, instance="lonely")
+    assert sessions.session(ident) is None
     worker.reset()
     monkeypatch.setenv("KVCACHED_REQUIRE", "1")
-    with pytest.raises(worker.BrokerRequired, match="KVCACHED_REQUIRE=1"):
-        worker.session(ident)
+    with pytest.raises(sessions.BrokerRequired, match="KVCACHED_REQUIRE=1"):
+        sessions.session(ident)
     worker.reset()
 
 
@@ -42,9 +42,9 @@ def test_a_usage_view_above_the_sessions_charge_is_dropped_not_a_reason_to_turn_
     """Views are never charged: one larger than what the session holds (its charge not caught up
     yet, as after a short broker restart) is left out of that report, the pools are reported,
     and the worker keeps its broker; the views go with a later report once they fit."""
-    ident = worker.WorkerIdentity("sglang", 0, instance="views")
+    ident = worker_identity.WorkerIdentity("sglang", 0, instance="views")
     assert worker.report(ident, "pool", {"kv_static": GIB}, usage={"kv_static.layer0": 4 * GIB}) is not None
-    assert worker.unprotected_reason(ident) is None and worker.session(ident) is not None
+    assert sessions.unprotected_reason(ident) is None and sessions.session(ident) is not None
     (inst,) = adapter_broker.status()["instances"]
     assert inst["pools"] == {"kv_static": GIB}
     (session,) = inst["sessions"]

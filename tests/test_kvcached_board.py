@@ -22,14 +22,14 @@ from types import ModuleType
 
 import pytest
 
-from kvcached_broker.adapters import patching, process_state, worker
+from kvcached_broker.adapters import patching, process_state, sessions, worker
 from kvcached_broker.adapters.kvcached.broadcast import board as board_mod
 from kvcached_broker.adapters.kvcached import liveness, runner
 from kvcached_broker.adapters.kvcached.broadcast import doorbell, map_gate, worker_grants
 from kvcached_broker.adapters.kvcached.broadcast.board_grants import BoardGrants
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
 from kvcached_broker.adapters.kvcached.broadcast.map_gate import MapGate, MapRefused
-from kvcached_broker.adapters.worker import WorkerIdentity
+from kvcached_broker.adapters.worker_identity import WorkerIdentity
 
 GEOMETRY = PoolGeometry(num_layers=4, page_size=2 << 20, num_kv_buffers=2, virtual_pages=64, group_id=0, world_size=2)
 
@@ -347,7 +347,7 @@ def _governed_holder(monkeypatch, tmp_path) -> worker_grants.WorkerGrants:
             break
         assert runner.settle(1)
     assert holder.governed and holder.grants.pages == 2 and board.slot(1).granted_pages == 2
-    assert worker.open_identities() == [holder.identity]
+    assert sessions.open_identities() == [holder.identity]
     return holder
 
 
@@ -360,7 +360,7 @@ def test_closing_the_holders_alone_gives_the_grant_back_through_the_open_session
     process_state.forget(worker_grants._Holders)  # as at exit: the sessions stay open
 
     assert holder.closed and holder.grants.pages == 0 and not os.path.exists(holder.board.path)
-    assert worker.open_identities() == [holder.identity]
+    assert sessions.open_identities() == [holder.identity]
     granted = [session["granted_bytes"] for inst in adapter_broker.status()["instances"] for session in inst["sessions"]]
     assert granted == [0]
 
@@ -376,7 +376,7 @@ def test_a_reset_frees_a_governed_workers_grant_with_its_session_and_opens_no_ot
     worker.reset()
 
     assert holder.closed and not os.path.exists(board.path)
-    assert worker.open_identities() == [] and worker.unprotected_reason(holder.identity) is None
+    assert sessions.open_identities() == [] and sessions.unprotected_reason(holder.identity) is None
     assert [inst["sessions"] for inst in adapter_broker.status()["instances"]] in ([], [[]])
 
 

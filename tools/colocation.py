@@ -45,11 +45,11 @@ def start_up(memory: Any, request: dict[str, Any]) -> dict[str, Any]:
     ``request`` names the broker's ``endpoint``, the ``instance`` and the byte figures.  Returns
     ``{"event": "serving" | "refused" | "crashed", ...}`` (a refusal's or crash's one line in
     ``message``: an ``error`` key is the worker protocol's own failure)."""
-    from ..adapters import sizing, worker
-    from ..adapters.worker import WorkerIdentity
+    from ..adapters import sessions, sizing, worker
+    from ..adapters.worker_identity import WorkerIdentity
 
     endpoint, instance = request["endpoint"], request["instance"]
-    worker.set_client_factory(lambda ident: worker.connect(ident, endpoint=endpoint))
+    sessions.set_client_factory(lambda ident: sessions.connect(ident, endpoint=endpoint))
     identity = WorkerIdentity("sglang", 0, instance=instance)
     taken: dict[str, int] = {}
 

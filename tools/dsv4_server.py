@@ -44,7 +44,7 @@ class Dsv4Server:
     """One rank's start-up, step by step.  Sizes in bytes."""
 
     def __init__(self, usage_dir: Path, total_bytes: int, instance: str, *, tp_size: int = 8):
-        from ..adapters.worker import WorkerIdentity
+        from ..adapters.worker_identity import WorkerIdentity
         from .shared_gpu import Footprint, SharedGpu
 
         self.gpu = SharedGpu(usage_dir, total_bytes)
@@ -55,9 +55,9 @@ class Dsv4Server:
         self.kv_bytes = 0
 
     def load(self, weights_bytes: int) -> dict:
-        from ..adapters import worker
+        from ..adapters import sessions
 
-        if worker.session(self.identity) is None:
+        if sessions.session(self.identity) is None:
             return {"refused": "no broker session (see this process's stderr)"}
         self.memory.touch()
         self.free_before_weights_bytes = self.gpu.free_bytes()

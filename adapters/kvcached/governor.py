@@ -42,7 +42,7 @@ soon as its pool is no longer governed or is closed.
 
 **Failing safe.**  A refusal leaves the pool as it is (the engine's allocation misses, as when
 kvcached finds no physical memory, and is retried); a broker failure turns the process
-unprotected (``worker.guard``), and an eviction ends the governing: the pool then runs as
+unprotected (``sessions.guard``), and an eviction ends the governing: the pool then runs as
 kvcached alone would (:meth:`PoolGovernor._ungovern`: its limit lifted to the virtual size,
 through its limit channel, the segment showing it, and no limit the governor wrote re-applied
 by kvctl's sticky watcher target), said once.  Nothing here raises into the runtime.

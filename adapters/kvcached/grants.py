@@ -1,7 +1,7 @@
 """A pool's grant, in pool pages, through its process's per-device broker session.
 
 The session (``adapters/worker.py``) counts pages of ``client.page_bytes``; a pool page (a
-kvcached compound page) is ``ratio`` of them.  Every call goes through ``worker.guard``: a
+kvcached compound page) is ``ratio`` of them.  Every call goes through ``sessions.guard``: a
 refusal is 0 pages (a scheduling miss), a broker failure turns the process unprotected and
 returns None, an eviction is raised (fatal).
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .. import announce, worker
-from ..worker import WorkerIdentity
+from .. import announce, sessions, worker
+from ..worker_identity import WorkerIdentity
 from . import pressure
 from .geometry import PoolGeometry, session_pages_per_page
 
@@ -67,32 +67,32 @@ class SessionGrants:
     @classmethod
     def open(cls, identity: WorkerIdentity, geometry: PoolGeometry) -> "tuple[SessionGrants | None, str]":
         """The pool's grants, or (None, why not) when the pool cannot be governed."""
-        client = worker.session(identity)
+        client = sessions.session(identity)
         if client is None:
-            return None, f"unprotected ({worker.unprotected_reason(identity) or 'no broker'})"
+            return None, f"unprotected ({sessions.unprotected_reason(identity) or 'no broker'})"
         ratio = session_pages_per_page(geometry.page_bytes, client.page_bytes)
         if ratio is None:
             return None, (f"page size mismatch: a pool page is {geometry.page_bytes} bytes, "
                           f"the session's page {client.page_bytes}")
         if worker.pin_base(identity) is None:
-            return None, f"unprotected ({worker.unprotected_reason(identity) or 'no broker'})"
+            return None, f"unprotected ({sessions.unprotected_reason(identity) or 'no broker'})"
         return cls(identity, client, ratio), ""
 
     def lost(self) -> str | None:
         """Why this pool's session can no longer be used (the process turned unprotected: a
         failure of any reporter of the process counts), or None while it can."""
-        return worker.unprotected_reason(self.identity)
+        return sessions.unprotected_reason(self.identity)
 
     def acquire(self, pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None:
         """Pool pages granted (between ``min_pages`` and ``pages``, or 0); None if unprotected.
         ``wait_s``: an ask that does not fit waits at the broker up to that long."""
         ratio = self.ratio
-        got = worker.guard(self.identity, "kvcached acquire",
+        got = sessions.guard(self.identity, "kvcached acquire",
                            lambda: self.client.acquire(pages * ratio, min_pages=min_pages * ratio, wait_s=wait_s))
         if got is None:
             return None
         whole, odd = divmod(got, ratio)
-        if odd and worker.guard(self.identity, "kvcached release", lambda: _released(self.client, odd)) is None:
+        if odd and sessions.guard(self.identity, "kvcached release", lambda: _released(self.client, odd)) is None:
             return None
         self.pages += whole
         return whole
@@ -106,7 +106,7 @@ class SessionGrants:
         if mapped is not None and key is not None:
             if not worker.release_mapped(self.identity, key, pages * self.ratio, min(mapped, self.pages) * self.ratio):
                 return False
-        elif worker.guard(self.identity, "kvcached release",
+        elif sessions.guard(self.identity, "kvcached release",
                           lambda: _released(self.client, pages * self.ratio)) is None:
             return False
         self.pages -= pages
@@ -150,6 +150,6 @@ class SessionGrants:
 
 
 def _released(client, session_pages: int) -> bool:
-    """``client.release`` returns None; ``worker.guard`` says None for unprotected."""
+    """``client.release`` returns None; ``sessions.guard`` says None for unprotected."""
     client.release(session_pages)
     return True

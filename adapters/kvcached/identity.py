@@ -17,7 +17,7 @@ from typing import Callable
 
 from .. import process_state
 from . import kvcached_api
-from ..worker import WorkerIdentity
+from ..worker_identity import WorkerIdentity
 from .geometry import PoolGeometry
 
 Resolver = Callable[[PoolGeometry], "WorkerIdentity | None"]

@@ -9,7 +9,7 @@ of the table of supported releases, ``adapters/support.py``), however the manage
   broker's first grant (:mod:`.allocator`, :mod:`.governor`).  Nothing raises into
   ``KVCacheManager.__init__``: a governor that cannot start (a resolver error, a refused
   runtime base, an eviction) leaves the pool ungoverned with one warning, and only under
-  ``KVCACHED_REQUIRE=1`` is it a start-up error (:class:`~..worker.BrokerRequired`);
+  ``KVCACHED_REQUIRE=1`` is it a start-up error (:class:`~..sessions.BrokerRequired`);
 * ``KVCacheManager.__init__`` then makes a governed manager's lock real (:func:`.kvcached_api.make_lock_real`),
   attaches the governor and wraps the instance's ``alloc`` and ``free`` to wake the governors'
   thread when the pool runs short or holds too much;
@@ -35,7 +35,7 @@ from typing import Any
 from ...client.units import parse_size
 from .. import announce, flags, support
 from ..patching import Patch, Target, wrap_methods, wrap_once
-from ..worker import BrokerRequired
+from ..sessions import BrokerRequired
 from . import identity, kvcached_api, limits, pressure, runner, segment, shm_files
 from .broadcast import board_grants, map_gate, worker_grants
 from .allocator import GovernedPageAllocator

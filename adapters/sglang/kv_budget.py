@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...client import BrokerClient, BudgetExceeded
 from ...client.units import format_bytes
-from .. import worker
+from .. import worker_identity
 
 
 class BrokerBudgetError(RuntimeError):
@@ -17,7 +17,7 @@ class BrokerBudgetError(RuntimeError):
 
 
 def explain_refusal(
-    identity: worker.WorkerIdentity, client: BrokerClient, needed_bytes: int, what: str, exc: BudgetExceeded
+    identity: worker_identity.WorkerIdentity, client: BrokerClient, needed_bytes: int, what: str, exc: BudgetExceeded
 ) -> BrokerBudgetError:
     """The error for a refused reservation, in the broker's words.  The size said is what the
     charge would have grown by (the broker's ``asked_bytes``): a pool that replaces a hold

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...client.units import format_bytes
-from .. import announce, process_state, sizing, worker
+from .. import announce, process_state, sessions, sizing, worker_identity
 from ..patching import wrap_methods, wrap_once
 from . import (dsv4_reservation, kv_budget, kvcached_fallback, kvcached_sizing, kvcached_sync, parallel, pool_bytes,
                reporting, speculative, startup)
@@ -112,7 +112,7 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     agreed_bytes = parallel.world_group().reduce_min(local_bytes)  # every rank calls it, on every path
     if failure is not None:
         raise failure
-    client = worker.session(identity)
+    client = sessions.session(identity)
     decision = SizingDecision(int(runtime_bytes), agreed_bytes, sized, client.endpoint if client else "")
     process_state.part(_Decisions).last.decision = decision
     if sized is None:
@@ -184,7 +184,7 @@ def charge_pools(device: Any, gpu_id: int | None, token_to_kv_pool: Any, *extra:
         _drop_hold(identity)
 
 
-def _charge(identity: worker.WorkerIdentity, pool: Any, extra: tuple, last: bool) -> None:
+def _charge(identity: worker_identity.WorkerIdentity, pool: Any, extra: tuple, last: bool) -> None:
     if dsv4_reservation.is_dsv4_pool(pool):
         dsv4_reservation.register(pool, last=last)
         return
@@ -198,8 +198,8 @@ def _charge(identity: worker.WorkerIdentity, pool: Any, extra: tuple, last: bool
                               last=last, storages=seen - already)
 
 
-def _drop_hold(identity: worker.WorkerIdentity) -> None:
-    if worker.session(identity) is not None:
+def _drop_hold(identity: worker_identity.WorkerIdentity) -> None:
+    if sessions.session(identity) is not None:
         reporting.release_hold(identity)
 
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...client import BudgetExceeded
-from .. import announce, handback, worker
+from .. import announce, handback, sessions, worker_identity
 from ..patching import wrap_methods, wrap_once
 from . import kv_budget, reporting, parallel
 
@@ -55,10 +55,10 @@ def releases_memory(owner: Any) -> bool:
     return bool(getattr(saver, "enabled", False))
 
 
-def _workers() -> list[tuple[worker.WorkerIdentity, list[str]]]:
+def _workers() -> list[tuple[worker_identity.WorkerIdentity, list[str]]]:
     """``(identity, KV reporter keys)`` for each device this process has a session on."""
     kv = {str(identity.device): keys for identity, keys in reporting.kv_reporters_by_device()}
-    return [(identity, kv.get(str(identity.device), [])) for identity in worker.open_identities()]
+    return [(identity, kv.get(str(identity.device), [])) for identity in sessions.open_identities()]
 
 
 def _attempt(step: Callable[[], None]) -> Exception | None:
@@ -103,7 +103,7 @@ def admit(tags: set[str]) -> None:
         try:
             handback.admit(identity, tags, kv_names)
         except BudgetExceeded as exc:
-            client = worker.session(identity)
+            client = sessions.session(identity)
             if client is None:
                 raise
             needed_bytes = handback.coming_back_bytes(identity, tags, kv_names)

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .. import worker
+from .. import worker_identity
 
 #: The page size of this worker's broker session, in bytes.  Elastic KV pages of any size are
 #: converted to session pages (see ``paged_allocator``), so one session serves every reporter.
@@ -156,10 +156,10 @@ def _current_cuda_device() -> int:
     return 0
 
 
-def identity(device: Any, gpu_id: int | None = None) -> worker.WorkerIdentity:
+def identity(device: Any, gpu_id: int | None = None) -> worker_identity.WorkerIdentity:
     """The broker identity of this worker for a pool or runner on ``device``."""
     group = tp_group()
-    return worker.WorkerIdentity(
+    return worker_identity.WorkerIdentity(
         runtime="sglang",
         device=device_index(device, gpu_id),
         tp_rank=group.rank,

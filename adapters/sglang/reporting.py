@@ -27,7 +27,7 @@ from typing import Any
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import announce, background, process_state, sizing, worker
+from .. import announce, background, process_state, sessions, sizing, worker, worker_identity
 from . import kv_budget
 
 log = announce.logger("kvcached_broker.adapters.sglang")
@@ -44,8 +44,8 @@ class _Reporting:
         self.keys: dict[int, str] = {}
         self.totals: dict[str, int] = {}
         self.storages: dict[str, set] = {}  # reporter key -> storage keys it charged
-        self.identity: dict[str, worker.WorkerIdentity] = {}
-        self.holders: dict[str, worker.WorkerIdentity] = {}  # device -> the identity that took the sizing hold
+        self.identity: dict[str, worker_identity.WorkerIdentity] = {}
+        self.holders: dict[str, worker_identity.WorkerIdentity] = {}  # device -> the identity that took the sizing hold
 
 
 class _KeyCounter:
@@ -95,7 +95,7 @@ def _collected(pool_id: int, key: str) -> None:
         background.submit(f"forget {key}", lambda: worker.forget(identity, key))
 
 
-def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: dict[str, int], what: str,
+def report_pool(identity: worker_identity.WorkerIdentity, pool: Any, kind: str, pools: dict[str, int], what: str,
                 *, last: bool = False, storages: set | None = None) -> bool:
     """Reserve ``pools`` (name -> bytes) for ``pool``; False if the worker runs unprotected.
 
@@ -105,7 +105,7 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
     (naming the broker, the budget and the other instances) if the broker has no room, which
     stops the worker at startup.  Any other broker failure leaves the worker unprotected.
     """
-    client = worker.session(identity)
+    client = sessions.session(identity)
     if client is None:
         return False
     key = reporter_key(pool, kind)
@@ -132,7 +132,7 @@ def report_pool(identity: worker.WorkerIdentity, pool: Any, kind: str, pools: di
     return True
 
 
-def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
+def hold(identity: worker_identity.WorkerIdentity, size_bytes: int) -> bool:
     """Hold ``size_bytes`` for the KV cache (replacing any earlier hold on this device).
 
     The base is pinned with the first hold.  False if the worker runs unprotected;
@@ -144,14 +144,14 @@ def hold(identity: worker.WorkerIdentity, size_bytes: int) -> bool:
     return True
 
 
-def sized(identity: worker.WorkerIdentity) -> None:
+def sized(identity: worker_identity.WorkerIdentity) -> None:
     """``identity``'s device sized a start-up: its holds end with the start-up (:func:`end_start_ups`)."""
     state = process_state.part(_Reporting)
     with state.lock:
         state.holders[str(identity.device)] = identity
 
 
-def release_hold(identity: worker.WorkerIdentity) -> None:
+def release_hold(identity: worker_identity.WorkerIdentity) -> None:
     """Drop whatever is left of the sizing hold (every pool of the start-up is built)."""
     if held_bytes(identity):
         worker.hold(identity, worker.KV_SIZING_HOLD, 0)
@@ -171,7 +171,7 @@ def end_start_ups() -> None:
         worker.settle_warm_up(identity)
 
 
-def charged_storages(identity: worker.WorkerIdentity, pool: Any) -> set:
+def charged_storages(identity: worker_identity.WorkerIdentity, pool: Any) -> set:
     """Storage keys charged on ``identity``'s device by reporters other than ``pool``'s own."""
     state = process_state.part(_Reporting)
     with state.lock:
@@ -180,21 +180,21 @@ def charged_storages(identity: worker.WorkerIdentity, pool: Any) -> set:
                              if key != own and _same_device(state.identity.get(key), identity)))
 
 
-def _same_device(other: worker.WorkerIdentity | None, identity: worker.WorkerIdentity) -> bool:
+def _same_device(other: worker_identity.WorkerIdentity | None, identity: worker_identity.WorkerIdentity) -> bool:
     return other is not None and str(other.device) == str(identity.device)
 
 
-def kv_reporters_by_device() -> list[tuple[worker.WorkerIdentity, list[str]]]:
+def kv_reporters_by_device() -> list[tuple[worker_identity.WorkerIdentity, list[str]]]:
     """``(identity, reporter keys)`` per device: every KV pool this module reported."""
     state = process_state.part(_Reporting)
     with state.lock:
-        by_device: dict[str, tuple[worker.WorkerIdentity, list[str]]] = {}
+        by_device: dict[str, tuple[worker_identity.WorkerIdentity, list[str]]] = {}
         for key, identity in state.identity.items():
             by_device.setdefault(str(identity.device), (identity, []))[1].append(key)
     return [(identity, sorted(keys)) for identity, keys in by_device.values()]
 
 
-def held_bytes(identity: worker.WorkerIdentity) -> int:
+def held_bytes(identity: worker_identity.WorkerIdentity) -> int:
     return worker.held_bytes(identity, worker.KV_SIZING_HOLD)
 
 

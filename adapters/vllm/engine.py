@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .. import worker
+from .. import worker_identity
 from ..patching import wrap_methods, wrap_once
 from . import prefix_eviction
 
@@ -23,7 +23,7 @@ def wrap_engine_init(original: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         hook = prefix_eviction.attach(self)
-        worker.announce_process("vllm", "engine_core" if hook is None else "engine_core_kvcached")
+        worker_identity.announce_process("vllm", "engine_core" if hook is None else "engine_core_kvcached")
 
     return wrap_once(original, __init__)
 

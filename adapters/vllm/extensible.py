@@ -41,9 +41,10 @@ from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import announce, process_state, sizing, worker
+from .. import announce, process_state, sessions, sizing, worker
 from ..patching import PatchError, wrap_methods, wrap_once
-from ..worker import KV_SIZING_HOLD, WorkerIdentity
+from ..worker import KV_SIZING_HOLD
+from ..worker_identity import WorkerIdentity
 from . import kv_budget, kv_config, kvcached_mode, parallel
 
 log = announce.logger("kvcached_broker.adapters.vllm")
@@ -92,7 +93,7 @@ def _governed(kv_cache: Any) -> _Cache | None:
     state = caches.get(kv_cache)
     if state is None:  # a cache backed some other way than through allocate_kv_cache: no views
         state = caches[kv_cache] = _Cache(parallel.identity(kv_cache.buffer.device), {})
-    return state if worker.session(state.identity) is not None else None
+    return state if sessions.session(state.identity) is not None else None
 
 
 def pool_bytes(identity: WorkerIdentity) -> int:
@@ -138,7 +139,7 @@ def admit(state: _Cache, kv_cache: Any, target_bytes: int, num_blocks: int) -> N
         worker.report(identity, kv_budget.REPORTER, {POOL: target_bytes}, usage=views, holds=holds, allocated=False,
                       phase="warming" if not booked and not state.final else None)
     except BudgetExceeded as exc:
-        client = worker.session(identity)
+        client = sessions.session(identity)
         if client is None:
             raise
         what = f"{num_blocks} blocks of its extensible KV cache ({format_bytes(target_bytes)} mapped)"
@@ -198,7 +199,7 @@ def wrap_free(original: Callable[..., None]) -> Callable[..., None]:
     def free(self: Any) -> None:
         original(self)
         state = process_state.part(_Caches).by_cache.pop(self, None)
-        if state is not None and worker.session(state.identity) is not None:
+        if state is not None and sessions.session(state.identity) is not None:
             worker.forget(state.identity, kv_budget.REPORTER)
 
     return wrap_once(original, free)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ...client import BrokerClient, BudgetExceeded
 from ...client.units import format_bytes
-from ..worker import WorkerIdentity
+from ..worker_identity import WorkerIdentity
 from .. import announce
 
 log = announce.logger("kvcached_broker.adapters.vllm")

@@ -31,10 +31,10 @@ from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import announce, sizing, worker
+from .. import announce, sessions, sizing, worker
 from ..patching import PatchError, class_with, wrap_methods, wrap_once
 from ..tensors import storage_bytes
-from ..worker import WorkerIdentity
+from ..worker_identity import WorkerIdentity
 from . import extensible, kv_budget, kv_config, kvcached_mode, parallel
 
 log = announce.logger("kvcached_broker.adapters.vllm")
@@ -56,7 +56,7 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
         log.info("event=vllm_kv_kvcached rank=%d detail=virtual_buffers_not_charged_pages_granted_as_mapped",
                  identity.tp_rank)
         return
-    if worker.session(identity) is None:
+    if sessions.session(identity) is None:
         return
     allocated = storage_bytes(tensors) or kv_config.buffer_bytes(kv_cache_config)
     _report(identity, allocated, kv_cache_config, "the allocated KV cache buffer")
@@ -76,7 +76,7 @@ def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, w
         worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage,
                       holds=holds, allocated=allocated, phase="warming")
     except BudgetExceeded as exc:
-        client = worker.session(identity)
+        client = sessions.session(identity)
         if client is None:
             raise
         raise kv_budget.explain(identity, client, buffer_bytes, what, exc) from exc

@@ -37,7 +37,7 @@ import importlib
 from typing import Any, Callable
 
 from ...client.units import format_bytes
-from .. import announce, sizing, worker
+from .. import announce, sessions, sizing, worker
 from ..patching import wrap_methods, wrap_once
 from ..versions import installed, parse
 from . import kv_budget, kvcached_mode, parallel
@@ -52,7 +52,7 @@ GRAPHS_IN_PEAK = "0.21.0"
 def cap_available_memory(vllm_worker: Any, available_bytes: int) -> int:
     """The KV bytes this worker may use: vLLM's figure, capped by what the broker admits."""
     identity = parallel.identity(vllm_worker.device)
-    if worker.session(identity) is None:
+    if sessions.session(identity) is None:
         return available_bytes
     elastic = kvcached_mode.active()
     explicit = getattr(vllm_worker.cache_config, "kv_cache_memory_bytes", None)
@@ -138,7 +138,7 @@ def wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[...,
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         identity = parallel.identity(self.device)
-        if worker.session(identity) is not None:
+        if sessions.session(identity) is not None:
             worker.settle_warm_up(identity)
         return result
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...client import BudgetExceeded
-from .. import announce, handback, process_state, worker
+from .. import announce, handback, process_state, sessions, worker_identity
 from ..patching import wrap_methods, wrap_once
 from . import kv_budget, parallel
 
@@ -43,14 +43,14 @@ class _Asleep:
     device -> the identity that handed it back."""
 
     def __init__(self) -> None:
-        self.by_device: dict[str, worker.WorkerIdentity] = {}
+        self.by_device: dict[str, worker_identity.WorkerIdentity] = {}
 
 
 def wake_tags(tags: list[str] | None) -> set[str]:
     return set(tags) if tags else set(SLEEP_TAGS)
 
 
-def before_release(identity: worker.WorkerIdentity, tags: set[str]) -> Exception | None:
+def before_release(identity: worker_identity.WorkerIdentity, tags: set[str]) -> Exception | None:
     """Pin the base before vLLM frees ``tags``; the failure to raise once vLLM has freed them."""
     try:
         handback.before_release(identity, tags)
@@ -59,7 +59,7 @@ def before_release(identity: worker.WorkerIdentity, tags: set[str]) -> Exception
     return None
 
 
-def after_release(identity: worker.WorkerIdentity, tags: set[str]) -> int:
+def after_release(identity: worker_identity.WorkerIdentity, tags: set[str]) -> int:
     """Stop charging what vLLM freed; returns the bytes no longer charged."""
     freed = handback.after_release(identity, tags, [kv_budget.REPORTER])
     if handback.handed_back(identity):
@@ -68,19 +68,19 @@ def after_release(identity: worker.WorkerIdentity, tags: set[str]) -> int:
     return freed
 
 
-def admit(identity: worker.WorkerIdentity, tags: set[str]) -> None:
+def admit(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:
     """Charge again what ``tags`` bring back; :class:`KVCacheBudgetError` if the broker has no room."""
     try:
         handback.admit(identity, tags, [kv_budget.REPORTER])
     except BudgetExceeded as exc:
-        client = worker.session(identity)
+        client = sessions.session(identity)
         if client is None:
             raise
         asked_bytes = handback.coming_back_bytes(identity, tags, [kv_budget.REPORTER])
         raise kv_budget.explain(identity, client, asked_bytes, "its memory back to wake up", exc) from exc
 
 
-def settle(identity: worker.WorkerIdentity, tags: set[str]) -> None:
+def settle(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:
     handback.settle(identity, tags)
     if not handback.handed_back(identity):
         process_state.part(_Asleep).by_device.pop(str(identity.device), None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..worker import WorkerIdentity
+from ..worker_identity import WorkerIdentity
 
 RUNTIME = "vllm"
 

@@ -47,9 +47,9 @@ class InprocPools:
         return manager
 
     def client(self):
-        from kvcached_broker.adapters import worker
+        from kvcached_broker.adapters import sessions
 
-        return worker.session(self.identity_of())
+        return sessions.session(self.identity_of())
 
     def granted_pool_pages(self) -> int:
         """What the broker charges this process's session, in pool pages."""
@@ -92,9 +92,9 @@ def inproc_pools(short_tmp, monkeypatch, inproc_factory):
     import kvcached.kv_cache_manager as kvm
     from kvcached.integration.sglang import interfaces
 
-    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters import sessions, worker
     from kvcached_broker.adapters.kvcached import identity, limits, patches
-    from kvcached_broker.adapters.worker import WorkerIdentity
+    from kvcached_broker.adapters.worker_identity import WorkerIdentity
 
     cls = kvm.KVCacheManager
     for name in ("__init__", "shutdown", "set_memory_limit"):
@@ -105,7 +105,7 @@ def inproc_pools(short_tmp, monkeypatch, inproc_factory):
     monkeypatch.delenv("KVCACHED_REQUIRE", raising=False)
     broker = inproc_factory(total_bytes=2 * GIB)
     worker.reset()
-    worker.set_client_factory(connect_to(broker.endpoint))
+    sessions.set_client_factory(connect_to(broker.endpoint))
 
     def identity_of(geometry=None):
         return WorkerIdentity("sglang", 0, instance=INSTANCE)

@@ -243,7 +243,7 @@ def test_a_governor_that_cannot_start_leaves_the_pool_to_kvcached_alone(inproc_p
 
 @pytest.mark.parametrize("arrange", [_resolver_fails, _base_refused, _evicted_at_start])
 def test_under_kvcached_require_a_governor_that_cannot_start_is_a_startup_error(inproc_pools, monkeypatch, arrange):
-    from kvcached_broker.adapters.worker import BrokerRequired
+    from kvcached_broker.adapters.sessions import BrokerRequired
 
     pools = inproc_pools
     why = arrange(pools, monkeypatch)

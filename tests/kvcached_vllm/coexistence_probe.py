@@ -46,7 +46,7 @@ def main(argv: list[str]) -> None:
     from vllm.v1.worker import gpu_worker
 
     from kvcached.integration.vllm import interfaces as kvi
-    from kvcached_broker.adapters import autopatch, worker
+    from kvcached_broker.adapters import autopatch, sessions
     from kvcached_broker.adapters.tensors import storage_bytes
     from kvcached_broker.adapters.vllm import kv_reservation, parallel
 
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
         through_runner = gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors(runner, config)
         through_ours = kv_reservation.wrap_allocate_method(kvcached_buffers)(runner, config)
 
-    client = worker.session(parallel.identity(0))
+    client = sessions.session(parallel.identity(0))
     status = client.status()
     (me,) = [s for i in status["instances"] for s in i["sessions"] if s["id"] == client.session_id]
     outer = gpu_worker.Worker.determine_available_memory

@@ -77,11 +77,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def connect_to(endpoint: str):
-    """A ``worker.set_client_factory`` factory opening the adapter's sessions on ``endpoint`` (no credit reserve)."""
-    from ...adapters import worker
+    """A ``sessions.set_client_factory`` factory opening the adapter's sessions on ``endpoint`` (no credit reserve)."""
+    from ...adapters import sessions
 
     def factory(identity):
-        return worker.connect(dataclasses.replace(identity, credit_pages=0), endpoint=endpoint)
+        return sessions.connect(dataclasses.replace(identity, credit_pages=0), endpoint=endpoint)
 
     return factory
 
@@ -106,11 +106,11 @@ def run_pool(args: argparse.Namespace, gpu) -> None:
     GPU here; NVML's figure for this process on a real one, ``tools/gpu_check/pool_gpu.py``)."""
     import torch
 
-    from ...adapters import autopatch, worker
+    from ...adapters import autopatch, sessions
     from ...adapters import kvcached as kvmode
     from ...adapters.kvcached import runner
 
-    worker.set_client_factory(connect_to(args.endpoint))
+    sessions.set_client_factory(connect_to(args.endpoint))
     if not autopatch.hook_installed():  # with ENABLE_KVCACHED=1 the .pth hook registered it at start
         autopatch.apply(["kvcached"])
     from kvcached.integration.sglang import interfaces

@@ -38,9 +38,9 @@ import threading
 from typing import Any
 
 from ....client import BudgetExceeded, SessionEvicted
-from ... import announce, process_state, worker
+from ... import announce, process_state, sessions, worker
 from ...patching import wrap_once
-from ...worker import WorkerIdentity
+from ...worker_identity import WorkerIdentity
 from . import board as board_mod
 from .. import identity, kvcached_api, pressure, runner
 from . import doorbell, map_gate
@@ -126,9 +126,9 @@ class WorkerGrants:
     def _activate(self) -> None:
         """A governing engine appeared: open the session, report the zero page, hold nothing yet."""
         self._active = True
-        client = worker.session(self.identity)
+        client = sessions.session(self.identity)
         if client is None:
-            self._unprotected(f"unprotected ({worker.unprotected_reason(self.identity) or 'no broker'})")
+            self._unprotected(f"unprotected ({sessions.unprotected_reason(self.identity) or 'no broker'})")
             return
         self._report_zero_page()
         grants, why = SessionGrants.open(self.identity, self.geometry)
@@ -181,7 +181,7 @@ class WorkerGrants:
         assert self.grants is not None
         got = self.grants.acquire(pages, min_pages)
         if got is None:
-            self._unprotected(worker.unprotected_reason(self.identity) or "broker unusable while growing")
+            self._unprotected(sessions.unprotected_reason(self.identity) or "broker unusable while growing")
             return
         if got == 0:
             self.counters["refusals"] += 1
@@ -203,7 +203,7 @@ class WorkerGrants:
                 return 0
             self.gate.bound_pages = bound - surplus
         if not self.grants.release(surplus):
-            self._unprotected(worker.unprotected_reason(self.identity) or "broker unusable while releasing")
+            self._unprotected(sessions.unprotected_reason(self.identity) or "broker unusable while releasing")
             return 0
         self.counters["pages_released"] += surplus
         return surplus
@@ -252,7 +252,7 @@ class WorkerGrants:
 
     def _session_open(self) -> bool:
         """This worker's session is open (never opens one)."""
-        return any(str(open_.device) == str(self.identity.device) for open_ in worker.open_identities())
+        return any(str(open_.device) == str(self.identity.device) for open_ in sessions.open_identities())
 
     def status(self) -> dict[str, Any] | None:
         """None until a governing engine appeared (a worker whose pool maps in-process, as with

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: 
 import pytest  # noqa: E402
 from helpers import connect_to, require_runtime  # noqa: E402,F401  (tests import connect_to from here)
 
-from kvcached_broker.adapters import worker  # noqa: E402
+from kvcached_broker.adapters import sessions, worker  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -66,7 +66,7 @@ def adapter_state(monkeypatch):
     yield
     worker.reset()
     reporting.reset()
-    worker.set_client_factory(None)
+    sessions.set_client_factory(None)
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def sg_broker(inproc_factory, adapter_state, patched_sglang):
     from helpers import GIB
 
     b = inproc_factory(total_bytes=GIB)
-    worker.set_client_factory(connect_to(b.endpoint))
+    sessions.set_client_factory(connect_to(b.endpoint))
     return b
 
 

@@ -58,11 +58,11 @@ def dsv4(full_pages: int, swa_pages: int, explicit: bool) -> None:
 def together(free_bytes: int, pre_load_bytes: int) -> int:
     import sglang_cpu
 
-    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters import sessions
     from kvcached_broker.adapters.sglang import kv_budget, parallel
 
     profiler = sglang_cpu.profiler(free_bytes)  # SGLang imported before the moment, not during it
-    worker.session(parallel.identity("cpu"))  # registered: the device now counts its weights as its own
+    sessions.session(parallel.identity("cpu"))  # registered: the device now counts its weights as its own
     say(event="ready", pid=os.getpid())
     if not wait():
         return 0
@@ -110,13 +110,13 @@ def tensor_parallel(rank: int, world: int, port: int, full_pages: int, free_byte
 def occupation(rank: int, world: int, port: int) -> None:
     import sglang_cpu
 
-    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters import sessions
     from kvcached_broker.adapters.sglang import parallel
 
     init_tp(rank, world, port)
     collectives = _count_collectives(parallel.RankGroup)
     pool = sglang_cpu.build_dsv4_pool(16, 4)  # reported while it lives
-    client = worker.session(parallel.identity("cpu"))
+    client = sessions.session(parallel.identity("cpu"))
     updater = sglang_cpu.weight_updater(sglang_cpu.MemorySaver(), parallel.tp_group().cpu_group)
     say(event="ready", rank=rank, pid=os.getpid(), session=client.session_id)
     for step, run in (("release", sglang_cpu.release), ("resume", sglang_cpu.resume)):

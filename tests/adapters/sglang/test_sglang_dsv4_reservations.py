@@ -17,7 +17,7 @@ import pytest
 import sglang_cpu
 from helpers import MIB, wait_for
 
-from kvcached_broker.adapters import background, worker
+from kvcached_broker.adapters import background, sessions, worker
 from kvcached_broker.adapters.sglang import dsv4_pools, dsv4_reservation, pool_bytes, parallel
 
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
@@ -104,7 +104,7 @@ def test_require_with_an_unreachable_broker_fails_the_pool_build(adapter_state, 
     monkeypatch.setenv("KVCACHED_BROKER", f"ipc://{short_tmp}/nobody{{device}}.sock")
     monkeypatch.setenv("KVCACHED_BROKER_TIMEOUT_S", "0.3")
     monkeypatch.setenv("KVCACHED_REQUIRE", "1")
-    with pytest.raises(worker.BrokerRequired, match=r"KVCACHED_REQUIRE=1.*device 0"):
+    with pytest.raises(sessions.BrokerRequired, match=r"KVCACHED_REQUIRE=1.*device 0"):
         sglang_cpu.build_dsv4_pool(full_pages=8, swa_pages=4)
     monkeypatch.delenv("KVCACHED_REQUIRE")
     worker.reset()

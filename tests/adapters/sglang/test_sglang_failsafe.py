@@ -23,7 +23,7 @@ import broker_failures
 import sglang_cpu
 from helpers import MIB
 
-from kvcached_broker.adapters import background, worker
+from kvcached_broker.adapters import background, sessions
 from kvcached_broker.adapters.sglang import kv_sizing, parallel
 from kvcached_broker.client import SessionEvicted
 
@@ -50,7 +50,7 @@ def test_a_broker_failure_leaves_sglang_unprotected_with_one_warning(kind, reque
     assert _start_sglang() == 100 * MIB  # no exception, and SGLang's own figure
     lines = broker_failures.unprotected_lines(capsys.readouterr().err)
     assert len(lines) == 1 and failing.reason in lines[0], lines
-    assert worker.session(parallel.identity("cpu")) is None
+    assert sessions.session(parallel.identity("cpu")) is None
 
 
 @pytest.mark.parametrize("kind", broker_failures.KINDS)
@@ -59,7 +59,7 @@ def test_under_require_a_broker_failure_stops_the_start_with_the_reason(kind, re
     failing = broker_failures.arrange(kind, request, monkeypatch)
     failing.break_after_open(parallel.identity("cpu"))
     monkeypatch.setenv("KVCACHED_REQUIRE", "1")
-    expected = SessionEvicted if kind == "evicted" else worker.BrokerRequired
+    expected = SessionEvicted if kind == "evicted" else sessions.BrokerRequired
     with pytest.raises(expected) as caught:
         _start_sglang()
     if failing.reason:
@@ -70,7 +70,7 @@ def test_under_require_a_broker_failure_stops_the_start_with_the_reason(kind, re
 def test_no_broker_round_trip_runs_inside_the_forward_pass(sg_broker, monkeypatch):
     """The request window grows inside a forward pass: its re-measure runs on another thread."""
     pool = sglang_cpu.build_dsv4_pool(full_pages=16, swa_pages=4, request_window=True)
-    client = worker.session(parallel.identity("cpu"))
+    client = sessions.session(parallel.identity("cpu"))
     callers: list[int] = []
     real = client.reserve
 

@@ -20,7 +20,7 @@ import torch
 import sglang_cpu
 from helpers import GIB, MIB
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import sessions
 from kvcached_broker.adapters.sglang import kv_sizing, reporting, startup, parallel
 from kvcached_broker.client import BrokerClient, BudgetExceeded
 
@@ -44,7 +44,7 @@ def neighbour(sg_broker):
 
 def _me(broker) -> dict:
     """This process's SGLang session (the neighbour's session lives in this process too)."""
-    session_id = worker.session(parallel.identity("cpu")).session_id
+    session_id = sessions.session(parallel.identity("cpu")).session_id
     (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
     return found
 
@@ -64,7 +64,7 @@ def _owner(role: str, algorithm: str = "EAGLE"):
 
 def _count_reserves(monkeypatch, broker) -> list[int]:
     """Free bytes after each reserve request this process's session sends (one entry per request)."""
-    client = worker.session(parallel.identity("cpu"))
+    client = sessions.session(parallel.identity("cpu"))
     original, after = client.reserve, []
 
     def reserve(*args, **kwargs):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import connect_to, require_runtime  # noqa: F401  (tests import connect_to from here)
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import sessions, worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: device_usage
 
@@ -46,7 +46,7 @@ def adapter_state(monkeypatch):
     monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "vllm-test")
     yield
     worker.reset()
-    worker.set_client_factory(None)
+    sessions.set_client_factory(None)
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def gpu_broker(inproc_factory, adapter_state):
     from helpers import GIB
 
     b = inproc_factory(total_bytes=GIB)
-    worker.set_client_factory(connect_to(b.endpoint))
+    sessions.set_client_factory(connect_to(b.endpoint))
     return b
 
 

@@ -25,7 +25,7 @@ import torch
 import vllm_shapes as shapes
 from helpers import GIB, MIB
 
-from kvcached_broker.adapters import support, worker
+from kvcached_broker.adapters import sessions, support
 from kvcached_broker.adapters.versions import installed
 from kvcached_broker.adapters.vllm import extensible, kv_budget, kv_sizing, memory_release, parallel
 from kvcached_broker.client import BrokerClient
@@ -95,7 +95,7 @@ class VmmDouble:
 
 
 def me(broker) -> dict | None:
-    client = worker.session(parallel.identity(0))
+    client = sessions.session(parallel.identity(0))
     return next((s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == client.session_id), None)
 
 

@@ -15,7 +15,7 @@ import vllm_shapes as shapes
 from helpers import MIB
 from test_vllm_sizing import determine, vllm_worker
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import sessions
 from kvcached_broker.adapters.tensors import storage_bytes
 from kvcached_broker.adapters.vllm import parallel
 from kvcached_broker.client import SessionEvicted
@@ -49,7 +49,7 @@ def test_under_require_a_broker_failure_stops_the_start_with_the_reason(kind, re
     failing = broker_failures.arrange(kind, request, monkeypatch)
     failing.break_after_open(parallel.identity(0))
     monkeypatch.setenv("KVCACHED_REQUIRE", "1")
-    expected = SessionEvicted if kind == "evicted" else worker.BrokerRequired
+    expected = SessionEvicted if kind == "evicted" else sessions.BrokerRequired
     with pytest.raises(expected) as caught:
         _start_vllm()
     if failing.reason:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcached_broker.adapters import support, worker
+from kvcached_broker.adapters import sessions, support
 from kvcached_broker.adapters.tensors import storage_bytes
 from kvcached_broker.adapters.vllm import kv_config, parallel
 from kvcached_broker.adapters.vllm.kv_budget import KVCacheBudgetError
@@ -25,7 +25,7 @@ def instance(status, name="vllm-test"):
     """The instance entry holding this worker's session (or, for ``name``, that instance)."""
     if name != "vllm-test":
         return next(i for i in status["instances"] if i["name"] == name)
-    session_id = worker.session(parallel.identity(0)).session_id
+    session_id = sessions.session(parallel.identity(0)).session_id
     return next(i for i in status["instances"] if any(s["id"] == session_id for s in i["sessions"]))
 
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import sessions
 from kvcached_broker.adapters.tensors import storage_bytes
 from kvcached_broker.adapters.vllm import kv_config, kv_sizing, kvcached_mode, parallel
 from kvcached_broker.adapters.vllm.kv_budget import KVCacheBudgetError
@@ -26,7 +26,7 @@ determine = shapes.determine
 
 def mine(broker) -> dict:
     """This worker's session in status (the neighbour's session lives in this process too)."""
-    session_id = worker.session(parallel.identity(0)).session_id
+    session_id = sessions.session(parallel.identity(0)).session_id
     (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
     return found
 
@@ -106,7 +106,7 @@ def weights_loaded(gpu_broker, measured):
 
 def _count_reserves(monkeypatch, broker) -> list[int]:
     """Free bytes after each reserve request this worker's session sends (one entry per request)."""
-    client = worker.session(parallel.identity(0))
+    client = sessions.session(parallel.identity(0))
     original, after = client.reserve, []
 
     def reserve(*args, **kwargs):

@@ -45,12 +45,12 @@ def together(profiled_bytes: int) -> int:
 
     import vllm_shapes as shapes
 
-    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters import sessions
     from kvcached_broker.adapters.vllm import parallel
     from kvcached_broker.adapters.vllm.kv_budget import KVCacheBudgetError
 
     gpu_worker, determine = shapes.gpu_worker(), shapes.determine(profiled_bytes)
-    worker.session(parallel.identity(0))  # registered: the device now counts its weights as its own
+    sessions.session(parallel.identity(0))  # registered: the device now counts its weights as its own
     say(event="ready", pid=os.getpid())
     if not sys.stdin.readline():
         return 0
