@@ -109,11 +109,11 @@ lint: $(LINT_STAMP)
 	cd build/typecheck && ../../$(PY) -m mypy --config-file ../../pyproject.toml --cache-dir .mypy_cache -p kvcached_broker
 
 test-core: $(STAMP)
-	KVCACHED_BROKER_EXPECT_COMPILED=0 $(PY) -m pytest -q -n $(TEST_JOBS) --ignore=tests/adapters
+	KVCACHED_BROKER_EXPECT_COMPILED=0 $(PY) -m pytest -q -n $(TEST_JOBS)
 
 # The core suite again against the compiled request core (no torch there: its tests skip).
 test-compiled: $(CSTAMP)
-	KVCACHED_BROKER_EXPECT_COMPILED=1 $(CPY) -m pytest -q -n $(TEST_JOBS) -p no:cacheprovider --ignore=tests/adapters
+	KVCACHED_BROKER_EXPECT_COMPILED=1 $(CPY) -m pytest -q -n $(TEST_JOBS) -p no:cacheprovider
 
 # The core suite on every supported Python but .venv's (no torch: its tests skip), about three
 # minutes each on 2 cores; `make test-pythons PYTHONS="3.12"` picks them.  .ci/run runs it
@@ -125,7 +125,7 @@ test-pythons: $(STAMP)
 		[ "$$v" = "$$main" ] && [ -z "$(PYTHONS)" ] && continue; \
 		echo "== the core suite on Python $$v"; \
 		$(MAKE) --no-print-directory .venv-py$$v/.installed && \
-		KVCACHED_BROKER_EXPECT_COMPILED=0 .venv-py$$v/bin/python -m pytest -q -n $(TEST_JOBS) -p no:cacheprovider --ignore=tests/adapters \
+		KVCACHED_BROKER_EXPECT_COMPILED=0 .venv-py$$v/bin/python -m pytest -q -n $(TEST_JOBS) -p no:cacheprovider \
 			|| exit 1; \
 	done
 

@@ -50,7 +50,7 @@ class Overlay:
 
     runtime: str
     version: str
-    #: test paths its adapter suite runs (relative to the repo root); empty: the runtime's whole suite
+    #: test paths its adapter suite runs (relative to the repo root); empty: every test marked for the runtime
     suite: tuple[str, ...] = ()
     upstream: Upstream | None = None
 
@@ -71,7 +71,7 @@ class Runtime:
     #: mode is tested on (a ``kvcached+<runtime>-<version>`` overlay each); None: not in kvcached mode
     kvcached_mode: Range | None = None
     kvcached_overlays: tuple[str, ...] = ()
-    #: version -> the test paths its kvcached mode overlay runs (absent: tests/kvcached_<runtime>)
+    #: version -> the test paths its kvcached mode overlay runs (absent: every test marked runtime("kvcached", <runtime>))
     kvcached_suites: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def supports(self, version: str | None) -> bool:

@@ -2,9 +2,10 @@
 # Run the adapter tests once per upstream version, each against the real upstream classes
 # installed in its overlay (see scripts/adapter-envs.sh); then upstream's own allocator and
 # block-pool tests with the patches off and on (scripts/upstream-tests.py; fetched files only);
-# kvcached-0.1.6 runs tests/kvcached against kvcached's real Python code; a combined overlay
-# kvcached+RUNTIME-VERSION (e.g. kvcached+sglang-0.5.23) runs tests/kvcached_RUNTIME with both on
-# one path: kvcached mode inside the runtime's real classes.
+# kvcached-0.1.6 runs kvcached mode's tests against kvcached's real Python code; a combined overlay
+# kvcached+RUNTIME-VERSION (e.g. kvcached+sglang-0.5.23) runs those of kvcached mode inside the
+# runtime's real classes, with both on one path.  A run collects the test modules whose
+# pytest.mark.runtime names the overlay's runtimes, wherever they live (tests/overlay_selection.py).
 # Which overlays run, and which tests each runs, is the table of supported releases
 # (adapters/support.py, read through scripts/support.py): by default every overlay it lists.
 # TEST_JOBS: pytest-xdist's workers per suite (a number, or auto: one per core); unset, one process.
@@ -28,19 +29,19 @@ for overlay in $OVERLAYS; do
       export PYTHONPATH="$runtime_path:$PYTHONPATH"
       export KVCACHED_BROKER_TEST_RUNTIME="$inner" KVCACHED_BROKER_TEST_KVCACHED="$KVCACHED"
       # shellcheck disable=SC2086  # the suite is a list of paths
-      "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider ${suite:-"tests/kvcached_${inner%%-*}"}
+      "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider ${suite:-tests}
     ) || status=1
     continue
   fi
   runtime=${overlay%%-*}
   if [ "$runtime" = kvcached ]; then
     # kvcached mode: kvcached's real Python code (scripts/fetch-kvcached.py), its native extension
-    # replaced by a test double, real brokers and processes (tests/kvcached)
+    # replaced by a test double, real brokers and processes (the tests marked runtime("kvcached"))
     echo "=== kvcached tests: $overlay ==="
     (
       set -a; . "$ENVS/$overlay.env"; set +a
       export KVCACHED_BROKER_TEST_RUNTIME="$overlay"
-      "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider tests/kvcached
+      "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider tests
     ) || status=1
     continue
   fi
@@ -50,7 +51,7 @@ for overlay in $OVERLAYS; do
     set -a; . "$ENVS/$overlay.env"; set +a
     export KVCACHED_BROKER_TEST_RUNTIME="$overlay"
     # shellcheck disable=SC2086  # the suite is a list of paths
-    "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider ${suite:-"tests/adapters/$runtime"}
+    "$PY" -m pytest -q -n "$JOBS" -p no:cacheprovider ${suite:-tests}
   ) || status=1
   "$PY" scripts/upstream-tests.py run "$PY" "$ENVS" "$overlay" || status=1
 done

@@ -13,6 +13,11 @@ request core directly instead (``helpers.make_core``); these fixtures are for wh
 sockets, processes, crashes and restarts.
 
 Socket paths live in short directories under /tmp because an ipc path may not exceed 107 bytes.
+
+Which tests a run collects is each module's ``runtime`` marker (:mod:`overlay_selection`): the
+core run collects the modules that name none, an overlay run (scripts/test-adapters.sh) those
+that name its runtimes, and checks, test by test, that they are installed at the overlay's
+versions.
 """
 
 from __future__ import annotations
@@ -32,7 +37,33 @@ import pytest
 from kvcached_broker.client.admin import AdminClient
 from kvcached_broker.tools.launch import BrokerLauncher
 
-from helpers import GIB, MIB  # noqa: F401
+import overlay_selection
+from helpers import GIB, MIB, require_kvcached_mode, require_runtime  # noqa: F401
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave out a test module whose ``runtime`` marker is not this run's overlay (unimported)."""
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        if not overlay_selection.selected(overlay_selection.needs(collection_path), overlay_selection.current()):
+            return True
+    return None
+
+
+@pytest.fixture(autouse=True)
+def overlay_versions(request: pytest.FixtureRequest) -> None:
+    """A test marked for runtimes runs against them at the overlay's versions (a missing or
+    another version fails inside an overlay: :func:`helpers.require_runtime`)."""
+    marker = request.node.get_closest_marker("runtime")
+    if marker is None:
+        return
+    names = set(marker.args)
+    runtimes = sorted(names - {"kvcached"})
+    if not runtimes:
+        require_runtime("kvcached")
+    elif "kvcached" in names:
+        require_kvcached_mode(runtimes[0], runtimes[0])
+    else:
+        require_runtime(runtimes[0])
 
 
 @pytest.fixture

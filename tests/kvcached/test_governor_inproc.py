@@ -15,6 +15,8 @@ from inproc_pool import BLOCKS_PER_PAGE, INSTANCE, POOL_PAGE_BYTES, Pause, gover
 
 from kvcached_broker.adapters.kvcached import runner, segment
 
+pytestmark = pytest.mark.runtime("kvcached")
+
 
 def _settle() -> None:
     assert runner.settle()

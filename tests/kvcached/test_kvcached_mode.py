@@ -8,6 +8,7 @@ at most what the broker granted it and that the device's sum is within the budge
 
 from __future__ import annotations
 
+import pytest
 import shutil
 import threading
 import time
@@ -18,6 +19,8 @@ from helpers import wait_for
 
 from kvcached_broker.broker.device import read_shared_usage
 from kvcached_broker.tools.shared_gpu import allocation_lock
+
+pytestmark = pytest.mark.runtime("kvcached")
 
 BLOCKS_PER_PAGE = 64  # 16 tokens x 8 heads x 128 x fp16 = 32 KiB per block per layer K; 2 MiB pages
 

@@ -12,6 +12,7 @@ bursting one.
 
 from __future__ import annotations
 
+import pytest
 import re
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from helpers import python_env
 from kvcached_broker.tools import kvcached_sim
 from kvcached_broker.tools.dsv4_shape import POOLS
 from kvcached_broker.tools.kvcached_sim.mission_demo import B_BURST_BYTES, GIB
+
+pytestmark = pytest.mark.runtime("kvcached")
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_LINE = re.compile(r"^adds up: budget (?P<budget>[\d.]+) = (?P<parts>.*?) \+ free (?P<free>[\d.]+)"

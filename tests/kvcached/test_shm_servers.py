@@ -8,6 +8,7 @@ when the next pool starts on the host; the segment and record are this user's, m
 
 from __future__ import annotations
 
+import pytest
 import os
 import stat
 import uuid
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from helpers import wait_for
 from kv_harness import GIB, MIB, kvctl
+
+pytestmark = pytest.mark.runtime("kvcached")
 
 SHM = Path("/dev/shm")
 BLOCKS_PER_PAGE = 64  # see test_kvcached_mode.py: 2 MiB pages of 32 KiB blocks

@@ -12,6 +12,8 @@ import pytest
 from helpers import wait_for
 from kv_harness import GIB, POOL_PAGE_BYTES, kvctl
 
+pytestmark = pytest.mark.runtime("kvcached")
+
 NUM_LAYERS, BLOCK_TOKENS, CELL_BYTES = 4, 16, 8 * 128 * 2
 BLOCKS_PER_PAGE = 64
 

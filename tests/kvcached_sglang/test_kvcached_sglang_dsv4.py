@@ -10,9 +10,12 @@ side (a V4 server's MHA draft, or another model's pool: what matters is both kin
 
 from __future__ import annotations
 
+import pytest
 from helpers import wait_for
 
 from helpers import MIB
+
+pytestmark = pytest.mark.runtime("kvcached", "sglang")
 
 ADAPTER = "kvcached_broker.adapters.sglang.paged_allocator"
 #: The names a later kvcached would report itself (``dsv4.<pool>``) when it owns or reports them.

@@ -15,6 +15,8 @@ from helpers import wait_for
 
 from kvcached_broker.client import BrokerClient
 
+pytestmark = pytest.mark.runtime("kvcached", "sglang")
+
 TOKENS_PER_PAGE = 1024
 
 

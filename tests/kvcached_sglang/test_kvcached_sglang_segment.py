@@ -24,6 +24,8 @@ from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
 from kvcached_broker.adapters.kvcached.governor import PoolGovernor
 from kvcached_broker.adapters.kvcached.policy import Grow, Shrink, Watermarks, decide
 
+pytestmark = pytest.mark.runtime("kvcached", "sglang")
+
 VIRTUAL_PAGES = 56
 PAGE_BYTES = (2 << 20) * 4 * 2
 

@@ -12,8 +12,11 @@ group, run the real, patched ``Scheduler.ingest_requests`` as their iterations:
 
 from __future__ import annotations
 
+import pytest
 from conftest import POOL_PAGE_BYTES, on_all
 from test_kvcached_sglang_tp import BATCH_PAGES, TOKENS_PER_PAGE, assert_agreed_at_every_sync, fill
+
+pytestmark = pytest.mark.runtime("kvcached", "sglang")
 
 
 def test_pressure_while_a_rank_is_inside_the_collective_never_lifts_its_limit_above_its_grant(gpu_broker, ranks,

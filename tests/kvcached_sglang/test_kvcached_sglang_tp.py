@@ -8,6 +8,7 @@ iterations.  Both ranks always get the same requests, as SGLang's broadcast give
 
 from __future__ import annotations
 
+import pytest
 import math
 
 import subprocess
@@ -17,6 +18,8 @@ from conftest import POOL_PAGE_BYTES, SESSION_PAGE_BYTES, on_all, session_pages
 from helpers import MIB, python_env, wait_for
 
 from kvcached_broker.client import BrokerClient
+
+pytestmark = pytest.mark.runtime("kvcached", "sglang")
 
 TOKENS_PER_PAGE = 1024  # 64 blocks of 16 tokens in one 2 MiB page per layer
 SESSION_PAGES_PER_POOL_PAGE = POOL_PAGE_BYTES // SESSION_PAGE_BYTES

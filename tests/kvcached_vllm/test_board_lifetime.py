@@ -5,11 +5,14 @@ board) or among the abstract Unix sockets (the doorbells, ``/proc/net/unix``).
 
 from __future__ import annotations
 
+import pytest
 import os
 
 from tp_harness import BLOCKS_PER_PAGE, Processes
 
 from kvcached_broker.adapters.kvcached import liveness
+
+pytestmark = pytest.mark.runtime("kvcached", "vllm")
 
 DOORBELL = "@kvcached-broker-doorbell-"
 

@@ -8,11 +8,14 @@ runs first; the broker's sizing cap wraps kvcached's patched ``determine_availab
 
 from __future__ import annotations
 
+import pytest
 import json
 import subprocess
 import sys
 
 from tp_harness import GIB, HERE
+
+pytestmark = pytest.mark.runtime("kvcached", "vllm")
 
 
 def test_kvcached_buffers_are_not_kv_static_and_the_cap_wraps_kvcacheds_sizing(gpus, processes):

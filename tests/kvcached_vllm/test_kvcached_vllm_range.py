@@ -3,8 +3,11 @@ patched ``EngineCore.__init__``, every vLLM from 0.29 outside its Model Runner V
 
 from __future__ import annotations
 
+import pytest
 from kvcached_broker.adapters import support
 from kvcached_broker.adapters.versions import parse
+
+pytestmark = pytest.mark.runtime("kvcached", "vllm")
 
 
 def test_the_tables_kvcached_mode_range_is_the_one_kvcached_serves():

@@ -10,11 +10,14 @@ scheduler's next ``schedule()``.
 
 from __future__ import annotations
 
+import pytest
 import kv_model
 from helpers import python_env, wait_for
 from tp_harness import BLOCKS_PER_PAGE, GIB, POOL_PAGE_BYTES, Sampler
 
 from kvcached_broker.tools.kvcached_sim.pools import PoolProcess
+
+pytestmark = pytest.mark.runtime("kvcached", "vllm")
 
 MIB = 1 << 20
 #: the neighbour's kvcached pool (tools/kvcached_sim/pool_process.py, 4 layers): 2 MiB x 4 layers x K and V

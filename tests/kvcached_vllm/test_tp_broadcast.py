@@ -9,10 +9,13 @@ limit is at most every governed worker's grant (tp_harness.py).
 
 from __future__ import annotations
 
+import pytest
 from helpers import wait_for
 from tp_harness import BLOCKS_PER_PAGE, POOL_PAGE_BYTES, Sampler
 
 from kvcached_broker.adapters.kvcached.broadcast import board as board_mod
+
+pytestmark = pytest.mark.runtime("kvcached", "vllm")
 
 
 def start_tp(gpus, processes, world_size: int = 2):

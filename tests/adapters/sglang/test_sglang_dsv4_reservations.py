@@ -20,6 +20,8 @@ from helpers import MIB, wait_for
 from kvcached_broker.adapters import background, sessions, worker
 from kvcached_broker.adapters.sglang import dsv4_pools, dsv4_reservation, pool_bytes, parallel
 
+pytestmark = pytest.mark.runtime("sglang")
+
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 
 

@@ -27,6 +27,8 @@ from kvcached_broker.adapters import background, sessions
 from kvcached_broker.adapters.sglang import kv_sizing, parallel
 from kvcached_broker.client import SessionEvicted
 
+pytestmark = pytest.mark.runtime("sglang")
+
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 
 

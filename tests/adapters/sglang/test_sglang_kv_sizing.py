@@ -20,6 +20,8 @@ from helpers import GIB, MIB
 from kvcached_broker.adapters.sglang import kv_budget, kv_sizing, reporting
 from kvcached_broker.client import BrokerClient
 
+pytestmark = pytest.mark.runtime("sglang")
+
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 
 

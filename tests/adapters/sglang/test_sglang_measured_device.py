@@ -24,6 +24,8 @@ from kvcached_broker.adapters import sessions
 from kvcached_broker.adapters.sglang import kv_sizing, reporting, startup, parallel
 from kvcached_broker.client import BrokerClient, BudgetExceeded
 
+pytestmark = pytest.mark.runtime("sglang")
+
 WEIGHTS = 256 * MIB
 PID = os.getpid()
 

@@ -25,6 +25,8 @@ from kvcached_broker.adapters import worker
 from kvcached_broker.adapters.sglang import kv_budget, parallel
 from kvcached_broker.client import BrokerClient
 
+pytestmark = pytest.mark.runtime("sglang")
+
 PID = os.getpid()
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 CONTEXT, WEIGHTS, GRAPHS = 32 * MIB, 256 * MIB, 64 * MIB  # what the process uses besides its KV cache

@@ -19,6 +19,8 @@ import sglang_cpu
 
 from kvcached_broker.adapters.sglang import allocator_binding
 
+pytestmark = pytest.mark.runtime("sglang")
+
 PS = 16  # tokens per page
 PAGES = 32
 

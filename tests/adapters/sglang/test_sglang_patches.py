@@ -16,6 +16,8 @@ from kvcached_broker.adapters import autopatch, patching, support
 from kvcached_broker.adapters.patching import PatchError, apply_patch
 from kvcached_broker.adapters.sglang import dsv4_reservation, kv_sizing, kvcached_buffers, kvcached_sizing, patches
 
+pytestmark = pytest.mark.runtime("sglang")
+
 WORKER = os.path.join(os.path.dirname(__file__), "sglang_worker.py")
 
 

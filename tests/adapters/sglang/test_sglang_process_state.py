@@ -7,10 +7,13 @@ Real SGLang classes from the overlay, patched by the adapter.
 
 from __future__ import annotations
 
+import pytest
 import sglang_cpu
 
 from kvcached_broker.adapters import process_state
 from kvcached_broker.adapters.sglang import kv_sizing, kvcached_fallback, kvcached_sizing, paged_allocator, reporting
+
+pytestmark = pytest.mark.runtime("sglang")
 
 
 class _Pool:

@@ -21,6 +21,8 @@ from device_usage import MeasuredUsage, instance_of, session_of
 from kvcached_broker.adapters import support
 from kvcached_broker.adapters.versions import installed, parse
 
+pytestmark = pytest.mark.runtime("vllm")
+
 #: The co-location start-up runs once, in the newest vLLM overlay: its vLLM side is the same
 #: sizing wrapper on every release, and test_vllm_sizing runs each release's Worker on a
 #: measuring device.  (Three runtime processes cost about 35 s on the 2-vCPU machine.)

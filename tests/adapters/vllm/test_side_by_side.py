@@ -7,6 +7,7 @@ one real broker.
 
 from __future__ import annotations
 
+import pytest
 import os
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from overlays import HERE, SGLANG_ENV, base_env, overlay_env, overlay_version, r
 
 from kvcached_broker.adapters import support
 from kvcached_broker.adapters.versions import installed
+
+pytestmark = pytest.mark.runtime("vllm")
 
 
 def test_vllm_and_sglang_instances_share_one_gpu_side_by_side(broker_factory):

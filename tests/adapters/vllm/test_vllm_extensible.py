@@ -30,9 +30,9 @@ from kvcached_broker.adapters.versions import installed
 from kvcached_broker.adapters.vllm import extensible, kv_budget, kv_sizing, memory_release, parallel
 from kvcached_broker.client import BrokerClient
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.runtime("vllm"), pytest.mark.skipif(
     not support.VLLM.at_least("extensible_kv_cache", installed("vllm") or support.VLLM.supported.minimum),
-    reason="vLLM's extensible KV cache arrived in 0.34")
+    reason="vLLM's extensible KV cache arrived in 0.34")]
 
 GRANULE = 2 * MIB
 WEIGHTS = 128 * MIB

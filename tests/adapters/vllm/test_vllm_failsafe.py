@@ -20,6 +20,8 @@ from kvcached_broker.adapters.tensors import storage_bytes
 from kvcached_broker.adapters.vllm import parallel
 from kvcached_broker.client import SessionEvicted
 
+pytestmark = pytest.mark.runtime("vllm")
+
 
 def _start_vllm() -> tuple[int, int]:
     """A worker's start: size the KV cache, then allocate it through vLLM's runner."""

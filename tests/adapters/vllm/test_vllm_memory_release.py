@@ -21,6 +21,8 @@ from helpers import GIB, MIB
 from kvcached_broker.adapters.vllm import kv_budget, kv_config, memory_release
 from kvcached_broker.client import BrokerClient
 
+pytestmark = pytest.mark.runtime("vllm")
+
 
 @pytest.fixture(autouse=True)
 def no_sleepers():

@@ -14,6 +14,8 @@ from kvcached_broker.adapters.vllm import engine, patches, prefix_eviction
 import vllm_shapes as shapes
 from helpers import MIB, adapter_line
 
+pytestmark = pytest.mark.runtime("vllm")
+
 WORKER_SIDE = {"vllm_kv_alloc_attn_utils", "vllm_kv_sizing"}
 ENGINE_SIDE = {"vllm_engine_core", "vllm_prefix_eviction"}
 

@@ -18,6 +18,8 @@ from kvcached_broker.client import BrokerClient
 import vllm_shapes as shapes
 from helpers import GIB, MIB
 
+pytestmark = pytest.mark.runtime("vllm")
+
 V4_POOLS = {"swa_kv_pool", "c4_kv_pool", "c128_kv_pool", "c4_indexer_kv_pool", "compress_state_pools"}
 
 

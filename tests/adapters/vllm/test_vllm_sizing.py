@@ -19,6 +19,8 @@ from kvcached_broker.client import BrokerClient, BudgetExceeded
 import vllm_shapes as shapes
 from helpers import GIB, MIB
 
+pytestmark = pytest.mark.runtime("vllm")
+
 WEIGHTS = 256 * MIB
 vllm_worker = shapes.gpu_worker
 determine = shapes.determine
