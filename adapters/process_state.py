@@ -1,6 +1,6 @@
 """What the adapters keep for one process, in one registry: the only process state they hold.
 
-Rules (kept by ``tests/test_adapter_process_state.py``, which reads every module of adapters/):
+Rules (kept by ``tests/adapters/test_adapter_process_state.py``, which reads every module of adapters/):
 
 * An adapter module keeps no process state at module level: no ``global`` statement, and no
   lock, container, thread, socket, counter or object of its own bound at the top of a module

@@ -8,7 +8,7 @@ and, for vLLM, the releases kvcached mode supports and is tested on.
 
 Adding a release: its overlay here (and a wider range if it is the newest), its pins
 (``PINS_<runtime>_<version>`` in ``scripts/adapter-envs.sh``), and a gate for any layout it
-changes.  ``tests/test_support_table.py`` checks that the patches, the scripts, the upstream
+changes.  ``tests/adapters/test_support_table.py`` checks that the patches, the scripts, the upstream
 manifest and the README's support table agree with this module.
 
 Only the standard library and :mod:`.versions` are imported here: the shell scripts read this
@@ -136,7 +136,7 @@ VLLM = Runtime(
     kvcached_mode=Range("0.19.1", "0.31"),  # kvcached 0.1.6 has no runner adapter past vLLM 0.30
     kvcached_overlays=("0.19.1", "0.30.0"),
     # 0.30.0: kvcached's Model Runner V2 layout; the board's lifetime is the same on every release
-    kvcached_suites={"0.30.0": tuple(f"tests/kvcached_vllm/{name}.py" for name in
+    kvcached_suites={"0.30.0": tuple(f"tests/adapters/kvcached/vllm/{name}.py" for name in
                                      ("test_tp_broadcast", "test_prefix_eviction", "test_coexistence",
                                       "test_kvcached_vllm_range"))},
 )

@@ -357,7 +357,7 @@ EOF
 }
 
 build_overlay common
-# kvcached 0.1.6's Python package (sdist, sha256-pinned, no CUDA build) for tests/kvcached
+# kvcached 0.1.6's Python package (sdist, sha256-pinned, no CUDA build) for tests/adapters/kvcached
 "$PY" "$(dirname "$0")/fetch-kvcached.py" "$OUT" || die "kvcached-0.1.6: fetch failed"
 for o in $WANT; do
   build_overlay "$o"

@@ -5,7 +5,7 @@
 
 ``pip install kvcached`` compiles a CUDA extension and fails on a machine without a GPU
 toolchain (even ``pip download`` fails, at the metadata step).  The tests need only its Python
-code, with ``kvcached.vmm_ops`` replaced by a test double (tests/kvcached/vmm_ops_double.py).
+code, with ``kvcached.vmm_ops`` replaced by a test double (tools/kvcached_sim/vmm_ops_double.py).
 So this script:
 
 1. reads the package index from pip's own configuration (``PIP_INDEX_URL``, then

@@ -9,7 +9,7 @@ patches): ``KVCacheManager.set_memory_limit(limit_bytes, *, revision)`` and
 table names (:mod:`.patches`).
 
 **What 0.1.6 has no public form for**, each read here and nowhere else (a test holds the rest of
-the package to it, ``tests/test_kvcached_contact.py``):
+the package to it, ``tests/adapters/kvcached/test_kvcached_contact.py``):
 
 * whether the manager's post-init ran (``_post_init_done``, a ``threading.Event``): before it,
   the null block may be waiting for a grant and no manager call returns;

@@ -1,6 +1,6 @@
 """Start and drive :mod:`.pool_process` processes: one real kvcached pool each, JSON lines.
 
-Used by the kvcached tests (tests/kvcached/kv_harness.py), the hand-over benchmark
+Used by the kvcached tests (tests/adapters/kvcached/kv_harness.py), the hand-over benchmark
 (benchmarks/handover.py) and ``kvcached-broker demo``.
 """
 

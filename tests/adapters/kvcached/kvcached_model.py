@@ -1,6 +1,6 @@
 """kvcached 0.1.6 and a broker as a pool governor sees them, in pool pages, with no threads.
 
-For the property test of adapters/kvcached (tests/test_kvcached_pool_state.py): the real
+For the property test of adapters/kvcached (tests/adapters/kvcached/test_kvcached_pool_state.py): the real
 ``PoolGovernor`` drives these models, and an *interleaver* runs the engine's and kvcached's
 prealloc thread's actions between any two of the governor's calls, as their threads can.
 

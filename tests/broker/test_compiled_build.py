@@ -22,7 +22,7 @@ from kvcached_broker.tools.launch import BrokerLauncher
 
 EXPECTED = os.environ.get("KVCACHED_BROKER_EXPECT_COMPILED")
 pytestmark = pytest.mark.skipif(EXPECTED is None, reason="KVCACHED_BROKER_EXPECT_COMPILED is not set")
-SETUP_PY = Path(__file__).resolve().parents[1] / "setup.py"
+SETUP_PY = Path(__file__).resolve().parents[2] / "setup.py"
 
 
 def _compiled_modules() -> list[str]:

@@ -20,7 +20,7 @@ from kvcached_broker.adapters.sglang import patches as sglang_patches
 from kvcached_broker.adapters.vllm import patches as vllm_patches
 from kvcached_broker.adapters.versions import parse
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENVS_SCRIPT = (ROOT / "scripts" / "adapter-envs.sh").read_text()
 PATCHES = {"sglang": sglang_patches, "vllm": vllm_patches, "kvcached": kvcached_patches}
 

@@ -26,7 +26,7 @@ from kvcached_broker.tools.kvcached_sim.mission_demo import B_BURST_BYTES, GIB
 
 pytestmark = pytest.mark.runtime("kvcached")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BUDGET_LINE = re.compile(r"^adds up: budget (?P<budget>[\d.]+) = (?P<parts>.*?) \+ free (?P<free>[\d.]+)"
                          r"(?: - (?P<twice>[\d.]+) charged twice)? GiB$")
 

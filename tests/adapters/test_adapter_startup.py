@@ -23,7 +23,7 @@ from helpers import adapter_line
 from kvcached_broker.adapters import support
 from kvcached_broker.adapters.autopatch import REQUIRE_EXIT_CODE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = "import sys; print('interpreter ran'); print('sglang' in sys.modules)"
 BRIDGE = {"KVCACHED_SGLANG_DSV4_KV_POOL_BRIDGE": "1"}
 

@@ -1,7 +1,7 @@
 """kvcached's sync-point agreement alone: a pool's give-back routed through the agreement
 (:func:`agreement.hold_offers`) still says what the governor says with it.  The pool's allocator
 and grant are small stand-ins; the sync points themselves run in the kvcached+SGLang overlay
-tests (tests/kvcached_sglang)."""
+tests (tests/adapters/kvcached/sglang)."""
 
 from __future__ import annotations
 

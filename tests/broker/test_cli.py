@@ -151,7 +151,7 @@ def test_watch_redraws_until_interrupted(broker):
 
 def test_demo_runs_and_exits_0():
     """The three-worker demo, pinned (``kvcached-broker demo`` shows the mission with kvcached pools
-    wherever torch and kvcached are importable; tests/kvcached/test_mission_demo.py checks that one)."""
+    wherever torch and kvcached are importable; tests/adapters/kvcached/test_mission_demo.py checks that one)."""
     out = cli("demo", "--seconds", "2", env={"KVCACHED_BROKER_DEMO": "classic"}, timeout=60)
     assert out.returncode == 0, out.stderr
     for name in ("deepseek-v4", "llama-a", "llama-b", "swa_kv_pool", "c4_indexer_kv_pool"):

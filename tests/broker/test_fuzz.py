@@ -198,7 +198,7 @@ def test_coverage_guided_fuzzing_with_atheris():
 
     pytest.importorskip("atheris")
     runs = int(os.environ.get("ATHERIS_RUNS", "50000"))
-    target = Path(__file__).with_name("fuzz_atheris.py")
+    target = Path(__file__).resolve().parents[1] / "fuzz_atheris.py"
     out = subprocess.run([sys.executable, str(target), f"-runs={runs}", "-max_len=512", "-seed=1"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import GIB, MIB, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check"
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpucheck_carried as carried  # noqa: E402
@@ -236,12 +236,12 @@ def test_where_a_gpu_figure_is_not_the_assumption_it_is_listed():
 # ----------------------------------------------------------------------------- the VMM calls (ctypes)
 @pytest.fixture(scope="module")
 def fake_libcuda(tmp_path_factory):
-    """tests/gpu_check_fake_libcuda.c built here: the driver calls' signatures, checked, on no GPU."""
+    """tests/tools/gpu_check_fake_libcuda.c built here: the driver calls' signatures, checked, on no GPU."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler to build the stand-in libcuda")
     lib = tmp_path_factory.mktemp("libcuda") / "libcuda-fake.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(lib), str(ROOT / "tests" / "gpu_check_fake_libcuda.c")],
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(lib), str(Path(__file__).with_name("gpu_check_fake_libcuda.c"))],
                    check=True, capture_output=True)
     return str(lib)
 

@@ -24,7 +24,7 @@ import pytest
 from kvcached_broker.adapters import process_state
 from kvcached_broker.adapters.process_state import ProcessState
 
-ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
+ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
 REGISTRY = ADAPTERS / "process_state.py"
 _STATEFUL_CALLS = {
     "Lock", "RLock", "Condition", "Event", "Semaphore", "BoundedSemaphore", "local", "Thread",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "adapters" / "kvcached"
 CONTACT = PACKAGE / "kvcached_api.py"
 

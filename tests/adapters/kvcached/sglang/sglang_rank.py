@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     _keep_stdout_for_replies()
     _log_to_stderr()
-    sys.path[:0] = [str(HERE), str(HERE.parent / "adapters" / "sglang")]
+    sys.path[:0] = [str(HERE), str(HERE.parents[1] / "sglang")]
     from kvcached_broker.tools.kvcached_sim import kvcached_cpu
 
     gpu = kvcached_cpu.install(args.usage, args.total, args.ipc)

@@ -12,7 +12,7 @@
 * a frame fits 80 to 100 columns; the demo's shell stops with exit status 1 and says why at
   the first frame that does not add up.
 
-(``tests/kvcached/test_mission_demo.py`` runs the whole demo, kvcached pools included.)
+(``tests/adapters/kvcached/test_mission_demo.py`` runs the whole demo, kvcached pools included.)
 """
 
 from __future__ import annotations

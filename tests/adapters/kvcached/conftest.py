@@ -1,7 +1,9 @@
-"""kvcached-mode tests: real kvcached 0.1.6 Python code in real processes, a real broker.
+"""Fixtures of kvcached mode's tests: real kvcached 0.1.6 Python code in real processes, a real broker.
 
-They run inside the ``kvcached-0.1.6`` overlay (scripts/test-adapters.sh; the overlay is
-fetched by scripts/fetch-kvcached.py) and are skipped elsewhere.  Every pool lives in its own
+The tests that use them are marked ``runtime("kvcached")``: they run inside the ``kvcached-0.1.6``
+overlay (scripts/test-adapters.sh; the overlay is fetched by scripts/fetch-kvcached.py); the
+rest of this folder (the state core, the policy, the board, the segments) runs in the core
+suite, kvcached not needed.  Every pool lives in its own
 process (``kvcached_broker.tools.kvcached_sim.pool_process``) on one shared simulated GPU
 (``serve --simulate-usage-dir``); see kv_harness.py for the sampler that checks mapped against
 granted.
@@ -12,14 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import require_runtime
 
 from kv_harness import PoolProcess, Sampler
-
-
-@pytest.fixture(scope="session", autouse=True)
-def kvcached_version() -> str:
-    return require_runtime("kvcached")
 
 
 @pytest.fixture

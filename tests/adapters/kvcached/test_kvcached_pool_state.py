@@ -1,7 +1,7 @@
 """adapters/kvcached/pool_state.py: the pool's phases, and the invariant it keeps with the governor.
 
 The property test drives the real ``PoolGovernor`` against models of kvcached 0.1.6 and of a
-broker (tests/kvcached_model.py), with the engine's allocations and frees, kvcached's prealloc
+broker (tests/adapters/kvcached/kvcached_model.py), with the engine's allocations and frees, kvcached's prealloc
 thread and a prefix cache's evictions run *between any two of the governor's own calls*, as
 their threads can, and checks at every mutation, not only between steps:
 

@@ -84,7 +84,7 @@ def governor_of(manager):
 
 
 def inproc_pools(short_tmp, monkeypatch, inproc_factory):
-    """The fixture's body (tests/kvcached/conftest.py)."""
+    """The fixture's body (tests/adapters/kvcached/conftest.py)."""
     from kvcached_broker.tools.kvcached_sim import kvcached_cpu
 
     gpu = kvcached_cpu.install(short_tmp / "gpu-usage", 2 * GIB, f"kvb-inproc-{uuid.uuid4().hex[:10]}",
