@@ -748,11 +748,15 @@ class PoolGovernor:
         try:
             if grants.maps_here:
                 try:
-                    if self.real.get_num_reserved_pages():
-                        self.real.trim()
-                    inuse = self.real.get_num_inuse_pages()
-                    if self.real.get_num_total_pages() > inuse:
-                        self.real.resize(self.geometry.allocator_size(inuse))
+                    # Under the manager's lock, as kvcached's own trim and resize: they unmap outside
+                    # the allocator's mutex and wake no one after, and an engine's alloc_page meeting
+                    # that moment would wait for ever, holding this lock.
+                    with kvcached_api.held_lock(self.manager()):
+                        if self.real.get_num_reserved_pages():
+                            self.real.trim()
+                        inuse = self.real.get_num_inuse_pages()
+                        if self.real.get_num_total_pages() > inuse:
+                            self.real.resize(self.geometry.allocator_size(inuse))
                 except Exception as exc:  # noqa: BLE001 - what stays mapped stays granted
                     log.warning("event=kvcached_close_shrink_failed pool=%s error=%r", self.key, str(exc))
             mapped = self.real.get_num_inuse_pages() + self.real.get_num_reserved_pages()

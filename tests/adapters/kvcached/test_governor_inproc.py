@@ -303,6 +303,61 @@ def test_shutdown_gives_back_only_what_kvcached_unmapped(inproc_pools):
     assert governor.closed
 
 
+def test_an_alloc_racing_a_closed_pools_give_back_hangs_neither_the_engine_nor_the_governors(inproc_pools):
+    """A closed pool's give-back trims kvcached's reserve on the governors' thread.  kvcached's
+    ``trim`` unmaps the reserve outside its allocator's mutex and puts the pages on the free list
+    without waking anyone, and an ``alloc_page`` that finds neither a reserved nor a free page
+    (with pages still counted free) waits for that wake-up, holding the manager's lock.  So the
+    give-back trims under the manager's lock, as kvcached's own ``trim`` does: an engine's alloc
+    that came in between waited forever, and the governors' thread, which reads the mapped count
+    under that lock next, with it."""
+    pools = inproc_pools
+    manager = pools.make()
+    governor = governor_of(manager)
+    allocator = governor.real
+    held = [manager.alloc(BLOCKS_PER_PAGE) for _ in range(4)]  # pages 0 (with the null block) to 4
+    _settle()
+    assert manager.shutdown()
+    _settle()
+    assert allocator.get_num_reserved_pages() == 0 and allocator.get_num_free_pages() == 0  # shrunk to its use
+
+    pause = Pause("kvcached-broker-governor")
+    allocator._unmap_pages = pause.hook(allocator._unmap_pages)
+    for blocks in held[1:]:
+        manager.free(blocks)  # whole pages freed after shutdown: kvcached's reserve; the governors' thread wakes
+    assert pause.inside.wait(60), "the governors' thread never trimmed the closed pool's reserve"
+
+    lock, real_alloc = manager._lock, manager._alloc
+    met_the_lock = threading.Event()
+
+    def alloc_noting_the_lock(need_size, _skip_wait=False):
+        if not lock.acquire(blocking=False):
+            met_the_lock.set()  # the give-back holds the manager's lock: the engine waits for it
+            lock.acquire()
+        try:
+            return real_alloc(need_size, _skip_wait=_skip_wait)
+        finally:
+            lock.release()
+
+    manager._alloc = alloc_noting_the_lock
+    got: list = []
+    need = manager.num_avail_blocks + 1  # one more block than the pages in use have free: a page is needed
+    engine = threading.Thread(target=lambda: got.append(manager.alloc(need)), name="engine", daemon=True)
+    engine.start()
+    try:
+        wait_for(lambda: met_the_lock.is_set() or len(allocator._cond._waiters) > 0,
+                 what="the engine's alloc to wait for the manager's lock or for a page")
+        pause.go.set()
+        engine.join(60)
+        assert not engine.is_alive(), "the engine's alloc waits for a page nobody will wake it for"
+        assert runner.settle(1, timeout_s=60), "the governors' thread never finished its round"
+        assert got == [None]  # the closed pool has nothing left to map: a miss
+    finally:
+        pause.go.set()
+        with allocator._cond:  # after a failure: wake the alloc that waits, so that the threads end
+            allocator._cond.notify_all()
+
+
 # ------------------------------------------------------------------ the engine's path
 def test_allocations_within_the_limit_make_no_broker_round_trip(inproc_pools, monkeypatch):
     """Grow ahead of need: the engine's alloc and free only read counters and wake the governors'
