@@ -42,9 +42,13 @@ from helpers import GIB, MIB, require_kvcached_mode, require_runtime  # noqa: F4
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Leave out a test module whose ``runtime`` marker is not this run's overlay (unimported)."""
+    """Leave out a test module whose ``runtime`` marker is not this run's overlay, and a folder
+    holding none that is (neither imported, nor the folder's conftest)."""
+    overlay = overlay_selection.current()
+    if collection_path.is_dir():
+        return None if overlay_selection.selected_anywhere(collection_path, overlay) else True
     if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
-        if not overlay_selection.selected(overlay_selection.needs(collection_path), overlay_selection.current()):
+        if not overlay_selection.selected(overlay_selection.needs(collection_path), overlay):
             return True
     return None
 

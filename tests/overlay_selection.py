@@ -7,8 +7,9 @@ an overlay run has (scripts/test-adapters.sh: ``sglang-0.5.23``, ``kvcached-0.1.
     pytestmark = pytest.mark.runtime("kvcached", "sglang")
 
 and the run selects by that alone, wherever the module lives: a run collects exactly the modules
-whose runtimes are the overlay's (none for the core run, outside any overlay).  The marker is read
-from the module's source (:func:`needs`), so a module whose runtime is absent is never imported.
+whose runtimes are the overlay's (none for the core run, outside any overlay), and enters only the
+folders that hold one.  The marker is read from the module's source (:func:`needs`), so neither a
+module whose runtime is absent nor its folder's conftest is ever imported.
 
 The overlay being run comes from the environment scripts/test-adapters.sh sets:
 ``KVCACHED_BROKER_TEST_RUNTIME`` (``sglang-0.5.23``, or ``kvcached-0.1.6`` alone) and, for a
@@ -69,6 +70,13 @@ def current(environ: dict[str, str] | None = None) -> frozenset[str]:
     if env.get("KVCACHED_BROKER_TEST_KVCACHED", "").strip():
         names.add("kvcached")
     return frozenset(names)
+
+
+def selected_anywhere(folder: Path, overlay: frozenset[str]) -> bool:
+    """Whether any test module under ``folder`` runs in ``overlay``.  A run enters no other
+    folder, so it imports no other folder's conftest (one imports kvcached, which fixes its
+    default segment name at its first import: every later pool of that process would share it)."""
+    return any(selected(needs(path), overlay) for path in folder.rglob("test_*.py"))
 
 
 def selected(module_needs: frozenset[str], overlay: frozenset[str]) -> bool:

@@ -100,3 +100,15 @@ def test_a_run_selects_the_modules_of_exactly_its_overlays_runtimes():
     assert selected(frozenset({"kvcached", "sglang"}), frozenset({"kvcached", "sglang"}))
     assert not selected(frozenset({"kvcached"}), frozenset({"kvcached", "sglang"}))
     assert not selected(frozenset(), frozenset({"sglang"}))
+
+
+def test_a_run_enters_only_the_folders_that_hold_one_of_its_modules(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "test_a.py").write_text("def test_a(): pass\n")
+    (tmp_path / "runtime" / "deeper").mkdir(parents=True)
+    (tmp_path / "runtime" / "deeper" / "test_b.py").write_text(
+        "import pytest\npytestmark = pytest.mark.runtime('kvcached', 'vllm')\n")
+    anywhere = overlay_selection.selected_anywhere
+    assert anywhere(tmp_path / "core", frozenset()) and not anywhere(tmp_path / "runtime", frozenset())
+    assert anywhere(tmp_path / "runtime", frozenset({"kvcached", "vllm"}))
+    assert not anywhere(tmp_path / "core", frozenset({"kvcached"}))

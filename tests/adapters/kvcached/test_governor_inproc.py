@@ -51,6 +51,7 @@ def test_an_ungoverned_pool_runs_as_kvcached_alone_without_a_stale_limit(inproc_
     beyond = old_limit // POOL_PAGE_BYTES * BLOCKS_PER_PAGE  # more than the old limit holds
     assert manager.alloc(beyond) is None  # a miss: the governor asks the broker, and finds out
     wait_for(lambda: not governor.governed, what="the governor to stop governing")
+    _settle()  # the round that ungoverned it lifts the limit, then shows it in the segment
 
     status = governor.status()
     assert status["limit_bytes"] == status["virtual_bytes"]
