@@ -95,10 +95,6 @@ class ReportBook:
         """Pin the base at what the device measures, changing nothing else."""
         return self._plan(pin_base=True, phase=phase)
 
-    def show_phase(self, phase: str) -> Plan | None:
-        """Show ``phase``; None if it is shown already."""
-        return None if self.phase == phase else self._plan(phase=phase)
-
     def keep_slack(self, kept_bytes: int, slack_hold: str) -> Plan:
         """Warm-up is over: the slack hold becomes the resident slack pool of ``kept_bytes``."""
         book = {**self.book, SLACK_POOL: {SLACK_POOL: kept_bytes} if kept_bytes else {}}

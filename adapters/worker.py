@@ -142,19 +142,6 @@ def settle_warm_up(identity: WorkerIdentity, kept_slack_bytes: int | None = None
         return kept
 
 
-def set_phase(identity: WorkerIdentity, phase: str) -> None:
-    """Show ``phase`` in status (a request of its own, only if it changes; a broker failure
-    is handled as any: the worker turns unprotected)."""
-    state = registry()
-    if session(identity) is None:
-        return
-    with state.lock:
-        entry = state.by_device[str(identity.device)]
-        plan = entry.book.show_phase(phase)
-        if plan is not None:
-            _send(identity, entry, plan, f"phase {phase}")
-
-
 def hold(identity: WorkerIdentity, name: str, size_bytes: int) -> dict[str, int] | None:
     """Hold ``size_bytes`` under ``name`` (0 drops it): memory promised, not allocated yet.
 

@@ -1,6 +1,6 @@
 """A pool's grant, in pool pages, through its process's per-device broker session.
 
-The session (``adapters/worker.py``) counts pages of ``client.page_bytes``; a pool page (a
+The session (``adapters/sessions.py``) counts pages of ``client.page_bytes``; a pool page (a
 kvcached compound page) is ``ratio`` of them.  Every call goes through ``sessions.guard``: a
 refusal is 0 pages (a scheduling miss), a broker failure turns the process unprotected and
 returns None, an eviction is raised (fatal).

@@ -1,6 +1,6 @@
 """Which broker session a kvcached pool's memory is charged to.
 
-A pool's grant comes from its process's per-device session (``adapters/worker.py``), so the
+A pool's grant comes from its process's per-device session (``adapters/sessions.py``), so the
 governor needs that process's :class:`WorkerIdentity`.  The SGLang and vLLM wiring know it
 exactly (the server's TP rank and size, its instance name) and install a resolver with
 :func:`set_resolver`; without one, :func:`default_identity` reads what kvcached's own

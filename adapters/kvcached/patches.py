@@ -21,9 +21,10 @@ of the table of supported releases, ``adapters/support.py``), however the manage
 Every wrapper goes on once (:func:`..patching.wrap_once`, :func:`..patching.wrap_methods`).
 
 A pool in broadcast mode (``world_size > 1``, or vLLM's EngineCore, whose pages are mapped in
-the workers) is governed with every worker's grant (:mod:`.board_grants`): each TP worker holds
-its own GPU's grant (:mod:`.worker_grants`, registered when kvcached creates its KV tensors) and
-bounds what kvcached's listener maps there (:mod:`.map_gate`, on ``kvcached.tp_ipc_util``).
+the workers) is governed with every worker's grant (:mod:`.broadcast.board_grants`): each TP
+worker holds its own GPU's grant (:mod:`.broadcast.worker_grants`, registered when kvcached
+creates its KV tensors) and bounds what kvcached's listener maps there
+(:mod:`.broadcast.map_gate`, on ``kvcached.tp_ipc_util``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Reservations of SGLang pool objects, one reporter per live pool, plus the KV sizing hold.
 
 * Each runtime pool object (a DeepSeek-V4 pool, a static KV pool) reports under its own
-  reporter key in the worker's session (``adapters/worker.py`` merges them into the one
-  reservation map).  Measuring the same object again replaces its entry; a rebuilt pool is a
+  reporter key in the worker's session (its book, ``adapters/report_book.py``, merges them into
+  the one reservation map).  Measuring the same object again replaces its entry; a rebuilt pool is a
   new object with a new entry, and a pool that is garbage collected is forgotten.  A target
   and a draft worker in one process therefore each count their own pools.
 * Each reporter records the tensor storages it charged, so that a pool which is a *view* of
@@ -101,7 +101,7 @@ def report_pool(identity: worker_identity.WorkerIdentity, pool: Any, kind: str, 
 
     One broker request: the pool's pools, and the sizing hold shrunk by their growth (or,
     with ``last``, dropped).  ``storages`` are the storage keys measured for them (recorded,
-    so no other reporter charges them again).  Raises :class:`~.budget.BrokerBudgetError`
+    so no other reporter charges them again).  Raises :class:`~.kv_budget.BrokerBudgetError`
     (naming the broker, the budget and the other instances) if the broker has no room, which
     stops the worker at startup.  Any other broker failure leaves the worker unprotected.
     """

@@ -85,4 +85,3 @@ def test_pages_are_counted_by_holder_and_a_dropped_reporter_leaves_nothing():
     _answered(book, book.suspend(["a"], None)[0])
     book.drop("a")
     assert book.book == {} and book.usage == {} and book.suspended == set()
-    assert book.show_phase("") is None and book.show_phase("serving") is not None

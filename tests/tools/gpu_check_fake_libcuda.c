@@ -1,4 +1,4 @@
-/* A stand-in for libcuda.so.1 with the calls tools/gpu_check/vmm.py makes, for tests/test_gpu_check.py.
+/* A stand-in for libcuda.so.1 with the calls tools/gpu_check/vmm.py makes, for tests/tools/test_gpu_check.py.
  *
  * It holds no GPU: it keeps books of a 1 GiB device (FAKE_TOTAL) and checks what it is given the
  * way the driver would refuse it: a wrong allocation property or access descriptor, a size that

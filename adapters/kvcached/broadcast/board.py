@@ -24,12 +24,12 @@ board this process joined is left at exit, and when the process registry resets
 the next :meth:`Board.join` on the host (:func:`sweep`).
 
 Who wrote a record, and whether it still runs: its pid, start time and PID namespace
-(:mod:`.liveness`).  A writer in another PID namespace is never judged dead (its pid means
+(:mod:`..liveness`).  A writer in another PID namespace is never judged dead (its pid means
 nothing here), so a board with such a writer is never swept from here.
 
 Trust.  The board is this user's own file, mode ``0600`` (or ``0660`` with
-``KVCACHED_BROKER_SHM_GROUP``), opened only after :mod:`.shm_files` checked it (owner, mode,
-a regular file, no symbolic link); one that fails raises :class:`~.shm_files.UnsafeFile` and
+``KVCACHED_BROKER_SHM_GROUP``), opened only after :mod:`..shm_files` checked it (owner, mode,
+a regular file, no symbolic link); one that fails raises :class:`~..shm_files.UnsafeFile` and
 is never mapped, so its values are never applied (the pool then runs as kvcached alone, with one
 warning).  Its name carries this user's uid and PID namespace (EngineCore and its workers share
 both), so engines of different users or containers sharing ``/dev/shm`` never meet on one board.
@@ -133,7 +133,7 @@ def writer(record: "EngineRecord | SlotRecord") -> ProcessIdentity:
 
 
 def alive(record: "EngineRecord | SlotRecord") -> bool:
-    """True unless the record's writer is known to be gone (see :mod:`.liveness`): a writer in
+    """True unless the record's writer is known to be gone (see :mod:`..liveness`): a writer in
     another PID namespace counts as running."""
     return liveness.alive(writer(record))
 
@@ -182,7 +182,7 @@ class Board:
     def join(cls, path: str, claim: Callable[["Board"], None], policy: shm_files.Policy | None = None) -> "Board":
         """Take part in the board at ``path``: ``claim(board)`` writes this process's record under
         the file's lock (no leaver or sweeper can remove the file meanwhile).  Boards left behind
-        by processes that all died are swept first.  Raises :class:`~.shm_files.UnsafeFile` for a
+        by processes that all died are swept first.  Raises :class:`~..shm_files.UnsafeFile` for a
         file at ``path`` that is not this user's own private board."""
         policy = policy or shm_files.Policy.from_env()
         sweep(os.path.dirname(path) or ".", policy)
@@ -228,10 +228,6 @@ class Board:
         slots'; a writer in another PID namespace counts as running)."""
         records: list[EngineRecord | SlotRecord] = [self.engine(), *(self.slot(i) for i in range(MAX_SLOTS))]
         return [record.pid for record in records if record.pid > 0 and alive(record)]
-
-    def recorded_writers(self) -> int:
-        """How many records name a process at all (dead or alive)."""
-        return int(self.engine().pid > 0) + sum(1 for i in range(MAX_SLOTS) if self.slot(i).pid > 0)
 
     def same_file(self) -> bool:
         """True while ``path`` still names the file this process mapped (not removed, not a newer one)."""
@@ -362,7 +358,7 @@ class Board:
 def _open_locked(path: str, create: bool, policy: shm_files.Policy) -> tuple[int, os.stat_result]:
     """An fd on ``path`` with its ``flock`` held, and the file's identity; the file is the one
     ``path`` names once locked (a file removed between open and lock is opened again).  Only a
-    file :mod:`.shm_files` trusts is opened (:class:`~.shm_files.UnsafeFile` otherwise)."""
+    file :mod:`..shm_files` trusts is opened (:class:`~..shm_files.UnsafeFile` otherwise)."""
     while True:
         opened = shm_files.open_checked(path, policy, create=create)
         fd = opened.fd
@@ -392,7 +388,7 @@ def _unlock(fd: int) -> None:
 
 def sweep(directory: str = SHM_DIR, policy: shm_files.Policy | None = None) -> list[str]:
     """Remove the boards in ``directory`` whose every writer is known dead (SIGKILL: nobody left
-    them); the paths removed.  Only this user's own boards (:mod:`.shm_files`) are looked at; a
+    them); the paths removed.  Only this user's own boards (:mod:`..shm_files`) are looked at; a
     board being joined, left or swept by someone else (its lock held) is skipped, and so is one
     no process ever wrote a record on, and one with a writer in another PID namespace."""
     policy = policy or shm_files.Policy.from_env()

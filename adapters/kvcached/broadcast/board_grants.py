@@ -2,8 +2,8 @@
 
 vLLM's EngineCore pool (``world_size = TP``) maps its pages in the TP workers, and each worker
 holds its own GPU's grant (:mod:`.worker_grants`), bounded where the pages are mapped
-(:mod:`.map_gate`).  EngineCore's :class:`~.governor.PoolGovernor` governs the pool with a
-:class:`BoardGrants` in place of a session's grants (the interface of :mod:`.grants`):
+(:mod:`.map_gate`).  EngineCore's :class:`~..governor.PoolGovernor` governs the pool with a
+:class:`BoardGrants` in place of a session's grants (the interface of :mod:`..grants`):
 
 * :attr:`pages` is the least any counted worker holds, at most the level EngineCore wants: the
   pool's limit is never above it, so ``available_size()`` / ``get_num_free_blocks()`` never
@@ -282,7 +282,7 @@ class BoardGrants:
 
 
 def open_grants(geometry: PoolGeometry, real: Any) -> "tuple[BoardGrants | None, str]":
-    """What :func:`.patches.new_governor` calls for a broadcast-mode pool."""
+    """What :func:`..patches.new_governor` calls for a broadcast-mode pool."""
     try:
         return BoardGrants.open(geometry, real)
     except Exception as exc:  # noqa: BLE001 - a board that cannot be opened leaves the pool to kvcached alone

@@ -2,15 +2,15 @@
 
 In vLLM's TP topology EngineCore owns the kvcached pool and each worker maps its pages (see
 :mod:`.map_gate`).  Each worker's memory is its own GPU's, so each worker holds its grant with
-its own broker session (``adapters/worker.py``: one session per device, the one the vLLM adapter
+its own broker session (``adapters/sessions.py``: one session per device, the one the vLLM adapter
 uses for this worker).  :class:`WorkerGrants` is that holder, one per pool group, stepped on the
-governors' thread (:mod:`.runner`); EngineCore's :class:`~.board_grants.BoardGrants` talks to it
+governors' thread (:mod:`..runner`); EngineCore's :class:`~.board_grants.BoardGrants` talks to it
 through the board (:mod:`.board`).
 
 Each step:
 
 * **pressure** from this worker's broker (the client's callback, fanned out by
-  :mod:`.pressure`): what is held above both EngineCore's wanted level and what is mapped goes
+  :mod:`..pressure`): what is held above both EngineCore's wanted level and what is mapped goes
   back at once; the rest is posted on the board for EngineCore, whose governor gives back
   (lower limit, prefix-cache eviction, a deferred limit) and lowers its wanted level;
 * **follow EngineCore**: on a new ask, acquire up to the wanted level (taking no less than the
