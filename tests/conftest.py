@@ -48,7 +48,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.is_dir():
         return None if overlay_selection.selected_anywhere(collection_path, overlay) else True
     if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
-        if not overlay_selection.selected(overlay_selection.needs(collection_path), overlay):
+        if not overlay_selection.selected(overlay_selection.needs_in_run(collection_path), overlay):
             return True
     return None
 

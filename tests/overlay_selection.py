@@ -19,6 +19,7 @@ combined overlay, ``KVCACHED_BROKER_TEST_KVCACHED`` (``kvcached-0.1.6``).
 from __future__ import annotations
 
 import ast
+import functools
 import os
 from pathlib import Path
 
@@ -72,11 +73,16 @@ def current(environ: dict[str, str] | None = None) -> frozenset[str]:
     return frozenset(names)
 
 
+#: :func:`needs` read once per module in a run: each folder's check reads every module below it,
+#: and each module is checked again as a file (the sources do not change during a run).
+needs_in_run = functools.cache(needs)
+
+
 def selected_anywhere(folder: Path, overlay: frozenset[str]) -> bool:
     """Whether any test module under ``folder`` runs in ``overlay``.  A run enters no other
     folder, so it imports no other folder's conftest (one imports kvcached, which fixes its
     default segment name at its first import: every later pool of that process would share it)."""
-    return any(selected(needs(path), overlay) for path in folder.rglob("test_*.py"))
+    return any(selected(needs_in_run(path), overlay) for path in folder.rglob("test_*.py"))
 
 
 def selected(module_needs: frozenset[str], overlay: frozenset[str]) -> bool:

@@ -759,7 +759,7 @@ class PoolGovernor:
                             self.real.resize(self.geometry.allocator_size(inuse))
                 except Exception as exc:  # noqa: BLE001 - what stays mapped stays granted
                     log.warning("event=kvcached_close_shrink_failed pool=%s error=%r", self.key, str(exc))
-            mapped = self.real.get_num_inuse_pages() + self.real.get_num_reserved_pages()
+            mapped = self._mapped_pages()
             bound = max(mapped, self.real.get_num_total_pages()) if grants.maps_here else mapped
             surplus = grants.pages - bound
             if surplus > 0 and grants.release(surplus):
