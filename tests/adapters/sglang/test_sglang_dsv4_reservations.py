@@ -17,7 +17,7 @@ import pytest
 import sglang_cpu
 from helpers import MIB, wait_for
 
-from kvcached_broker.adapters import background, sessions, worker
+from kvcached_broker.adapters import background, process_state, sessions
 from kvcached_broker.adapters.sglang import dsv4_pools, dsv4_reservation, pool_bytes, parallel
 
 pytestmark = pytest.mark.runtime("sglang")
@@ -109,7 +109,7 @@ def test_require_with_an_unreachable_broker_fails_the_pool_build(adapter_state, 
     with pytest.raises(sessions.BrokerRequired, match=r"KVCACHED_REQUIRE=1.*device 0"):
         sglang_cpu.build_dsv4_pool(full_pages=8, swa_pages=4)
     monkeypatch.delenv("KVCACHED_REQUIRE")
-    worker.reset()
+    process_state.reset()
     assert sglang_cpu.build_dsv4_pool(full_pages=8, swa_pages=4) is not None  # unprotected, with a warning
 
 
