@@ -40,6 +40,35 @@ def test_each_pool_is_reported_with_its_tensor_bytes(sg_broker):
     assert inst["reserved_bytes"] == _buf_info_bytes(pool)  # SGLang's own transfer-buffer byte lengths
 
 
+def test_a_pools_report_reaches_the_broker_client_without_coming_back_to_a_module(sg_broker):
+    """The path one DeepSeek-V4 pool takes from SGLang's pool constructor to the broker client's
+    ``reserve``, as a call stack: the patch, the SGLang reporter, the device's session, the
+    client, each entered once (a module that called out and was called back, as the old
+    session guard called back into its caller, shows up twice)."""
+    stacks = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "reserve" and not stacks \
+                and frame.f_globals.get("__name__", "").startswith("kvcached_broker.client"):
+            modules, f = [], frame
+            while f is not None:
+                name = f.f_globals.get("__name__", "")
+                if name.startswith("kvcached_broker.") and (not modules or modules[-1] != name):
+                    modules.append(name)
+                f = f.f_back
+            stacks.append(modules[::-1])
+
+    sys.setprofile(profile)
+    try:
+        sglang_cpu.build_dsv4_pool(full_pages=64, swa_pages=16)
+    finally:
+        sys.setprofile(None)
+    (path,) = stacks
+    assert [m.removeprefix("kvcached_broker.") for m in path] == [
+        "adapters.sglang.dsv4_reservation", "adapters.sglang.reporting", "adapters.device_session",
+        "client.sync_client"]
+
+
 def _buf_info_bytes(pool) -> int:
     methods = ("get_contiguous_buf_infos", "get_state_buf_infos", "get_request_state_buf_infos",
                "get_unified_swa_ring_buf_infos", "get_swa_valid_from_buf_infos")
