@@ -106,17 +106,8 @@ class PoolGovernor:
         self.key = f"kvcached:g{geometry.group_id}:{self.sequence}"
         self.pool_name = ""
         self._manager: "weakref.ref[Any] | None" = None
-        self._synced = False
-        self._seen_limit_pages = 0  # kvcached's allocator size when the last round ended
-        self._standing_due = False  # a limit channel lowered the limit below what this pool wanted
-        self.operator_cap_pages: int | None = None
         self.kvctl = KvctlSegment(geometry, lambda: self.key)
         self._round_lock = threading.Lock()  # held by a round, and by a shutdown's give-back
-        self._published: tuple | None = None
-        self._zero_reported = False
-        self._zero_refusals = 0
-        self._reported_mapped = 0  # the mapped pool pages the broker was last told
-        self._reported_idle: int | None = None  # the idle pool pages the session was last told
 
     # ------------------------------------------------------------ the state, read
     @property
@@ -141,6 +132,11 @@ class PoolGovernor:
     def blocked(self) -> str:
         """Why the pool could not give back what was asked, if it could not."""
         return self.state.blocked
+
+    @property
+    def operator_cap_pages(self) -> int | None:
+        """An operator's cap on the limit (pool pages; None: none)."""
+        return self.state.operator_cap_pages
 
     # ------------------------------------------------------------ birth (constructing thread)
     def start(self) -> None:
@@ -175,11 +171,10 @@ class PoolGovernor:
         """Report under ``key`` from now on; the zero page reported under the old key moves to it
         (reported again first, then the old entry forgotten: never charged twice, never zero)."""
         old, self.key = self.key, key
-        if old == key or not self._zero_reported or self.grants is None:
+        if old == key or self.grants is None or not self.state.told.renamed():
             return
-        self._zero_reported = False
         self._report_zero_page()
-        if self._zero_reported:
+        if self.state.told.zero_page:
             self.grants.forget_report(old)  # never forget(): for board grants that ends the pool's board
 
     # ------------------------------------------------------------ engine path (any thread)
@@ -198,7 +193,7 @@ class PoolGovernor:
         kvcached unmapped pages the broker still counts as mapped)."""
         return self.governed and (self.pending_limit is not None
                                   or self._free_pages() > self.ramp.current(now_s()).high_pages
-                                  or self._mapped_pages() < self._reported_mapped)
+                                  or self._mapped_pages() < self.state.told.mapped_pages)
 
     def note_miss(self) -> None:
         """An allocation missed before reaching kvcached (a charge not settled yet)."""
@@ -260,7 +255,7 @@ class PoolGovernor:
     def release_standing(self) -> None:
         """A limit channel lowered the limit below what this pool wanted (its TP peers gave
         back): the grant above kvcached's size goes back at the next round (any thread)."""
-        self._standing_due = True
+        self.asks.release_standing()
 
     def _free_pages(self) -> int:
         return self.real.get_num_total_pages() - self.real.get_num_inuse_pages()
@@ -298,13 +293,12 @@ class PoolGovernor:
         """One round on a governed pool.  It stops as soon as the pool is no longer governed (a
         broker failure found by one of its calls) or closed (from the engine's thread): nothing
         more is asked of the broker, and an ungoverned pool's lifted limit is never lowered again."""
-        if not self._synced:
+        if self.state.take_sync():
             self._set_limit(manager, self.real.get_num_total_pages())
-            self._synced = True
         self._read_operator_cap()
         outside_cap = self.asks.take_outside_cap()
         if outside_cap is not None:  # an outside set_memory_limit: an operator cap
-            self.operator_cap_pages = outside_cap
+            self.state.take_cap(outside_cap)
         if self.pending_limit is not None:
             self._finish_deferred(manager)
         if self._live():
@@ -331,7 +325,7 @@ class PoolGovernor:
         self._publish()
         self._report_mapped()
         self._report_idle(manager)
-        self._seen_limit_pages = self._limit_pages()
+        self.state.round_ended(self._limit_pages())
 
     def _live(self) -> bool:
         """The round may go on: the pool is governed and not closed."""
@@ -355,9 +349,9 @@ class PoolGovernor:
         if self.grants is None or not self.grants.maps_here:
             return
         mapped = min(self._mapped_pages_done(), self.grants.pages)
-        if mapped != self._reported_mapped:
+        if self.state.told.mapped_news(mapped):
             self.grants.mapped(self.key, mapped)
-            self._reported_mapped = mapped
+            self.state.told.told_mapped(mapped)
 
     def _report_idle(self, manager: Any) -> None:
         """Tell the session how many of the pool's granted pages are idle: its free pages and what
@@ -367,9 +361,9 @@ class PoolGovernor:
             return
         idle = min(self.grants.pages, max(0, self.grants.pages - self.real.get_num_inuse_pages())
                    + self._cached_pages(manager))
-        if idle != self._reported_idle:
+        if self.state.told.idle_news(idle):
             self.grants.idle(self.key, idle)
-            self._reported_idle = idle
+            self.state.told.told_idle(idle)
 
     def _cached_pages(self, manager: Any) -> int:
         """About how many pool pages the prefix cache could free now: its hook's ``cached_pages()``
@@ -471,21 +465,21 @@ class PoolGovernor:
             if not self._live():
                 return
         if later >= now:  # free pages covered the ask, or the pool is at its floor
-            self.state.blocked = "" if pages.limit - now >= wanted else self._floor_reason(wanted)
+            self.state.answer("" if pages.limit - now >= wanted else self._floor_reason(wanted))
             return
         if evict:
             self._evict(manager, now - later)
             inuse = self.real.get_num_inuse_pages()
             if later >= inuse:  # the eviction freed enough at once
                 self._lower_now(manager, later)
-                self.state.blocked = ""
+                self.state.answer()
                 return
             if inuse < self._limit_pages():
                 self._lower_now(manager, inuse)
                 if not self._live():
                     return
         if not defer:
-            self.state.blocked = ""
+            self.state.answer()
             return
         self._defer(manager, later)
 
@@ -509,7 +503,7 @@ class PoolGovernor:
             log.info("event=kvcached_giveback_deferred pool=%s limit_pages=%d inuse_pages=%d detail=%r",
                      self.key, limit_pages, inuse, self.blocked)
         elif status == "rejected":
-            self.state.blocked = f"rejected: {state.get('reason') or 'kvcached refused the resize'}"
+            self.state.answer(f"rejected: {state.get('reason') or 'kvcached refused the resize'}")
             log.warning("event=kvcached_giveback_blocked pool=%s reason=%r", self.key, self.blocked)
         self._release_above_limit()
 
@@ -563,7 +557,7 @@ class PoolGovernor:
         mapped = min(self._mapped_pages_done(), max(0, self.grants.pages - pages))
         if not self.grants.release(pages, mapped=mapped, key=self.key):
             return False
-        self._reported_mapped = mapped
+        self.state.told.told_mapped(mapped)
         return True
 
     def _adopt_lowered_limit(self, now_s: float) -> None:
@@ -571,10 +565,10 @@ class PoolGovernor:
         its TP peers agreed on, or a deferred limit finishing), or a limit channel said its peers
         lowered the limit: the grant above kvcached's size goes back, and, as after pressure, the
         pool grows only on a real miss for a while (its peers gave back; it would hold alone)."""
-        due, self._standing_due = self._standing_due, False
+        due = self.asks.take_standing()
         if due:
             self.pacing.quiet(now_s)
-        if due or self._limit_pages() < self._seen_limit_pages:
+        if due or self.state.limit_fell(self._limit_pages()):
             self._release_above_limit()
 
     def _floor_reason(self, wanted: int) -> str:
@@ -596,9 +590,7 @@ class PoolGovernor:
         return self.real.get_num_total_pages()
 
     def pages(self) -> PoolPages:
-        ceiling = self.geometry.virtual_pages
-        if self.operator_cap_pages is not None:
-            ceiling = min(ceiling, self.operator_cap_pages)
+        ceiling = self.state.ceiling(self.geometry.virtual_pages)
         return PoolPages(inuse=self.real.get_num_inuse_pages(), limit=self._limit_pages(),
                          granted=self.grants.pages if self.grants else 0, ceiling=ceiling)
 
@@ -611,9 +603,8 @@ class PoolGovernor:
         if shared is None:
             return
         cap = None if shared.cap_bytes is None else self.geometry.pages_of(shared.cap_bytes)
-        if cap == self.operator_cap_pages:
+        if not self.state.take_cap(cap):
             return
-        self.operator_cap_pages = cap
         granted = self.grants.pages if self.grants else 0
         if cap is None:
             log.info("event=kvcached_operator_cap pool=%s cap_bytes=none detail=the cap was the start-up write "
@@ -636,21 +627,20 @@ class PoolGovernor:
         assert self.grants is not None
         try:
             if self.grants.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, allocated=False):
-                self._zero_reported = True
+                self.state.told.zero_page = True
         except BudgetExceeded as exc:
-            if not self._zero_refusals:
+            if self.state.told.zero_page_refused():
                 log.warning("event=kvcached_zero_page_unreported pool=%s detail=%s (charged as measured "
                             "usage meanwhile; reported once there is room)", self.key, exc)
-            self._zero_refusals += 1
 
     def _publish(self) -> None:
         """Show the pool's limit and pending give-back in status (usage views, never charged)."""
         assert self.grants is not None
         if self.grants.uncharged_pages():
             return  # the broker charges less than the pools hold: views above its charge are refused
-        if not self._zero_reported:
+        if not self.state.told.zero_page:
             self._report_zero_page()
-            if not self._zero_reported:
+            if not self.state.told.zero_page:
                 return
         name = self.pool_name or f"g{self.geometry.group_id}"
         # Views may not exceed what the session holds (the broker refuses them), so an operator
@@ -659,12 +649,12 @@ class PoolGovernor:
         if self.pending_limit is not None:
             views[f"kvcached.{name}.pending_release"] = self.geometry.limit_bytes(
                 max(0, self._limit_pages() - self.pending_limit))
-        key = tuple(sorted(views.items()))
-        if key == self._published:
+        shown = tuple(sorted(views.items()))
+        if not self.state.told.views_news(shown):
             return
         try:
             if self.grants.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, usage=views):
-                self._published = key
+                self.state.told.told_views(shown)
         except BudgetExceeded:
             pass
 
@@ -686,7 +676,6 @@ class PoolGovernor:
         yet: its null block may be waiting for a grant) the allocator itself is resized."""
         if not self.state.ungovern(why):
             return
-        self.operator_cap_pages = None
         manager = self.manager()
         if manager is not None and kvcached_api.post_init_done(manager):
             self._set_limit(manager, self.geometry.virtual_pages)
@@ -786,7 +775,7 @@ class PoolGovernor:
             "operator_cap_bytes": None if self.operator_cap_pages is None else g.limit_bytes(self.operator_cap_pages),
             "pending_limit_bytes": None if self.pending_limit is None else g.limit_bytes(self.pending_limit),
             "blocked": self.blocked, "revision": self.state.revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
-            "uncharged_pages": self._uncharged_pages(), "reported_mapped_pages": self._reported_mapped,
+            "uncharged_pages": self._uncharged_pages(), "reported_mapped_pages": self.state.told.mapped_pages,
             "segment_untrusted": self.kvctl.unsafe,
             **self.counters,
         }

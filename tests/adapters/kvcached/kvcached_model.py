@@ -203,6 +203,9 @@ class ModelBroker(FixedGrants):
         self.calls_after_lost = 0
         self.evictions = 0
         self.mapped_said: int | None = None
+        self.idle_said: int | None = None
+        self.views_said: tuple | None = None  # the status views last taken (sorted items)
+        self.zero_page_taken = False  # the zero page's report was taken
         self.said_mapped: Callable[[int], None] = lambda pages: None  # the test's check of each
 
     def lost(self) -> str | None:
@@ -251,10 +254,17 @@ class ModelBroker(FixedGrants):
 
     def idle(self, key: str, pages: int) -> None:
         self._call()
+        self.idle_said = pages
 
     def report(self, key: str, pools: dict, *, usage: dict | None = None, allocated: bool = True) -> bool:
         self._call()
-        return self.why_lost is None
+        if self.why_lost is not None:
+            return False
+        if not allocated:
+            self.zero_page_taken = True
+        if usage is not None:
+            self.views_said = tuple(sorted(usage.items()))
+        return True
 
 
 class ModelPrefixCache:
