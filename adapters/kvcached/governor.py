@@ -47,6 +47,12 @@ kvcached alone would (:meth:`PoolGovernor._ungovern`: its limit lifted to the vi
 through its limit channel, the segment showing it, and no limit the governor wrote re-applied
 by kvctl's sticky watcher target), said once.  Nothing here raises into the runtime.
 
+**Composition.**  :class:`PoolGovernor` performs the I/O (kvcached, the grants) and feeds back
+what happened; the pool's state, and every decision about it, is its
+:class:`.pool_state.PoolState` (rules at the top of that module); what the pool shows outside (its
+kvctl segment, its views in the broker's status, its ``status()`` entry) is its
+:class:`.display.PoolDisplay`.
+
 Units: pool pages (kvcached compound pages, :class:`PoolGeometry`) unless a name says bytes.
 """
 
@@ -59,19 +65,19 @@ import time
 import weakref
 from typing import Any
 
-from ...client import BudgetExceeded, SessionEvicted
+from ...client import SessionEvicted
 from .. import announce, process_state
-from . import eviction, kvcached_api, runner, segment
-from .kvctl import KvctlSegment
+from . import eviction, kvcached_api, runner
+from .display import ZERO_PAGE_POOL as ZERO_PAGE_POOL  # (broadcast.worker_grants reads it here)
+from .display import PoolDisplay
 from .geometry import PoolGeometry
+from .kvctl import KvctlSegment
 from .grants import Grants
 from .limits import DirectLimits, LimitChannel
 from .policy import Grow, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan, initial_pages
 from .pool_state import AskBook, GrowPacing, PoolState, limit_after_grant, surplus_pages
 
 log = announce.logger("kvcached_broker.adapters")
-
-ZERO_PAGE_POOL = "kvcached_zero_page"
 #: A growth the engine is waiting for (it missed) waits at the broker this long for memory to
 #: come back (``acquire(wait_s=)``) rather than taking a refusal and a back-off.
 GROW_WAIT_S = 0.5
@@ -103,13 +109,25 @@ class PoolGovernor:
         self.asks = AskBook(self.counters)  # the only state other threads write
         self.pacing = GrowPacing()
         self.sequence = next(process_state.part(_Sequence).numbers)  # creation order in this process
-        self.key = f"kvcached:g{geometry.group_id}:{self.sequence}"
-        self.pool_name = ""
+        #: the pool's name, its kvctl segment and what it shows in the broker's status
+        self.display = PoolDisplay(geometry, self.state, f"kvcached:g{geometry.group_id}:{self.sequence}")
         self._manager: "weakref.ref[Any] | None" = None
-        self.kvctl = KvctlSegment(geometry, lambda: self.key)
         self._round_lock = threading.Lock()  # held by a round, and by a shutdown's give-back
 
     # ------------------------------------------------------------ the state, read
+    @property
+    def key(self) -> str:
+        """What the pool reports under (it names kvcached's pool once the manager is known)."""
+        return self.display.key
+
+    @property
+    def pool_name(self) -> str:
+        return self.display.pool_name
+
+    @property
+    def kvctl(self) -> KvctlSegment:
+        return self.display.kvctl
+
     @property
     def governed(self) -> bool:
         """The pool holds a grant the governor keeps above kvcached's size (closing included)."""
@@ -144,7 +162,7 @@ class PoolGovernor:
         if not self.governed:
             return
         assert self.grants is not None
-        self._report_zero_page()
+        self.display.report_zero_page(self.grants)
         want = initial_pages(self.marks, self.geometry.virtual_pages)
         got = self.grants.acquire(want, 1)
         if got is None:
@@ -162,20 +180,8 @@ class PoolGovernor:
     def attach(self, manager: Any) -> None:
         """Called once ``KVCacheManager.__init__`` returned: the manager this allocator serves."""
         self._manager = weakref.ref(manager)
-        self.pool_name = str(getattr(manager, "pool_name", "") or "")
-        if self.pool_name:
-            self._rename(f"kvcached:{self.pool_name}:g{self.geometry.group_id}:{self.key.rsplit(':', 1)[1]}")
+        self.display.name(str(getattr(manager, "pool_name", "") or ""), self.grants)
         self._write_segment()
-
-    def _rename(self, key: str) -> None:
-        """Report under ``key`` from now on; the zero page reported under the old key moves to it
-        (reported again first, then the old entry forgotten: never charged twice, never zero)."""
-        old, self.key = self.key, key
-        if old == key or self.grants is None or not self.state.told.renamed():
-            return
-        self._report_zero_page()
-        if self.state.told.zero_page:
-            self.grants.forget_report(old)  # never forget(): for board grants that ends the pool's board
 
     # ------------------------------------------------------------ engine path (any thread)
     def note_alloc(self, need_blocks: int, result: Any, block_mem_size: int) -> bool:
@@ -594,69 +600,21 @@ class PoolGovernor:
         return PoolPages(inuse=self.real.get_num_inuse_pages(), limit=self._limit_pages(),
                          granted=self.grants.pages if self.grants else 0, ceiling=ceiling)
 
-    # ------------------------------------------------------------ kvctl
+    # ------------------------------------------------------------ what the pool shows
     def _read_operator_cap(self) -> None:
         """An operator's cap from the segment (``kvctl limit``), if it changed (:mod:`.kvctl`)."""
-        self._take_operator_cap(self.kvctl.read())
-
-    def _take_operator_cap(self, shared: "segment.Shared | None") -> None:
-        if shared is None:
-            return
-        cap = None if shared.cap_bytes is None else self.geometry.pages_of(shared.cap_bytes)
-        if not self.state.take_cap(cap):
-            return
-        granted = self.grants.pages if self.grants else 0
-        if cap is None:
-            log.info("event=kvcached_operator_cap pool=%s cap_bytes=none detail=the cap was the start-up write "
-                     "of a pool sharing the segment", self.key)
-            return
-        log.info("event=kvcached_operator_cap pool=%s cap_bytes=%d granted_bytes=%d detail=%s", self.key,
-                 shared.cap_bytes, self.geometry.limit_bytes(granted),
-                 "a cap below the grant lowers the limit" if cap < granted else "the grant bounds the pool, not the cap")
+        self.display.read_cap(self.grants)
 
     def _write_segment(self) -> None:
         """Show the limit (a deferred one while it waits) in the segment, and take a cap it brings."""
         if not self.governed:
             return
-        shown = self.pending_limit if self.pending_limit is not None else self._limit_pages()
-        self._take_operator_cap(self.kvctl.show(self.geometry.limit_bytes(shown)))
-
-    # ------------------------------------------------------------ the broker's view
-    def _report_zero_page(self) -> None:
-        """kvcached's zero page (one compound page per pool) is physical memory outside the pages."""
-        assert self.grants is not None
-        try:
-            if self.grants.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, allocated=False):
-                self.state.told.zero_page = True
-        except BudgetExceeded as exc:
-            if self.state.told.zero_page_refused():
-                log.warning("event=kvcached_zero_page_unreported pool=%s detail=%s (charged as measured "
-                            "usage meanwhile; reported once there is room)", self.key, exc)
+        self.display.show_limit(self._limit_pages(), self.grants)
 
     def _publish(self) -> None:
         """Show the pool's limit and pending give-back in status (usage views, never charged)."""
         assert self.grants is not None
-        if self.grants.uncharged_pages():
-            return  # the broker charges less than the pools hold: views above its charge are refused
-        if not self.state.told.zero_page:
-            self._report_zero_page()
-            if not self.state.told.zero_page:
-                return
-        name = self.pool_name or f"g{self.geometry.group_id}"
-        # Views may not exceed what the session holds (the broker refuses them), so an operator
-        # cap above the grant is not shown here: the limit is what binds.
-        views = {f"kvcached.{name}.limit": self.geometry.limit_bytes(self._limit_pages())}
-        if self.pending_limit is not None:
-            views[f"kvcached.{name}.pending_release"] = self.geometry.limit_bytes(
-                max(0, self._limit_pages() - self.pending_limit))
-        shown = tuple(sorted(views.items()))
-        if not self.state.told.views_news(shown):
-            return
-        try:
-            if self.grants.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, usage=views):
-                self.state.told.told_views(shown)
-        except BudgetExceeded:
-            pass
+        self.display.publish(self.grants, self._limit_pages())
 
     # ------------------------------------------------------------ states
     def _count_grant(self, pages: int) -> None:
@@ -762,23 +720,11 @@ class PoolGovernor:
             log.error("event=kvcached_pool_evicted pool=%s detail=%s", self.key, exc)
 
     def status(self) -> dict[str, Any]:
-        """This pool as the governor sees it (bytes, and pool pages where named)."""
+        """This pool as the governor sees it (bytes, and pool pages where named; :mod:`.display`)."""
         pages = self.pages()
         reserved = self.real.get_num_reserved_pages()
-        g = self.geometry
-        return {
-            "pool": self.pool_name, "key": self.key, "group_id": g.group_id, "ipc_name": g.ipc_name,
-            "governed": self.governed, "why_ungoverned": self.why_ungoverned, "page_bytes": g.page_bytes,
-            "limit_bytes": g.limit_bytes(pages.limit), "granted_bytes": g.limit_bytes(pages.granted),
-            "mapped_bytes": g.limit_bytes(pages.inuse + reserved), "inuse_pages": pages.inuse,
-            "reserve_pages": reserved, "virtual_bytes": g.limit_bytes(g.virtual_pages),
-            "operator_cap_bytes": None if self.operator_cap_pages is None else g.limit_bytes(self.operator_cap_pages),
-            "pending_limit_bytes": None if self.pending_limit is None else g.limit_bytes(self.pending_limit),
-            "blocked": self.blocked, "revision": self.state.revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
-            "uncharged_pages": self._uncharged_pages(), "reported_mapped_pages": self.state.told.mapped_pages,
-            "segment_untrusted": self.kvctl.unsafe,
-            **self.counters,
-        }
+        return self.display.status(pages, reserved, self.counters, uncharged_pages=self._uncharged_pages(),
+                                   kvctl_target_bytes=self._kvctl_target_bytes())
 
     def _uncharged_pages(self) -> int:
         """Session pages of this pool's session its broker no longer charges (a short re-assertion)."""
