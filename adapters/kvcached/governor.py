@@ -296,9 +296,24 @@ class PoolGovernor:
             self._ungovern(f"evicted: {exc}")
 
     def _round(self, manager: Any, now_s: float) -> None:
-        """One round on a governed pool.  It stops as soon as the pool is no longer governed (a
-        broker failure found by one of its calls) or closed (from the engine's thread): nothing
+        """One round on a governed pool: what changed the limit since the last round, the asks,
+        the policy, and what the pool shows.  It stops as soon as the pool is no longer governed
+        (a broker failure found by one of its calls) or closed (from the engine's thread): nothing
         more is asked of the broker, and an ungoverned pool's lifted limit is never lowered again."""
+        self._take_limit_news(manager)
+        if self._live():
+            self._adopt_lowered_limit(now_s)
+        if not self._live():
+            return
+        short = self._answer_asks(manager, now_s)
+        if self.pending_limit is None and self._live():
+            self._follow_policy(manager, short, now_s)
+        if self._live():
+            self._end_round(manager)
+
+    def _take_limit_news(self, manager: Any) -> None:
+        """K1, K2 and a deferred limit: the first round's sync, an operator's cap (from the segment,
+        or an outside ``set_memory_limit``), what a deferred limit freed."""
         if self.state.take_sync():
             self._set_limit(manager, self.real.get_num_total_pages())
         self._read_operator_cap()
@@ -307,13 +322,13 @@ class PoolGovernor:
             self.state.take_cap(outside_cap)
         if self.pending_limit is not None:
             self._finish_deferred(manager)
-        if self._live():
-            self._adopt_lowered_limit(now_s)
-        if not self._live():
-            return
+
+    def _answer_asks(self, manager: Any, now_s: float) -> int:
+        """Give back what the broker asked since the last round (a grant held above the limit
+        first); the pages the engine's largest missed allocation still needs."""
         polled = self.grants.poll() if self.grants is not None else 0
         asks = self.asks.take(polled)  # pressure that came through the grants: a broadcast pool's board
-        asked, soft, short = asks.pressure_pages, asks.soft_pages, asks.short_pages
+        asked, soft = asks.pressure_pages, asks.soft_pages
         if asks.any_pressure:
             self.pacing.quiet(now_s)
             asked -= self._release_above_limit(asked + soft)  # a grant held above the limit first
@@ -323,10 +338,11 @@ class PoolGovernor:
             self._give_back(manager, asked, evict=True)
         elif soft > 0 and self._live():
             self._give_back(manager, soft, evict=True, defer=False)
-        if self.pending_limit is None and self._live():
-            self._follow_policy(manager, short, now_s)
-        if not self._live():
-            return
+        return asks.short_pages
+
+    def _end_round(self, manager: Any) -> None:
+        """Show the limit (segment, status), tell the broker what is mapped and idle, and note
+        kvcached's size as the round ends (K3)."""
         self._write_segment()
         self._publish()
         self._report_mapped()
@@ -694,18 +710,7 @@ class PoolGovernor:
             return
         try:
             if grants.maps_here:
-                try:
-                    # Under the manager's lock, as kvcached's own trim and resize: they unmap outside
-                    # the allocator's mutex and wake no one after, and an engine's alloc_page meeting
-                    # that moment would wait for ever, holding this lock.
-                    with kvcached_api.held_lock(self.manager()):
-                        if self.real.get_num_reserved_pages():
-                            self.real.trim()
-                        inuse = self.real.get_num_inuse_pages()
-                        if self.real.get_num_total_pages() > inuse:
-                            self.real.resize(self.geometry.allocator_size(inuse))
-                except Exception as exc:  # noqa: BLE001 - what stays mapped stays granted
-                    log.warning("event=kvcached_close_shrink_failed pool=%s error=%r", self.key, str(exc))
+                self._shrink_closed()
             mapped = self._mapped_pages()
             bound = max(mapped, self.real.get_num_total_pages()) if grants.maps_here else mapped
             surplus = grants.pages - bound
@@ -718,6 +723,22 @@ class PoolGovernor:
         except SessionEvicted as exc:
             self.state.forget()
             log.error("event=kvcached_pool_evicted pool=%s detail=%s", self.key, exc)
+
+    def _shrink_closed(self) -> None:
+        """A closed pool's reserve unmapped and kvcached's allocator shrunk to what is in use (no
+        broker call: the grant goes back after, with the manager's lock released)."""
+        try:
+            # Under the manager's lock, as kvcached's own trim and resize: they unmap outside
+            # the allocator's mutex and wake no one after, and an engine's alloc_page meeting
+            # that moment would wait for ever, holding this lock.
+            with kvcached_api.held_lock(self.manager()):
+                if self.real.get_num_reserved_pages():
+                    self.real.trim()
+                inuse = self.real.get_num_inuse_pages()
+                if self.real.get_num_total_pages() > inuse:
+                    self.real.resize(self.geometry.allocator_size(inuse))
+        except Exception as exc:  # noqa: BLE001 - what stays mapped stays granted
+            log.warning("event=kvcached_close_shrink_failed pool=%s error=%r", self.key, str(exc))
 
     def status(self) -> dict[str, Any]:
         """This pool as the governor sees it (bytes, and pool pages where named; :mod:`.display`)."""

@@ -11,6 +11,9 @@ their threads can, and checks at every mutation, not only between steps:
 * ``said <= mapped``: every count of mapped pages the broker is told is at most what the device
   would measure then (the engine's alloc counts a page in use before it has mapped it, and the
   broker takes a page said mapped off its promised charge);
+* the locks: the broker is never called while the governor holds kvcached's manager lock, and a
+  closed pool's reserve is trimmed only under it (kvcached's own trim and resize unmap outside
+  the allocator's mutex: an engine's ``alloc_page`` meeting that moment would wait for ever);
 
 and after each rule: what the pool's state says the broker was told (``Told``) is what the
 broker took, an ungoverned pool holds no operator cap, the governor never gets a ``stale`` or ``conflict`` from kvcached (its
@@ -232,6 +235,8 @@ class GovernedPool(RuleBasedStateMachine):
         self.governor = PoolGovernor(self.geometry, self.allocator, self.broker, marks)
         self.allocator.check = self.broker.check = self.check
         self.broker.said_mapped = self.said_mapped
+        self.broker.called = self.broker_called
+        self.allocator.trimmed = self.trimmed
         self.governor.start()
         self.started = True
         self.allocator.interleave = self.interleave
@@ -261,6 +266,14 @@ class GovernedPool(RuleBasedStateMachine):
         if pages > self.allocator.physical:
             self.violations.append(f"the broker was told {pages} pages are mapped; {self.allocator.physical} are "
                                    f"({self.allocator.mapping} still being mapped)")
+
+    def broker_called(self) -> None:
+        if self.manager._lock.held:
+            self.violations.append("the broker was called under kvcached's manager lock")
+
+    def trimmed(self) -> None:
+        if not self.manager._lock.held:
+            self.violations.append("kvcached's reserve was trimmed outside its manager lock")
 
     def interleave(self) -> None:
         """The engine's or kvcached's threads act between two of the governor's calls."""
