@@ -42,7 +42,7 @@ soon as its pool is no longer governed or is closed.
 
 **Failing safe.**  A refusal leaves the pool as it is (the engine's allocation misses, as when
 kvcached finds no physical memory, and is retried); a broker failure turns the process
-unprotected (``sessions.guard``), and an eviction ends the governing: the pool then runs as
+unprotected (the session's ``guard``, :mod:`..device_session`), and an eviction ends the governing: the pool then runs as
 kvcached alone would (:meth:`PoolGovernor._ungovern`: its limit lifted to the virtual size,
 through its limit channel, the segment showing it, and no limit the governor wrote re-applied
 by kvctl's sticky watcher target), said once.  Nothing here raises into the runtime.
@@ -68,7 +68,6 @@ from typing import Any
 from ...client import SessionEvicted
 from .. import announce, process_state
 from . import eviction, kvcached_api, runner
-from .display import ZERO_PAGE_POOL as ZERO_PAGE_POOL  # (broadcast.worker_grants reads it here)
 from .display import PoolDisplay
 from .geometry import PoolGeometry
 from .kvctl import KvctlSegment

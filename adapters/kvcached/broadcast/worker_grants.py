@@ -46,7 +46,7 @@ from . import board as board_mod
 from .. import identity, kvcached_api, pressure, runner
 from . import doorbell, map_gate
 from ..geometry import PoolGeometry
-from ..governor import ZERO_PAGE_POOL
+from ..display import ZERO_PAGE_POOL
 from ..grants import SessionGrants
 from ..pool_state import AskBook
 
