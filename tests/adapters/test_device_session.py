@@ -92,3 +92,43 @@ def test_a_vllm_device_given_as_text_or_an_ordinal_names_its_cuda_ordinal(device
     from kvcached_broker.adapters.vllm import parallel
 
     assert parallel.device_index(device) == index
+
+
+def test_a_session_kept_past_a_reset_asks_nothing_and_touches_nothing_opened_after_it(adapter_broker):
+    """A holder that outlives a reset of the process's state (a kvcached pool's grants, closed by
+    its governor or a broadcast worker after the reset) keeps the session it opened: that session
+    was closed with the registry, so its operations answer None, False or nothing without a
+    round trip.  They neither open a session in the registry built after the reset nor mark its
+    device unprotected, and the session opened there keeps its pools (before the session object,
+    each call looked its session up again by identity: it opened a new one, released pages it
+    never held there, and turned the new registry's device unprotected)."""
+    from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
+    from kvcached_broker.adapters.kvcached.grants import SessionGrants
+
+    from helpers import connect_to
+
+    ident = worker_identity.WorkerIdentity("sglang", 0, instance="outlived")
+    geometry = PoolGeometry(num_layers=1, page_size=ident.page_bytes, num_kv_buffers=1, virtual_pages=64)
+    grants, why = SessionGrants.open(ident, geometry)
+    assert grants is not None, why
+    assert grants.acquire(4, 1) == 4 and grants.report("pool", {"kv_static": GIB})
+    old = grants.session
+    process_state.reset()
+    sessions.set_client_factory(connect_to(adapter_broker.endpoint))
+    new = sessions.session(ident)
+    assert new is not None and new is not old and new.report("pool", {"kv_static": 2 * GIB}) is not None
+
+    assert not old.usable
+    assert grants.acquire(4, 1) is None and grants.release(2, mapped=0, key="pool") is False
+    assert grants.release(2) is False and grants.report("pool", {"kv_static": 3 * GIB}) is False
+    grants.mapped("pool", 1)
+    grants.idle("pool", 1)
+    grants.forget("pool")
+    assert old.repin_base() is None and old.suspend(["pool"]) == 0 and old.settle_warm_up() is None
+
+    assert sessions.existing(ident) is new and new.usable and sessions.unprotected_reason(ident) is None
+    assert new.booked_bytes("pool") == 2 * GIB and new.client.mapped_pages == 0 and new.client.held_pages == 0
+    (inst,) = adapter_broker.status()["instances"]
+    (live,) = inst["sessions"]
+    assert live["id"] == new.client.session_id and inst["pools"] == {"kv_static": 2 * GIB}
+    assert live["granted_pages"] == 0
