@@ -28,8 +28,8 @@ base: :meth:`~DeviceSession.repin_base` pins it again at what the device measure
 
 Invariants:
 
-* one request per device at a time: an operation that changes the book holds ``lock`` across
-  its round trip;
+* one request that changes a book at a time in the process: an operation that changes the book
+  holds ``lock`` (the registry's, shared by the process's sessions) across its round trip;
 * the book changes only once the broker answered (rule B5 of :mod:`.report_book`): a refusal
   or a failure leaves it as it was;
 * failing safe: every round trip runs through :meth:`DeviceSession.guard`.  A refusal
@@ -67,6 +67,9 @@ class SessionHost(Protocol):
     def usable(self, device: str) -> bool:
         """False once ``device`` is unprotected, or the process's sessions are closed."""
 
+    def reason(self, device: str) -> str | None:
+        """Why ``device``'s session can no longer be used (None while it can)."""
+
     def failed(self, device: str, why: str, cause: BaseException) -> None:
         """A round trip failed: mark ``device`` unprotected (raises ``BrokerRequired`` under
         ``KVCACHED_REQUIRE=1``)."""
@@ -91,6 +94,10 @@ class DeviceSession:
     def usable(self) -> bool:
         """False once the device turned unprotected (or the process's sessions closed)."""
         return self._host.usable(self._device)
+
+    def unusable_reason(self) -> str | None:
+        """Why this session can no longer be used (None while it can)."""
+        return self._host.reason(self._device)
 
     def guard(self, action: str, call: Callable[[], T]) -> T | None:
         """Run ``call`` (a broker round trip, and the reading of its answer); None if the device

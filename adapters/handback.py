@@ -75,7 +75,9 @@ def frees_base(tags: set[str]) -> bool:
 
 
 def before_release(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:
-    """Pin the base at what the process uses now, if this release frees more than the KV cache."""
+    """Pin the base at what the process uses now, if this release frees more than the KV cache.
+    A process that never opened a session has nothing charged to follow: nothing happens (and
+    no session is opened here)."""
     session = sessions.existing(identity)
     if session is None or not frees_base(tags):
         return

@@ -43,7 +43,8 @@ class BrokerRequired(RuntimeError):
 class Registry:
     """This process's broker sessions, one per device, and the devices left unprotected (and
     why); the sessions' host (:class:`.device_session.SessionHost`).  ``lock`` guards both, and
-    is held across a session's round trips (one request per device at a time); ``hooks_lock``
+    is held across a session's round trips that change its book (one such request per process
+    at a time); ``hooks_lock``
     guards only what :meth:`.device_session.DeviceSession.settle_warm_up` runs first, so
     registering never waits behind a broker call.  Closing the part closes every session."""
 
@@ -61,11 +62,28 @@ class Registry:
     def usable(self, device: str) -> bool:
         return not self.closed and device not in self.unprotected
 
+    def reason(self, device: str) -> str | None:
+        """Why ``device``'s session can no longer be used (None while it can)."""
+        if self.closed:
+            return "the process's broker sessions were closed"
+        return self.unprotected.get(device)
+
     def failed(self, device: str, why: str, cause: BaseException) -> None:
-        if self.closed:  # the reset closed the session under the call: nothing to mark
-            return
         with self.lock:
-            _unprotected_now(device, why, cause)
+            if self.closed:  # the reset closed the session under the call: nothing to mark
+                return
+            self.unprotected_now(device, why, cause)
+
+    def unprotected_now(self, device: str, why: str, cause: BaseException | None = None) -> None:
+        """Mark ``device`` unprotected here (said once per process); under KVCACHED_REQUIRE=1, raise."""
+        if flags.required():
+            raise BrokerRequired(
+                f"kvcached-broker is required (KVCACHED_REQUIRE=1) but unusable for device {device}: {why}"
+            ) from cause
+        with self.lock:
+            self.unprotected[device] = why
+        announce.once("unprotected", logging.WARNING, "unprotected", pid=os.getpid(), device=device, reason=why,
+                      detail="this process's GPU memory is not arbitrated by kvcached-broker")
 
     def before_settling(self) -> None:
         with self.hooks_lock:
@@ -146,13 +164,13 @@ def session(identity: WorkerIdentity) -> DeviceSession | None:
             return None
         if broker_disabled():
             announce_active(identity, None)
-            _unprotected_now(key, "KVCACHED_BROKER=off")
+            state.unprotected_now(key, "KVCACHED_BROKER=off")
             return None
         try:
             client = _connect(identity)
         except Exception as exc:  # noqa: BLE001 - any failure to open leaves the worker unprotected
             announce_active(identity, None)
-            _unprotected_now(key, _describe(exc), exc)
+            state.unprotected_now(key, _describe(exc), exc)
             return None
         opened = state.by_device[key] = DeviceSession(client, identity, state, state.lock)
         announce_active(identity, client)
@@ -174,23 +192,6 @@ def existing(identity: WorkerIdentity) -> DeviceSession | None:
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     return text if isinstance(exc, BrokerError) else f"{type(exc).__name__}: {text}"
-
-
-def _unprotected_now(key: str, why: str, cause: BaseException | None = None) -> None:
-    """Mark ``key`` unprotected (said once per process); under KVCACHED_REQUIRE=1, raise."""
-    if flags.required():
-        raise BrokerRequired(
-            f"kvcached-broker is required (KVCACHED_REQUIRE=1) but unusable for device {key}: {why}"
-        ) from cause
-    _mark_unprotected(key, why)
-
-
-def _mark_unprotected(key: str, why: str) -> None:
-    state = registry()
-    with state.lock:
-        state.unprotected[key] = why
-    announce.once("unprotected", logging.WARNING, "unprotected", pid=os.getpid(), device=key, reason=why,
-                  detail="this process's GPU memory is not arbitrated by kvcached-broker")
 
 
 def open_identities() -> list[WorkerIdentity]:

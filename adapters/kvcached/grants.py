@@ -83,7 +83,7 @@ class SessionGrants:
     def lost(self) -> str | None:
         """Why this pool's session can no longer be used (the process turned unprotected: a
         failure of any reporter of the process counts), or None while it can."""
-        return sessions.unprotected_reason(self.identity)
+        return self.session.unusable_reason()
 
     def acquire(self, pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None:
         """Pool pages granted (between ``min_pages`` and ``pages``, or 0); None if unprotected.

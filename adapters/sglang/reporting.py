@@ -160,7 +160,7 @@ def sized(identity: worker_identity.WorkerIdentity) -> None:
 
 def release_hold(identity: worker_identity.WorkerIdentity) -> None:
     """Drop whatever is left of the sizing hold (every pool of the start-up is built)."""
-    session = sessions.session(identity)
+    session = sessions.existing(identity)
     if session is not None and session.held_bytes(KV_SIZING_HOLD):
         session.hold(KV_SIZING_HOLD, 0)
 

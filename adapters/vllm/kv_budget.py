@@ -4,8 +4,8 @@ Sizing *holds* the KV bytes before vLLM allocates them (:mod:`..sizing`): a brok
 ``kv_sizing_hold``, charged on top of what the device measures the process using, taken
 with the process's runtime base pinned in the same request (docs/accounting.md), so the
 weights already loaded cannot absorb it.  The allocation hook then turns the hold into the
-``kv_static`` pool of the ``vllm_kv_cache`` reporter of :mod:`kvcached_broker.adapters.worker`
-in one broker request (other reporters in the process keep their own pools); a buffer larger
+``kv_static`` pool of the ``vllm_kv_cache`` reporter of the device's session
+(:mod:`kvcached_broker.adapters.device_session`) in one broker request (other reporters in the process keep their own pools); a buffer larger
 than the hold takes the rest out of the slack hold.
 
 All sizes are bytes.

@@ -1,8 +1,8 @@
-"""adapters/report_book.py: the book a worker sends its broker, with no I/O (rules B1-B6)."""
+"""adapters/report_book.py: the book a worker sends its broker, with no I/O (rules B1-B7)."""
 
 from __future__ import annotations
 
-from kvcached_broker.adapters.report_book import RUNTIME_BASE_POOL, SLACK_POOL, ReportBook
+from kvcached_broker.adapters.report_book import KV_SIZING_HOLD, RUNTIME_BASE_POOL, SLACK_HOLD, SLACK_POOL, ReportBook
 
 GIB = 1 << 30
 
@@ -50,6 +50,20 @@ def test_holds_change_by_name_and_a_shrunk_hold_books_what_the_broker_granted():
     assert fits.holds == {"kv_sizing": 4 * GIB, "slack": 2 * GIB} and fits.min_holds == {"kv_sizing": GIB}
     _answered(book, fits, holds={"kv_sizing": 3 * GIB, "slack": 2 * GIB})
     assert book.holds == {"kv_sizing": 3 * GIB, "slack": 2 * GIB} and book.held_bytes() == 5 * GIB
+
+
+def test_a_built_pool_shrinks_the_kv_hold_by_its_growth_and_takes_what_is_beyond_out_of_the_slack():
+    """B6: a pool the KV hold was for shrinks it by its growth (the last drops it); growth past
+    the KV hold comes out of the slack hold; with no hold there is nothing to change."""
+    book = ReportBook()
+    assert book.holds_after_pool(GIB, last=False) is None
+    _answered(book, book.hold_what_fits({KV_SIZING_HOLD: 4 * GIB, SLACK_HOLD: GIB}, None, "sizing"), base_bytes=GIB)
+    assert book.holds_after_pool(3 * GIB, last=False) == {KV_SIZING_HOLD: GIB}
+    assert book.holds_after_pool(3 * GIB, last=True) == {KV_SIZING_HOLD: 0}
+    assert book.holds_after_pool(-GIB, last=False) == {KV_SIZING_HOLD: 4 * GIB}  # a pool that shrank: no change
+    padded = book.holds_after_pool(4 * GIB + (256 << 20), last=True)
+    assert padded == {KV_SIZING_HOLD: 0, SLACK_HOLD: GIB - (256 << 20)}
+    assert book.holds_after_pool(6 * GIB, last=True) == {KV_SIZING_HOLD: 0, SLACK_HOLD: 0}  # never below 0
 
 
 def test_suspended_reporters_stay_in_the_book_uncharged_until_resumed():

@@ -118,7 +118,7 @@ def test_a_session_kept_past_a_reset_asks_nothing_and_touches_nothing_opened_aft
     new = sessions.session(ident)
     assert new is not None and new is not old and new.report("pool", {"kv_static": 2 * GIB}) is not None
 
-    assert not old.usable
+    assert not old.usable and grants.lost() == "the process's broker sessions were closed"
     assert grants.acquire(4, 1) is None and grants.release(2, mapped=0, key="pool") is False
     assert grants.release(2) is False and grants.report("pool", {"kv_static": 3 * GIB}) is False
     grants.mapped("pool", 1)

@@ -182,7 +182,7 @@ class WorkerGrants:
         assert self.grants is not None
         got = self.grants.acquire(pages, min_pages)
         if got is None:
-            self._unprotected(sessions.unprotected_reason(self.identity) or "broker unusable while growing")
+            self._unprotected(self.grants.lost() or "broker unusable while growing")
             return
         if got == 0:
             self.counters["refusals"] += 1
@@ -204,7 +204,7 @@ class WorkerGrants:
                 return 0
             self.gate.bound_pages = bound - surplus
         if not self.grants.release(surplus):
-            self._unprotected(sessions.unprotected_reason(self.identity) or "broker unusable while releasing")
+            self._unprotected(self.grants.lost() or "broker unusable while releasing")
             return 0
         self.counters["pages_released"] += surplus
         return surplus
@@ -242,7 +242,7 @@ class WorkerGrants:
         if self.closed:
             return
         self.closed = True
-        if self.governed and self.grants is not None and self.grants.pages and self._session_open():
+        if self.governed and self.grants is not None and self.grants.pages and self.grants.session.usable:
             with self.gate.lock:
                 mapped = self.gate.mapped_pages()
                 self.gate.bound_pages = mapped  # nothing more is mapped from here on
@@ -250,10 +250,6 @@ class WorkerGrants:
             if surplus > 0:
                 self.grants.release(surplus)
         self.board.leave()
-
-    def _session_open(self) -> bool:
-        """This worker's session is open (never opens one)."""
-        return any(str(open_.device) == str(self.identity.device) for open_ in sessions.open_identities())
 
     def status(self) -> dict[str, Any] | None:
         """None until a governing engine appeared (a worker whose pool maps in-process, as with
