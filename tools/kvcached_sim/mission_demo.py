@@ -114,6 +114,8 @@ class Script:
     burst: dict = field(default_factory=dict)
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
+    frames_taken: int = 0  # frames the show read and observed so far
+    frame_taken: threading.Condition = field(default_factory=threading.Condition)
 
     def run(self) -> None:
         try:
@@ -128,20 +130,36 @@ class Script:
     def event(self, text: str) -> None:
         self.events.add(self.clock.now(), text)
 
+    def took_frame(self) -> None:
+        """The show read and observed a frame (what the script did before it is in it)."""
+        with self.frame_taken:
+            self.frames_taken += 1
+            self.frame_taken.notify_all()
+
+    def _hold(self, seconds: float) -> None:
+        """Keep what the script just did on screen: at least ``seconds``, and until a frame read
+        wholly after it was observed (on a loaded machine a step can outlast its seconds before
+        the show reads a frame; its phase would then never be shown)."""
+        with self.frame_taken:
+            after = self.frames_taken + 2  # the frame being read now may predate the step
+        time.sleep(seconds)
+        with self.frame_taken:
+            self.frame_taken.wait_for(lambda: self.frames_taken >= after, timeout=MAX_S)
+
     def _start_dsv4(self) -> None:
         self.activity[DSV4] = f"loading {DSV4_WEIGHTS_BYTES // GIB} GiB of weights (one rank of TP 8)"
         self.dsv4.request("load", weights_bytes=DSV4_WEIGHTS_BYTES)
-        time.sleep(STEP_S)  # each step stays on screen a moment
+        self._hold(STEP_S)  # each step stays on screen a moment
         self.activity[DSV4] = f"sizing its KV cache with SGLang's rule (mem_fraction_static {DSV4_MEM_FRACTION_STATIC})"
         self.sized = self.dsv4.request("size", mem_fraction_static=DSV4_MEM_FRACTION_STATIC, max_running_requests=64)
         self.admitted.add(DSV4)
         self.event(f"{DSV4} asks for {_gib(self.sized['asked_kv_bytes'])} of KV (SGLang's rule), "
                    f"{_gib(self.sized['kv_bytes'])} fit its cap")
-        time.sleep(STEP_S)
+        self._hold(STEP_S)
         self.activity[DSV4] = "building its DeepSeek-V4 pools in the held memory"
         built = self.dsv4.request("build")
         self.sized["full_tokens"] = built["full_tokens"]
-        time.sleep(STEP_S)
+        self._hold(STEP_S)
         self.activity[DSV4] = "capturing CUDA graphs and warming up, in its slack"
         self.dsv4.request("warm_up", graphs_bytes=GIB, activations_bytes=3 * GIB // 2)
         self.activity[DSV4] = (f"serving: {built['full_tokens'] / 1e6:.2f} M tokens of KV in static pools "
@@ -165,7 +183,7 @@ class Script:
         self.a.request("cache", blocks=held)
         self.activity["llama-a"] = f"idle: its {self.gib(held):.0f} GiB of finished requests stay in its prefix cache"
         self.event("llama-a is idle, its KV kept as prefix cache")
-        time.sleep(1.5)  # the idle state stays on screen a moment
+        self._hold(1.5)  # the idle state stays on screen a moment
         self.activity["llama-b"] = f"bursting to {B_BURST_BYTES // GIB} GiB of KV: past the free memory it is refused"
         self.activity["llama-a"] = "idle, under pressure: evicts its oldest cached blocks, lowers its limit"
         self.event(f"llama-b bursts to {B_BURST_BYTES // GIB} GiB of KV")
@@ -175,7 +193,7 @@ class Script:
         refused = self.burst.get("first_refusal_s")
         self.event(f"llama-b holds {self.gib(self.burst['held_blocks']):.1f} GiB after {self.burst['elapsed_s']:.1f} s"
                    + (f" (first refused at {refused:.1f} s)" if refused is not None else ""))
-        time.sleep(1.5)
+        self._hold(1.5)
 
     def blocks(self, size_bytes: int) -> int:
         return size_bytes // self.block_bytes
@@ -280,6 +298,7 @@ class Show:
             frame = self.read_frame()
             frames.append(frame)
             self.script.events.observe(frame, self.servers)
+            self.script.took_frame()
             problems = checks.check(frame)
             rendered_events = self.script.events.added
             text = render(frame, self.servers, self.script.events, problems, width=width, title=TITLE)
