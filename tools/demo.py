@@ -31,6 +31,7 @@ from pathlib import Path
 
 GIB = 1 << 30
 MIB = 1 << 20
+ROLES = ("deepseek-v4", "llama-a", "llama-b")  # the classic demo's workers, started in this order
 
 DSV4_POOLS = {
     "weights": 18 * GIB,
@@ -78,7 +79,7 @@ def run_classic(seconds: float = 8.0, keep: bool = False) -> int:
     try:
         launcher.start()
         admin = launcher.admin()
-        for role in ("deepseek-v4", "llama-a", "llama-b"):
+        for role in ROLES:
             workers.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "kvcached_broker.tools.demo", role, endpoint, str(seconds + 5)], env=env
@@ -132,6 +133,17 @@ def _wait_for_instance(admin, name: str, worker: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------ workers
+
+
+def _wait_for_everyone(client, stop: list, timeout_s: float = 30.0) -> None:
+    """Until every role has reported its reservations (a KV demand that started earlier could
+    take the room a later worker's weights need, as it did on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not stop and time.monotonic() < deadline:
+        reported = {inst["name"] for inst in client.status()["instances"] if inst["reserved_bytes"]}
+        if reported.issuperset(ROLES):
+            return
+        time.sleep(0.05)
 def _worker(role: str, endpoint: str, seconds: float) -> int:
     from ..client import BrokerClient
 
@@ -147,7 +159,7 @@ def _worker(role: str, endpoint: str, seconds: float) -> int:
                 seconds -= 0.1
             return 0
         client.reserve({"weights": 16 * GIB})
-        time.sleep(0.5)  # let the next worker report its weights before the KV demand starts
+        _wait_for_everyone(client, stop)  # the KV demand starts once every worker's weights are in
         phase = 0.0 if role == "llama-a" else math.pi / 2
         peak_pages = (20 * GIB) // page_bytes
         start = time.monotonic()
