@@ -9,6 +9,7 @@ come from child processes, so that this process's own open-file limit does not m
 
 from __future__ import annotations
 
+import http.client
 import shutil
 import subprocess
 import sys
@@ -95,9 +96,9 @@ def test_a_flood_of_plain_connections_past_the_soft_open_file_limit_leaves_the_b
     floods = [_flood(f"{short_tmp}/gpu0.sock", 400) for _ in range(4)]
     try:
         assert broker.proc.poll() is None, (short_tmp / "broker.log").read_text()[-2000:]
-        status = wait_for(lambda: _status_or_none(broker), what="status through the flood")
+        status = wait_for(lambda: _refusing(broker), what="connections past the bound refused")
         connections = status["broker"]["limits"]["connections"]
-        assert connections["max"] == 896 and connections["refused"]["total"] > 0, connections
+        assert connections["max"] == 896 and connections["admitted"] <= 896, connections
         assert status["broker"]["limits"]["open_files"]["soft"] == 2048
     finally:
         _end(floods)
@@ -105,6 +106,13 @@ def test_a_flood_of_plain_connections_past_the_soft_open_file_limit_leaves_the_b
         assert c.acquire(2) == 2
     assert broker.proc.poll() is None
     broker.stop()
+
+
+def _refusing(broker):
+    """The status once the broker has refused a connection (it takes the flood's 1,600 in its
+    own time: on a loaded machine a first status came when it had admitted 599 and refused none)."""
+    status = _status_or_none(broker)
+    return status if status is not None and status["broker"]["limits"]["connections"]["refused"]["total"] else None
 
 
 def _status_or_none(broker):
@@ -153,6 +161,16 @@ def _connections_once(admin, accepted: int):
 
 
 # ----------------------------------------------------------------------------- /metrics
+def _scrape(port: int) -> str | None:
+    """/metrics' text, or None while the bounded pool still turns connections away (it closes
+    them unanswered until it has noticed the idle ones closed: on a loaded machine, a moment)."""
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
+    except (http.client.RemoteDisconnected, ConnectionResetError):
+        return None
+
+
+
 IDLE_HTTP = """
 import socket, sys
 socks = []
@@ -192,7 +210,7 @@ def test_idle_metrics_connections_take_a_bounded_pool_not_the_workers_descriptor
     assert broker.proc.poll() is None, (short_tmp / "broker.log").read_text()[-2000:]
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
+    text = wait_for(lambda: _scrape(port), what="a scrape answered once the idle connections are gone")
     samples = {(sample.name, sample.labels.get("limit")): sample.value
                for family in text_string_to_metric_families(text) for sample in family.samples}
     assert samples[("kvcached_broker_limit", "metrics_threads")] == 4
