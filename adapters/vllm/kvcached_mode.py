@@ -25,11 +25,11 @@ named above build on it.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from typing import Any, Callable
 
 from .. import process_state
+from ..kvcached import kvcached_api
 
 
 class _Outermost:
@@ -47,8 +47,10 @@ def enabled() -> bool:
 
 def active() -> bool:
     """True in a process where kvcached's vLLM integration is switched on and initialised."""
-    interfaces = sys.modules.get("kvcached.integration.vllm.interfaces")
-    return enabled() and interfaces is not None and bool(getattr(interfaces, "_kvcached_initialized", False))
+    if not enabled():
+        return False
+    found = kvcached_api.integration("vllm")
+    return found is not None and found.initialised
 
 
 def outermost(call: Callable[[], Any], passthrough: Callable[[], Any]) -> Any:
