@@ -24,11 +24,10 @@ named above build on it.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Callable
 
-from .. import process_state
+from .. import flags, process_state
 from ..kvcached import kvcached_api
 
 
@@ -40,14 +39,9 @@ class _Outermost:
         self.local = threading.local()
 
 
-def enabled() -> bool:
-    """kvcached's own switch, read as kvcached reads it (``ENABLE_KVCACHED`` true or 1)."""
-    return os.getenv("ENABLE_KVCACHED", "false").lower() in ("true", "1")
-
-
 def active() -> bool:
     """True in a process where kvcached's vLLM integration is switched on and initialised."""
-    if not enabled():
+    if not flags.kvcached_switch():
         return False
     found = kvcached_api.integration("vllm")
     return found is not None and found.initialised
