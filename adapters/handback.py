@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
-from . import announce, process_state, worker, worker_identity
+from . import announce, process_state, sessions, worker_identity
+from .device_session import DeviceSession
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -75,12 +76,13 @@ def frees_base(tags: set[str]) -> bool:
 
 def before_release(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:
     """Pin the base at what the process uses now, if this release frees more than the KV cache."""
-    if not frees_base(tags):
+    session = sessions.existing(identity)
+    if session is None or not frees_base(tags):
         return
     try:
-        base_bytes = worker.repin_base(identity)
+        base_bytes = session.repin_base()
     except BudgetExceeded:  # a cap the measured base exceeds: keep the base pinned before
-        base_bytes = worker.base_bytes(identity)
+        base_bytes = session.base_bytes()
     if base_bytes is None:
         return
     key = str(identity.device)
@@ -95,13 +97,17 @@ def before_release(identity: worker_identity.WorkerIdentity, tags: set[str]) -> 
 
 def after_release(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
     """The release is done: stop charging what it freed; returns the bytes no longer charged."""
+    session = sessions.existing(identity)
+    if session is None:
+        return 0
     kv = list(kv_names) if KV_CACHE_TAG in tags else []
     record = _record(identity)
     if record is None or not frees_base(tags):
-        return worker.suspend(identity, kv)
-    charged_before = worker.base_bytes(identity) or 0
-    kv_bytes = sum(worker.booked_bytes(identity, name) for name in kv if name not in worker.suspended(identity))
-    base_bytes = worker.repin_base(identity, suspend=kv)
+        return session.suspend(kv)
+    charged_before = session.base_bytes() or 0
+    suspended = session.suspended()
+    kv_bytes = sum(session.booked_bytes(name) for name in kv if name not in suspended)
+    base_bytes = session.repin_base(suspend=kv)
     if base_bytes is None:
         return 0
     with _ledger().lock:
@@ -114,10 +120,13 @@ def after_release(identity: worker_identity.WorkerIdentity, tags: set[str], kv_n
 
 def coming_back_bytes(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
     """What :func:`admit` would charge again for ``tags``."""
-    kv = _kv_coming_back(identity, tags, kv_names)
+    session = sessions.existing(identity)
+    if session is None:
+        return 0
+    kv = _kv_coming_back(session, tags, kv_names)
     base_bytes = _base_coming_back(identity, tags)
-    growth = max(0, base_bytes - (worker.base_bytes(identity) or 0)) if base_bytes is not None else 0
-    return sum(worker.booked_bytes(identity, name) for name in kv) + growth
+    growth = max(0, base_bytes - (session.base_bytes() or 0)) if base_bytes is not None else 0
+    return sum(session.booked_bytes(name) for name in kv) + growth
 
 
 def admit(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: list[str]) -> int:
@@ -126,12 +135,15 @@ def admit(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: li
     ``BudgetExceeded`` if the broker has no room (nothing changes, and the runtime must not
     map); returns the bytes charged again.
     """
-    kv = _kv_coming_back(identity, tags, kv_names)
+    session = sessions.existing(identity)
+    if session is None:
+        return 0
+    kv = _kv_coming_back(session, tags, kv_names)
     base_bytes = _base_coming_back(identity, tags)
     if not kv and base_bytes is None:
         return 0
-    base_before = worker.base_bytes(identity)
-    charged = worker.resume(identity, kv, base_bytes=base_bytes)
+    base_before = session.base_bytes()
+    charged = session.resume(kv, base_bytes=base_bytes)
     _remember_admission(identity, kv, base_before if base_bytes is not None else None)
     return charged
 
@@ -155,9 +167,10 @@ def settle(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:
     with ledger.lock:
         ledger.admitted.pop(str(identity.device), None)
     record = _record(identity)
-    if record is None or not record.tags & tags:
+    session = sessions.existing(identity)
+    if session is None or record is None or not record.tags & tags:
         return
-    worker.repin_base(identity)
+    session.repin_base()
     with ledger.lock:
         record.tags -= tags
         if not record.tags:
@@ -170,14 +183,16 @@ def roll_back(identity: worker_identity.WorkerIdentity) -> None:
     ledger = _ledger()
     with ledger.lock:
         admission = ledger.admitted.pop(str(identity.device), None)
-    if admission is not None:
-        worker.suspend(identity, admission.kv_names, base_bytes=admission.base_from_bytes)
+    session = sessions.existing(identity)
+    if admission is not None and session is not None:
+        session.suspend(admission.kv_names, base_bytes=admission.base_from_bytes)
 
 
 def handed_back(identity: worker_identity.WorkerIdentity) -> bool:
     """True while memory of this device's base or KV cache is handed back."""
     record = _record(identity)
-    return (record is not None and bool(record.tags)) or bool(worker.suspended(identity))
+    session = sessions.existing(identity)
+    return (record is not None and bool(record.tags)) or (session is not None and bool(session.suspended()))
 
 
 def _record(identity: worker_identity.WorkerIdentity) -> _HandedBack | None:
@@ -186,10 +201,10 @@ def _record(identity: worker_identity.WorkerIdentity) -> _HandedBack | None:
         return ledger.handed_back.get(str(identity.device))
 
 
-def _kv_coming_back(identity: worker_identity.WorkerIdentity, tags: set[str], kv_names: list[str]) -> list[str]:
+def _kv_coming_back(session: DeviceSession, tags: set[str], kv_names: list[str]) -> list[str]:
     if KV_CACHE_TAG not in tags:
         return []
-    suspended = set(worker.suspended(identity))
+    suspended = set(session.suspended())
     return [name for name in kv_names if name in suspended]
 
 
@@ -202,5 +217,5 @@ def _base_coming_back(identity: worker_identity.WorkerIdentity, tags: set[str]) 
 
 
 def reset() -> None:
-    """Forget what was handed back (tests; :func:`worker.reset` resets it with the process's state)."""
+    """Forget what was handed back (tests; :func:`.process_state.reset` resets it with the process's state)."""
     process_state.forget(_Ledger)

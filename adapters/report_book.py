@@ -1,5 +1,6 @@
 """What one worker process reports to its broker session on one device, and what it holds: the
-book, with no I/O (:mod:`.worker` is the shell that sends it and keeps one book per device).
+book, with no I/O (:class:`.device_session.DeviceSession` is the shell that sends it; each
+device's session keeps one).
 
 Rules (bytes unless a name says pages; docs/accounting.md):
 
@@ -15,7 +16,11 @@ Rules (bytes unless a name says pages; docs/accounting.md):
 * **B4, usage views by reporter.**  Shown, never charged; a suspended reporter's are not shown.
 * **B5, a plan is one reserve request.**  The book takes a plan only once the broker answered it
   (:meth:`ReportBook.took`); a refusal or a failure leaves the book as it was.
-* **B6, pages by holder.**  Mapped and idle pages are kept per holder (a kvcached pool); the
+* **B6, holds after a pool.**  A pool the KV sizing hold was for, built larger than before,
+  shrinks the KV hold by its growth (the last one drops it); what it takes beyond the KV hold
+  comes out of the slack hold, as in the runtime's own arithmetic (a pool padded past its
+  budget eats into the slack).
+* **B7, pages by holder.**  Mapped and idle pages are kept per holder (a kvcached pool); the
   session's figure is the sum over holders; 0 forgets a holder.
 """
 
@@ -28,6 +33,11 @@ from typing import Any
 RUNTIME_BASE_POOL = "runtime_base"
 #: What is left of the runtime's slack once warm-up ended: kept for the runtime, resident.
 SLACK_POOL = "runtime_slack"
+#: The hold KV sizing takes (memory promised between sizing and allocating the KV cache).
+KV_SIZING_HOLD = "kv_sizing_hold"
+#: The hold for what a runtime keeps beside its KV cache (activations, CUDA graphs, request
+#: tables), promised at sizing until its warm-up has allocated it (:mod:`.sizing`).
+SLACK_HOLD = "runtime_slack_hold"
 
 Pools = dict[str, int]
 
@@ -82,6 +92,20 @@ class ReportBook:
         """Holds changed, the one ``min_holds`` names allowed to shrink to what fits."""
         return self._plan(holds=with_holds(self.holds, holds), pin_base=self.base_bytes is None,
                           min_holds=min_holds, phase=phase)
+
+    def holds_after_pool(self, growth_bytes: int, last: bool) -> Pools | None:
+        """B6: the hold changes once a pool the KV hold was for is built ``growth_bytes`` larger
+        than before (with ``last``, the KV hold drops); None if there is no hold to change."""
+        kv_held = self.held_bytes(KV_SIZING_HOLD)
+        slack_held = self.held_bytes(SLACK_HOLD)
+        if not kv_held and not slack_held:
+            return None
+        growth = max(0, growth_bytes)
+        beyond = max(0, growth - kv_held)
+        holds = {KV_SIZING_HOLD: 0 if last else max(0, kv_held - growth)}
+        if beyond and slack_held:
+            holds[SLACK_HOLD] = max(0, slack_held - beyond)
+        return holds
 
     def hold(self, name: str, size_bytes: int) -> Plan | None:
         """Hold ``size_bytes`` under ``name`` (0 drops it); None if nothing changes.  The first
@@ -165,7 +189,7 @@ class ReportBook:
             self.base_bytes = plan.base_bytes
         return False
 
-    # ------------------------------------------------------------ pages by holder (B6)
+    # ------------------------------------------------------------ pages by holder (B7)
     def count_mapped(self, holder: str, pages: int) -> int:
         return _count(self.mapped, holder, pages)
 

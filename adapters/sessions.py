@@ -1,24 +1,23 @@
-"""This worker process's broker sessions, one per device, and the fail-safe around them.
+"""This worker process's broker sessions, one per device (:class:`.device_session.DeviceSession`),
+and the devices left unprotected.
 
 A session is opened on first use (:func:`session`) and kept in a per-process registry
-(:class:`Registry`, a :mod:`.process_state` part: a reset closes every session).  Each holds
-the device's book (:mod:`.report_book`), which :mod:`.worker` changes one request at a time.
+(:class:`Registry`, a :mod:`.process_state` part: a reset closes every session).  The registry
+is each session's host: a session asks it whether its device is still protected, and tells it
+when a round trip failed (:meth:`.device_session.DeviceSession.guard`).
 
 Failing safe.  No broker, endpoint, device or protocol failure may crash a server:
 
 * :func:`session` catches every failure to open a session (an unreachable or refusing
   broker, ``KVCACHED_BROKER=ipc://relative``, a ``CUDA_VISIBLE_DEVICES`` entry NVML cannot
   resolve, a malformed instance name) and returns None: the worker runs unprotected;
-* :func:`guard` runs a broker round trip of an open session, reading of the answer included:
-  a refusal (``BudgetExceeded``) goes to the caller, which explains it; an eviction is always
-  raised (its memory was given away); anything else (a timeout, ``rate_limited``,
-  ``internal``, an unknown code, an answer in a shape the adapter cannot read) turns the
-  worker unprotected and returns None.
+* a session's round trip that fails for any reason but a refusal or an eviction marks its
+  device unprotected here, and its operations answer None from then on.
 
 Unprotected is said once per process (``event=unprotected`` on stderr, :mod:`.announce`).
 With ``KVCACHED_REQUIRE=1`` every one of those failures raises :class:`BrokerRequired`
-instead: a startup error with the reason.  Callers that sit between TP collectives call
-:func:`guard` and keep taking part in the collective whatever it returns.
+instead: a startup error with the reason.  Callers that sit between TP collectives call a
+session's operations and keep taking part in the collective whatever they return.
 """
 
 from __future__ import annotations
@@ -26,41 +25,26 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable
 
-from ..client import BrokerClient, BrokerError, BudgetExceeded
+from ..client import BrokerClient, BrokerError
 from ..client.endpoint import broker_disabled
 from . import announce, flags, process_state
-from .report_book import ReportBook
+from .device_session import DeviceSession
 from .worker_identity import WorkerIdentity, adapter_info, announce_active
 
 log = announce.logger("kvcached_broker.adapters")
-
-T = TypeVar("T")
-
-#: What reading a broker answer of an unexpected shape raises (a missing field, a field of the
-#: wrong type or value): a protocol failure, handled like any other broker failure.
-MALFORMED_ANSWER = (LookupError, TypeError, ValueError, AttributeError)
 
 
 class BrokerRequired(RuntimeError):
     """KVCACHED_REQUIRE=1 and the broker cannot protect this worker.  One line."""
 
 
-@dataclass
-class DeviceSession:
-    """One device's session and its book (:mod:`.report_book`: what the process reports and holds)."""
-
-    client: BrokerClient
-    identity: WorkerIdentity
-    book: ReportBook = field(default_factory=ReportBook)
-
-
 class Registry:
     """This process's broker sessions, one per device, and the devices left unprotected (and
-    why).  ``lock`` guards both, and is held across a session's round trips (one request per
-    device at a time); ``hooks_lock`` guards only what :func:`.worker.settle_warm_up` runs first, so
+    why); the sessions' host (:class:`.device_session.SessionHost`).  ``lock`` guards both, and
+    is held across a session's round trips (one request per device at a time); ``hooks_lock``
+    guards only what :meth:`.device_session.DeviceSession.settle_warm_up` runs first, so
     registering never waits behind a broker call.  Closing the part closes every session."""
 
     def __init__(self) -> None:
@@ -70,8 +54,24 @@ class Registry:
         #: How sessions are opened (None: :func:`connect`); tests and embedders set it.
         self.client_factory: Callable[[WorkerIdentity], BrokerClient] | None = None
         self.hooks_lock = threading.Lock()
-        self.before_settling: list[Callable[[], None]] = []  # given by the modules above this one
+        self.before_settling_steps: list[Callable[[], None]] = []  # given by the modules above this one
         self.closed = False  # closed by a reset: no session opens here again
+
+    # ------------------------------------------------------------ the sessions' host
+    def usable(self, device: str) -> bool:
+        return not self.closed and device not in self.unprotected
+
+    def failed(self, device: str, why: str, cause: BaseException) -> None:
+        if self.closed:  # the reset closed the session under the call: nothing to mark
+            return
+        with self.lock:
+            _unprotected_now(device, why, cause)
+
+    def before_settling(self) -> None:
+        with self.hooks_lock:
+            steps = list(self.before_settling_steps)
+        for step in steps:
+            step()
 
     def close(self) -> None:
         with self.lock:
@@ -89,6 +89,17 @@ class Registry:
 def registry() -> Registry:
     """This process's registry (created on first use, closed by a reset)."""
     return process_state.part(Registry)
+
+
+def before_settling_warm_up(step: Callable[[], None]) -> None:
+    """Have every session's :meth:`~.device_session.DeviceSession.settle_warm_up` run ``step``
+    before it pins the base at what the device measures (once however often given): kvcached
+    mode's governors report every page they mapped first (:mod:`.kvcached.runner`), so the base
+    counts none of them."""
+    state = registry()
+    with state.hooks_lock:
+        if step not in state.before_settling_steps:
+            state.before_settling_steps.append(step)
 
 
 def set_client_factory(factory: Callable[[WorkerIdentity], BrokerClient] | None) -> None:
@@ -121,7 +132,7 @@ def _connect(identity: WorkerIdentity) -> BrokerClient:
 
 
 # ------------------------------------------------------------------------------ the session
-def session(identity: WorkerIdentity) -> BrokerClient | None:
+def session(identity: WorkerIdentity) -> DeviceSession | None:
     """The session for ``identity.device``, opened on first use; None if unprotected."""
     state = registry()
     key = str(identity.device)
@@ -130,7 +141,7 @@ def session(identity: WorkerIdentity) -> BrokerClient | None:
             return None
         existing = state.by_device.get(key)
         if existing is not None and key not in state.unprotected:
-            return existing.client
+            return existing
         if key in state.unprotected:
             return None
         if broker_disabled():
@@ -143,13 +154,21 @@ def session(identity: WorkerIdentity) -> BrokerClient | None:
             announce_active(identity, None)
             _unprotected_now(key, _describe(exc), exc)
             return None
-        state.by_device[key] = DeviceSession(client, identity)
+        opened = state.by_device[key] = DeviceSession(client, identity, state, state.lock)
         announce_active(identity, client)
         log.info(
             "event=adapter_session runtime=%s device=%s instance=%s session=%s endpoint=%s",
             identity.runtime, identity.device, identity.instance_name(), client.session_id, client.endpoint,
         )
-        return client
+        return opened
+
+
+def existing(identity: WorkerIdentity) -> DeviceSession | None:
+    """The session opened for ``identity.device``, whether or not it is still usable; None if
+    none was opened (nothing is opened here)."""
+    state = registry()
+    with state.lock:
+        return state.by_device.get(str(identity.device))
 
 
 def _describe(exc: BaseException) -> str:
@@ -185,32 +204,3 @@ def unprotected_reason(identity: WorkerIdentity) -> str | None:
     state = registry()
     with state.lock:
         return state.unprotected.get(str(identity.device))
-
-
-def guard(identity: WorkerIdentity, action: str, call: Callable[[], T]) -> T | None:
-    """Run ``call`` (a broker round trip, and the reading of its answer); None if the worker is,
-    or just turned, unprotected.
-
-    ``BudgetExceeded`` (a refusal) and a fatal error (eviction) propagate; any other failure,
-    an answer the caller cannot read included, makes the worker unprotected (or, under
-    ``KVCACHED_REQUIRE=1``, raises ``BrokerRequired``).
-    """
-    state = registry()
-    if session(identity) is None:
-        return None
-    cause: Exception
-    try:
-        return call()
-    except BudgetExceeded:
-        raise
-    except BrokerError as exc:
-        if exc.fatal:
-            raise
-        why, cause = str(exc), exc
-    except MALFORMED_ANSWER as exc:
-        why, cause = f"the broker's answer is not in the shape this adapter reads ({type(exc).__name__}: {exc})", exc
-    if state.closed:  # the reset closed the session under the call: nothing to mark
-        return None
-    with state.lock:
-        _unprotected_now(str(identity.device), f"{action}: {why}", cause)
-    return None

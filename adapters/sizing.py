@@ -25,7 +25,7 @@ re-derives the ledger's arithmetic or reads the status document).  What happens 
 runtime's (``adapters/sglang/kv_sizing``, ``adapters/vllm/kv_sizing``): its pools turn the KV
 hold into ``kv_static`` (a pool a little larger than the hold takes the difference out of the
 slack hold, in the same request), and once its warm-up is over
-:func:`~.worker.settle_warm_up` pins the base where the device measures it and keeps the
+:meth:`~.device_session.DeviceSession.settle_warm_up` pins the base where the device measures it and keeps the
 slack the warm-up did not allocate as the resident pool ``runtime_slack``.
 
 All sizes are bytes.
@@ -41,8 +41,9 @@ from typing import Mapping
 
 from ..client import BudgetExceeded
 from ..client.units import format_bytes
-from . import announce, sessions, worker
-from .worker import KV_SIZING_HOLD, SLACK_HOLD
+from . import announce, sessions
+from .device_session import DeviceSession
+from .report_book import KV_SIZING_HOLD, SLACK_HOLD
 from .worker_identity import WorkerIdentity
 
 log = announce.logger("kvcached_broker.adapters")
@@ -99,6 +100,9 @@ def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
     """Admit ``ask`` in one broker request; None when the worker runs (or just turned)
     unprotected.  Raises :class:`StartupRefused` when even its least does not fit, or when the
     broker could never give an elastic KV cache anything."""
+    session = sessions.session(identity)
+    if session is None:
+        return None
     holds = {SLACK_HOLD: max(0, ask.slack_bytes)}
     min_holds = None
     if not ask.elastic and ask.kv_bytes > 0:
@@ -106,10 +110,10 @@ def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
         min_holds = {KV_SIZING_HOLD: max(0, min(ask.kv_min_bytes, ask.kv_bytes))}
     else:
         holds[KV_SIZING_HOLD] = 0
-    answer = _hold_waiting_for_start_ups(identity, ask, holds, min_holds)
+    answer = _hold_waiting_for_start_ups(session, ask, holds, min_holds)
     if answer is None:
         return None
-    read = sessions.guard(identity, "read the broker's answer", lambda: _read(answer))
+    read = session.guard("read the broker's answer", lambda: _read(answer))
     if read is None:
         return None
     held, grantable_bytes, ever_bytes, holders = read
@@ -127,9 +131,9 @@ def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
     return sized
 
 
-def _hold_waiting_for_start_ups(identity: WorkerIdentity, ask: StartupAsk, holds: dict[str, int],
+def _hold_waiting_for_start_ups(session: DeviceSession, ask: StartupAsk, holds: dict[str, int],
                                 min_holds: dict[str, int] | None) -> dict | None:
-    """:func:`~.worker.hold_what_fits`; refused while other instances hold memory for their own
+    """:meth:`~.device_session.DeviceSession.hold_what_fits`; refused while other instances hold memory for their own
     start-ups (the refusal's ``starting``), ask again as they settle, for at most
     ``KVCACHED_BROKER_STARTUP_WAIT_S``.  Servers started together are then admitted as if they
     had started one after the other: a neighbour between allocating a pool and reporting it is
@@ -138,9 +142,10 @@ def _hold_waiting_for_start_ups(identity: WorkerIdentity, ask: StartupAsk, holds
     deadline_s = time.monotonic() + wait_s
     pause_s = 0.05
     told = False
+    identity = session.identity
     while True:
         try:
-            return worker.hold_what_fits(identity, holds, min_holds, phase="sizing")
+            return session.hold_what_fits(holds, min_holds, phase="sizing")
         except BudgetExceeded as exc:
             starting = _starting(exc)
             left_s = deadline_s - time.monotonic()
@@ -189,33 +194,9 @@ def _read(answer: dict) -> tuple[dict[str, int], int, int, tuple[tuple[str, int]
 
 
 def refusal(identity: WorkerIdentity, ask: StartupAsk, why: str) -> StartupRefused:
-    client = sessions.session(identity)
-    endpoint = client.endpoint if client is not None else "?"
+    session = sessions.existing(identity)
+    endpoint = session.client.endpoint if session is not None else "?"
     return StartupRefused(
         f"kvcached-broker at {endpoint} cannot give {ask.runtime} instance {identity.instance_name()!r} "
         f"(GPU {identity.device}, TP rank {identity.tp_rank}/{identity.tp_size}) {ask.describe()}: {why}"
     )
-
-
-def shrink_kv_hold(identity: WorkerIdentity, kv_bytes: int) -> None:
-    """Keep only ``kv_bytes`` of the KV hold (another TP rank got less: every rank builds the
-    agreed size).  A decrease: never refused."""
-    if worker.held_bytes(identity, KV_SIZING_HOLD) > kv_bytes:
-        worker.hold(identity, KV_SIZING_HOLD, kv_bytes)
-
-
-def holds_after_pool(identity: WorkerIdentity, growth_bytes: int, last: bool) -> dict[str, int] | None:
-    """The holds once a pool the KV hold was for is built, ``growth_bytes`` larger than before
-    (None: no hold to change): the KV hold shrinks by the growth (with ``last``, to 0), and
-    what the pool takes beyond the KV hold comes out of the slack hold, as it does in the
-    runtime's own arithmetic (a pool padded past its budget eats into the slack)."""
-    kv_held = worker.held_bytes(identity, KV_SIZING_HOLD)
-    slack_held = worker.held_bytes(identity, SLACK_HOLD)
-    if not kv_held and not slack_held:
-        return None
-    growth = max(0, growth_bytes)
-    beyond = max(0, growth - kv_held)
-    holds = {KV_SIZING_HOLD: 0 if last else max(0, kv_held - growth)}
-    if beyond and slack_held:
-        holds[SLACK_HOLD] = max(0, slack_held - beyond)
-    return holds

@@ -19,7 +19,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-from kvcached_broker.adapters import sessions, worker, worker_identity
+from kvcached_broker.adapters import process_state, sessions, worker_identity
 from kvcached_broker.client.errors import error_from_wire
 
 #: failure kind -> a piece of the reason the worker gives when it turns unprotected
@@ -80,8 +80,8 @@ class Arranged:
         """For the failures of a live session: open it now, then make it fail."""
         if self.kind not in AFTER_OPEN:
             return
-        client = sessions.session(identity)
-        assert client is not None, "the session should open before it fails"
+        session = sessions.session(identity)
+        assert session is not None, "the session should open before it fails"
         if self.kind == "slow":
             self.stopped_pid = self.broker.proc.pid
             os.kill(self.stopped_pid, signal.SIGSTOP)
@@ -89,7 +89,7 @@ class Arranged:
             self.broker.kill()
         elif self.kind == "evicted":
             with self.broker.admin() as admin:
-                admin.evict(client.session_id)
+                admin.evict(session.client.session_id)
         else:
             self.armed.append(True)  # an injected error, or a malformed status
 
@@ -98,7 +98,7 @@ class Arranged:
         if self.stopped_pid is not None:
             os.kill(self.stopped_pid, signal.SIGCONT)
             self.stopped_pid = None
-        worker.reset()
+        process_state.reset()
 
 
 def _failing_client(arranged: Arranged, endpoint: str):

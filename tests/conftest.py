@@ -240,17 +240,17 @@ def workers():
 @pytest.fixture
 def adapter_broker(inproc_factory):
     """A 10 GiB in-process broker that the adapters' worker session opens its sessions on."""
-    from kvcached_broker.adapters import sessions, worker
+    from kvcached_broker.adapters import process_state, sessions
     from kvcached_broker.client import BrokerClient
 
     b = inproc_factory(total_bytes=10 * GIB)
-    worker.reset()
+    process_state.reset()
     sessions.set_client_factory(lambda ident: BrokerClient.connect(
         ident.instance_name(), endpoint=b.endpoint, tp_rank=ident.tp_rank, tp_size=ident.tp_size,
         page_bytes=ident.page_bytes, credit_pages=0,
     ))
     yield b
-    worker.reset()
+    process_state.reset()
     sessions.set_client_factory(None)
 
 

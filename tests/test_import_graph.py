@@ -176,14 +176,14 @@ def _floor(module: str) -> str:
 
 def test_the_finder_sees_the_package():
     graph = _graph()
-    assert f"{PACKAGE}.broker.server" in graph and f"{PACKAGE}.adapters.worker" in graph
+    assert f"{PACKAGE}.broker.server" in graph and f"{PACKAGE}.adapters.device_session" in graph
     # A relative import resolved: adapters/kvcached/__init__.py imports its sibling `.identity`.
     assert f"{PACKAGE}.adapters.kvcached.identity" in graph[f"{PACKAGE}.adapters.kvcached"]
     # `from . import protocol as proto` imports the submodule, not the package re-exporting the client.
     assert f"{PACKAGE}.client.protocol" in graph[f"{PACKAGE}.client.async_client"]
     assert f"{PACKAGE}.client" not in graph[f"{PACKAGE}.client.async_client"]
     # Importing a module from outside its package runs the package's __init__ first.
-    assert f"{PACKAGE}.client" in graph[f"{PACKAGE}.adapters.worker"]
+    assert f"{PACKAGE}.client" in graph[f"{PACKAGE}.adapters.device_session"]
 
 
 def test_the_finder_sees_imports_by_name():

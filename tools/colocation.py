@@ -7,7 +7,7 @@ its weights, then its own sizing by the adapters' one algorithm (:mod:`..adapter
 the base pinned, the slack it keeps for activations and CUDA graphs held, the KV cache held as
 much as fits), its KV pool (reported as ``kv_static``, the hold turned into it in one request),
 its CUDA graphs and the activations its warm-up leaves in torch's cache, then the end of its
-warm-up (:func:`..adapters.worker.settle_warm_up`) and a later, larger batch.  No SGLang or vLLM
+warm-up (:meth:`..adapters.device_session.DeviceSession.settle_warm_up`) and a later, larger batch.  No SGLang or vLLM
 is needed: the allocations stand in for theirs, and the broker's part is the adapters' own.
 
 What is checked, at every sample and at the end: the device holds no more than its total; no
@@ -45,7 +45,7 @@ def start_up(memory: Any, request: dict[str, Any]) -> dict[str, Any]:
     ``request`` names the broker's ``endpoint``, the ``instance`` and the byte figures.  Returns
     ``{"event": "serving" | "refused" | "crashed", ...}`` (a refusal's or crash's one line in
     ``message``: an ``error`` key is the worker protocol's own failure)."""
-    from ..adapters import sessions, sizing, worker
+    from ..adapters import sessions, sizing
     from ..adapters.worker_identity import WorkerIdentity
 
     endpoint, instance = request["endpoint"], request["instance"]
@@ -64,14 +64,14 @@ def start_up(memory: Any, request: dict[str, Any]) -> dict[str, Any]:
         slack = int(request["slack_bytes"]) or int(free_before * float(request.get("slack_of_free", 0.0)))
         ask = sizing.StartupAsk("a serving", int(request["kv_bytes"]), int(request["kv_min_bytes"]), slack)
         sized = sizing.size(identity, ask)
-        if sized is None:
+        session = sessions.session(identity)
+        if sized is None or session is None:
             return {"event": "unprotected", "taken": taken}
         take("kv_cache", sized.kv_bytes)
-        worker.report(identity, "kv", {"kv_static": sized.kv_bytes},
-                      holds=sizing.holds_after_pool(identity, sized.kv_bytes, last=True), phase="warming")
+        session.report_built("kv", {"kv_static": sized.kv_bytes}, last=True, phase="warming")
         take("cuda_graphs", int(request["graphs_bytes"]))
         take("activations", int(request["warmup_bytes"]))
-        kept = worker.settle_warm_up(identity)
+        kept = session.settle_warm_up()
     except sizing.StartupRefused as exc:
         return {"event": "refused", "message": str(exc), "taken": taken}
     except (RuntimeError, MemoryError) as exc:  # torch's OutOfMemoryError, the simulated DeviceFull

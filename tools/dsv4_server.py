@@ -4,7 +4,7 @@
 
 It is not SGLang: it goes through the memory side of an SGLang DeepSeek-V4 rank's start-up
 with the broker adapters' own start-up calls (:mod:`kvcached_broker.adapters.sizing` and
-:mod:`kvcached_broker.adapters.worker`, which speak the client API), and every byte it takes
+:mod:`kvcached_broker.adapters.device_session`, which speak the client API), and every byte it takes
 lands on the shared simulated device as it is taken (:class:`..shared_gpu.Footprint`).  Its
 pool sizes come from a DeepSeek-V4-Flash-like shape (:mod:`.dsv4_shape`).  ``KVCACHED_BROKER``
 names the broker.  Requests are JSON lines; each gets one JSON line back:
@@ -81,21 +81,23 @@ class Dsv4Server:
         return {"asked_kv_bytes": asked_bytes, "kv_bytes": sized.kv_bytes, "slack_bytes": sized.slack_bytes}
 
     def build(self) -> dict:
-        from ..adapters import sizing, worker
+        from ..adapters import sessions
 
         pools = self.shape.pools(self.shape.full_tokens_for(self.kv_bytes))
         for name, size_bytes in pools.items():
             self.memory.allocate(name, size_bytes)
-        holds = sizing.holds_after_pool(self.identity, sum(pools.values()), last=True)
-        worker.report(self.identity, "dsv4_pools", pools, holds=holds, phase="warming")
+        session = sessions.session(self.identity)
+        if session is not None:
+            session.report_built("dsv4_pools", pools, last=True, phase="warming")
         return {"pools": pools, "full_tokens": self.shape.full_tokens_for(self.kv_bytes)}
 
     def warm_up(self, graphs_bytes: int, activations_bytes: int) -> dict:
-        from ..adapters import worker
+        from ..adapters import sessions
 
         self.memory.allocate("cuda_graphs", graphs_bytes)
         self.memory.allocate("activations", activations_bytes)
-        kept = worker.settle_warm_up(self.identity)
+        session = sessions.session(self.identity)
+        kept = session.settle_warm_up() if session is not None else None
         return {"slack_kept_bytes": kept}
 
 
@@ -132,9 +134,9 @@ def main(argv: list[str]) -> int:
 
     reply({"ready": True, "pid": os.getpid()})
     serve(server, sys.stdin, reply)
-    from ..adapters import worker
+    from ..adapters import process_state
 
-    worker.reset()
+    process_state.reset()
     return 0
 
 

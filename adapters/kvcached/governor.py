@@ -42,10 +42,16 @@ soon as its pool is no longer governed or is closed.
 
 **Failing safe.**  A refusal leaves the pool as it is (the engine's allocation misses, as when
 kvcached finds no physical memory, and is retried); a broker failure turns the process
-unprotected (``sessions.guard``), and an eviction ends the governing: the pool then runs as
+unprotected (the session's ``guard``, :mod:`..device_session`), and an eviction ends the governing: the pool then runs as
 kvcached alone would (:meth:`PoolGovernor._ungovern`: its limit lifted to the virtual size,
 through its limit channel, the segment showing it, and no limit the governor wrote re-applied
 by kvctl's sticky watcher target), said once.  Nothing here raises into the runtime.
+
+**Composition.**  :class:`PoolGovernor` performs the I/O (kvcached, the grants) and feeds back
+what happened; the pool's state, and every decision about it, is its
+:class:`.pool_state.PoolState` (rules at the top of that module); what the pool shows outside (its
+kvctl segment, its views in the broker's status, its ``status()`` entry) is its
+:class:`.display.PoolDisplay`.
 
 Units: pool pages (kvcached compound pages, :class:`PoolGeometry`) unless a name says bytes.
 """
@@ -59,19 +65,18 @@ import time
 import weakref
 from typing import Any
 
-from ...client import BudgetExceeded, SessionEvicted
+from ...client import SessionEvicted
 from .. import announce, process_state
-from . import eviction, kvcached_api, runner, segment
-from .kvctl import KvctlSegment
+from . import eviction, kvcached_api, runner
+from .display import PoolDisplay
 from .geometry import PoolGeometry
+from .kvctl import KvctlSegment
 from .grants import Grants
 from .limits import DirectLimits, LimitChannel
 from .policy import Grow, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan, initial_pages
 from .pool_state import AskBook, GrowPacing, PoolState, limit_after_grant, surplus_pages
 
 log = announce.logger("kvcached_broker.adapters")
-
-ZERO_PAGE_POOL = "kvcached_zero_page"
 #: A growth the engine is waiting for (it missed) waits at the broker this long for memory to
 #: come back (``acquire(wait_s=)``) rather than taking a refusal and a back-off.
 GROW_WAIT_S = 0.5
@@ -103,22 +108,25 @@ class PoolGovernor:
         self.asks = AskBook(self.counters)  # the only state other threads write
         self.pacing = GrowPacing()
         self.sequence = next(process_state.part(_Sequence).numbers)  # creation order in this process
-        self.key = f"kvcached:g{geometry.group_id}:{self.sequence}"
-        self.pool_name = ""
+        #: the pool's name, its kvctl segment and what it shows in the broker's status
+        self.display = PoolDisplay(geometry, self.state, f"kvcached:g{geometry.group_id}:{self.sequence}")
         self._manager: "weakref.ref[Any] | None" = None
-        self._synced = False
-        self._seen_limit_pages = 0  # kvcached's allocator size when the last round ended
-        self._standing_due = False  # a limit channel lowered the limit below what this pool wanted
-        self.operator_cap_pages: int | None = None
-        self.kvctl = KvctlSegment(geometry, lambda: self.key)
         self._round_lock = threading.Lock()  # held by a round, and by a shutdown's give-back
-        self._published: tuple | None = None
-        self._zero_reported = False
-        self._zero_refusals = 0
-        self._reported_mapped = 0  # the mapped pool pages the broker was last told
-        self._reported_idle: int | None = None  # the idle pool pages the session was last told
 
     # ------------------------------------------------------------ the state, read
+    @property
+    def key(self) -> str:
+        """What the pool reports under (it names kvcached's pool once the manager is known)."""
+        return self.display.key
+
+    @property
+    def pool_name(self) -> str:
+        return self.display.pool_name
+
+    @property
+    def kvctl(self) -> KvctlSegment:
+        return self.display.kvctl
+
     @property
     def governed(self) -> bool:
         """The pool holds a grant the governor keeps above kvcached's size (closing included)."""
@@ -142,13 +150,18 @@ class PoolGovernor:
         """Why the pool could not give back what was asked, if it could not."""
         return self.state.blocked
 
+    @property
+    def operator_cap_pages(self) -> int | None:
+        """An operator's cap on the limit (pool pages; None: none)."""
+        return self.state.operator_cap_pages
+
     # ------------------------------------------------------------ birth (constructing thread)
     def start(self) -> None:
         """Take the first grant and size the allocator to it, before anything is mapped."""
         if not self.governed:
             return
         assert self.grants is not None
-        self._report_zero_page()
+        self.display.report_zero_page(self.grants)
         want = initial_pages(self.marks, self.geometry.virtual_pages)
         got = self.grants.acquire(want, 1)
         if got is None:
@@ -166,21 +179,8 @@ class PoolGovernor:
     def attach(self, manager: Any) -> None:
         """Called once ``KVCacheManager.__init__`` returned: the manager this allocator serves."""
         self._manager = weakref.ref(manager)
-        self.pool_name = str(getattr(manager, "pool_name", "") or "")
-        if self.pool_name:
-            self._rename(f"kvcached:{self.pool_name}:g{self.geometry.group_id}:{self.key.rsplit(':', 1)[1]}")
+        self.display.name(str(getattr(manager, "pool_name", "") or ""), self.grants)
         self._write_segment()
-
-    def _rename(self, key: str) -> None:
-        """Report under ``key`` from now on; the zero page reported under the old key moves to it
-        (reported again first, then the old entry forgotten: never charged twice, never zero)."""
-        old, self.key = self.key, key
-        if old == key or not self._zero_reported or self.grants is None:
-            return
-        self._zero_reported = False
-        self._report_zero_page()
-        if self._zero_reported:
-            self.grants.forget_report(old)  # never forget(): for board grants that ends the pool's board
 
     # ------------------------------------------------------------ engine path (any thread)
     def note_alloc(self, need_blocks: int, result: Any, block_mem_size: int) -> bool:
@@ -198,7 +198,7 @@ class PoolGovernor:
         kvcached unmapped pages the broker still counts as mapped)."""
         return self.governed and (self.pending_limit is not None
                                   or self._free_pages() > self.ramp.current(now_s()).high_pages
-                                  or self._mapped_pages() < self._reported_mapped)
+                                  or self._mapped_pages() < self.state.told.mapped_pages)
 
     def note_miss(self) -> None:
         """An allocation missed before reaching kvcached (a charge not settled yet)."""
@@ -260,7 +260,7 @@ class PoolGovernor:
     def release_standing(self) -> None:
         """A limit channel lowered the limit below what this pool wanted (its TP peers gave
         back): the grant above kvcached's size goes back at the next round (any thread)."""
-        self._standing_due = True
+        self.asks.release_standing()
 
     def _free_pages(self) -> int:
         return self.real.get_num_total_pages() - self.real.get_num_inuse_pages()
@@ -295,25 +295,39 @@ class PoolGovernor:
             self._ungovern(f"evicted: {exc}")
 
     def _round(self, manager: Any, now_s: float) -> None:
-        """One round on a governed pool.  It stops as soon as the pool is no longer governed (a
-        broker failure found by one of its calls) or closed (from the engine's thread): nothing
+        """One round on a governed pool: what changed the limit since the last round, the asks,
+        the policy, and what the pool shows.  It stops as soon as the pool is no longer governed
+        (a broker failure found by one of its calls) or closed (from the engine's thread): nothing
         more is asked of the broker, and an ungoverned pool's lifted limit is never lowered again."""
-        if not self._synced:
-            self._set_limit(manager, self.real.get_num_total_pages())
-            self._synced = True
-        self._read_operator_cap()
-        outside_cap = self.asks.take_outside_cap()
-        if outside_cap is not None:  # an outside set_memory_limit: an operator cap
-            self.operator_cap_pages = outside_cap
-        if self.pending_limit is not None:
-            self._finish_deferred(manager)
+        self._take_limit_news(manager)
         if self._live():
             self._adopt_lowered_limit(now_s)
         if not self._live():
             return
+        short = self._answer_asks(manager, now_s)
+        if self.pending_limit is None and self._live():
+            self._follow_policy(manager, short, now_s)
+        if self._live():
+            self._end_round(manager)
+
+    def _take_limit_news(self, manager: Any) -> None:
+        """K1, K2 and a deferred limit: the first round's sync, an operator's cap (from the segment,
+        or an outside ``set_memory_limit``), what a deferred limit freed."""
+        if self.state.take_sync():
+            self._set_limit(manager, self.real.get_num_total_pages())
+        self._read_operator_cap()
+        outside_cap = self.asks.take_outside_cap()
+        if outside_cap is not None:  # an outside set_memory_limit: an operator cap
+            self.state.take_cap(outside_cap)
+        if self.pending_limit is not None:
+            self._finish_deferred(manager)
+
+    def _answer_asks(self, manager: Any, now_s: float) -> int:
+        """Give back what the broker asked since the last round (a grant held above the limit
+        first); the pages the engine's largest missed allocation still needs."""
         polled = self.grants.poll() if self.grants is not None else 0
         asks = self.asks.take(polled)  # pressure that came through the grants: a broadcast pool's board
-        asked, soft, short = asks.pressure_pages, asks.soft_pages, asks.short_pages
+        asked, soft = asks.pressure_pages, asks.soft_pages
         if asks.any_pressure:
             self.pacing.quiet(now_s)
             asked -= self._release_above_limit(asked + soft)  # a grant held above the limit first
@@ -323,15 +337,16 @@ class PoolGovernor:
             self._give_back(manager, asked, evict=True)
         elif soft > 0 and self._live():
             self._give_back(manager, soft, evict=True, defer=False)
-        if self.pending_limit is None and self._live():
-            self._follow_policy(manager, short, now_s)
-        if not self._live():
-            return
+        return asks.short_pages
+
+    def _end_round(self, manager: Any) -> None:
+        """Show the limit (segment, status), tell the broker what is mapped and idle, and note
+        kvcached's size as the round ends (K3)."""
         self._write_segment()
         self._publish()
         self._report_mapped()
         self._report_idle(manager)
-        self._seen_limit_pages = self._limit_pages()
+        self.state.round_ended(self._limit_pages())
 
     def _live(self) -> bool:
         """The round may go on: the pool is governed and not closed."""
@@ -355,9 +370,9 @@ class PoolGovernor:
         if self.grants is None or not self.grants.maps_here:
             return
         mapped = min(self._mapped_pages_done(), self.grants.pages)
-        if mapped != self._reported_mapped:
+        if self.state.told.mapped_news(mapped):
             self.grants.mapped(self.key, mapped)
-            self._reported_mapped = mapped
+            self.state.told.told_mapped(mapped)
 
     def _report_idle(self, manager: Any) -> None:
         """Tell the session how many of the pool's granted pages are idle: its free pages and what
@@ -367,9 +382,9 @@ class PoolGovernor:
             return
         idle = min(self.grants.pages, max(0, self.grants.pages - self.real.get_num_inuse_pages())
                    + self._cached_pages(manager))
-        if idle != self._reported_idle:
+        if self.state.told.idle_news(idle):
             self.grants.idle(self.key, idle)
-            self._reported_idle = idle
+            self.state.told.told_idle(idle)
 
     def _cached_pages(self, manager: Any) -> int:
         """About how many pool pages the prefix cache could free now: its hook's ``cached_pages()``
@@ -471,21 +486,21 @@ class PoolGovernor:
             if not self._live():
                 return
         if later >= now:  # free pages covered the ask, or the pool is at its floor
-            self.state.blocked = "" if pages.limit - now >= wanted else self._floor_reason(wanted)
+            self.state.answer("" if pages.limit - now >= wanted else self._floor_reason(wanted))
             return
         if evict:
             self._evict(manager, now - later)
             inuse = self.real.get_num_inuse_pages()
             if later >= inuse:  # the eviction freed enough at once
                 self._lower_now(manager, later)
-                self.state.blocked = ""
+                self.state.answer()
                 return
             if inuse < self._limit_pages():
                 self._lower_now(manager, inuse)
                 if not self._live():
                     return
         if not defer:
-            self.state.blocked = ""
+            self.state.answer()
             return
         self._defer(manager, later)
 
@@ -509,7 +524,7 @@ class PoolGovernor:
             log.info("event=kvcached_giveback_deferred pool=%s limit_pages=%d inuse_pages=%d detail=%r",
                      self.key, limit_pages, inuse, self.blocked)
         elif status == "rejected":
-            self.state.blocked = f"rejected: {state.get('reason') or 'kvcached refused the resize'}"
+            self.state.answer(f"rejected: {state.get('reason') or 'kvcached refused the resize'}")
             log.warning("event=kvcached_giveback_blocked pool=%s reason=%r", self.key, self.blocked)
         self._release_above_limit()
 
@@ -563,7 +578,7 @@ class PoolGovernor:
         mapped = min(self._mapped_pages_done(), max(0, self.grants.pages - pages))
         if not self.grants.release(pages, mapped=mapped, key=self.key):
             return False
-        self._reported_mapped = mapped
+        self.state.told.told_mapped(mapped)
         return True
 
     def _adopt_lowered_limit(self, now_s: float) -> None:
@@ -571,10 +586,10 @@ class PoolGovernor:
         its TP peers agreed on, or a deferred limit finishing), or a limit channel said its peers
         lowered the limit: the grant above kvcached's size goes back, and, as after pressure, the
         pool grows only on a real miss for a while (its peers gave back; it would hold alone)."""
-        due, self._standing_due = self._standing_due, False
+        due = self.asks.take_standing()
         if due:
             self.pacing.quiet(now_s)
-        if due or self._limit_pages() < self._seen_limit_pages:
+        if due or self.state.limit_fell(self._limit_pages()):
             self._release_above_limit()
 
     def _floor_reason(self, wanted: int) -> str:
@@ -596,77 +611,25 @@ class PoolGovernor:
         return self.real.get_num_total_pages()
 
     def pages(self) -> PoolPages:
-        ceiling = self.geometry.virtual_pages
-        if self.operator_cap_pages is not None:
-            ceiling = min(ceiling, self.operator_cap_pages)
+        ceiling = self.state.ceiling(self.geometry.virtual_pages)
         return PoolPages(inuse=self.real.get_num_inuse_pages(), limit=self._limit_pages(),
                          granted=self.grants.pages if self.grants else 0, ceiling=ceiling)
 
-    # ------------------------------------------------------------ kvctl
+    # ------------------------------------------------------------ what the pool shows
     def _read_operator_cap(self) -> None:
         """An operator's cap from the segment (``kvctl limit``), if it changed (:mod:`.kvctl`)."""
-        self._take_operator_cap(self.kvctl.read())
-
-    def _take_operator_cap(self, shared: "segment.Shared | None") -> None:
-        if shared is None:
-            return
-        cap = None if shared.cap_bytes is None else self.geometry.pages_of(shared.cap_bytes)
-        if cap == self.operator_cap_pages:
-            return
-        self.operator_cap_pages = cap
-        granted = self.grants.pages if self.grants else 0
-        if cap is None:
-            log.info("event=kvcached_operator_cap pool=%s cap_bytes=none detail=the cap was the start-up write "
-                     "of a pool sharing the segment", self.key)
-            return
-        log.info("event=kvcached_operator_cap pool=%s cap_bytes=%d granted_bytes=%d detail=%s", self.key,
-                 shared.cap_bytes, self.geometry.limit_bytes(granted),
-                 "a cap below the grant lowers the limit" if cap < granted else "the grant bounds the pool, not the cap")
+        self.display.read_cap(self.grants)
 
     def _write_segment(self) -> None:
         """Show the limit (a deferred one while it waits) in the segment, and take a cap it brings."""
         if not self.governed:
             return
-        shown = self.pending_limit if self.pending_limit is not None else self._limit_pages()
-        self._take_operator_cap(self.kvctl.show(self.geometry.limit_bytes(shown)))
-
-    # ------------------------------------------------------------ the broker's view
-    def _report_zero_page(self) -> None:
-        """kvcached's zero page (one compound page per pool) is physical memory outside the pages."""
-        assert self.grants is not None
-        try:
-            if self.grants.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, allocated=False):
-                self._zero_reported = True
-        except BudgetExceeded as exc:
-            if not self._zero_refusals:
-                log.warning("event=kvcached_zero_page_unreported pool=%s detail=%s (charged as measured "
-                            "usage meanwhile; reported once there is room)", self.key, exc)
-            self._zero_refusals += 1
+        self.display.show_limit(self._limit_pages(), self.grants)
 
     def _publish(self) -> None:
         """Show the pool's limit and pending give-back in status (usage views, never charged)."""
         assert self.grants is not None
-        if self.grants.uncharged_pages():
-            return  # the broker charges less than the pools hold: views above its charge are refused
-        if not self._zero_reported:
-            self._report_zero_page()
-            if not self._zero_reported:
-                return
-        name = self.pool_name or f"g{self.geometry.group_id}"
-        # Views may not exceed what the session holds (the broker refuses them), so an operator
-        # cap above the grant is not shown here: the limit is what binds.
-        views = {f"kvcached.{name}.limit": self.geometry.limit_bytes(self._limit_pages())}
-        if self.pending_limit is not None:
-            views[f"kvcached.{name}.pending_release"] = self.geometry.limit_bytes(
-                max(0, self._limit_pages() - self.pending_limit))
-        key = tuple(sorted(views.items()))
-        if key == self._published:
-            return
-        try:
-            if self.grants.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, usage=views):
-                self._published = key
-        except BudgetExceeded:
-            pass
+        self.display.publish(self.grants, self._limit_pages())
 
     # ------------------------------------------------------------ states
     def _count_grant(self, pages: int) -> None:
@@ -686,7 +649,6 @@ class PoolGovernor:
         yet: its null block may be waiting for a grant) the allocator itself is resized."""
         if not self.state.ungovern(why):
             return
-        self.operator_cap_pages = None
         manager = self.manager()
         if manager is not None and kvcached_api.post_init_done(manager):
             self._set_limit(manager, self.geometry.virtual_pages)
@@ -747,18 +709,7 @@ class PoolGovernor:
             return
         try:
             if grants.maps_here:
-                try:
-                    # Under the manager's lock, as kvcached's own trim and resize: they unmap outside
-                    # the allocator's mutex and wake no one after, and an engine's alloc_page meeting
-                    # that moment would wait for ever, holding this lock.
-                    with kvcached_api.held_lock(self.manager()):
-                        if self.real.get_num_reserved_pages():
-                            self.real.trim()
-                        inuse = self.real.get_num_inuse_pages()
-                        if self.real.get_num_total_pages() > inuse:
-                            self.real.resize(self.geometry.allocator_size(inuse))
-                except Exception as exc:  # noqa: BLE001 - what stays mapped stays granted
-                    log.warning("event=kvcached_close_shrink_failed pool=%s error=%r", self.key, str(exc))
+                self._shrink_closed()
             mapped = self._mapped_pages()
             bound = max(mapped, self.real.get_num_total_pages()) if grants.maps_here else mapped
             surplus = grants.pages - bound
@@ -772,24 +723,28 @@ class PoolGovernor:
             self.state.forget()
             log.error("event=kvcached_pool_evicted pool=%s detail=%s", self.key, exc)
 
+    def _shrink_closed(self) -> None:
+        """A closed pool's reserve unmapped and kvcached's allocator shrunk to what is in use (no
+        broker call: the grant goes back after, with the manager's lock released)."""
+        try:
+            # Under the manager's lock, as kvcached's own trim and resize: they unmap outside
+            # the allocator's mutex and wake no one after, and an engine's alloc_page meeting
+            # that moment would wait for ever, holding this lock.
+            with kvcached_api.held_lock(self.manager()):
+                if self.real.get_num_reserved_pages():
+                    self.real.trim()
+                inuse = self.real.get_num_inuse_pages()
+                if self.real.get_num_total_pages() > inuse:
+                    self.real.resize(self.geometry.allocator_size(inuse))
+        except Exception as exc:  # noqa: BLE001 - what stays mapped stays granted
+            log.warning("event=kvcached_close_shrink_failed pool=%s error=%r", self.key, str(exc))
+
     def status(self) -> dict[str, Any]:
-        """This pool as the governor sees it (bytes, and pool pages where named)."""
+        """This pool as the governor sees it (bytes, and pool pages where named; :mod:`.display`)."""
         pages = self.pages()
         reserved = self.real.get_num_reserved_pages()
-        g = self.geometry
-        return {
-            "pool": self.pool_name, "key": self.key, "group_id": g.group_id, "ipc_name": g.ipc_name,
-            "governed": self.governed, "why_ungoverned": self.why_ungoverned, "page_bytes": g.page_bytes,
-            "limit_bytes": g.limit_bytes(pages.limit), "granted_bytes": g.limit_bytes(pages.granted),
-            "mapped_bytes": g.limit_bytes(pages.inuse + reserved), "inuse_pages": pages.inuse,
-            "reserve_pages": reserved, "virtual_bytes": g.limit_bytes(g.virtual_pages),
-            "operator_cap_bytes": None if self.operator_cap_pages is None else g.limit_bytes(self.operator_cap_pages),
-            "pending_limit_bytes": None if self.pending_limit is None else g.limit_bytes(self.pending_limit),
-            "blocked": self.blocked, "revision": self.state.revision, "kvctl_target_bytes": self._kvctl_target_bytes(),
-            "uncharged_pages": self._uncharged_pages(), "reported_mapped_pages": self._reported_mapped,
-            "segment_untrusted": self.kvctl.unsafe,
-            **self.counters,
-        }
+        return self.display.status(pages, reserved, self.counters, uncharged_pages=self._uncharged_pages(),
+                                   kvctl_target_bytes=self._kvctl_target_bytes())
 
     def _uncharged_pages(self) -> int:
         """Session pages of this pool's session its broker no longer charges (a short re-assertion)."""

@@ -1,7 +1,7 @@
 """A pool's grant, in pool pages, through its process's per-device broker session.
 
-The session (``adapters/sessions.py``) counts pages of ``client.page_bytes``; a pool page (a
-kvcached compound page) is ``ratio`` of them.  Every call goes through ``sessions.guard``: a
+The session (``adapters/device_session.py``) counts pages of ``client.page_bytes``; a pool page (a
+kvcached compound page) is ``ratio`` of them.  Every call goes through the session's ``guard``: a
 refusal is 0 pages (a scheduling miss), a broker failure turns the process unprotected and
 returns None, an eviction is raised (fatal).
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .. import announce, sessions, worker
+from .. import announce, sessions
+from ..device_session import DeviceSession
 from ..worker_identity import WorkerIdentity
 from . import pressure
 from .geometry import PoolGeometry, session_pages_per_page
@@ -58,25 +59,26 @@ class SessionGrants:
 
     maps_here = True
 
-    def __init__(self, identity: WorkerIdentity, client, ratio: int):
-        self.identity = identity
-        self.client = client
+    def __init__(self, session: DeviceSession, ratio: int):
+        self.session = session
+        self.identity = session.identity
+        self.client = session.client
         self.ratio = ratio  # session pages per pool page
         self.pages = 0
 
     @classmethod
     def open(cls, identity: WorkerIdentity, geometry: PoolGeometry) -> "tuple[SessionGrants | None, str]":
         """The pool's grants, or (None, why not) when the pool cannot be governed."""
-        client = sessions.session(identity)
-        if client is None:
+        session = sessions.session(identity)
+        if session is None:
             return None, f"unprotected ({sessions.unprotected_reason(identity) or 'no broker'})"
-        ratio = session_pages_per_page(geometry.page_bytes, client.page_bytes)
+        ratio = session_pages_per_page(geometry.page_bytes, session.client.page_bytes)
         if ratio is None:
             return None, (f"page size mismatch: a pool page is {geometry.page_bytes} bytes, "
-                          f"the session's page {client.page_bytes}")
-        if worker.pin_base(identity) is None:
+                          f"the session's page {session.client.page_bytes}")
+        if session.pin_base() is None:
             return None, f"unprotected ({sessions.unprotected_reason(identity) or 'no broker'})"
-        return cls(identity, client, ratio), ""
+        return cls(session, ratio), ""
 
     def lost(self) -> str | None:
         """Why this pool's session can no longer be used (the process turned unprotected: a
@@ -87,12 +89,12 @@ class SessionGrants:
         """Pool pages granted (between ``min_pages`` and ``pages``, or 0); None if unprotected.
         ``wait_s``: an ask that does not fit waits at the broker up to that long."""
         ratio = self.ratio
-        got = sessions.guard(self.identity, "kvcached acquire",
-                           lambda: self.client.acquire(pages * ratio, min_pages=min_pages * ratio, wait_s=wait_s))
+        got = self.session.guard("kvcached acquire",
+                                 lambda: self.client.acquire(pages * ratio, min_pages=min_pages * ratio, wait_s=wait_s))
         if got is None:
             return None
         whole, odd = divmod(got, ratio)
-        if odd and sessions.guard(self.identity, "kvcached release", lambda: _released(self.client, odd)) is None:
+        if odd and self.session.guard("kvcached release", lambda: _released(self.client, odd)) is None:
             return None
         self.pages += whole
         return whole
@@ -104,10 +106,9 @@ class SessionGrants:
         if pages <= 0:
             return True
         if mapped is not None and key is not None:
-            if not worker.release_mapped(self.identity, key, pages * self.ratio, min(mapped, self.pages) * self.ratio):
+            if not self.session.release_mapped(key, pages * self.ratio, min(mapped, self.pages) * self.ratio):
                 return False
-        elif sessions.guard(self.identity, "kvcached release",
-                          lambda: _released(self.client, pages * self.ratio)) is None:
+        elif self.session.guard("kvcached release", lambda: _released(self.client, pages * self.ratio)) is None:
             return False
         self.pages -= pages
         return True
@@ -115,12 +116,12 @@ class SessionGrants:
     def idle(self, key: str, pages: int) -> None:
         """The pool ``key`` holds ``pages`` pool pages idle (free, or its prefix cache's unused
         blocks): said with the session's next request."""
-        worker.report_idle(self.identity, key, min(pages, self.pages) * self.ratio)
+        self.session.report_idle(key, min(pages, self.pages) * self.ratio)
 
     def mapped(self, key: str, pages: int) -> None:
         """The pool ``key`` has ``pages`` pool pages mapped now (in use and kvcached's reserve):
         the broker charges the rest of its grant as promised memory."""
-        worker.report_mapped(self.identity, key, min(pages, self.pages) * self.ratio)
+        self.session.report_mapped(key, min(pages, self.pages) * self.ratio)
 
     def uncharged_pages(self) -> int:
         """Session pages the broker no longer charges this session for (a short re-assertion)."""
@@ -134,14 +135,14 @@ class SessionGrants:
                allocated: bool = True) -> bool:
         """Report this pool's own reservations on the session; False if the process is
         unprotected.  Raises ``BudgetExceeded`` when the broker refuses them."""
-        return worker.report(self.identity, key, pools, usage=usage, allocated=allocated) is not None
+        return self.session.report(key, pools, usage=usage, allocated=allocated) is not None
 
     def forget(self, key: str) -> None:
-        worker.forget(self.identity, key)
+        self.session.forget(key)
 
     def forget_report(self, key: str) -> None:
         """What was reported under ``key`` goes (the pool reports under another key now)."""
-        worker.forget(self.identity, key)
+        self.session.forget(key)
 
     def poll(self) -> int:
         """Pool pages the broker asked back since the last call: 0 here (pressure arrives
@@ -150,6 +151,6 @@ class SessionGrants:
 
 
 def _released(client, session_pages: int) -> bool:
-    """``client.release`` returns None; ``sessions.guard`` says None for unprotected."""
+    """``client.release`` returns None; a session's ``guard`` says None for unprotected."""
     client.release(session_pages)
     return True

@@ -40,9 +40,32 @@ UNGOVERNED; a closing pool keeps the one it had (status shows it until the pool 
 * L3. each limit the governor applies has a revision newer than any the pool has seen: its own,
   an outside caller's, kvcached's current one (:meth:`PoolState.next_revision`).
 
-**Asks** (:class:`AskBook`): what the engine's allocation path, the broker's pressure callback
-and outside ``set_memory_limit`` callers recorded, on their threads; the governor's thread takes
-them in one swap per round (:meth:`AskBook.take`, :meth:`AskBook.take_outside_cap`).
+**What the pool knows of kvcached's limit** (:class:`PoolState`; the shell reads kvcached and
+says what it found, the state says what the shell does next):
+
+* K1. the first round of a governed pool applies kvcached's own size once, with the governor's
+  revision (:meth:`PoolState.take_sync`), so every later limit of the pool is the governor's;
+* K2. ``operator_cap_pages`` is the last cap an operator set (a foreign ``total_size`` in the
+  segment, an outside ``set_memory_limit``; None: none): the pool's ceiling is at most it
+  (:meth:`PoolState.ceiling`); a pool that stops being governed drops it;
+* K3. kvcached's size fell since the last round ended (:meth:`PoolState.round_ended`,
+  :meth:`PoolState.limit_fell`) without this governor lowering it, or a limit channel said the
+  pool's TP peers lowered it (:meth:`AskBook.release_standing`): the grant above the size goes
+  back (L2) in the next round;
+* K4. ``blocked`` says why the last give-back fell short (empty: it did not), and only this
+  state writes it: :meth:`PoolState.defer` (the pending limit's reason), :meth:`PoolState.settle`
+  and :meth:`PoolState.answer` (a give-back done, short at the floor, or refused by kvcached,
+  nothing deferred: the phase stays).
+
+**What the broker was told** (:class:`Told`; the shell tells it, and says what it answered):
+the zero page's report (once accepted; a refusal is said in the log the first time only, and it
+is reported again under a new key after a rename), the mapped and idle page counts and the
+status views last told (each told again only when it changed).
+
+**Asks** (:class:`AskBook`): what the engine's allocation path, the broker's pressure callback,
+a limit channel and outside ``set_memory_limit`` callers recorded, on their threads; the
+governor's thread takes them in one swap per round (:meth:`AskBook.take`,
+:meth:`AskBook.take_outside_cap`, :meth:`AskBook.take_standing`).
 
 **Pacing** (:class:`GrowPacing`): a refused growth ahead of need waits ``GROW_RETRY_S[0]``
 before the next, doubling to ``GROW_RETRY_S[1]``; after a pressure ask the pool grows only on a
@@ -149,6 +172,7 @@ class AskBook:
         self._short_pages = 0
         self._outside_cap_pages: int | None = None
         self._outside_revision = -1  # the newest revision of an outside set_memory_limit
+        self._standing_due = False  # a limit channel lowered the limit below what the pool wanted
 
     def ask_back(self, pages: int, *, soft: bool = False) -> None:
         """The broker wants ``pages`` pool pages back; ``soft``: only idle ones."""
@@ -175,6 +199,18 @@ class AskBook:
             self._outside_revision = revision
             self._outside_cap_pages = cap_pages
             return True
+
+    def release_standing(self) -> None:
+        """A limit channel lowered the limit below what the pool wanted (its TP peers gave back):
+        K3, the grant above kvcached's size goes back in the next round."""
+        with self._lock:
+            self._standing_due = True
+
+    def take_standing(self) -> bool:
+        """Whether :meth:`release_standing` was said since the last call."""
+        with self._lock:
+            due, self._standing_due = self._standing_due, False
+        return due
 
     @property
     def outside_revision(self) -> int:
@@ -236,16 +272,62 @@ class GrowPacing:
         self.quiet_until_s = max(self.quiet_until_s, now_s + PRESSURE_QUIET_S)
 
 
+class Told:
+    """What the broker was told of a pool (pool pages), and so whether to tell it again.  The
+    shell tells it, and calls the ``told_*`` method once the broker took it."""
+
+    def __init__(self) -> None:
+        self.zero_page = False  # the zero page's report was accepted (under the pool's key)
+        self.zero_page_refusals = 0
+        self.mapped_pages = 0  # the mapped pages the broker was last told
+        self.idle_pages: int | None = None  # the idle pages the session was last told
+        self.views: tuple | None = None  # the status views last published
+
+    def zero_page_refused(self) -> bool:
+        """The broker refused the zero page's report; True the first time (the shell says so)."""
+        self.zero_page_refusals += 1
+        return self.zero_page_refusals == 1
+
+    def renamed(self) -> bool:
+        """The pool reports under a new key: True if its zero page was reported under the old
+        one (the shell reports it again under the new key, then forgets the old entry)."""
+        reported, self.zero_page = self.zero_page, False
+        return reported
+
+    def mapped_news(self, mapped_pages: int) -> bool:
+        return mapped_pages != self.mapped_pages
+
+    def told_mapped(self, mapped_pages: int) -> None:
+        self.mapped_pages = mapped_pages
+
+    def idle_news(self, idle_pages: int) -> bool:
+        return idle_pages != self.idle_pages
+
+    def told_idle(self, idle_pages: int) -> None:
+        self.idle_pages = idle_pages
+
+    def views_news(self, views: tuple) -> bool:
+        return views != self.views
+
+    def told_views(self, views: tuple) -> None:
+        self.views = views
+
+
 class PoolState:
     """A pool's phase and its limit bookkeeping.  ``pending_limit`` is set exactly in DEFERRING;
-    ``revision`` is the last revision the governor applied (above any it saw)."""
+    ``revision`` is the last revision the governor applied (above any it saw); ``told`` is what
+    the broker was told of the pool."""
 
     def __init__(self, *, governed: bool, why_ungoverned: str = "") -> None:
         self.phase = Phase.GOVERNED if governed else Phase.UNGOVERNED
         self.why_ungoverned = why_ungoverned
         self.pending_limit: int | None = None
-        self.blocked = ""  # why the pool could not give back what was asked, if it could not
+        self.blocked = ""  # K4: why the pool could not give back what was asked, if it could not
         self.revision = 0
+        self.operator_cap_pages: int | None = None  # K2
+        self.told = Told()
+        self._synced = False  # K1
+        self._seen_limit_pages = 0  # K3: kvcached's size when the last round ended
 
     @property
     def governed(self) -> bool:
@@ -285,8 +367,15 @@ class PoolState:
         self.pending_limit = None
         self.blocked = blocked
 
+    def answer(self, blocked: str = "") -> None:
+        """K4: a give-back ended without deferring anything: done (``blocked`` empty), short at
+        the pool's floor, or refused by kvcached (``blocked`` says so).  The phase stays: a
+        limit already pending stays pending."""
+        self.blocked = blocked
+
     def ungovern(self, why: str) -> bool:
-        """Stop governing; False if the pool already was not governed (nothing changes then)."""
+        """Stop governing (K2: the operator's cap goes with it); False if the pool already was not
+        governed (nothing changes then)."""
         if not self.governed:
             if self.phase is Phase.UNGOVERNED:
                 self._go(Event.UNGOVERN)
@@ -294,6 +383,7 @@ class PoolState:
         self._go(Event.UNGOVERN)
         self.why_ungoverned = why
         self.pending_limit = None
+        self.operator_cap_pages = None
         return True
 
     def close(self) -> bool:
@@ -311,3 +401,30 @@ class PoolState:
         """L3: a revision newer than this governor's last, an outside caller's and kvcached's."""
         self.revision = max(self.revision, outside_revision, kvcached_revision) + 1
         return self.revision
+
+    def take_sync(self) -> bool:
+        """K1: True once, for the first round (it applies kvcached's size with a revision of the
+        governor's); False after."""
+        due, self._synced = not self._synced, True
+        return due
+
+    def take_cap(self, cap_pages: int | None) -> bool:
+        """K2: an operator's cap (None: none any more); False if it is the cap already held."""
+        if cap_pages == self.operator_cap_pages:
+            return False
+        self.operator_cap_pages = cap_pages
+        return True
+
+    def ceiling(self, virtual_pages: int) -> int:
+        """K2: the most the pool's limit may be, its grant aside (pool pages)."""
+        if self.operator_cap_pages is None:
+            return virtual_pages
+        return min(virtual_pages, self.operator_cap_pages)
+
+    def limit_fell(self, size_pages: int) -> bool:
+        """K3: kvcached's size is below what it was when the last round ended."""
+        return size_pages < self._seen_limit_pages
+
+    def round_ended(self, size_pages: int) -> None:
+        """K3: a round ended with kvcached's size at ``size_pages``."""
+        self._seen_limit_pages = size_pages

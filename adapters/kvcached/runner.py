@@ -9,7 +9,7 @@ logged and never stops the others, nor reaches the runtime.
 
 This module imports nothing else of kvcached mode: the modules above it give it their
 governors and checks.  Once it steps governors, the worker's session lets it run a round before
-it pins its base at what the device measures (:func:`worker.before_settling_warm_up`).  The
+it pins its base at what the device measures (:func:`..sessions.before_settling_warm_up`).  The
 thread and what it steps are a part of the process registry (:class:`_Runner`): a reset ends
 the thread, and the next :func:`enlist` starts another.
 """
@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Callable
 
-from .. import announce, process_state, worker
+from .. import announce, process_state, sessions
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -90,7 +90,7 @@ class _Runner:
 
 def enlist(governor) -> None:
     """Step ``governor`` on the thread (started on first use)."""
-    worker.before_settling_warm_up(_report_mapped)  # outside state.lock: no lock inside another; never waits on the broker
+    sessions.before_settling_warm_up(_report_mapped)  # outside state.lock: no lock inside another; never waits on the broker
     state = process_state.part(_Runner)
     with state.lock:
         state.governors.add(governor)

@@ -112,8 +112,8 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
     agreed_bytes = parallel.world_group().reduce_min(local_bytes)  # every rank calls it, on every path
     if failure is not None:
         raise failure
-    client = sessions.session(identity)
-    decision = SizingDecision(int(runtime_bytes), agreed_bytes, sized, client.endpoint if client else "")
+    session = sessions.session(identity)
+    decision = SizingDecision(int(runtime_bytes), agreed_bytes, sized, session.client.endpoint if session else "")
     process_state.part(_Decisions).last.decision = decision
     if sized is None:
         return agreed_bytes
@@ -121,8 +121,8 @@ def cap_available_bytes(runtime_bytes: int, device: Any, gpu_id: int | None = No
         raise kv_budget.BrokerBudgetError(str(sizing.refusal(
             identity, sizing.StartupAsk("SGLang", int(runtime_bytes), MIN_KV_BYTES, int(slack_bytes), elastic),
             "another TP rank of this server got no KV cache from its broker")))
-    if not elastic:
-        sizing.shrink_kv_hold(identity, agreed_bytes)  # another rank got less: keep only the agreed size
+    if not elastic and session is not None:
+        session.shrink_kv_hold(agreed_bytes)  # another rank got less: keep only the agreed size
     log.info(
         "event=sglang_kv_sized device=%s rank=%d runtime=%s slack=%s broker_ever=%s kv=%s elastic=%s",
         identity.device, identity.tp_rank, format_bytes(int(runtime_bytes)), format_bytes(sized.slack_bytes),

@@ -103,11 +103,11 @@ def admit(tags: set[str]) -> None:
         try:
             handback.admit(identity, tags, kv_names)
         except BudgetExceeded as exc:
-            client = sessions.session(identity)
-            if client is None:
+            session = sessions.session(identity)
+            if session is None:
                 raise
             needed_bytes = handback.coming_back_bytes(identity, tags, kv_names)
-            raise kv_budget.explain_refusal(identity, client, needed_bytes, "its memory back", exc) from exc
+            raise kv_budget.explain_refusal(identity, session.client, needed_bytes, "its memory back", exc) from exc
 
 
 def roll_back() -> None:

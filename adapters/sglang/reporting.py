@@ -27,7 +27,8 @@ from typing import Any
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import announce, background, process_state, sessions, sizing, worker, worker_identity
+from .. import announce, background, process_state, sessions, worker_identity
+from ..report_book import KV_SIZING_HOLD
 from . import kv_budget
 
 log = announce.logger("kvcached_broker.adapters.sglang")
@@ -92,7 +93,13 @@ def _collected(pool_id: int, key: str) -> None:
         state.storages.pop(key, None)
         identity = state.identity.pop(key, None)
     if identity is not None:
-        background.submit(f"forget {key}", lambda: worker.forget(identity, key))
+        background.submit(f"forget {key}", lambda: _forget(identity, key))
+
+
+def _forget(identity: worker_identity.WorkerIdentity, key: str) -> None:
+    session = sessions.existing(identity)
+    if session is not None:
+        session.forget(key)
 
 
 def report_pool(identity: worker_identity.WorkerIdentity, pool: Any, kind: str, pools: dict[str, int], what: str,
@@ -105,8 +112,8 @@ def report_pool(identity: worker_identity.WorkerIdentity, pool: Any, kind: str, 
     (naming the broker, the budget and the other instances) if the broker has no room, which
     stops the worker at startup.  Any other broker failure leaves the worker unprotected.
     """
-    client = sessions.session(identity)
-    if client is None:
+    session = sessions.session(identity)
+    if session is None:
         return False
     key = reporter_key(pool, kind)
     total = sum(pools.values())
@@ -115,11 +122,10 @@ def report_pool(identity: worker_identity.WorkerIdentity, pool: Any, kind: str, 
         growth = total - state.totals.get(key, 0)
         state.identity[key] = identity
     try:
-        if worker.report(identity, key, pools, holds=sizing.holds_after_pool(identity, growth, last),
-                         phase="warming" if last else None) is None:
+        if session.report_built(key, pools, growth_bytes=growth, last=last, phase="warming" if last else None) is None:
             return False
     except BudgetExceeded as exc:
-        raise kv_budget.explain_refusal(identity, client, max(0, growth), what, exc) from exc
+        raise kv_budget.explain_refusal(identity, session.client, max(0, growth), what, exc) from exc
     with state.lock:
         state.totals[key] = total
         if storages is not None:
@@ -138,7 +144,8 @@ def hold(identity: worker_identity.WorkerIdentity, size_bytes: int) -> bool:
     The base is pinned with the first hold.  False if the worker runs unprotected;
     ``BudgetExceeded`` if the broker has no room.
     """
-    if worker.hold(identity, worker.KV_SIZING_HOLD, size_bytes) is None:
+    session = sessions.session(identity)
+    if session is None or session.hold(KV_SIZING_HOLD, size_bytes) is None:
         return False
     sized(identity)
     return True
@@ -153,14 +160,15 @@ def sized(identity: worker_identity.WorkerIdentity) -> None:
 
 def release_hold(identity: worker_identity.WorkerIdentity) -> None:
     """Drop whatever is left of the sizing hold (every pool of the start-up is built)."""
-    if held_bytes(identity):
-        worker.hold(identity, worker.KV_SIZING_HOLD, 0)
+    session = sessions.session(identity)
+    if session is not None and session.held_bytes(KV_SIZING_HOLD):
+        session.hold(KV_SIZING_HOLD, 0)
 
 
 def end_start_ups() -> None:
     """A scheduler's start-up ended (its pools built, its CUDA graphs captured): on every device
     of this process, drop what is left of the KV hold and settle the warm-up
-    (:func:`~..worker.settle_warm_up`: the base pinned where the device measures it, the slack
+    (:meth:`~..device_session.DeviceSession.settle_warm_up`: the base pinned where the device measures it, the slack
     the warm-up did not allocate kept as ``runtime_slack``)."""
     state = process_state.part(_Reporting)
     with state.lock:
@@ -168,7 +176,9 @@ def end_start_ups() -> None:
         state.holders.clear()
     for identity in holders:
         release_hold(identity)
-        worker.settle_warm_up(identity)
+        session = sessions.session(identity)
+        if session is not None:
+            session.settle_warm_up()
 
 
 def charged_storages(identity: worker_identity.WorkerIdentity, pool: Any) -> set:
@@ -195,7 +205,8 @@ def kv_reporters_by_device() -> list[tuple[worker_identity.WorkerIdentity, list[
 
 
 def held_bytes(identity: worker_identity.WorkerIdentity) -> int:
-    return worker.held_bytes(identity, worker.KV_SIZING_HOLD)
+    session = sessions.existing(identity)
+    return session.held_bytes(KV_SIZING_HOLD) if session is not None else 0
 
 
 def reset() -> None:

@@ -41,9 +41,9 @@ from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import announce, process_state, sessions, sizing, worker
+from .. import announce, process_state, sessions
 from ..patching import PatchError, wrap_methods, wrap_once
-from ..worker import KV_SIZING_HOLD
+from ..report_book import KV_SIZING_HOLD
 from ..worker_identity import WorkerIdentity
 from . import kv_budget, kv_config, kvcached_mode, parallel
 
@@ -85,8 +85,9 @@ def track(kv_cache: Any, kv_cache_config: Any, device: Any) -> None:
 
 
 def _governed(kv_cache: Any) -> _Cache | None:
-    """What the adapter keeps of ``kv_cache``, if the broker governs it (a session for its device,
-    not in kvcached mode); None otherwise, and for anything that is not an extensible cache."""
+    """What the adapter keeps of ``kv_cache``, if the broker governs it (a usable session for its
+    device, not in kvcached mode); None otherwise, and for anything that is not an extensible
+    cache."""
     if kvcached_mode.active() or type(kv_cache).__name__ != CLASS_NAME:
         return None
     caches = process_state.part(_Caches).by_cache
@@ -97,12 +98,14 @@ def _governed(kv_cache: Any) -> _Cache | None:
 
 
 def pool_bytes(identity: WorkerIdentity) -> int:
-    return worker.booked_bytes(identity, kv_budget.REPORTER)
+    session = sessions.existing(identity)
+    return session.booked_bytes(kv_budget.REPORTER) if session is not None else 0
 
 
 def admitted_bytes(identity: WorkerIdentity) -> int:
     """What the broker admitted this cache: its pool and the sizing hold still promised to it."""
-    return pool_bytes(identity) + worker.held_bytes(identity, KV_SIZING_HOLD)
+    session = sessions.existing(identity)
+    return pool_bytes(identity) + (session.held_bytes(KV_SIZING_HOLD) if session is not None else 0)
 
 
 def planned_bytes(kv_cache: Any, num_blocks: int, defragment: bool, shrink: bool) -> int:
@@ -129,39 +132,36 @@ def _views(state: _Cache, blocks: int, pool: int) -> dict[str, int]:
 def admit(state: _Cache, kv_cache: Any, target_bytes: int, num_blocks: int) -> None:
     """Raise the pool to ``target_bytes`` before vLLM maps them, the hold lowered by as much."""
     identity = state.identity
+    session = sessions.existing(identity)
     booked = pool_bytes(identity)
-    growth = target_bytes - booked
-    if growth <= 0:
+    if session is None or target_bytes <= booked:
         return
-    holds = sizing.holds_after_pool(identity, growth, last=False) or {}
     views = _views(state, min(num_blocks, int(kv_cache.capacity_blocks)), target_bytes)
     try:  # the first commit (the cache allocated) starts the warm-up, as the static buffer's allocation does
-        worker.report(identity, kv_budget.REPORTER, {POOL: target_bytes}, usage=views, holds=holds, allocated=False,
-                      phase="warming" if not booked and not state.final else None)
+        session.report_built(kv_budget.REPORTER, {POOL: target_bytes}, usage=views, allocated=False,
+                             phase="warming" if not booked and not state.final else None)
     except BudgetExceeded as exc:
-        client = sessions.session(identity)
-        if client is None:
-            raise
         what = f"{num_blocks} blocks of its extensible KV cache ({format_bytes(target_bytes)} mapped)"
-        raise kv_budget.explain(identity, client, target_bytes, what, exc) from exc
+        raise kv_budget.explain(identity, session.client, target_bytes, what, exc) from exc
 
 
 def settle(state: _Cache, kv_cache: Any) -> None:
     """The pool is what is mapped now; what a shrink gave up goes back to the hold until the
     final size is committed, then to the broker."""
     identity = state.identity
+    session = sessions.existing(identity)
     mapped = int(kv_cache.physical_bytes)
     booked = pool_bytes(identity)
-    if mapped == booked:
+    if session is None or mapped == booked:
         return
     holds = None
     if mapped < booked and not state.final:
-        holds = {KV_SIZING_HOLD: worker.held_bytes(identity, KV_SIZING_HOLD) + booked - mapped}
-    worker.report(identity, kv_budget.REPORTER, {POOL: mapped} if mapped else {},
-                  usage=_views(state, int(kv_cache.num_committed_blocks), mapped), holds=holds)
+        holds = {KV_SIZING_HOLD: session.held_bytes(KV_SIZING_HOLD) + booked - mapped}
+    session.report(kv_budget.REPORTER, {POOL: mapped} if mapped else {},
+                   usage=_views(state, int(kv_cache.num_committed_blocks), mapped), holds=holds)
     log.info("event=vllm_kv_extensible_committed rank=%d blocks=%d of=%d kv_extensible=%s kv_sizing_hold=%s",
              identity.tp_rank, int(kv_cache.num_committed_blocks), int(kv_cache.capacity_blocks), format_bytes(mapped),
-             format_bytes(worker.held_bytes(identity, KV_SIZING_HOLD)))
+             format_bytes(session.held_bytes(KV_SIZING_HOLD)))
 
 
 def admitted_blocks(kv_cache: Any, identity: WorkerIdentity) -> int:
@@ -199,8 +199,9 @@ def wrap_free(original: Callable[..., None]) -> Callable[..., None]:
     def free(self: Any) -> None:
         original(self)
         state = process_state.part(_Caches).by_cache.pop(self, None)
-        if state is not None and sessions.session(state.identity) is not None:
-            worker.forget(state.identity, kv_budget.REPORTER)
+        session = sessions.session(state.identity) if state is not None else None
+        if session is not None:
+            session.forget(kv_budget.REPORTER)
 
     return wrap_once(original, free)
 
@@ -225,11 +226,12 @@ def wrap_extend_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, num_blocks, *args, **kwargs)
         kv_cache = getattr(getattr(self, "model_runner", None), "extensible_kv_cache", None)
         state = _governed(kv_cache)
-        if kv_cache is not None and state is not None:
+        session = sessions.existing(state.identity) if state is not None else None
+        if kv_cache is not None and state is not None and session is not None:
             state.final = True
-            left = worker.held_bytes(state.identity, KV_SIZING_HOLD)
+            left = session.held_bytes(KV_SIZING_HOLD)
             if left:
-                worker.hold(state.identity, KV_SIZING_HOLD, 0)
+                session.hold(KV_SIZING_HOLD, 0)
             log.info("event=vllm_kv_extended rank=%d blocks=%d kv_extensible=%s hold_given_back=%s",
                      state.identity.tp_rank, int(kv_cache.num_committed_blocks),
                      format_bytes(pool_bytes(state.identity)), format_bytes(left))

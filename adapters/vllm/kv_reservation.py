@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
-from .. import announce, sessions, sizing, worker
+from .. import announce, sessions
 from ..patching import PatchError, class_with, wrap_methods, wrap_once
 from ..tensors import storage_bytes
 from ..worker_identity import WorkerIdentity
@@ -69,17 +69,15 @@ def after_allocation(identity: WorkerIdentity, kv_cache_config: Any, tensors: An
 def _report(identity: WorkerIdentity, buffer_bytes: int, kv_cache_config: Any, what: str, *,
             allocated: bool = True) -> None:
     """``kv_static`` at ``buffer_bytes``, with the sizing hold dropped, in one broker request."""
+    session = sessions.session(identity)
+    if session is None:
+        return
     usage = kv_config.within(kv_config.usage_breakdown(kv_cache_config), buffer_bytes)
-    growth = buffer_bytes - worker.booked_bytes(identity, kv_budget.REPORTER)
-    holds = sizing.holds_after_pool(identity, growth, last=True) or {}
     try:
-        worker.report(identity, kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, usage=usage,
-                      holds=holds, allocated=allocated, phase="warming")
+        session.report_built(kv_budget.REPORTER, {kv_budget.STATIC_POOL: buffer_bytes}, last=True, usage=usage,
+                             allocated=allocated, phase="warming")
     except BudgetExceeded as exc:
-        client = sessions.session(identity)
-        if client is None:
-            raise
-        raise kv_budget.explain(identity, client, buffer_bytes, what, exc) from exc
+        raise kv_budget.explain(identity, session.client, buffer_bytes, what, exc) from exc
 
 
 def wrap_allocate_function(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,7 +25,7 @@ any of it before vLLM allocates it, and the weights it already loaded cannot abs
   kvcached's ``GPUWorkerPatch`` replaced the method.
 
 ``Worker.compile_or_warm_up_model`` (CUDA graphs captured, the sampler warmed up) ends the
-warm-up: :func:`~..worker.settle_warm_up` pins the base where the device measures it and
+warm-up: :meth:`~..device_session.DeviceSession.settle_warm_up` pins the base where the device measures it and
 keeps the slack the warm-up did not allocate as the resident ``runtime_slack`` pool.
 
 All sizes are bytes.
@@ -37,7 +37,7 @@ import importlib
 from typing import Any, Callable
 
 from ...client.units import format_bytes
-from .. import announce, sessions, sizing, worker
+from .. import announce, sessions, sizing
 from ..patching import wrap_methods, wrap_once
 from ..versions import installed, parse
 from . import kv_budget, kvcached_mode, parallel
@@ -138,8 +138,9 @@ def wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[...,
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         identity = parallel.identity(self.device)
-        if sessions.session(identity) is not None:
-            worker.settle_warm_up(identity)
+        session = sessions.session(identity)
+        if session is not None:
+            session.settle_warm_up()
         return result
 
     return wrap_once(original, compile_or_warm_up_model)

@@ -73,11 +73,11 @@ def admit(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:
     try:
         handback.admit(identity, tags, [kv_budget.REPORTER])
     except BudgetExceeded as exc:
-        client = sessions.session(identity)
-        if client is None:
+        session = sessions.session(identity)
+        if session is None:
             raise
         asked_bytes = handback.coming_back_bytes(identity, tags, [kv_budget.REPORTER])
-        raise kv_budget.explain(identity, client, asked_bytes, "its memory back to wake up", exc) from exc
+        raise kv_budget.explain(identity, session.client, asked_bytes, "its memory back to wake up", exc) from exc
 
 
 def settle(identity: worker_identity.WorkerIdentity, tags: set[str]) -> None:

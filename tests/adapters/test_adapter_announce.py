@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from kvcached_broker.adapters import sessions, worker, worker_identity
+from kvcached_broker.adapters import process_state, sessions, worker_identity
 
 from helpers import GIB, adapter_line, connect_to
 
@@ -33,10 +33,10 @@ def silenced_logging():
 @pytest.fixture
 def adapter_broker(inproc_factory):
     b = inproc_factory(total_bytes=GIB)
-    worker.reset()
+    process_state.reset()
     sessions.set_client_factory(connect_to(b.endpoint))
     yield b
-    worker.reset()
+    process_state.reset()
     sessions.set_client_factory(None)
 
 
@@ -55,7 +55,7 @@ def test_one_active_line_and_one_instance_warning_past_any_logging_configuration
     (unset,) = _lines(err, "instance_default")
     name = worker_identity.WorkerIdentity("sglang", 0).instance_name()
     assert adapter_line(active, "INFO", "adapter_active") and f"instance={name}" in active
-    assert f"endpoint={adapter_broker.endpoint}" in active and f"session={first.session_id}" in active
+    assert f"endpoint={adapter_broker.endpoint}" in active and f"session={first.client.session_id}" in active
     assert "runtime=sglang" in active and "hook=explicit" in active
     assert adapter_line(unset, "WARNING", "instance_default") and f"instance={name}" in unset
     assert "KVCACHED_BROKER_INSTANCE is unset" in unset
@@ -84,12 +84,12 @@ def test_a_process_without_a_session_names_its_instance_in_its_active_line(monke
         monkeypatch.delenv("KVCACHED_BROKER_INSTANCE", raising=False)
     else:
         monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", name)
-    worker.reset()
+    process_state.reset()
     worker_identity.announce_process("vllm", "engine_core")
     (active,) = _lines(capsys.readouterr().err, "adapter_active")
     assert f"instance={name or 'default'} " in active and "role=engine_core" in active
     assert adapter_line(active, "INFO", "adapter_active") and " event=adapter_active runtime=vllm " in active
-    worker.reset()
+    process_state.reset()
 
 
 #: vLLM's logging configuration (vllm/logger.py, DEFAULT_LOGGING_CONFIG, applied at import): its

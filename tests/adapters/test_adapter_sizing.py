@@ -19,8 +19,8 @@ import pytest
 
 from helpers import GIB, MIB, Worker
 
-from kvcached_broker.adapters import announce, handback, sessions, sizing, worker
-from kvcached_broker.adapters.worker import KV_SIZING_HOLD, SLACK_HOLD, SLACK_POOL
+from kvcached_broker.adapters import announce, handback, process_state, sessions, sizing
+from kvcached_broker.adapters.report_book import KV_SIZING_HOLD, SLACK_HOLD, SLACK_POOL
 from kvcached_broker.adapters.worker_identity import WorkerIdentity
 from kvcached_broker.client.admin import AdminClient
 
@@ -49,7 +49,7 @@ def neighbour(adapter_broker, workers):
 
 
 def _me(broker) -> dict:
-    session_id = sessions.session(ME).session_id
+    session_id = sessions.session(ME).client.session_id
     (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
     return found
 
@@ -91,19 +91,20 @@ def test_a_pool_padded_past_the_kv_hold_takes_the_rest_out_of_the_slack_in_the_s
     sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
     free = adapter_broker.status()["free_bytes"]
     pool_bytes = 4 * GIB + 24 * MIB  # SGLang's size + page_size rows
-    holds = sizing.holds_after_pool(ME, pool_bytes, last=True)
-    assert holds == {KV_SIZING_HOLD: 0, SLACK_HOLD: GIB - 24 * MIB}
-    worker.report(ME, "pool", {"kv_static": pool_bytes}, holds=holds)
+    session = sessions.session(ME)
+    assert session.book.holds_after_pool(pool_bytes, last=True) == {KV_SIZING_HOLD: 0, SLACK_HOLD: GIB - 24 * MIB}
+    session.report_built("pool", {"kv_static": pool_bytes}, last=True)
+    assert session.book.holds == {SLACK_HOLD: GIB - 24 * MIB}
     assert adapter_broker.status()["free_bytes"] == free  # the charge did not move: no room to find
 
 
 def test_the_end_of_the_warm_up_pins_the_base_and_keeps_the_slack_it_did_not_allocate(
         adapter_broker, device, neighbour):
     sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
-    worker.report(ME, "pool", {"kv_static": 4 * GIB}, holds=sizing.holds_after_pool(ME, 4 * GIB, last=True))
+    sessions.session(ME).report_built("pool", {"kv_static": 4 * GIB}, last=True)
     device(6 * GIB + 384 * MIB)  # the pool, and 384 MiB of CUDA graphs and cached activations
     before = _charged(adapter_broker)  # 6.375 measured + the 1 GiB slack hold on top
-    assert worker.settle_warm_up(ME) == GIB - 384 * MIB
+    assert sessions.session(ME).settle_warm_up() == GIB - 384 * MIB
     me = _me(adapter_broker)
     assert me["holds"] == {} and me["phase"] == "serving"
     assert me["pools"] == {"runtime_base": 2 * GIB + 384 * MIB, "kv_static": 4 * GIB, SLACK_POOL: GIB - 384 * MIB}
@@ -199,9 +200,9 @@ def test_a_bad_start_up_wait_is_one_line_naming_the_variable(raw):
 def _serving_after_warm_up(broker) -> int:
     """Sized, the pool built, warmed up (384 MiB of graphs and activations): free bytes then."""
     sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
-    worker.report(ME, "pool", {"kv_static": 4 * GIB}, holds=sizing.holds_after_pool(ME, 4 * GIB, last=True))
+    sessions.session(ME).report_built("pool", {"kv_static": 4 * GIB}, last=True)
     _measure(broker, 6 * GIB + 384 * MIB)
-    assert worker.settle_warm_up(ME) == GIB - 384 * MIB
+    assert sessions.session(ME).settle_warm_up() == GIB - 384 * MIB
     return broker.status()["free_bytes"]
 
 
@@ -220,11 +221,11 @@ def test_a_re_pin_after_the_warm_up_keeps_the_slack_not_allocated_yet(adapter_br
 def test_a_re_pin_moves_activations_the_device_measures_from_the_slack_into_the_base(adapter_broker, device):
     free = _serving_after_warm_up(adapter_broker)
     _measure(adapter_broker, 6 * GIB + 512 * MIB)  # 128 MiB more cached activations, inside the slack
-    worker.repin_base(ME)
+    sessions.session(ME).repin_base()
     me = _me(adapter_broker)
     assert me["pools"]["runtime_base"] == 2 * GIB + 512 * MIB and me["pools"][SLACK_POOL] == GIB - 512 * MIB
     assert adapter_broker.status()["free_bytes"] == free  # nothing given away, nothing counted twice
-    worker.report(ME, "pool", {"kv_static": 4 * GIB})  # the adapter's book follows the broker's slack
+    sessions.session(ME).report("pool", {"kv_static": 4 * GIB})  # the adapter's book follows the broker's slack
     assert _me(adapter_broker)["pools"][SLACK_POOL] == GIB - 512 * MIB
 
 
@@ -277,7 +278,7 @@ def test_the_governors_run_a_round_before_the_end_of_the_warm_up_pins_the_base(
                 device(6 * GIB + 384 * MIB)
 
     sizing.size(ME, sizing.StartupAsk("SGLang", 4 * GIB, 1, GIB))
-    worker.report(ME, "pool", {"kv_static": 4 * GIB}, holds=sizing.holds_after_pool(ME, 4 * GIB, last=True))
+    sessions.session(ME).report_built("pool", {"kv_static": 4 * GIB}, last=True)
     device(6 * GIB)
     tick_s = runner.TICK_S
     runner.TICK_S = 3600.0
@@ -285,10 +286,10 @@ def test_the_governors_run_a_round_before_the_end_of_the_warm_up_pins_the_base(
     try:
         runner.enlist(governor)
         runner.enlist(governor)
-        assert sessions.registry().before_settling.count(runner._report_mapped) == 1  # registered once
+        assert sessions.registry().before_settling_steps.count(runner._report_mapped) == 1  # registered once
         assert runner.settle(1, timeout_s=30)  # the round enlisting woke is over
         governor.armed = True
-        assert worker.settle_warm_up(ME) == GIB - 384 * MIB  # the round ran first: the base took it
+        assert sessions.session(ME).settle_warm_up() == GIB - 384 * MIB  # the round ran first: the base took it
         assert not governor.armed
     finally:
         runner.TICK_S = tick_s
@@ -297,7 +298,7 @@ def test_the_governors_run_a_round_before_the_end_of_the_warm_up_pins_the_base(
 
 
 def test_resetting_the_worker_forgets_what_was_handed_back(adapter_broker, device):
-    """:mod:`.handback` keeps its ledger in the process registry, which :func:`worker.reset`
+    """:mod:`.handback` keeps its ledger in the process registry, which :func:`.process_state.reset`
     resets (the worker does not import it): after a reset nothing handed back before is left."""
     _serving_after_warm_up(adapter_broker)
     tags = {"weights", "kv_cache"}
@@ -305,5 +306,5 @@ def test_resetting_the_worker_forgets_what_was_handed_back(adapter_broker, devic
     _measure(adapter_broker, 384 * MIB)
     handback.after_release(ME, tags, ["pool"])
     assert handback.handed_back(ME)
-    worker.reset()
+    process_state.reset()
     assert not handback.handed_back(ME)

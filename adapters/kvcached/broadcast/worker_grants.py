@@ -38,14 +38,15 @@ import threading
 from typing import Any
 
 from ....client import BudgetExceeded, SessionEvicted
-from ... import announce, process_state, sessions, worker
+from ... import announce, process_state, sessions
+from ...device_session import DeviceSession
 from ...patching import wrap_once
 from ...worker_identity import WorkerIdentity
 from . import board as board_mod
 from .. import identity, kvcached_api, pressure, runner
 from . import doorbell, map_gate
 from ..geometry import PoolGeometry
-from ..governor import ZERO_PAGE_POOL
+from ..display import ZERO_PAGE_POOL
 from ..grants import SessionGrants
 from ..pool_state import AskBook
 
@@ -126,11 +127,11 @@ class WorkerGrants:
     def _activate(self) -> None:
         """A governing engine appeared: open the session, report the zero page, hold nothing yet."""
         self._active = True
-        client = sessions.session(self.identity)
-        if client is None:
+        session = sessions.session(self.identity)
+        if session is None:
             self._unprotected(f"unprotected ({sessions.unprotected_reason(self.identity) or 'no broker'})")
             return
-        self._report_zero_page()
+        self._report_zero_page(session)
         grants, why = SessionGrants.open(self.identity, self.geometry)
         if grants is None:
             self._unprotected(why)
@@ -145,11 +146,11 @@ class WorkerGrants:
         log.info("event=kvcached_worker_governed pool=%s rank=%d page_bytes=%d", self.key, self.identity.tp_rank,
                  self.geometry.page_bytes)
 
-    def _report_zero_page(self) -> None:
+    def _report_zero_page(self, session: DeviceSession) -> None:
         """kvcached's zero page (one compound page per group, mapped with the tensors) is charged as a
         pool; reported as allocated, so the base pinned with it does not count it twice."""
         try:
-            worker.report(self.identity, self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, allocated=True)
+            session.report(self.key, {ZERO_PAGE_POOL: self.geometry.page_bytes}, allocated=True)
         except BudgetExceeded as exc:
             log.warning("event=kvcached_zero_page_unreported pool=%s detail=%s (charged as measured usage)",
                         self.key, exc)

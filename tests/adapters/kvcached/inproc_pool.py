@@ -49,7 +49,8 @@ class InprocPools:
     def client(self):
         from kvcached_broker.adapters import sessions
 
-        return sessions.session(self.identity_of())
+        session = sessions.session(self.identity_of())
+        return session.client if session is not None else None
 
     def granted_pool_pages(self) -> int:
         """What the broker charges this process's session, in pool pages."""
@@ -92,7 +93,7 @@ def inproc_pools(short_tmp, monkeypatch, inproc_factory):
     import kvcached.kv_cache_manager as kvm
     from kvcached.integration.sglang import interfaces
 
-    from kvcached_broker.adapters import sessions, worker
+    from kvcached_broker.adapters import process_state, sessions
     from kvcached_broker.adapters.kvcached import identity, limits, patches
     from kvcached_broker.adapters.worker_identity import WorkerIdentity
 
@@ -104,7 +105,7 @@ def inproc_pools(short_tmp, monkeypatch, inproc_factory):
     monkeypatch.setenv("KVCACHED_BROKER_TIMEOUT_S", "1")
     monkeypatch.delenv("KVCACHED_REQUIRE", raising=False)
     broker = inproc_factory(total_bytes=2 * GIB)
-    worker.reset()
+    process_state.reset()
     sessions.set_client_factory(connect_to(broker.endpoint))
 
     def identity_of(geometry=None):
@@ -119,7 +120,7 @@ def inproc_pools(short_tmp, monkeypatch, inproc_factory):
         interfaces.shutdown_kvcached()
         identity.set_resolver(None)
         limits.set_factory(None)
-        worker.reset()
+        process_state.reset()
 
 
 class Pause:

@@ -42,6 +42,7 @@ class ModelAllocator:
         self.mapping = 0  # counted in use, not mapped yet: the engine's alloc is under way
         self.interleave: Callable[[], None] = lambda: None
         self.check: Callable[[], None] = lambda: None
+        self.trimmed: Callable[[], None] = lambda: None  # the test's check of each trim
 
     # what the governor calls (each may let the engine or the prealloc thread act first)
     def get_num_total_pages(self) -> int:
@@ -68,6 +69,7 @@ class ModelAllocator:
 
     def trim(self) -> None:
         self.interleave()
+        self.trimmed()
         self.reserved = 0
 
     def reset_free_page_order(self) -> None:
@@ -203,7 +205,11 @@ class ModelBroker(FixedGrants):
         self.calls_after_lost = 0
         self.evictions = 0
         self.mapped_said: int | None = None
+        self.idle_said: int | None = None
+        self.views_said: tuple | None = None  # the status views last taken (sorted items)
+        self.zero_page_taken = False  # the zero page's report was taken
         self.said_mapped: Callable[[int], None] = lambda pages: None  # the test's check of each
+        self.called: Callable[[], None] = lambda: None  # the test's check of every call
 
     def lost(self) -> str | None:
         return self.why_lost
@@ -211,6 +217,7 @@ class ModelBroker(FixedGrants):
     def _call(self) -> None:
         """Every call the governor makes: counted once the broker is gone or evicted the session
         (an ungoverned pool must make none), and failing as the mode says."""
+        self.called()
         if self.why_lost is not None or self.evictions:
             self.calls_after_lost += 1
         if self.mode == "lost" and self.why_lost is None:
@@ -251,10 +258,17 @@ class ModelBroker(FixedGrants):
 
     def idle(self, key: str, pages: int) -> None:
         self._call()
+        self.idle_said = pages
 
     def report(self, key: str, pools: dict, *, usage: dict | None = None, allocated: bool = True) -> bool:
         self._call()
-        return self.why_lost is None
+        if self.why_lost is not None:
+            return False
+        if not allocated:
+            self.zero_page_taken = True
+        if usage is not None:
+            self.views_said = tuple(sorted(usage.items()))
+        return True
 
 
 class ModelPrefixCache:

@@ -66,7 +66,7 @@ def test_a_broker_failure_anywhere_in_the_process_ungoverns_the_pool(inproc_pool
     report; on a loaded machine it was the pool's own usage views, before any grow): the pool
     is no longer arbitrated, so it runs as kvcached alone at its next round, without needing a
     miss of its own to ask the broker again."""
-    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters import sessions
 
     pools = inproc_pools
     manager = pools.make()
@@ -76,7 +76,7 @@ def test_a_broker_failure_anywhere_in_the_process_ungoverns_the_pool(inproc_pool
     pools.broker.server.stop()
     pools.broker.thread.join(timeout=30)
     assert not pools.broker.thread.is_alive()
-    assert worker.report(pools.identity_of(), "another-reporter", {"side_pool": MIB}) is None  # now unprotected
+    assert sessions.existing(pools.identity_of()).report("another-reporter", {"side_pool": MIB}) is None  # now unprotected
     _settle()
     status = governor.status()
     assert not status["governed"] and "unprotected" in status["why_ungoverned"]
@@ -213,13 +213,13 @@ def _resolver_fails(pools, monkeypatch):
 
 
 def _base_refused(pools, monkeypatch):
-    from kvcached_broker.adapters import worker
+    from kvcached_broker.adapters.device_session import DeviceSession
     from kvcached_broker.client import BudgetExceeded
 
-    def refused(identity):
+    def refused(session):
         raise BudgetExceeded("runtime_base does not fit", code="budget_exceeded")
 
-    monkeypatch.setattr(worker, "pin_base", refused)
+    monkeypatch.setattr(DeviceSession, "pin_base", refused)
     return "runtime_base does not fit"
 
 

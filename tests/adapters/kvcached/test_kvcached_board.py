@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from kvcached_broker.adapters import patching, process_state, sessions, worker
+from kvcached_broker.adapters import patching, process_state, sessions
 from kvcached_broker.adapters.kvcached.broadcast import board as board_mod
 from kvcached_broker.adapters.kvcached import liveness, runner
 from kvcached_broker.adapters.kvcached.broadcast import doorbell, map_gate, worker_grants
@@ -373,7 +373,7 @@ def test_a_reset_frees_a_governed_workers_grant_with_its_session_and_opens_no_ot
     holder = _governed_holder(monkeypatch, tmp_path)
     board = holder.board
 
-    worker.reset()
+    process_state.reset()
 
     assert holder.closed and not os.path.exists(board.path)
     assert sessions.open_identities() == [] and sessions.unprotected_reason(holder.identity) is None

@@ -11,8 +11,12 @@ their threads can, and checks at every mutation, not only between steps:
 * ``said <= mapped``: every count of mapped pages the broker is told is at most what the device
   would measure then (the engine's alloc counts a page in use before it has mapped it, and the
   broker takes a page said mapped off its promised charge);
+* the locks: the broker is never called while the governor holds kvcached's manager lock, and a
+  closed pool's reserve is trimmed only under it (kvcached's own trim and resize unmap outside
+  the allocator's mutex: an engine's ``alloc_page`` meeting that moment would wait for ever);
 
-and after each rule: the governor never gets a ``stale`` or ``conflict`` from kvcached (its
+and after each rule: what the pool's state says the broker was told (``Told``) is what the
+broker took, an ungoverned pool holds no operator cap, the governor never gets a ``stale`` or ``conflict`` from kvcached (its
 revisions are newer than any the pool saw), never calls the broker once it stopped governing
 (except the best-effort give-back of a failed start), and a pool that closed, once the engine
 freed its blocks, gave back its whole grant.
@@ -39,6 +43,7 @@ from kvcached_broker.adapters.kvcached.pool_state import (
     Phase,
     PoolState,
     PoolStateError,
+    Told,
     limit_after_grant,
     surplus_pages,
 )
@@ -145,6 +150,70 @@ def test_the_limit_never_passes_the_grant_nor_the_ceiling_and_only_what_is_above
     assert surplus_pages(10, 7) == 3 and surplus_pages(10, 7, at_most=2) == 2 and surplus_pages(5, 7) == 0
 
 
+def test_the_first_round_syncs_once_and_kvcacheds_size_falling_is_seen_against_the_last_round():
+    state = PoolState(governed=True)
+    assert state.take_sync() and not state.take_sync() and not state.take_sync()
+    assert not state.limit_fell(0)  # no round ended yet: nothing to compare with
+    state.round_ended(10)
+    assert state.limit_fell(9) and not state.limit_fell(10) and not state.limit_fell(11)
+    state.round_ended(4)
+    assert not state.limit_fell(9)
+
+
+def test_an_operator_cap_bounds_the_ceiling_until_it_is_lifted_or_the_pool_is_ungoverned():
+    state = PoolState(governed=True)
+    assert state.ceiling(48) == 48 and state.operator_cap_pages is None
+    assert state.take_cap(10) and not state.take_cap(10) and state.ceiling(48) == 10
+    assert state.take_cap(60) and state.ceiling(48) == 48  # a cap above the virtual size bounds nothing
+    assert state.take_cap(None) and state.ceiling(48) == 48 and not state.take_cap(None)
+    assert state.take_cap(7) and state.ungovern("evicted")
+    assert state.operator_cap_pages is None and state.ceiling(48) == 48
+    closing = PoolState(governed=True)
+    closing.take_cap(5)
+    closing.close()
+    closing.forget()
+    assert closing.operator_cap_pages == 5  # done, not ungoverned: the cap stays for status
+
+
+def test_only_the_state_says_why_a_give_back_fell_short_and_an_answer_keeps_a_pending_limit():
+    state = PoolState(governed=True)
+    state.defer(3, "deferred: 2 pages in use")
+    state.answer()  # a soft ask answered over free pages meanwhile
+    assert state.phase is Phase.DEFERRING and state.pending_limit == 3 and state.blocked == ""
+    state.answer("rejected: no")
+    assert state.blocked == "rejected: no" and state.phase is Phase.DEFERRING
+    state.settle()
+    assert state.blocked == "" and state.pending_limit is None and state.phase is Phase.GOVERNED
+    state.answer("at its floor")
+    assert state.blocked == "at its floor" and state.phase is Phase.GOVERNED
+
+
+def test_a_standing_release_is_taken_once_from_any_thread():
+    book = AskBook({"pressure_asks": 0, "misses": 0})
+    assert not book.take_standing()
+    book.release_standing()
+    book.release_standing()
+    assert book.take_standing() and not book.take_standing()
+
+
+def test_what_the_broker_was_told_is_told_again_only_when_it_changed():
+    told = Told()
+    assert told.mapped_news(0) is False and told.mapped_news(3)
+    told.told_mapped(3)
+    assert not told.mapped_news(3) and told.mapped_news(2)
+    assert told.idle_news(0)  # never told: even 0 is news
+    told.told_idle(0)
+    assert not told.idle_news(0)
+    views = (("kvcached.mha.limit", 4096),)
+    assert told.views_news(views)
+    told.told_views(views)
+    assert not told.views_news(views) and told.views_news(())
+    assert told.zero_page_refused() and not told.zero_page_refused() and told.zero_page_refusals == 2
+    assert not told.renamed()  # never reported: nothing to move to a new key
+    told.zero_page = True
+    assert told.renamed() and not told.zero_page and not told.renamed()
+
+
 # ---------------------------------------------------------------- the governor, property-tested
 class GovernedPool(RuleBasedStateMachine):
     """One governed pool: the real governor, kvcached and a broker as models, and the engine."""
@@ -166,6 +235,8 @@ class GovernedPool(RuleBasedStateMachine):
         self.governor = PoolGovernor(self.geometry, self.allocator, self.broker, marks)
         self.allocator.check = self.broker.check = self.check
         self.broker.said_mapped = self.said_mapped
+        self.broker.called = self.broker_called
+        self.allocator.trimmed = self.trimmed
         self.governor.start()
         self.started = True
         self.allocator.interleave = self.interleave
@@ -195,6 +266,14 @@ class GovernedPool(RuleBasedStateMachine):
         if pages > self.allocator.physical:
             self.violations.append(f"the broker was told {pages} pages are mapped; {self.allocator.physical} are "
                                    f"({self.allocator.mapping} still being mapped)")
+
+    def broker_called(self) -> None:
+        if self.manager._lock.held:
+            self.violations.append("the broker was called under kvcached's manager lock")
+
+    def trimmed(self) -> None:
+        if not self.manager._lock.held:
+            self.violations.append("kvcached's reserve was trimmed outside its manager lock")
 
     def interleave(self) -> None:
         """The engine's or kvcached's threads act between two of the governor's calls."""
@@ -284,6 +363,20 @@ class GovernedPool(RuleBasedStateMachine):
     @invariant()
     def revisions_are_never_stale(self):
         assert not {"stale", "conflict"} & set(self.manager.statuses), self.manager.statuses
+
+    @invariant()
+    def the_state_says_what_the_broker_took(self):
+        told = self.governor.state.told
+        assert told.mapped_pages == (self.broker.mapped_said or 0), (told.mapped_pages, self.broker.mapped_said)
+        assert told.idle_pages == self.broker.idle_said, (told.idle_pages, self.broker.idle_said)
+        assert told.views == self.broker.views_said, (told.views, self.broker.views_said)
+        assert told.zero_page == self.broker.zero_page_taken
+
+    @invariant()
+    def an_ungoverned_pool_holds_no_operator_cap(self):
+        if self.governor.state.phase is Phase.UNGOVERNED:
+            assert self.governor.operator_cap_pages is None
+            assert self.governor.pages().ceiling == VIRTUAL_PAGES
 
     @invariant()
     def the_state_agrees_with_the_pool(self):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: 
 import pytest  # noqa: E402
 from helpers import connect_to, require_runtime  # noqa: E402,F401  (tests import connect_to from here)
 
-from kvcached_broker.adapters import sessions, worker  # noqa: E402
+from kvcached_broker.adapters import process_state, sessions  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -61,10 +61,10 @@ def adapter_state(monkeypatch):
     from kvcached_broker.adapters.sglang import reporting
 
     monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "under-test")
-    worker.reset()
+    process_state.reset()
     reporting.reset()
     yield
-    worker.reset()
+    process_state.reset()
     reporting.reset()
     sessions.set_client_factory(None)
 

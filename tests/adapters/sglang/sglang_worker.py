@@ -116,7 +116,7 @@ def occupation(rank: int, world: int, port: int) -> None:
     init_tp(rank, world, port)
     collectives = _count_collectives(parallel.RankGroup)
     pool = sglang_cpu.build_dsv4_pool(16, 4)  # reported while it lives
-    client = sessions.session(parallel.identity("cpu"))
+    client = sessions.session(parallel.identity("cpu")).client
     updater = sglang_cpu.weight_updater(sglang_cpu.MemorySaver(), parallel.tp_group().cpu_group)
     say(event="ready", rank=rank, pid=os.getpid(), session=client.session_id)
     for step, run in (("release", sglang_cpu.release), ("resume", sglang_cpu.resume)):

@@ -17,7 +17,7 @@ import pytest
 import sglang_cpu
 from helpers import MIB, wait_for
 
-from kvcached_broker.adapters import background, sessions, worker
+from kvcached_broker.adapters import background, process_state, sessions
 from kvcached_broker.adapters.sglang import dsv4_pools, dsv4_reservation, pool_bytes, parallel
 
 pytestmark = pytest.mark.runtime("sglang")
@@ -38,6 +38,35 @@ def test_each_pool_is_reported_with_its_tensor_bytes(sg_broker):
     assert inst["pools"] == expected
     assert inst["reserved_bytes"] == sum(expected.values()) == sglang_cpu.unique_storage_bytes(pool)
     assert inst["reserved_bytes"] == _buf_info_bytes(pool)  # SGLang's own transfer-buffer byte lengths
+
+
+def test_a_pools_report_reaches_the_broker_client_without_coming_back_to_a_module(sg_broker):
+    """The path one DeepSeek-V4 pool takes from SGLang's pool constructor to the broker client's
+    ``reserve``, as a call stack: the patch, the SGLang reporter, the device's session, the
+    client, each entered once (a module that called out and was called back, as the old
+    session guard called back into its caller, shows up twice)."""
+    stacks = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "reserve" and not stacks \
+                and frame.f_globals.get("__name__", "").startswith("kvcached_broker.client"):
+            modules, f = [], frame
+            while f is not None:
+                name = f.f_globals.get("__name__", "")
+                if name.startswith("kvcached_broker.") and (not modules or modules[-1] != name):
+                    modules.append(name)
+                f = f.f_back
+            stacks.append(modules[::-1])
+
+    sys.setprofile(profile)
+    try:
+        sglang_cpu.build_dsv4_pool(full_pages=64, swa_pages=16)
+    finally:
+        sys.setprofile(None)
+    (path,) = stacks
+    assert [m.removeprefix("kvcached_broker.") for m in path] == [
+        "adapters.sglang.dsv4_reservation", "adapters.sglang.reporting", "adapters.device_session",
+        "client.sync_client"]
 
 
 def _buf_info_bytes(pool) -> int:
@@ -109,7 +138,7 @@ def test_require_with_an_unreachable_broker_fails_the_pool_build(adapter_state, 
     with pytest.raises(sessions.BrokerRequired, match=r"KVCACHED_REQUIRE=1.*device 0"):
         sglang_cpu.build_dsv4_pool(full_pages=8, swa_pages=4)
     monkeypatch.delenv("KVCACHED_REQUIRE")
-    worker.reset()
+    process_state.reset()
     assert sglang_cpu.build_dsv4_pool(full_pages=8, swa_pages=4) is not None  # unprotected, with a warning
 
 

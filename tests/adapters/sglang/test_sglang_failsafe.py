@@ -72,7 +72,7 @@ def test_under_require_a_broker_failure_stops_the_start_with_the_reason(kind, re
 def test_no_broker_round_trip_runs_inside_the_forward_pass(sg_broker, monkeypatch):
     """The request window grows inside a forward pass: its re-measure runs on another thread."""
     pool = sglang_cpu.build_dsv4_pool(full_pages=16, swa_pages=4, request_window=True)
-    client = sessions.session(parallel.identity("cpu"))
+    client = sessions.session(parallel.identity("cpu")).client
     callers: list[int] = []
     real = client.reserve
 

@@ -46,7 +46,7 @@ def neighbour(sg_broker):
 
 def _me(broker) -> dict:
     """This process's SGLang session (the neighbour's session lives in this process too)."""
-    session_id = sessions.session(parallel.identity("cpu")).session_id
+    session_id = sessions.session(parallel.identity("cpu")).client.session_id
     (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
     return found
 
@@ -66,7 +66,7 @@ def _owner(role: str, algorithm: str = "EAGLE"):
 
 def _count_reserves(monkeypatch, broker) -> list[int]:
     """Free bytes after each reserve request this process's session sends (one entry per request)."""
-    client = sessions.session(parallel.identity("cpu"))
+    client = sessions.session(parallel.identity("cpu")).client
     original, after = client.reserve, []
 
     def reserve(*args, **kwargs):

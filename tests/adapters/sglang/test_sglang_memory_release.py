@@ -21,7 +21,7 @@ import pytest
 import sglang_cpu
 from helpers import GIB, MIB
 
-from kvcached_broker.adapters import worker
+from kvcached_broker.adapters import sessions
 from kvcached_broker.adapters.sglang import kv_budget, parallel
 from kvcached_broker.client import BrokerClient
 
@@ -92,7 +92,7 @@ def test_released_weights_and_cuda_graphs_are_no_longer_charged_and_come_back_th
     sg_broker, measured, neighbour, gloo_world
 ):
     measured.set(PID, CONTEXT + WEIGHTS)  # the weights are loaded
-    worker.pin_base(parallel.identity("cpu"))  # as KV sizing does, before the pools exist
+    sessions.session(parallel.identity("cpu")).pin_base()  # as KV sizing does, before the pools exist
     pool = sglang_cpu.build_dsv4_pool(full_pages=64, swa_pages=16)
     kv = sglang_cpu.tensor_bytes_by_pool(pool)
     sizes = {"kv_cache": sum(kv.values()), "weights": WEIGHTS, "cuda_graph": GRAPHS}
@@ -131,7 +131,7 @@ def test_released_weights_and_cuda_graphs_are_no_longer_charged_and_come_back_th
 def test_a_resume_refused_for_the_graphs_maps_nothing_and_overbooks_nothing(sg_broker, measured, neighbour,
                                                                             gloo_world):
     measured.set(PID, CONTEXT + WEIGHTS + GRAPHS)
-    worker.pin_base(parallel.identity("cpu"))
+    sessions.session(parallel.identity("cpu")).pin_base()
     mapped = {"weights", "cuda_graph"}
 
     def follow(tag: str, now_mapped: bool) -> None:

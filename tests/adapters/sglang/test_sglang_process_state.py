@@ -1,4 +1,4 @@
-"""What a reset of the adapters' process state (``process_state.reset``, which ``worker.reset``
+"""What a reset of the adapters' process state (``process_state.reset``, which ``process_state.reset``
 calls) leaves of the SGLang adapter: the wiring of classes already patched stays as it was, so
 the patches, which never run again, keep working; reporter keys are never given out twice.
 

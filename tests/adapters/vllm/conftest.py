@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import connect_to, require_runtime  # noqa: F401  (tests import connect_to from here)
 
-from kvcached_broker.adapters import sessions, worker
+from kvcached_broker.adapters import process_state, sessions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: device_usage
 
@@ -45,7 +45,7 @@ def adapter_state(monkeypatch):
     """Reset the worker session around a test."""
     monkeypatch.setenv("KVCACHED_BROKER_INSTANCE", "vllm-test")
     yield
-    worker.reset()
+    process_state.reset()
     sessions.set_client_factory(None)
 
 

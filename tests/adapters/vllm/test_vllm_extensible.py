@@ -95,7 +95,7 @@ class VmmDouble:
 
 
 def me(broker) -> dict | None:
-    client = sessions.session(parallel.identity(0))
+    client = sessions.session(parallel.identity(0)).client
     return next((s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == client.session_id), None)
 
 

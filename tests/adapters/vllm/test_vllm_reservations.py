@@ -27,7 +27,7 @@ def instance(status, name="vllm-test"):
     """The instance entry holding this worker's session (or, for ``name``, that instance)."""
     if name != "vllm-test":
         return next(i for i in status["instances"] if i["name"] == name)
-    session_id = sessions.session(parallel.identity(0)).session_id
+    session_id = sessions.session(parallel.identity(0)).client.session_id
     return next(i for i in status["instances"] if any(s["id"] == session_id for s in i["sessions"]))
 
 

@@ -28,7 +28,7 @@ determine = shapes.determine
 
 def mine(broker) -> dict:
     """This worker's session in status (the neighbour's session lives in this process too)."""
-    session_id = sessions.session(parallel.identity(0)).session_id
+    session_id = sessions.session(parallel.identity(0)).client.session_id
     (found,) = [s for i in broker.status()["instances"] for s in i["sessions"] if s["id"] == session_id]
     return found
 
@@ -108,7 +108,7 @@ def weights_loaded(gpu_broker, measured):
 
 def _count_reserves(monkeypatch, broker) -> list[int]:
     """Free bytes after each reserve request this worker's session sends (one entry per request)."""
-    client = sessions.session(parallel.identity(0))
+    client = sessions.session(parallel.identity(0)).client
     original, after = client.reserve, []
 
     def reserve(*args, **kwargs):

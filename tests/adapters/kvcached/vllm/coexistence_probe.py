@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
         through_runner = gpu_model_runner.GPUModelRunner._allocate_kv_cache_tensors(runner, config)
         through_ours = kv_reservation.wrap_allocate_method(kvcached_buffers)(runner, config)
 
-    client = sessions.session(parallel.identity(0))
+    client = sessions.session(parallel.identity(0)).client
     status = client.status()
     (me,) = [s for i in status["instances"] for s in i["sessions"] if s["id"] == client.session_id]
     outer = gpu_worker.Worker.determine_available_memory
