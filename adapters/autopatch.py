@@ -18,7 +18,7 @@ import threading
 from types import ModuleType
 from typing import Iterable
 
-from . import announce, flags, instance, process_state, release_check
+from . import announce, flags, instance, process_state, release_check, startup_hook
 from .import_hook import when_imported
 from .patching import PatchError, PatchResult, apply_patch, results
 
@@ -32,14 +32,12 @@ RUNTIMES = {
 }
 
 class _Hook:
-    """The start-up hook's own record (hook wiring: a reset leaves it): whether the ``.pth``
-    line ran in this interpreter, and the patches registered with the import hook."""
+    """The patches registered with the import hook (hook wiring: a reset leaves it)."""
 
     KEPT_ACROSS_RESET = True
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.ran = False
         self.registered: set[str] = set()
 
 
@@ -97,10 +95,7 @@ def install_from_env() -> bool:
     ``KVCACHED_REQUIRE=1``, it exits at once with :data:`REQUIRE_EXIT_CODE`, before any
     runtime module is imported.
     """
-    hook = process_state.part(_Hook)
-    with hook.lock:
-        ran_before, hook.ran = hook.ran, True
-    if ran_before:  # some interpreters process site-packages .pth files twice
+    if startup_hook.mark_ran():  # some interpreters process site-packages .pth files twice
         return _autopatch_quietly()
     try:
         if not flags.autopatch():
@@ -135,5 +130,5 @@ def _autopatch_quietly() -> bool:
 
 
 def hook_installed() -> bool:
-    """True if the ``.pth`` startup hook ran in this interpreter."""
-    return process_state.part(_Hook).ran
+    """True if the ``.pth`` startup hook ran in this interpreter (:mod:`.startup_hook`)."""
+    return startup_hook.installed()

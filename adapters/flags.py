@@ -42,6 +42,13 @@ def enabled(env: Mapping[str, str] | None = None) -> bool:
     return flag("ENABLE_KVCACHED", env=env)
 
 
+def kvcached_switch(env: Mapping[str, str] | None = None) -> bool:
+    """``ENABLE_KVCACHED`` as kvcached itself reads it (``true`` or ``1``, any case; anything
+    else is off, never an error): whether kvcached's own integration is on."""
+    env = os.environ if env is None else env
+    return env.get("ENABLE_KVCACHED", "false").lower() in ("true", "1")
+
+
 def autopatch(env: Mapping[str, str] | None = None) -> bool:
     return enabled(env) or flag("KVCACHED_AUTOPATCH", env=env)
 

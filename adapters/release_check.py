@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import support
+from . import flags, support
 from .patching import PatchError
 from .versions import installed
-from .vllm import kvcached_mode
 
 
 class UnsupportedRelease(PatchError):
@@ -44,7 +43,7 @@ def finding(name: str) -> Finding | None:
     version = installed(runtime.name)
     if version is None or runtime.supports(version):
         return None
-    if name == "kvcached" and not kvcached_mode.enabled():
+    if name == "kvcached" and not flags.kvcached_switch():
         return None  # kvcached's own integration is off: its release does not matter
     return Finding(runtime, version)
 

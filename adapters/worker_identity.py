@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..client import BrokerClient
-from . import announce, autopatch, instance, patching, versions
+from . import announce, instance, patching, startup_hook, versions
 
 
 @dataclass
@@ -62,7 +62,7 @@ def announce_process(runtime: str, role: str) -> None:
     failed = failed_patches(runtime)
     announce.once(
         "active", logging.INFO, "adapter_active", runtime=runtime, version=versions.installed(runtime),
-        pid=os.getpid(), hook="pth" if autopatch.hook_installed() else "explicit", role=role,
+        pid=os.getpid(), hook="pth" if startup_hook.installed() else "explicit", role=role,
         instance="default" if instance.defaulted() else shown_instance(runtime),
         endpoint=os.environ.get("KVCACHED_BROKER", "").strip() or "default",
         patches=",".join(applied_patches(runtime)) or "none", failed=",".join(failed) or None,
@@ -83,7 +83,7 @@ def announce_active(identity: WorkerIdentity, client: BrokerClient | None) -> No
     name = shown_instance(runtime, identity.instance)
     announce.once(
         "active", logging.INFO, "adapter_active", runtime=runtime, version=versions.installed(runtime),
-        pid=os.getpid(), hook="pth" if autopatch.hook_installed() else "explicit", instance=name,
+        pid=os.getpid(), hook="pth" if startup_hook.installed() else "explicit", instance=name,
         endpoint=client.endpoint if client is not None else "none",
         session=client.session_id if client is not None else "none",
         patches=",".join(applied_patches(runtime)) or "none", failed=",".join(failed) or None,

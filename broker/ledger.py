@@ -46,7 +46,7 @@ from typing import Iterable
 
 from msgspec import UNSET, UnsetType
 
-from ..client.errors import BadRequest, LimitExceeded, StaleRevision
+from ..client.errors import BadRequest, BrokerError, LimitExceeded, StaleRevision
 from ..client.units import format_bytes
 from .accounts import (
     SMALL_GRANTS,
@@ -186,27 +186,26 @@ class Ledger:
 
     def check_invariant(self) -> None:
         """Recompute every total from scratch and compare (for tests; O(sessions))."""
-        reserved = sum(s.reserved_bytes for s in self.sessions.values())
-        granted = sum(s.granted_bytes for s in self.sessions.values())
-        excess = sum(a.excess_bytes for a in self._accounts.values())
-        assert reserved == self._reserved_total, (reserved, self._reserved_total)
-        held = sum(s.held_bytes for s in self.sessions.values())
-        assert held == self._held_total, (held, self._held_total)
+        self._check_session_totals()
         for account in self._accounts.values():
             resident = sum(self.sessions[sid].resident_bytes for sid in account.session_ids)
             assert resident == account.reported_bytes, (resident, account.reported_bytes)
-        assert granted == self._granted_total, (granted, self._granted_total)
+        excess = sum(a.excess_bytes for a in self._accounts.values())
         assert excess == self._excess_total, (excess, self._excess_total)
         names = set(self.limits) | set(self._instances)
         unfilled = sum(self.unfilled_floor_bytes(n) for n in names)
         assert unfilled == self._unfilled_floor_total, (unfilled, self._unfilled_floor_total)
-        for s in self.sessions.values():
-            assert s.reserved_bytes == sum(s.pools.values()) + sum(s.holds.values())
-            assert s.held_bytes == sum(s.holds.values())
-            assert all(v > 0 for v in s.pools.values()) and all(v > 0 for v in s.holds.values())
-            assert 0 <= s.reserve_pages <= s.granted_pages
-            assert 0 <= s.unmapped_pages <= s.granted_pages
-            assert s.report_mapping or not s.unmapped_pages
+        for session in self.sessions.values():
+            _check_session_books(session)
+
+    def _check_session_totals(self) -> None:
+        """The running totals over sessions (reserved, held, granted bytes) against their sums."""
+        reserved = sum(s.reserved_bytes for s in self.sessions.values())
+        assert reserved == self._reserved_total, (reserved, self._reserved_total)
+        held = sum(s.held_bytes for s in self.sessions.values())
+        assert held == self._held_total, (held, self._held_total)
+        granted = sum(s.granted_bytes for s in self.sessions.values())
+        assert granted == self._granted_total, (granted, self._granted_total)
 
     # ------------------------------------------------------------ device view
     def observe_device(
@@ -446,11 +445,7 @@ class Ledger:
         ledger is then unchanged.
         """
         session = self._session(session_id)
-        new_pools = clean_pools(pools)
-        new_holds = session.holds if holds is None else clean_pools(holds)
-        both = set(new_pools) & set(new_holds)
-        if both:
-            raise BadRequest(f"pool {sorted(both)[0]!r} cannot be both a reservation and a hold")
+        new_pools, new_holds = _asked_books(session, pools, holds)
         flexible = self._flexible_hold(holds or {}, min_holds) if min_holds else None
         if flexible is not None and flexible[0] not in new_holds:
             flexible = None  # asked at 0: dropped, nothing to shrink
@@ -460,41 +455,51 @@ class Ledger:
         held_delta = sum(new_holds.values()) - session.held_bytes
         fit = self._fits(session, resident_delta, held_delta)
         if fit is not None and flexible is not None:
-            name, least_bytes = flexible
-            size = self._largest_hold_that_fits(session, resident_delta, held_delta, new_holds[name], least_bytes)
-            held_delta -= new_holds[name] - (least_bytes if size is None else size)
-            new_holds = clean_pools({**new_holds, name: least_bytes if size is None else size})
-            # a refusal then words the least that did not fit
-            fit = None if size is not None else self._fits(session, resident_delta, held_delta)
-        new_total = session.reserved_bytes + resident_delta + held_delta
-        views_bound = new_total + session.granted_bytes
+            new_holds, held_delta, fit = self._shrink_flexible_hold(session, resident_delta, held_delta, new_holds,
+                                                                    flexible)
+        views_bound = session.reserved_bytes + resident_delta + held_delta + session.granted_bytes
         views = None if usage is None else clean_views(usage, views_bound)
         if fit is not None:
-            code, room_bytes = fit
-            # name what costs the charge: a hold, charged in full, before a pool measured usage may cover
-            grown = (session.holds, new_holds) if held_delta > 0 else (session.pools, new_pools)
-            pool, pool_growth = largest_growth(*grown)
-            raise error_for(refusal_for(
-                code,
-                what=f"reservation of pool {pool!r} (+{format_bytes(pool_growth)})",
-                instance=session.instance,
-                asked_bytes=max(0, self._charge_growth(session, resident_delta, held_delta)),
-                room_bytes=room_bytes,
-                ledger=self,
-                details={"pool": pool, "pool_asked_bytes": pool_growth},
-            ))
+            raise self._reservation_refused(session, fit, new_pools, new_holds, resident_delta, held_delta)
         self._apply(session, pools=new_pools, granted_pages=session.granted_pages, holds=new_holds,
                     unmapped_pages=session.unmapped_pages)
         if session.reassert_allowance_bytes:
             self._use_allowance(session, max(0, resident_delta) + max(0, held_delta))
-        if views is not None:
-            session.usage = views
-        elif any(size > views_bound for size in session.usage.values()):
-            session.usage = {}  # views of memory that is gone
+        _book_views(session, views, views_bound)
         if phase is not None:
             session.phase = phase
         self._changed(session)
         return dict(session.pools)
+
+    def _shrink_flexible_hold(self, session: Session, resident_delta: int, held_delta: int,
+                              new_holds: dict[str, int], flexible: tuple[str, int],
+                              ) -> tuple[dict[str, int], int, tuple[str, int] | None]:
+        """A refused reservation with ``min_holds``: its one flexible hold set to the largest size
+        that fits, or to its least where none does.  Returns the holds, the held delta and the
+        fit (None: it fits now; else the refusal, worded for the least that did not fit)."""
+        name, least_bytes = flexible
+        size = self._largest_hold_that_fits(session, resident_delta, held_delta, new_holds[name], least_bytes)
+        held_delta -= new_holds[name] - (least_bytes if size is None else size)
+        new_holds = clean_pools({**new_holds, name: least_bytes if size is None else size})
+        fit = None if size is not None else self._fits(session, resident_delta, held_delta)
+        return new_holds, held_delta, fit
+
+    def _reservation_refused(self, session: Session, fit: tuple[str, int], new_pools: dict[str, int],
+                             new_holds: dict[str, int], resident_delta: int, held_delta: int) -> BrokerError:
+        """The error a refused reservation raises: ``fit``'s code and room, naming the pool that
+        grew most (a hold, charged in full, before a pool measured usage may cover)."""
+        code, room_bytes = fit
+        grown = (session.holds, new_holds) if held_delta > 0 else (session.pools, new_pools)
+        pool, pool_growth = largest_growth(*grown)
+        return error_for(refusal_for(
+            code,
+            what=f"reservation of pool {pool!r} (+{format_bytes(pool_growth)})",
+            instance=session.instance,
+            asked_bytes=max(0, self._charge_growth(session, resident_delta, held_delta)),
+            room_bytes=room_bytes,
+            ledger=self,
+            details={"pool": pool, "pool_asked_bytes": pool_growth},
+        ))
 
     @staticmethod
     def _flexible_hold(holds: dict[str, int], min_holds: dict[str, int]) -> tuple[str, int]:
@@ -955,3 +960,35 @@ class Ledger:
         if cap_room is not None and cap_fit <= device_fit:
             return fit, "limit_exceeded", max(0, cap_room)
         return fit, "budget_exceeded", max(0, device_room)
+
+
+def _check_session_books(session: Session) -> None:
+    """One session's own books agree: reserved = pools + holds, every size positive, the credit
+    reserve and the unmapped pages within the grant (unmapped pages only where it reports mapping)."""
+    assert session.reserved_bytes == sum(session.pools.values()) + sum(session.holds.values())
+    assert session.held_bytes == sum(session.holds.values())
+    assert all(v > 0 for v in session.pools.values()) and all(v > 0 for v in session.holds.values())
+    assert 0 <= session.reserve_pages <= session.granted_pages
+    assert 0 <= session.unmapped_pages <= session.granted_pages
+    assert session.report_mapping or not session.unmapped_pages
+
+
+def _asked_books(session: Session, pools: dict[str, int],
+                 holds: dict[str, int] | None) -> tuple[dict[str, int], dict[str, int]]:
+    """A reservation's pools and holds, checked (the session's holds where ``holds`` is None);
+    :class:`BadRequest` for a name that is both."""
+    new_pools = clean_pools(pools)
+    new_holds = session.holds if holds is None else clean_pools(holds)
+    both = set(new_pools) & set(new_holds)
+    if both:
+        raise BadRequest(f"pool {sorted(both)[0]!r} cannot be both a reservation and a hold")
+    return new_pools, new_holds
+
+
+def _book_views(session: Session, views: dict[str, int] | None, views_bound: int) -> None:
+    """Keep a reservation's checked usage views, or, where it sent none, forget the session's
+    views of memory that is gone (any larger than what it may now hold, ``views_bound``)."""
+    if views is not None:
+        session.usage = views
+    elif any(size > views_bound for size in session.usage.values()):
+        session.usage = {}

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -439,3 +440,27 @@ class FixedGrants:
 
     def poll(self) -> int:
         return 0
+
+
+class BackgroundThread:
+    """A daemon thread that runs a subclass's ``_run()`` while the object is used as a context
+    manager (the tests' samplers): started on entry; on exit ``_stop`` is set and the thread
+    joined, for at most ``join_timeout_s``.  ``_run`` returns once ``_stop`` is set, waiting on
+    it (never sleeping) between rounds."""
+
+    join_timeout_s = 30.0
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.join_timeout_s)
+
+    def _run(self) -> None:
+        raise NotImplementedError

@@ -8,7 +8,13 @@ there is one, else to ``pkg``.  Importing a module also runs the ``__init__`` of
 above it, so that is an edge too, but only to the packages the importer is not inside: for a
 module inside a package, that package's ``__init__`` has already begun (counting it would put
 every package that re-exports a submodule in a cycle with it by construction).
-``importlib.import_module`` by name (registries, the client's lazy re-exports) is not an edge.
+
+A module imported by name is an edge too (a registry of modules, the client's lazy re-exports):
+in a module that calls ``importlib.import_module`` or ``__import__``, every string that names a
+module of the package (``"kvcached_broker.adapters.sglang.patches"``, or ``".sync_client"``
+relative to the module's package) is an import of it, wherever the string is written (a table
+the call reads, the call itself).  A logger's name (the argument of ``logger``/``getLogger``),
+which is often a package's name, is not.
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ def _modules() -> dict[str, Path]:
 
 
 def _imported(module: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[str, int]]:
-    """(imported project module, line) for every import statement in ``path``."""
+    """(imported project module, line) for every import statement in ``path``, and every module
+    it imports by name."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    yield from _imported_by_name(tree, package, modules)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name in modules:
@@ -58,6 +67,29 @@ def _imported(module: str, path: Path, modules: dict[str, Path]) -> Iterator[tup
                     yield target, node.lineno
                 else:
                     raise AssertionError(f"{path}:{node.lineno}: {target} is not a module of the package")
+
+
+_BY_NAME = ("import_module", "__import__")
+_LOGGER = ("logger", "getLogger")
+
+
+def _called(node: ast.Call) -> str:
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _imported_by_name(tree: ast.Module, package: str, modules: dict[str, Path]) -> Iterator[tuple[str, int]]:
+    """(project module, line) for each string naming one, in a module that imports by name."""
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    if not any(_called(call) in _BY_NAME for call in calls):
+        return
+    loggers = {id(arg) for call in calls if _called(call) in _LOGGER for arg in call.args}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in loggers:
+            continue
+        name = f"{package}{node.value}" if node.value.startswith(".") else node.value
+        if name in modules:
+            yield name, node.lineno
 
 
 def _packages_run(importer: str, target: str, modules: dict[str, Path]) -> Iterator[str]:
@@ -152,6 +184,16 @@ def test_the_finder_sees_the_package():
     assert f"{PACKAGE}.client" not in graph[f"{PACKAGE}.client.async_client"]
     # Importing a module from outside its package runs the package's __init__ first.
     assert f"{PACKAGE}.client" in graph[f"{PACKAGE}.adapters.device_session"]
+
+
+def test_the_finder_sees_imports_by_name():
+    graph = _graph()
+    # autopatch.RUNTIMES names the runtimes' patch modules it imports with importlib.
+    assert f"{PACKAGE}.adapters.sglang.patches" in graph[f"{PACKAGE}.adapters.autopatch"]
+    # The client's lazy re-exports, relative to the package.
+    assert f"{PACKAGE}.client.sync_client" in graph[f"{PACKAGE}.client"]
+    # A logger named after a package is not an import of it.
+    assert f"{PACKAGE}.adapters" not in graph[f"{PACKAGE}.adapters.autopatch"]
 
 
 def test_the_finder_finds_a_cycle():

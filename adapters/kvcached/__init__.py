@@ -16,16 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import autopatch
 from . import identity, runner
 from .eviction import EvictionHook, register_eviction_hook
 
-__all__ = ["EvictionHook", "identity", "register_eviction_hook", "status", "install"]
-
-
-def install() -> None:
-    """Register the kvcached patch (applied at once if kvcached is already imported)."""
-    autopatch.apply(["kvcached"])
+__all__ = ["EvictionHook", "identity", "register_eviction_hook", "status"]
 
 
 def status() -> list[dict[str, Any]]:

@@ -1,15 +1,20 @@
-"""kvcached as kvcached mode reaches it: the one module of ``adapters/kvcached/`` that imports
-kvcached or reads anything of it beyond the public calls listed here.
+"""kvcached as the adapters reach it: the one module of ``adapters/`` that imports kvcached or
+reads anything of it beyond the public calls listed here.
 
 **Public API of kvcached 0.1.6, called directly** (by the governor, its limit channels and the
 patches): ``KVCacheManager.set_memory_limit(limit_bytes, *, revision)`` and
 ``memory_limit_state()``, the revisioned limit; ``PageAllocator``'s counters and ``resize``,
 ``trim``, ``get_resize_target``, the native binding's own interface; the module global
 ``kvcached.kv_cache_manager.PageAllocator`` and ``KVCacheManager``'s methods, which the patch
-table names (:mod:`.patches`).
+table names (:mod:`.patches`, and the SGLang and vLLM patches that wrap kvcached's own);
+``kvcached.observability``'s ``get_capabilities()`` and ``get_runtime_owned_reservations()``
+(:func:`capabilities`, :func:`runtime_owned_reservations`) and each integration's
+``observability_snapshot()`` (:func:`integration`); which classes kvcached defines
+(:func:`defines_class`) and the elastic allocators its SGLang patch puts in SGLang's allocator
+module (:data:`SGLANG_ELASTIC_ALLOCATORS`).
 
 **What 0.1.6 has no public form for**, each read here and nowhere else (a test holds the rest of
-the package to it, ``tests/adapters/kvcached/test_kvcached_contact.py``):
+the adapters to it, ``tests/adapters/kvcached/test_kvcached_contact.py``):
 
 * whether the manager's post-init ran (``_post_init_done``, a ``threading.Event``): before it,
   the null block may be waiting for a grant and no manager call returns;
@@ -17,16 +22,16 @@ the package to it, ``tests/adapters/kvcached/test_kvcached_contact.py``):
   its post-init wait (``_wait_post_init``): :func:`make_lock_real`;
 * the limit's current revision: ``memory_limit_state()["revision"]`` once the manager runs; the
   attribute behind it (``_memory_limit_revision``) only where that call is missing;
-* which runtime's integration was initialised in this process, and on which device
-  (``kvcached.integration.<runtime>.interfaces``: ``_kvcached_initialized``,
-  ``_kvcached_device``);
+* which runtime's integration was initialised in this process, and on which device, where its
+  ``observability_snapshot()`` is missing (``kvcached.integration.<runtime>.interfaces``:
+  ``_kvcached_initialized``, ``_kvcached_device``);
 * broadcast mode's process facts: ``kvcached.integration.vllm.interfaces`` (whether this
   process is a TP worker, its world size and device, ``should_use_worker_ipc``),
   ``kvcached.tp_ipc_util._listeners`` (this worker's listener), ``kvcached.utils``
   (``PAGE_SIZE``, ``get_tp_socket_dir``).
 
-The functions that read (post-init, the revision, the process facts) never raise where kvcached
-is absent or differs: they answer False, -1 or None.  :func:`make_lock_real`, :func:`page_size`
+The functions that read (post-init, the revision, the process facts, the observability
+records) never raise where kvcached is absent or differs: they answer False, -1 or None.  :func:`make_lock_real`, :func:`page_size`
 and :func:`tp_socket_dir` import kvcached: they are called only where kvcached built the pool,
 and a failure there is the caller's to contain (a pool's start fails safe, :mod:`.patches`).
 """
@@ -34,6 +39,7 @@ and a failure there is the caller's to contain (a pool's start fails safe, :mod:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 import threading
 from dataclasses import dataclass
@@ -106,13 +112,87 @@ def make_lock_real(manager: Any) -> None:
 
 
 # ------------------------------------------------------------ the process
+def defines_class(cls: type) -> bool:
+    """True for a class kvcached defines (its elastic pools and allocators)."""
+    module = getattr(cls, "__module__", "") or ""
+    return module == "kvcached" or module.startswith("kvcached.")
+
+
+@dataclass(frozen=True)
+class Integration:
+    """kvcached's integration for one runtime in this process."""
+
+    initialised: bool  # init_kvcached ran (and no shutdown_kvcached since)
+    device: Any  # the device it was initialised on, as kvcached holds it (None before)
+
+
+def integration(runtime: str) -> Integration | None:
+    """kvcached's integration for ``runtime`` (``sglang``, ``vllm``) as its public
+    ``observability_snapshot()`` says (the module's own names where that call is missing or
+    fails); None where that integration is not imported in this process."""
+    module = sys.modules.get(f"kvcached.integration.{runtime}.interfaces")
+    if module is None:
+        return None
+    snapshot = getattr(module, "observability_snapshot", None)
+    try:
+        found = snapshot() if callable(snapshot) else None
+    except Exception:  # noqa: BLE001 - an unreadable snapshot: the module's own names say it
+        found = None
+    if found is None:
+        return Integration(bool(getattr(module, "_kvcached_initialized", False)),
+                           getattr(module, "_kvcached_device", None))
+    return Integration(bool(getattr(found, "initialized", False)), getattr(found, "device", None))
+
+
 def initialised_device(runtime: str) -> Any:
     """The device kvcached's integration for ``runtime`` (``sglang``, ``vllm``) was initialised
     on in this process (``init_kvcached``); None where it was not."""
-    module = sys.modules.get(f"kvcached.integration.{runtime}.interfaces")
-    if module is None or not getattr(module, "_kvcached_initialized", False):
+    found = integration(runtime)
+    if found is None or not found.initialised:
         return None
-    return getattr(module, "_kvcached_device", None) or ""
+    return found.device or ""
+
+
+#: kvcached's elastic allocator classes, by the name its SGLang patch gives each in
+#: ``sglang.srt.mem_cache.allocator``, with the name of SGLang's own class it replaces there
+SGLANG_ELASTIC_ALLOCATORS = {
+    "ElasticPagedTokenToKVPoolAllocator": "PagedTokenToKVPoolAllocator",
+    "ElasticTokenToKVPoolAllocator": "TokenToKVPoolAllocator",
+}
+
+
+# ------------------------------------------------------------ observability
+def _observability() -> Any:
+    """``kvcached.observability`` where kvcached is imported in this process (imported now if it
+    is not yet); None where kvcached is not, or that module cannot be imported."""
+    module = sys.modules.get("kvcached.observability")
+    if module is None and "kvcached" in sys.modules:
+        try:
+            module = importlib.import_module("kvcached.observability")
+        except ImportError:
+            return None
+    return module
+
+
+def capabilities() -> Any:
+    """``kvcached.observability.get_capabilities()``: the surfaces the installed kvcached says it
+    has (a dict: ``features`` by name); None where kvcached is not imported or the call fails."""
+    get = getattr(_observability(), "get_capabilities", None)
+    try:
+        return get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - an unreadable record is no record
+        return None
+
+
+def runtime_owned_reservations() -> list[Any] | None:
+    """``kvcached.observability.get_runtime_owned_reservations()``: the runtime-owned pools
+    kvcached reports itself (entries with a ``pool_name``); None where it has no such call or
+    the call fails."""
+    listing = getattr(_observability(), "get_runtime_owned_reservations", None)
+    try:
+        return list(listing()) if callable(listing) else None
+    except Exception:  # noqa: BLE001 - unreadable: the caller decides what an unknown listing means
+        return None
 
 
 # ------------------------------------------------------------ broadcast mode

@@ -20,15 +20,15 @@ adapter's are never both counted:
   kvcached's ownership stops being a reservation before kvcached's pool takes grants for the
   same memory.
 
-This module reads kvcached only; ``dsv4_reservation`` builds on it.
+This module reads kvcached only (through ``..kvcached.kvcached_api``); ``dsv4_reservation`` builds on it.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from typing import Any
+
 from .. import announce, process_state
+from ..kvcached import kvcached_api
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
@@ -47,9 +47,8 @@ class _Said:
 
 def kvcached_reports() -> bool:
     """True when the installed kvcached says it reports runtime-owned reservations."""
-    observability = _observability()
     try:
-        return bool(observability.get_capabilities()["features"].get(CAPABILITY, False))
+        return bool(kvcached_api.capabilities()["features"].get(CAPABILITY, False))
     except Exception:  # noqa: BLE001 - no kvcached, or an unreadable record: it reports nothing
         return False
 
@@ -58,12 +57,8 @@ def reported_by_kvcached() -> frozenset[str]:
     """The adapter's V4 pool names kvcached reports itself (:data:`ALL`: every one)."""
     if not kvcached_reports():
         return frozenset()
-    listing = getattr(_observability(), "get_runtime_owned_reservations", None)
-    try:
-        entries = list(listing()) if callable(listing) else None
-    except Exception:  # noqa: BLE001 - unreadable: step every pool aside
-        entries = None
-    if entries is None:
+    entries = kvcached_api.runtime_owned_reservations()
+    if entries is None:  # unreadable: step every pool aside
         return ALL
     names = {_name_of(entry) for entry in entries}
     return frozenset(name[len(PREFIX):] for name in names if name.startswith(PREFIX))
@@ -91,13 +86,3 @@ def without_kvcached_reports(pools: dict[str, int]) -> dict[str, int]:
             continue
         kept[name] = size
     return kept
-
-
-def _observability() -> Any:
-    module = sys.modules.get("kvcached.observability")
-    if module is None and "kvcached" in sys.modules:
-        try:
-            module = importlib.import_module("kvcached.observability")
-        except ImportError:
-            return None
-    return module

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..patching import PatchError, wrap_methods, wrap_once
 from .. import announce, process_state
-from .pool_bytes import is_kvcached_class
+from ..kvcached import kvcached_api
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
@@ -38,7 +38,7 @@ class _Trimmed:
 
 def trim_virtual_rows(pool: Any) -> bool:
     """Trim a kvcached pool's K/V views to its slots; True if it did."""
-    if not is_kvcached_class(type(pool)) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+    if not kvcached_api.defines_class(type(pool)) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
         return False
     rows = int(pool.size) + int(pool.page_size)
     k_buffer, v_buffer = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
@@ -69,7 +69,7 @@ def apply_memory_pool(module: Any) -> None:
     where the release has it (0.5.23); a release without it (0.5.12, 0.5.13) checks no rows and
     needs nothing, and kvcached's class in its place is left alone."""
     cls = getattr(module, "MHATokenToKVPool", None)
-    if isinstance(cls, type) and is_kvcached_class(cls):
+    if isinstance(cls, type) and kvcached_api.defines_class(cls):
         return
     try:
         wrap_methods(module, "MHATokenToKVPool", {METHOD: wrap_descs})

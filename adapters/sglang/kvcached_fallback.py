@@ -29,16 +29,11 @@ from typing import Any
 
 from .. import announce, process_state
 from . import paged_allocator
-from .pool_bytes import is_kvcached_class
+from ..kvcached import kvcached_api
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
 _ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"
-#: kvcached's elastic class name -> SGLang's own class name it replaces
-ELASTIC_TO_NATIVE = {
-    "ElasticPagedTokenToKVPoolAllocator": "PagedTokenToKVPoolAllocator",
-    "ElasticTokenToKVPoolAllocator": "TokenToKVPoolAllocator",
-}
 _MARK = "__kvcached_broker_fallback__"
 
 
@@ -64,7 +59,7 @@ class _Said:
 
 def remember_native(name: str, cls: Any) -> None:
     """Record SGLang's own allocator class ``name`` (before kvcached aliases the name)."""
-    if isinstance(cls, type) and not is_kvcached_class(cls):
+    if isinstance(cls, type) and not kvcached_api.defines_class(cls):
         process_state.part(_Natives).classes.setdefault(name, cls)
 
 
@@ -72,7 +67,7 @@ def install() -> list[str]:
     """Give every kvcached elastic allocator class present the fallback; the names given it."""
     module = sys.modules.get(_ALLOCATOR_MODULE)
     done = []
-    for elastic_name, native_name in ELASTIC_TO_NATIVE.items():
+    for elastic_name, native_name in kvcached_api.SGLANG_ELASTIC_ALLOCATORS.items():
         elastic = getattr(module, elastic_name, None) if module is not None else None
         if isinstance(elastic, type) and _give_fallback(elastic, native_name):
             done.append(elastic_name)
@@ -123,7 +118,7 @@ def _implementation(name: str) -> type | None:
         except ImportError:  # 0.5.12: one allocator module, the class as first seen
             return None
     cls = getattr(module, name, None)
-    return cls if isinstance(cls, type) and not is_kvcached_class(cls) else None
+    return cls if isinstance(cls, type) and not kvcached_api.defines_class(cls) else None
 
 
 def _kvcache_argument(native_name: str, args: tuple, kwargs: dict) -> Any:

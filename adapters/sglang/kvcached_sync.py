@@ -31,11 +31,10 @@ so once (``event=kvcached_sglang_pipeline``).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..kvcached import agreement, eviction, identity, limits
+from ..kvcached import agreement, eviction, identity, kvcached_api, limits
 from ..patching import wrap_methods, wrap_once
 from .. import announce, process_state
 from . import dsv4_reservation, parallel
@@ -74,8 +73,8 @@ def _identity(geometry: Any):
 
 
 def _kvcached_device() -> str:
-    module = sys.modules.get("kvcached.integration.sglang.interfaces")
-    return str(getattr(module, "_kvcached_device", None) or "cuda")
+    found = kvcached_api.integration("sglang")
+    return str((found.device if found is not None else None) or "cuda")
 
 
 # ---------------------------------------------------------------------------- the sync point

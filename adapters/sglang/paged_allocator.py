@@ -33,7 +33,7 @@ from typing import Any
 from ..patching import PatchError
 from .. import announce, process_state
 from . import page_tracking
-from .pool_bytes import is_kvcached_class
+from ..kvcached import kvcached_api
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
@@ -190,7 +190,7 @@ class _TrackedState:
 def broker_class(base: type) -> type:
     """The adapter's subclass of the upstream allocator ``base`` (made once, then reused);
     ``base`` itself when it is kvcached's elastic allocator (kvcached owns its free list)."""
-    if getattr(base, _OWNER, None) is base or is_kvcached_class(base):
+    if getattr(base, _OWNER, None) is base or kvcached_api.defines_class(base):
         return base
     made = process_state.part(_Derived)
     with made.lock:

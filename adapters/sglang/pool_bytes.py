@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ..kvcached import kvcached_api
 from ..tensors import storage_bytes, storage_key
 
 #: Set on a pool object whose memory is managed elsewhere (kvcached), never reserved statically.
@@ -35,19 +36,13 @@ def is_tensor(obj: Any) -> bool:
     return hasattr(obj, "untyped_storage") and hasattr(obj, "element_size")
 
 
-def is_kvcached_class(cls: type) -> bool:
-    """True for a class kvcached defines (its elastic pools and allocators)."""
-    module = getattr(cls, "__module__", "") or ""
-    return module == "kvcached" or module.startswith("kvcached.")
-
-
 def is_managed(obj: Any) -> bool:
     """True for a pool the broker or kvcached manages (its memory is not a reservation)."""
     if obj is None:
         return False
     if getattr(obj, MANAGED_ATTR, False):
         return True
-    return is_kvcached_class(type(obj))
+    return kvcached_api.defines_class(type(obj))
 
 
 def mark_managed(obj: Any) -> None:

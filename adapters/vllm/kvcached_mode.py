@@ -24,12 +24,11 @@ named above build on it.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from typing import Any, Callable
 
-from .. import process_state
+from .. import flags, process_state
+from ..kvcached import kvcached_api
 
 
 class _Outermost:
@@ -40,15 +39,12 @@ class _Outermost:
         self.local = threading.local()
 
 
-def enabled() -> bool:
-    """kvcached's own switch, read as kvcached reads it (``ENABLE_KVCACHED`` true or 1)."""
-    return os.getenv("ENABLE_KVCACHED", "false").lower() in ("true", "1")
-
-
 def active() -> bool:
     """True in a process where kvcached's vLLM integration is switched on and initialised."""
-    interfaces = sys.modules.get("kvcached.integration.vllm.interfaces")
-    return enabled() and interfaces is not None and bool(getattr(interfaces, "_kvcached_initialized", False))
+    if not flags.kvcached_switch():
+        return False
+    found = kvcached_api.integration("vllm")
+    return found is not None and found.initialised
 
 
 def outermost(call: Callable[[], Any], passthrough: Callable[[], Any]) -> Any:

@@ -28,13 +28,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from helpers import GIB, MIB, device_and_status
+from helpers import GIB, MIB, BackgroundThread, device_and_status
 
 pytest.importorskip("torch", reason="the servers build their runtimes' pools with torch (a CPU build in .venv)")
 
@@ -123,25 +122,18 @@ def _start(role: str, endpoint: str, usage_dir: Path, workdir: Path) -> Server:
     return Server(role, proc, log)
 
 
-class Sampler:
+class Sampler(BackgroundThread):
     """Samples the device and the broker together (under the device's allocation lock) until
     stopped: the device's total, and the books of every serving process against its usage."""
+
+    join_timeout_s = 60.0
 
     def __init__(self, broker, usage_dir: Path):
         self.broker, self.usage_dir = broker, usage_dir
         self.serving: set[int] = set()
         self.samples = 0
         self.violations: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
+        super().__init__()
 
     def _run(self) -> None:
         with self.broker.admin() as admin:

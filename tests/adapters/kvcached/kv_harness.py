@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-from helpers import GIB, MIB, device_and_status, granted_bytes_by_pid, python_env  # noqa: F401
+from helpers import GIB, MIB, BackgroundThread, device_and_status, granted_bytes_by_pid, python_env  # noqa: F401
 
 from kvcached_broker.client import BrokerUnavailable
 from kvcached_broker.tools.kvcached_sim.pools import PoolProcess as SimPool
@@ -35,7 +34,7 @@ class PoolProcess(SimPool):
                              stderr=usage.parent / f"{instance}.err", wait=wait, ipc_name=ipc_name)
 
 
-class Sampler:
+class Sampler(BackgroundThread):
     """Samples, with the shared GPU's allocation lock held (so no process maps or unmaps
     meanwhile), every process's bytes on the device and the broker's status, and checks at
     every sample: each process's KV pages mapped (its bytes minus its pool's zero page, which
@@ -49,17 +48,8 @@ class Sampler:
         self.skipped = 0  # the broker was down
         self.violations: list[str] = []
         self.peak_mapped: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
         usage.mkdir(parents=True, exist_ok=True)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
     def _run(self) -> None:
         admin = None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import device_and_status, granted_bytes_by_pid, python_env, require_kvcached_mode
+from helpers import BackgroundThread, device_and_status, granted_bytes_by_pid, python_env, require_kvcached_mode
 
 from kvcached_broker.adapters.kvcached import segment
 
@@ -141,7 +141,7 @@ def gpu_broker(broker_factory):
     return make
 
 
-class Sampler:
+class Sampler(BackgroundThread):
     """Checks, at every sample, every governed rank's bound: what the rank's process has mapped
     on its simulated GPU (its bytes less its pool's zero page, which kvcached allocates with the
     KV tensors) is at most what its GPU's broker granted the process's sessions.  Each GPU is
@@ -154,17 +154,8 @@ class Sampler:
         self.samples = 0
         self.violations: list[str] = []
         self.peak_mapped: dict[str, int] = {}
-        self._stop = threading.Event()
         self._taken = threading.Condition()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
+        super().__init__()
 
     def _run(self) -> None:
         admins = {}

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kv_model
-from helpers import device_and_status, granted_bytes_by_pid, python_env
+from helpers import BackgroundThread, device_and_status, granted_bytes_by_pid, python_env
 
 from kvcached_broker.adapters.kvcached.broadcast import board as board_mod
 from kvcached_broker.client import BrokerUnavailable
@@ -195,7 +195,7 @@ class Processes:
             process.stop()
 
 
-class Sampler:
+class Sampler(BackgroundThread):
     """Checks every GPU and the board at every sample, until stopped (see the module docstring)."""
 
     def __init__(self, gpus: list[Gpu], board: board_mod.Board, slots: int, *, zero_page_bytes: int = POOL_PAGE_BYTES):
@@ -211,9 +211,8 @@ class Sampler:
         self.violations: list[str] = []
         self.peak_mapped: dict[int, int] = {}
         self.peak_limit_pages = 0
-        self._stop = threading.Event()
         self._taken = threading.Condition()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__()
 
     def zero_page(self, pid: int, size_bytes: int) -> None:
         """Process ``pid``'s pool keeps a zero page of ``size_bytes`` (a pool of another geometry
@@ -226,14 +225,6 @@ class Sampler:
             target = self.board_samples + rounds
             assert self._taken.wait_for(lambda: self.board_samples >= target, timeout=timeout_s), \
                 f"the sampler took no board sample in {timeout_s}s ({self.ungoverned} before a governing engine)"
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
     def _run(self) -> None:
         admins: dict[int, object] = {}
