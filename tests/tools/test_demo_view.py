@@ -184,6 +184,9 @@ def test_the_demo_stops_with_status_1_at_the_first_frame_that_does_not_add_up(br
         def run(self):
             pass
 
+        def took_frame(self):
+            pass
+
     with broker.admin() as admin, BrokerClient.connect("dsv4-flash", endpoint=broker.endpoint) as client:
         client.reserve({"c4_kv_pool": 70 * GIB})
         admin.simulate(external_bytes=8 * GIB)
