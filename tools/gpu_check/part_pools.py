@@ -152,7 +152,9 @@ def reset(pools) -> None:
 def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     """A fills and idles, B bursts: the hand-over's time and where it went."""
     reset((b, a))
-    a_fill = a.request("fill", blocks=A_FILL_BYTES // block_bytes, stall_s=0.5, timeout_s=60.0)
+    # A may first have to get B's freed pages back from the broker (B keeps them granted until
+    # asked): its fill waits for that as B's burst does, or it ends short and leaves B room to spare
+    a_fill = a.request("fill", blocks=A_FILL_BYTES // block_bytes, stall_s=2.0, timeout_s=60.0)
     # what was free and what A mapped once A filled: the broker's watermarks may take A's idle
     # cache back between here and B's burst, ahead of B's asks, and that is the hand-over too
     a_before = a.pool()
