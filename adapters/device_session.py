@@ -134,7 +134,7 @@ class DeviceSession:
         Raises ``BudgetExceeded`` (naming the pool) if the broker has no room; the book is then
         left as it was.  None when the device is unprotected.
         """
-        return self._report(reporter, pools, usage, lambda: holds, allocated, phase)
+        return self._report(reporter, pools, usage, holds, allocated, phase)
 
     def report_built(self, reporter: str, pools: dict[str, int], *, growth_bytes: int | None = None,
                      last: bool = False, usage: dict[str, int] | None = None, allocated: bool = True,
@@ -143,23 +143,19 @@ class DeviceSession:
         before (None: larger than what ``reporter`` has in the book): the holds shrink by its
         growth in the same request (rule B6 of :mod:`.report_book`; with ``last``, the KV hold
         drops), read from the book under the same lock as the request."""
-        def holds() -> dict[str, int] | None:
+        with self.lock:
             growth = sum(pools.values()) - self.book.booked_bytes(reporter) if growth_bytes is None else growth_bytes
-            return self.book.holds_after_pool(growth, last)
-
-        return self._report(reporter, pools, usage, holds, allocated, phase)
+            return self._report(reporter, pools, usage, self.book.holds_after_pool(growth, last), allocated, phase)
 
     def _report(self, reporter: str, pools: dict[str, int], usage: dict[str, int] | None,
-                holds: Callable[[], dict[str, int] | None], allocated: bool,
-                phase: str | None) -> dict[str, int] | None:
+                holds: dict[str, int] | None, allocated: bool, phase: str | None) -> dict[str, int] | None:
         if not self.usable:
             return None
         with self.lock:
             if self.book.base_bytes is None and not allocated:
                 if self._send(self.book.pin(), "pin runtime_base") is None:
                     return None
-            plan = self.book.report(reporter, pools, usage, holds(), phase)
-            return self._send(plan, f"report {reporter}")
+            return self._send(self.book.report(reporter, pools, usage, holds, phase), f"report {reporter}")
 
     def hold_what_fits(self, holds: dict[str, int], min_holds: dict[str, int] | None,
                        phase: str) -> dict[str, Any] | None:
@@ -245,11 +241,7 @@ class DeviceSession:
         """Stop charging ``names`` (their memory was handed back) and, with ``base_bytes``, lower the
         runtime base to it, in one request; returns the bytes no longer charged."""
         with self.lock:
-            planned = self.book.suspend(names, base_bytes)
-            if planned is None:
-                return 0
-            plan, freed = planned
-            return freed if self._send(plan, "suspend") is not None else 0
+            return self._send_counted(self.book.suspend(names, base_bytes), "suspend")
 
     def resume(self, names: list[str] | None = None, *, base_bytes: int | None = None) -> int:
         """Charge the suspended ``names`` (all, if None) again and, with ``base_bytes``, raise the
@@ -260,11 +252,7 @@ class DeviceSession:
         unprotected.
         """
         with self.lock:
-            planned = self.book.resume(names, base_bytes)
-            if planned is None:
-                return 0
-            plan, charged = planned
-            return charged if self._send(plan, "resume") is not None else 0
+            return self._send_counted(self.book.resume(names, base_bytes), "resume")
 
     def repin_base(self, suspend: list[str] | tuple[str, ...] = ()) -> int | None:
         """Pin the runtime base again at what the device measures the process using now, and stop
@@ -346,6 +334,14 @@ class DeviceSession:
         self.client.report_idle(total)
 
     # -------------------------------------------------------------- sending
+    def _send_counted(self, planned: tuple[Plan, int] | None, action: str) -> int:
+        """Send ``planned`` (a plan and the bytes it moves, or None: nothing to send); those bytes
+        once the broker answered, else 0."""
+        if planned is None:
+            return 0
+        plan, moved_bytes = planned
+        return moved_bytes if self._send(plan, action) is not None else 0
+
     def _send(self, plan: Plan, action: str, *, holds_granted: bool = False) -> dict[str, int] | None:
         """One reserve request for the whole book; once answered, the book is the plan's (with the
         holds the broker granted, for ``holds_granted``)."""

@@ -126,10 +126,14 @@ def _wait_for_instance(admin, name: str, worker: subprocess.Popen) -> None:
     """Start workers one at a time, so each has reported its reservations before the next."""
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and worker.poll() is None:
-        for inst in admin.status()["instances"]:
-            if inst["name"] == name and inst["reserved_bytes"]:
-                return
+        if name in _reported(admin.status()):
+            return
         time.sleep(0.05)
+
+
+def _reported(status: dict) -> set[str]:
+    """The instances that have reported their reservations."""
+    return {inst["name"] for inst in status["instances"] if inst["reserved_bytes"]}
 
 
 # ------------------------------------------------------------------ workers
@@ -140,8 +144,7 @@ def _wait_for_everyone(client, stop: list, timeout_s: float = 30.0) -> None:
     take the room a later worker's weights need, as it did on a loaded machine)."""
     deadline = time.monotonic() + timeout_s
     while not stop and time.monotonic() < deadline:
-        reported = {inst["name"] for inst in client.status()["instances"] if inst["reserved_bytes"]}
-        if reported.issuperset(ROLES):
+        if _reported(client.status()).issuperset(ROLES):
             return
         time.sleep(0.05)
 def _worker(role: str, endpoint: str, seconds: float) -> int:
