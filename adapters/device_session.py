@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 from ..client import BadRequest, BrokerClient, BrokerError, BudgetExceeded
+from ..client.protocol import ProtocolError
+from ..client.results import ReserveResult
 from . import announce
 from .report_book import (KV_SIZING_HOLD, RUNTIME_BASE_POOL, SLACK_HOLD, SLACK_POOL, Plan, ReportBook,
                           Request)
@@ -113,6 +115,8 @@ class DeviceSession:
             if exc.fatal:
                 raise
             why, cause = str(exc), exc
+        except ProtocolError as exc:  # the client read an answer of another shape: it says which
+            why, cause = str(exc), exc
         except MALFORMED_ANSWER as exc:
             why, cause = f"the broker's answer is not in the shape this adapter reads ({type(exc).__name__}: {exc})", exc
         self._host.failed(self._device, f"{action}: {why}", cause)
@@ -158,10 +162,11 @@ class DeviceSession:
             return self._send(self.book.report(reporter, pools, usage, holds, phase), f"report {reporter}")
 
     def hold_what_fits(self, holds: dict[str, int], min_holds: dict[str, int] | None,
-                       phase: str) -> dict[str, Any] | None:
+                       phase: str) -> ReserveResult | None:
         """Change holds (name -> bytes, 0 drops one) in one request that pins the base if it is not
         pinned yet, letting the one hold ``min_holds`` names shrink to what fits down to its least;
-        returns the broker's whole answer (``holds`` granted, ``grantable_bytes``, ``ever_bytes``).
+        returns the broker's whole answer (``holds`` granted, ``grantable_bytes``, ``ever_bytes``;
+        checked by the client, so every field is there).
 
         ``BudgetExceeded`` when even the least does not fit (nothing changes); None when unprotected.
         """

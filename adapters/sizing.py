@@ -39,7 +39,10 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
+from msgspec import UNSET
+
 from ..client import BudgetExceeded
+from ..client.results import ReserveResult
 from ..client.units import format_bytes
 from . import announce, sessions
 from .device_session import DeviceSession
@@ -113,18 +116,16 @@ def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
     answer = _hold_waiting_for_start_ups(session, ask, holds, min_holds)
     if answer is None:
         return None
-    read = session.guard("read the broker's answer", lambda: _read(answer))
-    if read is None:
-        return None
-    held, grantable_bytes, ever_bytes, holders = read
+    held, ever_bytes = answer.holds, answer.ever_bytes
+    holders = () if answer.holders is UNSET else tuple((h.instance, h.charged_bytes) for h in answer.holders)
     if ask.elastic:
         kv_bytes = max(0, min(ask.kv_bytes, ever_bytes))
         if kv_bytes <= 0 < ask.kv_bytes:
             raise refusal(identity, ask, f"it could never give instance {identity.instance_name()!r} more than "
                                          f"{format_bytes(ever_bytes)} beyond what it holds")
     else:
-        kv_bytes = int(held.get(KV_SIZING_HOLD, 0))
-    sized = Sized(kv_bytes, held.get(SLACK_HOLD, 0), grantable_bytes, ever_bytes, holders)
+        kv_bytes = held.get(KV_SIZING_HOLD, 0)
+    sized = Sized(kv_bytes, held.get(SLACK_HOLD, 0), answer.grantable_bytes, ever_bytes, holders)
     log.info("event=startup_sized runtime=%s device=%s rank=%d asked_kv=%s kv=%s slack=%s ever=%s elastic=%s",
              ask.runtime, identity.device, identity.tp_rank, format_bytes(ask.kv_bytes), format_bytes(sized.kv_bytes),
              format_bytes(sized.slack_bytes), format_bytes(ever_bytes), ask.elastic)
@@ -132,7 +133,7 @@ def size(identity: WorkerIdentity, ask: StartupAsk) -> Sized | None:
 
 
 def _hold_waiting_for_start_ups(session: DeviceSession, ask: StartupAsk, holds: dict[str, int],
-                                min_holds: dict[str, int] | None) -> dict | None:
+                                min_holds: dict[str, int] | None) -> ReserveResult | None:
     """:meth:`~.device_session.DeviceSession.hold_what_fits`; refused while other instances hold memory for their own
     start-ups (the refusal's ``starting``), ask again as they settle, for at most
     ``KVCACHED_BROKER_STARTUP_WAIT_S``.  Servers started together are then admitted as if they
@@ -182,15 +183,6 @@ def startup_wait_s(env: Mapping[str, str] | None = None) -> float:
     if not 0 <= value < math.inf:
         raise StartupRefused(f"{STARTUP_WAIT_ENV}={raw[:40]!r} is not a number of seconds >= 0")
     return value
-
-
-def _read(answer: dict) -> tuple[dict[str, int], int, int, tuple[tuple[str, int], ...]]:
-    """``(holds, grantable_bytes, ever_bytes, holders)`` from a reserve answer; an answer of
-    another shape raises ``LookupError``/``TypeError``/``ValueError`` (a broker failure to
-    ``guard``)."""
-    holds = {str(name): int(size) for name, size in dict(answer["holds"]).items()}
-    holders = tuple((str(h["instance"]), int(h["charged_bytes"])) for h in answer.get("holders", ()))
-    return holds, int(answer["grantable_bytes"]), int(answer["ever_bytes"]), holders
 
 
 def refusal(identity: WorkerIdentity, ask: StartupAsk, why: str) -> StartupRefused:

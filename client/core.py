@@ -131,17 +131,16 @@ class ClientCore:
         #: and the figure last sent (reserve included) with a request.
         self.idle_pages: int | None = None
         self.idle_sent: int | None = None
-        #: The answer to the last reserve (``pools``, ``holds``, ``grantable_bytes``, ...).
-        self.last_reserve: dict[str, Any] = {}
-        #: The answer to the last acquire that went to the broker (``granted``, ``waited_s``, ...).
-        self.last_acquire: dict[str, Any] = {}
+        #: The broker's answer to the last reserve (None: none answered yet).
+        self.last_reserve: results.ReserveResult | None = None
+        #: The broker's answer to the last acquire that went to the broker (None: none yet).
+        self.last_acquire: results.AcquireResult | None = None
         self.pools: dict[str, int] = {}
         self.holds: dict[str, int] = {}
         self.token: str | None = None
         self.session_id: str | None = None
         self.lease_s = proto.DEFAULT_LEASE_S
         self.heartbeat_s = 2.5
-        self.device: dict[str, Any] = {}
         self.evicted = False
         self.closed = False
         self.outstanding: dict[int, Outstanding] = {}
@@ -236,7 +235,6 @@ class ClientCore:
         if result.lease_s is not UNSET:
             self.lease_s = result.lease_s
         self.heartbeat_s = self.lease_s / 4 if result.heartbeat_s is UNSET else result.heartbeat_s
-        self.device = {} if result.device is UNSET else results.as_map(result.device)
         return lost
 
     def _follow_restored(self, result: results.HelloResult) -> None:
@@ -362,7 +360,8 @@ class ClientCore:
         """A reserve's answer (or a resume's holdings): the pools and holds the broker now charges."""
         self.pools = dict(result.pools)
         self.holds = dict(result.holds)
-        self.last_reserve = results.as_map(result)
+        if isinstance(result, results.ReserveResult):
+            self.last_reserve = result
 
     def check_mapped(self, mapped_pages: Any, granted_pages: int) -> int:
         """A mapped-page count the caller reports: only on a session that reports mapping, and

@@ -168,7 +168,7 @@ class Operations:
             ),
             results.AcquireResult, track={"on_answer": core.book_late_grant},
         )
-        core.last_acquire = results.as_map(result)
+        core.last_acquire = result
         return credit.settle(pages, min_pages, result.granted)
 
     def release(self, pages: int, mapped_pages: int | None = None) -> Op[None]:

@@ -75,12 +75,16 @@ class Holder(Result):
 
 
 class ReserveResult(Result):
+    """Every field but ``holders`` is required: a worker sizes its start-up from
+    ``grantable_bytes`` and ``ever_bytes``, so an answer without them is malformed, never
+    "nothing could ever be granted"."""
+
     pools: dict[str, int]
-    holds: dict[str, int] = {}
-    reserved_bytes: int = 0
-    measured_bytes: int = 0
-    grantable_bytes: int = 0
-    ever_bytes: int = 0
+    holds: dict[str, int]
+    reserved_bytes: int
+    measured_bytes: int  # 0 where the device cannot tell
+    grantable_bytes: int
+    ever_bytes: int
     holders: list[Holder] | UnsetType = UNSET  # only for a reserve with min_holds
 
 

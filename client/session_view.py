@@ -7,9 +7,10 @@ inherit it, so their public surfaces cannot drift here.  A subclass sets ``_core
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from . import results
     from .core import ClientCore
 
 
@@ -70,17 +71,18 @@ class SessionView:
         return self._core.mapped_pages
 
     @property
-    def last_reserve(self) -> dict[str, Any]:
-        """The broker's whole answer to this session's last reserve: ``pools``, ``holds``,
-        ``measured_bytes``, and the instance's ``grantable_bytes`` and ``ever_bytes`` after it."""
-        return dict(self._core.last_reserve)
+    def last_reserve(self) -> results.ReserveResult | None:
+        """The broker's whole answer to this session's last reserve (None before the first):
+        ``pools``, ``holds``, ``measured_bytes``, and the instance's ``grantable_bytes`` and
+        ``ever_bytes`` after it."""
+        return self._core.last_reserve
 
     @property
-    def last_acquire(self) -> dict[str, Any]:
-        """The broker's whole answer to this session's last ``acquire`` that made a round trip:
-        ``granted``, ``granted_pages``, ``refused`` (a refusal), ``waited_s`` (an ask that waited
-        for memory: how long)."""
-        return dict(self._core.last_acquire)
+    def last_acquire(self) -> results.AcquireResult | None:
+        """The broker's whole answer to this session's last ``acquire`` that made a round trip
+        (None before the first): ``granted``, ``granted_pages``, ``refused`` (a refusal),
+        ``waited_s`` (an ask that waited for memory: how long)."""
+        return self._core.last_acquire
 
     @property
     def lease_s(self) -> float:

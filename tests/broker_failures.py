@@ -5,8 +5,8 @@ client cannot use, a broker that refuses the hello for its own rate limit, a bro
 that is stopped (SIGSTOP: slow) or gone (SIGKILL), an operator's eviction.  Injected at the
 client boundary only where no real broker produces the failure on demand: an ``internal``
 error, a ``rate_limited`` reply to a session request, an error code this client does not
-know (a newer broker), and an answer in a shape the adapter does not read (a reserve answer
-or a status document with fields missing, or of the wrong type).
+know (a newer broker), and an answer of another shape (a reserve answer or a status document
+with fields missing, or of the wrong type, put on the wire's reply before the client reads it).
 
 ``arrange(kind)`` sets the failure up for the adapter's real connection path
 (``sessions.session`` with ``KVCACHED_BROKER``); for the failures of a live session,
@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass, field
+
+import msgspec
 
 from kvcached_broker.adapters import process_state, sessions, worker_identity
 from kvcached_broker.client.errors import error_from_wire
@@ -33,8 +35,8 @@ REASONS = {
     "rate_limited": "[rate_limited]",
     "internal": "[internal]",
     "unknown_code": "[quota_exhausted]",
-    "answer_missing_fields": "not in the shape this adapter reads (KeyError",
-    "answer_wrong_types": "not in the shape this adapter reads (TypeError",
+    "answer_missing_fields": "Object missing required field",
+    "answer_wrong_types": "Expected `",
 }
 #: the failures of a session that opened
 AFTER_OPEN = {"slow", "gone", "rate_limited", "internal", "unknown_code", "answer_missing_fields",
@@ -122,22 +124,24 @@ def _failing_client(arranged: Arranged, endpoint: str):
 
 
 def _malformed_client(arranged: Arranged, endpoint: str):
-    """Real sessions on ``endpoint``; once armed, status documents and reserve answers arrive
-    reshaped (the client books what it needs first, as it would from a broker that sends more)."""
+    """Real sessions on ``endpoint``; once armed, the replies that carry a status document or a
+    reserve answer arrive reshaped on the wire, before the client reads them (as from a broker
+    that sends another shape)."""
     reshape = MALFORMED[arranged.kind]
 
     def factory(identity):
         client = sessions.connect(identity, endpoint=endpoint)
-        real_status, real_reserve = client.status, client.reserve
+        transport = client._transport
+        real_request = transport.request
 
-        def reserve(*args, **kwargs):
-            pools = real_reserve(*args, **kwargs)
-            if arranged.armed:
-                client._core.last_reserve = reshape(client._core.last_reserve)
-            return pools
+        def request(*args, **kwargs):
+            reply = real_request(*args, **kwargs)
+            if arranged.armed and reply.ok and isinstance(reply.result, dict) and (
+                    "instances" in reply.result or "pools" in reply.result):
+                return msgspec.structs.replace(reply, result=reshape(reply.result))
+            return reply
 
-        client.status = lambda: reshape(real_status()) if arranged.armed else real_status()
-        client.reserve = reserve
+        transport.request = request
         return client
 
     return factory

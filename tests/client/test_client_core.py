@@ -138,7 +138,7 @@ def test_a_lost_session_charges_nothing_until_the_books_are_asked_for_again():
     assert (core.pools, core.holds, core.credit.reserve_pages, core.uncharged_pages) == ({}, {}, 0, 3)
     assert core.reassert_pools == ({"w": 1}, {"kv": 2}) and core.reassert_mapped_pages == 2 and core.reasserting
     assert core.visible_uncharged_pages() == 0  # still being asked for: not short yet
-    core.book_reasserted_pools(results.ReserveResult(pools={"w": 1}, holds={"kv": 2}))
+    core.book_reasserted_pools(_reserved({"w": 1}, {"kv": 2}))
     core.book_reasserted_pages(2, mapped=True)
     assert (core.uncharged_pages, core.mapped_pages, core.reassert_pools) == (1, 2, None)
     assert core.put_back(1) == 0  # an uncharged page freed meanwhile leaves the books alone
@@ -175,8 +175,9 @@ def test_a_request_stays_outstanding_until_answered_and_is_in_doubt_once_given_u
 def test_a_late_grant_goes_to_the_reserve_and_a_reserve_answer_books_pools():
     core = _opened()
     core.book_late_grant(results.AcquireResult(granted=6, granted_pages=6))
-    core.book_pools(results.ReserveResult(pools={"w": 3}))
+    core.book_pools(_reserved({"w": 3}))
     assert core.credit.reserve_pages == 6 and (core.pools, core.holds) == ({"w": 3}, {})
+    assert core.last_reserve is not None and core.last_reserve.pools == {"w": 3}
 
 
 # ------------------------------------------------------------------------------ usability
@@ -235,3 +236,9 @@ def test_requests_need_a_session_token_first():
     req = build(11)
     assert (req.id, req.session, req.pools, req.holds, req.usage, req.measured_base) == (
         11, "token-one", {"w": 1}, {"kv": 2}, None, True)
+
+
+def _reserved(pools: dict[str, int], holds: dict[str, int] | None = None) -> results.ReserveResult:
+    """A reserve's answer with these pools and holds (the instance's room left at 0)."""
+    return results.ReserveResult(pools=pools, holds=holds or {}, reserved_bytes=0, measured_bytes=0,
+                                 grantable_bytes=0, ever_bytes=0)

@@ -105,7 +105,9 @@ class FakeBroker:
         self.pools = {k: v for k, v in req.pools.items() if v}
         if req.holds is not None:
             self.holds = {k: v for k, v in req.holds.items() if v}
-        return results.ReserveResult(pools=dict(self.pools), holds=dict(self.holds))
+        return results.ReserveResult(pools=dict(self.pools), holds=dict(self.holds),
+                                     reserved_bytes=sum(self.pools.values()) + sum(self.holds.values()),
+                                     measured_bytes=0, grantable_bytes=0, ever_bytes=0)
 
     def _heartbeat(self, req: proto.Heartbeat) -> results.HeartbeatResult:
         return results.HeartbeatResult(state="active", granted_pages=self.granted_pages)
@@ -769,7 +771,7 @@ def test_a_release_after_a_restart_with_another_request_in_doubt_is_applied_once
 def test_an_acquire_that_may_wait_says_so_and_a_bad_wait_changes_nothing():
     s = Script(credit_pages=0)
     assert s.run(s.ops.acquire(2, None, 1.5)) == 2
-    assert s.last_sent().wait_s == 1.5 and s.core.last_acquire["granted"] == 2
+    assert s.last_sent().wait_s == 1.5 and s.core.last_acquire.granted == 2
     s.sent.clear()
     for bad in (0, -1, proto.MAX_WAIT_S + 0.5, True, "1"):
         with pytest.raises(BadRequest):

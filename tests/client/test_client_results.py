@@ -35,7 +35,8 @@ def test_a_result_goes_on_the_wire_as_the_documented_map_with_unset_fields_left_
 
 
 def test_each_result_decodes_what_it_encodes_and_ignores_keys_it_does_not_know():
-    sent = results.ReserveResult(pools={"w": 4}, holds={"kv": 1}, reserved_bytes=5,
+    sent = results.ReserveResult(pools={"w": 4}, holds={"kv": 1}, reserved_bytes=5, measured_bytes=0,
+                                 grantable_bytes=2, ever_bytes=3,
                                  holders=[results.Holder(instance="b", charged_bytes=7)])
     assert results.decode(_wire(sent), results.ReserveResult) == sent
     assert results.decode({"granted": 1, "granted_pages": 1, "newer": "key"}, results.AcquireResult).granted == 1
@@ -45,6 +46,8 @@ def test_each_result_decodes_what_it_encodes_and_ignores_keys_it_does_not_know()
     (results.AcquireResult, {"granted_pages": 3}),  # no "granted"
     (results.AcquireResult, {"granted": "2", "granted_pages": 3}),
     (results.ReserveResult, {"pools": [1, 2]}),
+    # no "ever_bytes": a worker sizes its start-up from it, so it is never read as 0
+    (results.ReserveResult, {"pools": {}, "holds": {}, "reserved_bytes": 0, "measured_bytes": 0, "grantable_bytes": 0}),
     (results.HelloResult, {"session_id": "s-1"}),  # no token
     (results.HelloResult, {"session": "t", "session_id": "s-1", "hello_limits": {"outcome": "granted"}}),
     (results.MappedResult, None),

@@ -55,6 +55,8 @@ import threading
 import time
 from pathlib import Path
 
+from msgspec import UNSET
+
 HEADS, HEAD_DIM = 8, 128
 BLOCK_TOKENS = 16
 #: After a miss the engine tries again at its next scheduling step, at most this often (a
@@ -324,7 +326,7 @@ class Engine:
             answer = core.last_acquire if core is not None else before
             if got == 0:
                 self.refusals.append(time.monotonic())
-            elif answer is not before and answer.get("waited_s") is not None:
+            elif answer is not before and answer is not None and answer.waited_s is not UNSET:
                 self.refusals.append(started)  # it did not fit at once: it waited at the broker
             return got
 
