@@ -10,7 +10,7 @@ raises kvcached's limit itself.  Its :class:`AgreedLimits` channel records the l
 follows) every rank offers, per pool in creation order, ``[min(wanted, granted), -evict_pages]``;
 one MIN reduce over the ranks gives the limit they all apply and the most any of them wants
 evicted.  Each rank then evicts that much from its prefix cache (the trees are identical, so the
-evictions are too) and sets the agreed limit with ``set_memory_limit``.
+evictions are too) and sets the agreed limit with ``set_memory_limit`` (:func:`.limits.set_own_limit`).
 
 Invariants:
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import announce, process_state
-from . import runner
+from . import limits, runner
 from .geometry import PoolGeometry
 from .governor import PoolGovernor
 
@@ -242,7 +242,7 @@ class Agreement:
         if unchanged and not finishing:
             return
         revision = int(limit.get("revision") or 0) + 1
-        applied = manager.set_memory_limit(governor.geometry.limit_bytes(pages), revision=revision)
+        applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), revision)
         for _ in range(_PREALLOC_RETRIES):
             if applied.get("status") != "deferred" or governor.real.get_num_inuse_pages() > pages:
                 break
@@ -252,7 +252,7 @@ class Agreement:
             # unlike its peers' until blocks are freed.
             time.sleep(_PREALLOC_RETRY_S)
             revision += 1
-            applied = manager.set_memory_limit(governor.geometry.limit_bytes(pages), revision=revision)
+            applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), revision)
         state.agreed_pages = pages
 
     def state_of(self, manager: Any) -> SyncState | None:

@@ -17,15 +17,17 @@ returns, the governor releases grants only above the allocator's size that kvcac
 (``PageAllocator.get_num_total_pages``), so a channel that applies late or not at all can
 delay a give-back but never overbook.
 
-A channel calls ``KVCacheManager.set_memory_limit`` from a module of this package
-(``kvcached_broker.adapters.kvcached.*``, as :class:`DirectLimits` and :mod:`.agreement` do):
-on a governed pool, a call from anywhere else is an outside limit, taken as an operator cap
-(:meth:`.governor.PoolGovernor.outside_limit`).  The ungoverning lift to the virtual size goes
-through the channel too (:meth:`.governor.PoolGovernor._ungovern`).
+A channel sets kvcached's limit through :func:`set_own_limit` (as :class:`DirectLimits` and
+:mod:`.agreement` do), which marks the call as the broker's own on its thread for as long as it
+runs: on a governed pool, any other ``KVCacheManager.set_memory_limit`` is an outside limit,
+taken as an operator cap (:meth:`.governor.PoolGovernor.outside_limit`), whatever wrappers sit
+between the caller and the patch's.  The ungoverning lift to the virtual size goes through the
+channel too (:meth:`.governor.PoolGovernor._ungovern`).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Protocol
 
 from .. import process_state
@@ -36,11 +38,32 @@ class LimitChannel(Protocol):
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> dict: ...
 
 
+#: The manager's attribute naming the threads that are in a :func:`set_own_limit` call now.
+_OWN_CALLS = "_kvcached_broker_own_limit_threads"
+
+
+def set_own_limit(manager: Any, limit_bytes: int, revision: int) -> dict:
+    """``manager.set_memory_limit(limit_bytes, revision=revision)`` as the broker's own call:
+    :func:`is_own_limit_call` is True on this thread, for this manager, while it runs."""
+    own: set[int] = manager.__dict__.setdefault(_OWN_CALLS, set())
+    thread = threading.get_ident()
+    own.add(thread)
+    try:
+        return manager.set_memory_limit(limit_bytes, revision=revision)
+    finally:
+        own.discard(thread)
+
+
+def is_own_limit_call(manager: Any) -> bool:
+    """Whether this thread's ``set_memory_limit`` on ``manager`` came through :func:`set_own_limit`."""
+    return threading.get_ident() in manager.__dict__.get(_OWN_CALLS, ())
+
+
 class DirectLimits:
     """Apply a limit at once, on the caller's thread."""
 
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> dict:
-        return manager.set_memory_limit(limit_bytes, revision=revision)
+        return set_own_limit(manager, limit_bytes, revision)
 
 
 Factory = Callable[[PoolGeometry], "LimitChannel | None"]

@@ -30,7 +30,6 @@ creates its KV tensors) and bounds what kvcached's listener maps there
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 from ...client.units import parse_size
@@ -257,26 +256,15 @@ def _wrap_shutdown(shutdown):
     return wrap_once(shutdown, governed_shutdown)
 
 
-#: The modules whose ``set_memory_limit`` calls are the governor's own (its limit channels).
-_OWN_CALLERS = __name__.rpartition(".")[0] + "."
-
-
 def _wrap_set_memory_limit(set_memory_limit):
     def governed_set_memory_limit(self, limit_bytes: int, *, revision: int):
         allocator = getattr(self, "page_allocator", None)
         governor = allocator.governor if isinstance(allocator, GovernedPageAllocator) else None
-        if governor is None or not governor.governed or _own_call():
+        if governor is None or not governor.governed or limits.is_own_limit_call(self):
             return set_memory_limit(self, limit_bytes, revision=revision)
         return governor.outside_limit(self, int(limit_bytes), int(revision))
 
     return wrap_once(set_memory_limit, governed_set_memory_limit)
-
-
-def _own_call() -> bool:
-    """True if ``set_memory_limit``'s caller is the broker's kvcached-mode code (a governor's
-    limit channel: :mod:`.limits`, :mod:`.agreement`), not kvcached's control API or an operator."""
-    caller = sys._getframe(2).f_globals.get("__name__", "")
-    return caller.startswith(_OWN_CALLERS)
 
 
 def patch_kv_cache_manager(module: Any) -> None:

@@ -394,6 +394,37 @@ def test_allocations_within_the_limit_make_no_broker_round_trip(inproc_pools, mo
     assert engine_thread not in requests[before:]
 
 
+def test_the_governors_own_limits_stay_its_own_under_another_libraries_wrapper(inproc_pools, monkeypatch):
+    """A wrapper made over the patched ``set_memory_limit`` (``functools.wraps``, as a tracing or
+    profiling library does) puts a frame between the governor's limit channel and the patch: the
+    governor's limits are still its own (no operator cap appears, the limit follows the grant),
+    and a call from outside through that wrapper is still an operator cap."""
+    import functools
+
+    import kvcached.kv_cache_manager as kvm
+
+    patched = kvm.KVCacheManager.set_memory_limit
+
+    @functools.wraps(patched)
+    def traced(self, limit_bytes, *, revision):
+        return patched(self, limit_bytes, revision=revision)
+
+    monkeypatch.setattr(kvm.KVCacheManager, "set_memory_limit", traced)
+    manager = inproc_pools.make()
+    governor = governor_of(manager)
+    _settle()
+    limit = manager.page_allocator.get_num_total_pages()
+    assert limit > 1 and governor.status()["operator_cap_bytes"] is None
+    governor.ask_back(limit // 2)
+    _settle()
+    assert manager.page_allocator.get_num_total_pages() <= limit - limit // 2
+    assert governor.status()["operator_cap_bytes"] is None  # its own lower limit, not an operator's
+    revision = manager.memory_limit_state()["revision"] + 1
+    assert manager.set_memory_limit(2 * POOL_PAGE_BYTES, revision=revision)["reason"] == "kvcached_broker_operator_cap"
+    _settle()
+    assert governor.status()["operator_cap_bytes"] == 2 * POOL_PAGE_BYTES
+
+
 # ------------------------------------------------------------------ the patch
 def test_the_patch_wraps_once(inproc_pools):
     import kvcached.kv_cache_manager as kvm
