@@ -491,28 +491,17 @@ def package_version() -> str:
 
 def _limits_request(limits: dict[str, Any] | None) -> proto.LimitsRequest | None:
     """``{"max_bytes": .., "min_bytes": .., "weight": .., "priority": ..}`` asked for at hello (admin
-    policy may clamp)."""
+    policy may clamp): checked against the wire's bounds (:class:`~.protocol.LimitsRequest`).  A
+    key left out is the broker's to decide; ``max_bytes: None`` asks for no cap."""
     if limits is None:
         return None
-    unknown = set(limits) - {"max_bytes", "min_bytes", "weight", "priority"}
+    unknown = set(limits) - set(proto.LimitsRequest.__struct_fields__)
     if unknown:
-        raise BadRequest(f"unknown limit {sorted(unknown)[0]!r}; use max_bytes, min_bytes, weight, priority")
-    for key in ("max_bytes", "min_bytes"):
-        if key in limits and limits[key] is not None:
-            _check_int(key, limits[key], minimum=0)
-    weight = limits.get("weight", proto.UNSET)
-    if weight is not proto.UNSET and (isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0):
-        raise BadRequest(f"weight must be a positive number, got {weight!r}")
-    priority = limits.get("priority", proto.UNSET)
-    if priority is not proto.UNSET and (isinstance(priority, bool) or not isinstance(priority, int)
-                                        or not -1000 <= priority <= 1000):
-        raise BadRequest(f"priority must be an integer from -1000 to 1000, got {priority!r}")
-    return proto.LimitsRequest(
-        max_bytes=limits.get("max_bytes", proto.UNSET),
-        min_bytes=limits.get("min_bytes", proto.UNSET) if limits.get("min_bytes") is not None else proto.UNSET,
-        weight=float(weight) if weight is not proto.UNSET else proto.UNSET,
-        priority=priority,
-    )
+        raise BadRequest(f"unknown limit {sorted(unknown)[0]!r}; use {', '.join(proto.LimitsRequest.__struct_fields__)}")
+    try:
+        return msgspec.convert(limits, proto.LimitsRequest)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"limits: {exc}") from None
 
 
 def _adapter_info(adapter: dict[str, Any] | None) -> proto.AdapterInfo | None:

@@ -43,11 +43,22 @@ def _reply_error(code: str) -> proto.Reply:
 @pytest.mark.parametrize("kwargs", [
     {"tp_size": 0}, {"tp_rank": -1}, {"tp_rank": 2, "tp_size": 2}, {"page_bytes": 0}, {"credit_pages": -1},
     {"instance": ""}, {"limits": {"max_gib": 1}}, {"limits": {"weight": 0}}, {"adapter": {"runtime": 3}},
+    # the wire's bounds, checked before a hello is sent (the broker would refuse it as a bad request)
+    {"limits": {"weight": 2e6}}, {"limits": {"priority": 1001}}, {"limits": {"priority": True}},
+    {"limits": {"min_bytes": None}}, {"limits": {"max_bytes": -1}},
 ])
 def test_a_core_refuses_bad_arguments(kwargs):
     base = dict(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES, credit_pages=4, device_uuid=None)
     with pytest.raises(BadRequest):
         ClientCore(**{**base, **kwargs})
+
+
+def test_hello_limits_are_sent_as_asked_and_a_key_left_out_is_left_to_the_broker():
+    base = dict(instance="m", tp_rank=0, tp_size=1, page_bytes=PAGE_BYTES, credit_pages=4, device_uuid=None)
+    core = ClientCore(**base, limits={"max_bytes": None, "weight": 3, "priority": -7})
+    sent = core.hello(resume=False).limits
+    assert sent == proto.LimitsRequest(max_bytes=None, weight=3.0, priority=-7)
+    assert sent.min_bytes is proto.UNSET
 
 
 def test_check_ask_takes_pages_from_1_and_min_pages_up_to_pages():
