@@ -217,7 +217,3 @@ def _base_coming_back(identity: worker_identity.WorkerIdentity, tags: set[str]) 
         return None
     return record.before_bytes
 
-
-def reset() -> None:
-    """Forget what was handed back (tests; :func:`.process_state.reset` resets it with the process's state)."""
-    process_state.forget(_Ledger)

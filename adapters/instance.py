@@ -160,7 +160,3 @@ def _clean_host(host: str) -> str:
 def _fit(name: str) -> str:
     return name[:_MAX_NAME]
 
-
-def reset() -> None:
-    """Forget the computed default (tests)."""
-    process_state.forget(_Defaults)

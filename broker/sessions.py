@@ -150,11 +150,6 @@ class SessionTable:
     def __iter__(self) -> Iterator[Binding]:
         return iter(list(self._by_id.values()))
 
-    def new_ids(self) -> tuple[str, str]:
-        """A fresh ``(public id, random secret token)`` pair (the broker issues verifiable
-        tokens instead: ``tokens.SessionTokens``)."""
-        return self.new_session_id(), secrets.token_urlsafe(24)
-
     def new_session_id(self) -> str:
         """A public id (``s-`` and 8 hex digits) no session in the table has."""
         while True:

@@ -10,7 +10,6 @@ figures are what the simulation assumes.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager, Sequence
@@ -90,6 +89,3 @@ def process_bytes(reading: DeviceReading, pid: int) -> int:
     """What the reading says ``pid`` uses (0 when it is not listed)."""
     return reading.process_bytes.get(pid, 0)
 
-
-def this_process_bytes(probe: DeviceProbe) -> int:
-    return process_bytes(probe.read(), os.getpid())
