@@ -58,11 +58,6 @@ log = announce.logger("kvcached_broker.adapters")
 
 T = TypeVar("T")
 
-#: What reading a broker answer of an unexpected shape raises (a missing field, a field of the
-#: wrong type or value): a protocol failure, handled like any other broker failure.
-MALFORMED_ANSWER = (LookupError, TypeError, ValueError, AttributeError)
-
-
 class SessionHost(Protocol):
     """What a session asks of the registry that opened it."""
 
@@ -102,8 +97,9 @@ class DeviceSession:
         return self._host.reason(self._device)
 
     def guard(self, action: str, call: Callable[[], T]) -> T | None:
-        """Run ``call`` (a broker round trip, and the reading of its answer); None if the device
-        is, or just turned, unprotected.  ``BudgetExceeded`` and an eviction propagate."""
+        """Run ``call`` (a broker round trip: the client checks its answer's shape); None if the
+        device is, or just turned, unprotected.  ``BudgetExceeded`` and an eviction propagate, and
+        so does any other exception: it is a bug here, not a broker failure."""
         if not self.usable:
             return None
         cause: Exception
@@ -115,10 +111,8 @@ class DeviceSession:
             if exc.fatal:
                 raise
             why, cause = str(exc), exc
-        except ProtocolError as exc:  # the client read an answer of another shape: it says which
+        except ProtocolError as exc:  # an answer of another shape than its request calls for
             why, cause = str(exc), exc
-        except MALFORMED_ANSWER as exc:
-            why, cause = f"the broker's answer is not in the shape this adapter reads ({type(exc).__name__}: {exc})", exc
         self._host.failed(self._device, f"{action}: {why}", cause)
         return None
 

@@ -43,7 +43,7 @@ def test_a_failed_round_trip_turns_the_device_unprotected_and_no_operation_asks_
     """One failure (here a timeout of a report) marks the device unprotected in the registry;
     every operation of that session then answers None, 0 or False with no request sent, and
     the registry opens no new session for the device."""
-    from kvcached_broker.client import BrokerError
+    from kvcached_broker.client import BrokerUnavailable
 
     ident = worker_identity.WorkerIdentity("sglang", 0, instance="failing")
     session = sessions.session(ident)
@@ -52,12 +52,12 @@ def test_a_failed_round_trip_turns_the_device_unprotected_and_no_operation_asks_
 
     def timed_out(*args, **kwargs):
         sent.append(args)
-        raise BrokerError("timeout", "no answer in 1 s")
+        raise BrokerUnavailable("kvcached-broker at ipc:///x did not answer within 1s")
 
     monkeypatch.setattr(session.client, "reserve", timed_out)
     monkeypatch.setattr(session.client, "acquire", timed_out)
     assert session.report("pool", {"kv_static": 2 * GIB}) is None
-    assert len(sent) == 1 and "report pool" in (sessions.unprotected_reason(ident) or "")
+    assert len(sent) == 1 and "report pool: [unavailable] " in (sessions.unprotected_reason(ident) or "")
     assert session.book.booked_bytes("pool") == GIB  # the book kept what the broker last answered
     assert not session.usable and sessions.session(ident) is None and sessions.existing(ident) is session
     assert session.hold("kv_sizing_hold", GIB) is None and session.pin_base() is None
@@ -67,6 +67,30 @@ def test_a_failed_round_trip_turns_the_device_unprotected_and_no_operation_asks_
     assert len(sent) == 1  # nothing asked the broker again
     (inst,) = adapter_broker.status()["instances"]
     assert inst["pools"] == {"kv_static": GIB}
+
+
+def test_the_guard_takes_a_malformed_answer_as_a_broker_failure_and_lets_a_bug_through(adapter_broker):
+    """A ``ProtocolError`` (the client read an answer of another shape) turns the device
+    unprotected like any broker failure; any other exception inside a guarded call is a bug of
+    the caller's and reaches it, with the session still usable."""
+    from kvcached_broker.client.protocol import ProtocolError
+
+    ident = worker_identity.WorkerIdentity("sglang", 0, instance="guarded")
+    session = sessions.session(ident)
+    assert session is not None
+
+    def buggy():
+        return {}["missing"]
+
+    with pytest.raises(KeyError):
+        session.guard("buggy read", buggy)
+    assert session.usable and sessions.unprotected_reason(ident) is None
+
+    def malformed():
+        raise ProtocolError("the broker's answer is not a ReserveResult: Object missing required field `holds`")
+
+    assert session.guard("report pool", malformed) is None
+    assert not session.usable and "is not a ReserveResult" in (sessions.unprotected_reason(ident) or "")
 
 
 def test_a_usage_view_above_the_sessions_charge_is_dropped_not_a_reason_to_turn_unprotected(adapter_broker):
