@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import announce, process_state
-from . import limits, runner
+from . import kvcached_api, limits, runner
 from .geometry import PoolGeometry
 from .governor import PoolGovernor
 
@@ -236,15 +236,15 @@ class Agreement:
                       "detail=applying the grant (this rank's limit differs from its peers' until the next sync)",
                       getattr(governor, "key", "?"), pages, governor.grants.pages)
             pages = governor.grants.pages
-        limit = manager.memory_limit_state()
+        limit = kvcached_api.limit_state(manager)
         unchanged = state.agreed_pages == pages
-        finishing = limit.get("status") == "deferred" and governor.real.get_num_inuse_pages() <= pages
+        finishing = limit.deferred and governor.real.get_num_inuse_pages() <= pages
         if unchanged and not finishing:
             return
-        revision = int(limit.get("revision") or 0) + 1
+        revision = max(limit.revision, 0) + 1
         applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), revision)
         for _ in range(_PREALLOC_RETRIES):
-            if applied.get("status") != "deferred" or governor.real.get_num_inuse_pages() > pages:
+            if not applied.deferred or governor.real.get_num_inuse_pages() > pages:
                 break
             # Nothing in use keeps the pool above the limit: kvcached's page preallocation was
             # mapping pages outside its allocator's lock (not free, not yet reserved), so the
@@ -332,10 +332,10 @@ def _size(governor: Any) -> int:
 def _deferred_overage(governor: Any, manager: Any) -> int:
     """Pages in use above a deferred limit (0 when kvcached applied its limit)."""
     try:
-        limit = manager.memory_limit_state()
-        if limit.get("status") != "deferred":
+        limit = kvcached_api.limit_state(manager)
+        if not limit.deferred or limit.effective_limit_bytes is None:
             return 0
-        return max(0, governor.real.get_num_inuse_pages() - int(limit["effective_limit_bytes"]) // governor.geometry.page_bytes)
+        return max(0, governor.real.get_num_inuse_pages() - limit.effective_limit_bytes // governor.geometry.page_bytes)
     except Exception:  # noqa: BLE001 - no eviction asked rather than no sync
         return 0
 
@@ -374,14 +374,14 @@ class AgreedLimits:
         self.agreement = agreement
         self.wait_s = wait_s
 
-    def apply(self, manager: Any, limit_bytes: int, revision: int) -> dict:
+    def apply(self, manager: Any, limit_bytes: int, revision: int) -> kvcached_api.LimitState:
         governor = manager.page_allocator.governor
         hold_offers(self.agreement, governor, manager)
         pages = governor.geometry.pages_of(limit_bytes)
         if governor.governed and governor.grants is not None:
             pages = min(pages, governor.grants.pages)  # never want more than this rank holds
         self.agreement.wait(self.agreement.want(manager, pages), self.wait_s)
-        return manager.memory_limit_state()
+        return kvcached_api.limit_state(manager)
 
 
 def shared() -> Agreement:

@@ -72,6 +72,7 @@ from .display import PoolDisplay
 from .geometry import PoolGeometry
 from .kvctl import KvctlSegment
 from .grants import Grants
+from .kvcached_api import LimitState
 from .limits import DirectLimits, LimitChannel
 from .policy import Grow, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan, initial_pages
 from .pool_state import AskBook, GrowPacing, PoolState, limit_after_grant, surplus_pages
@@ -507,7 +508,7 @@ class PoolGovernor:
     def _lower_now(self, manager: Any, limit_pages: int) -> None:
         """Lower the limit to ``limit_pages`` (>= in use: kvcached applies it) and release."""
         state = self._set_limit(manager, limit_pages)
-        if state.get("status") == "deferred":
+        if state.deferred:
             self.state.defer(limit_pages)
             return
         self._release_above_limit()
@@ -515,35 +516,34 @@ class PoolGovernor:
     def _defer(self, manager: Any, limit_pages: int) -> None:
         inuse = self.real.get_num_inuse_pages()
         state = self._set_limit(manager, limit_pages)
-        status = state.get("status")
-        if status == "deferred":
+        if state.deferred:
             self.counters["deferred"] += 1
             hook = "a prefix-cache hook" if eviction.hook_for(manager) is not None else "no prefix-cache hook"
             self.state.defer(limit_pages, f"deferred: {inuse - limit_pages} pages in use by blocks still allocated "
                                           f"({hook}); released as they are freed")
             log.info("event=kvcached_giveback_deferred pool=%s limit_pages=%d inuse_pages=%d detail=%r",
                      self.key, limit_pages, inuse, self.blocked)
-        elif status == "rejected":
-            self.state.answer(f"rejected: {state.get('reason') or 'kvcached refused the resize'}")
+        elif state.status == "rejected":
+            self.state.answer(f"rejected: {state.reason or 'kvcached refused the resize'}")
             log.warning("event=kvcached_giveback_blocked pool=%s reason=%r", self.key, self.blocked)
         self._release_above_limit()
 
     def _finish_deferred(self, manager: Any) -> None:
         """Release what a deferred limit freed; re-apply it once its blocks are freed (kvcached
         finishes it on a ``free``, but a prealloc refill racing that resize can leave it pending)."""
-        state = manager.memory_limit_state()
+        state = kvcached_api.limit_state(manager)
         pending = self.pending_limit
         assert pending is not None
         above = self.real.get_num_inuse_pages() - pending
-        if state.get("status") == "deferred" and above > 0 and self._cached_pages(manager) > 0:
+        if state.deferred and above > 0 and self._cached_pages(manager) > 0:
             # Requests finished into the prefix cache since the limit was deferred: what they
             # left there goes now, rather than at the next ask.
             self._evict(manager, above)
-        if state.get("status") == "deferred" and self.real.get_num_inuse_pages() <= pending:
+        if state.deferred and self.real.get_num_inuse_pages() <= pending:
             state = self._set_limit(manager, pending)
         self._release_above_limit()
-        if state.get("status") != "deferred":
-            self.state.settle("" if state.get("status") == "applied" else f"{state.get('status')}: {state.get('reason')}")
+        if not state.deferred:
+            self.state.settle("" if state.status == "applied" else f"{state.status}: {state.reason}")
 
     def _evict(self, manager: Any, pages: int) -> None:
         hook = eviction.hook_for(manager)
@@ -596,7 +596,7 @@ class PoolGovernor:
         return f"at its floor: {self.marks.floor_pages} page(s) kept for kvcached's null block ({wanted} asked)"
 
     # ------------------------------------------------------------ kvcached's limit
-    def _set_limit(self, manager: Any, limit_pages: int) -> dict:
+    def _set_limit(self, manager: Any, limit_pages: int) -> LimitState:
         """``set_memory_limit`` with a revision newer than any the pool has seen (its own, an
         outside caller's, kvcached's current one); the state kvcached reports."""
         revision = self.state.next_revision(self.asks.outside_revision, kvcached_api.limit_revision(manager))
@@ -604,7 +604,7 @@ class PoolGovernor:
             return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), revision)
         except Exception as exc:  # noqa: BLE001 - a limit kvcached cannot take changes nothing
             log.warning("event=kvcached_limit_failed pool=%s limit_pages=%d error=%r", self.key, limit_pages, str(exc))
-            return {"status": "rejected", "reason": str(exc)}
+            return LimitState("rejected", str(exc))
 
     def _limit_pages(self) -> int:
         """kvcached's allocator size: the bound on what the pool maps."""

@@ -43,13 +43,53 @@ import importlib
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ContextManager, TypeGuard
 
 _VLLM_INTERFACES = "kvcached.integration.vllm.interfaces"
 _TP_IPC_UTIL = "kvcached.tp_ipc_util"
 
 
 # ------------------------------------------------------------ a manager
+@dataclass(frozen=True)
+class LimitState:
+    """What kvcached says of a pool's revisioned memory limit: ``set_memory_limit``'s answer or
+    ``memory_limit_state()``, read here once (:meth:`of`) so no other module indexes its map.
+
+    ``status`` (0.1.6): ``applied``; ``deferred`` (blocks in use above the limit: it finishes as
+    they are freed); ``stale`` (a revision older than the current one); ``conflict`` (the current
+    revision with another limit); ``rejected`` (quarantined pages prevent the resize).
+    ``effective_limit_bytes``: the limit in whole pages of all layers (None: no limit set yet)."""
+
+    status: str
+    reason: str = ""
+    revision: int = -1
+    effective_limit_bytes: int | None = None
+
+    @property
+    def deferred(self) -> bool:
+        return self.status == "deferred"
+
+    @classmethod
+    def of(cls, state: Any) -> LimitState:
+        """kvcached's map; a field missing or of another type reads as the default (a status as
+        ``unknown``)."""
+        get = state.get if isinstance(state, dict) else (lambda key: None)
+        status, reason, revision, effective = get("status"), get("reason"), get("revision"), get("effective_limit_bytes")
+        return cls(status=status if isinstance(status, str) else "unknown",
+                   reason=reason if isinstance(reason, str) else "",
+                   revision=revision if _is_int(revision) else -1,
+                   effective_limit_bytes=effective if _is_int(effective) else None)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def limit_state(manager: Any) -> LimitState:
+    """``manager.memory_limit_state()``, read."""
+    return LimitState.of(manager.memory_limit_state())
+
+
 def post_init_done(manager: Any) -> bool:
     """True once the manager's post-init thread reserved its null block (its calls return)."""
     done = getattr(manager, "_post_init_done", None)
@@ -61,13 +101,13 @@ def limit_revision(manager: Any) -> int:
     state = getattr(manager, "memory_limit_state", None)
     if state is not None:
         try:
-            revision = state().get("revision")
+            revision = LimitState.of(state()).revision
         except Exception:  # noqa: BLE001 - a revision unread is -1: the governor's own stays newer
-            revision = None
-        if isinstance(revision, int):
+            revision = -1
+        if revision != -1:
             return revision
     revision = getattr(manager, "_memory_limit_revision", -1)
-    return revision if isinstance(revision, int) else -1
+    return revision if _is_int(revision) else -1
 
 
 def held_lock(manager: Any) -> ContextManager[Any]:

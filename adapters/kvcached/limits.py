@@ -11,8 +11,8 @@ runtime's allocation path:
   step, needs a channel that applies the limit at a point of its scheduler's own choosing.
   Such a channel is installed with :func:`set_factory`.
 
-A channel's :meth:`apply` returns kvcached's limit state (``{"status": "applied" | "deferred" |
-"stale" | "rejected", ...}``) as ``KVCacheManager.set_memory_limit`` does.  Whatever it
+A channel's :meth:`apply` returns kvcached's limit state as ``KVCacheManager.set_memory_limit``
+answers it, read (:class:`.kvcached_api.LimitState`: applied, deferred, ...).  Whatever it
 returns, the governor releases grants only above the allocator's size that kvcached reports
 (``PageAllocator.get_num_total_pages``), so a channel that applies late or not at all can
 delay a give-back but never overbook.
@@ -32,24 +32,25 @@ from typing import Any, Callable, Protocol
 
 from .. import process_state
 from .geometry import PoolGeometry
+from .kvcached_api import LimitState
 
 
 class LimitChannel(Protocol):
-    def apply(self, manager: Any, limit_bytes: int, revision: int) -> dict: ...
+    def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState: ...
 
 
 #: The manager's attribute naming the threads that are in a :func:`set_own_limit` call now.
 _OWN_CALLS = "_kvcached_broker_own_limit_threads"
 
 
-def set_own_limit(manager: Any, limit_bytes: int, revision: int) -> dict:
+def set_own_limit(manager: Any, limit_bytes: int, revision: int) -> LimitState:
     """``manager.set_memory_limit(limit_bytes, revision=revision)`` as the broker's own call:
     :func:`is_own_limit_call` is True on this thread, for this manager, while it runs."""
     own: set[int] = manager.__dict__.setdefault(_OWN_CALLS, set())
     thread = threading.get_ident()
     own.add(thread)
     try:
-        return manager.set_memory_limit(limit_bytes, revision=revision)
+        return LimitState.of(manager.set_memory_limit(limit_bytes, revision=revision))
     finally:
         own.discard(thread)
 
@@ -62,7 +63,7 @@ def is_own_limit_call(manager: Any) -> bool:
 class DirectLimits:
     """Apply a limit at once, on the caller's thread."""
 
-    def apply(self, manager: Any, limit_bytes: int, revision: int) -> dict:
+    def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState:
         return set_own_limit(manager, limit_bytes, revision)
 
 

@@ -130,7 +130,7 @@ def test_an_ungoverned_pool_with_a_limit_channel_is_lifted_only_through_the_chan
     """SGLang's ranks agree on limits at sync points: the lift is a limit the channel applies
     there, and neither the stale target nor the lift's own segment write changes this rank's
     capacity on an allocation in between."""
-    from kvcached_broker.adapters.kvcached import limits
+    from kvcached_broker.adapters.kvcached import kvcached_api, limits
 
     class HeldChannel:
         """Records what the governor wants; applies it only when the test's sync point comes."""
@@ -140,11 +140,10 @@ def test_an_ungoverned_pool_with_a_limit_channel_is_lifted_only_through_the_chan
 
         def apply(self, manager, limit_bytes, revision):
             self.wanted.append(limit_bytes)
-            return manager.memory_limit_state()
+            return kvcached_api.limit_state(manager)
 
         def sync(self, manager):
-            return limits.DirectLimits().apply(manager, self.wanted[-1],
-                                               manager.memory_limit_state()["revision"] + 1)
+            return limits.DirectLimits().apply(manager, self.wanted[-1], kvcached_api.limit_state(manager).revision + 1)
 
     channel = HeldChannel()
     limits.set_factory(lambda geometry: channel)
@@ -164,7 +163,7 @@ def test_an_ungoverned_pool_with_a_limit_channel_is_lifted_only_through_the_chan
              what="kvcached's kvctl watcher to see the lifted segment")
     assert manager.alloc(BLOCKS_PER_PAGE) is not None
     assert manager.page_allocator.get_num_total_pages() == size  # unchanged until the sync point
-    assert channel.sync(manager)["status"] == "applied"
+    assert channel.sync(manager).status == "applied"
     assert manager.page_allocator.get_num_total_pages() * POOL_PAGE_BYTES == virtual
 
 

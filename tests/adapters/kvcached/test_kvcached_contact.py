@@ -118,3 +118,14 @@ def test_the_check_lets_the_patch_table_and_public_calls_through():
     assert not contacts("Patch('p', 'kvcached', 'kvcached.kv_cache_manager', apply)\n"
                         "manager.set_memory_limit(1, revision=2)\nmanager.memory_limit_state()\n"
                         "allocator.get_num_total_pages()\nwith self._lock:\n    pass\nviews[f'kvcached.{name}.limit'] = 1")
+
+
+def test_kvcached_limit_state_is_read_once_and_a_field_it_lacks_reads_as_the_default():
+    from kvcached_broker.adapters.kvcached.kvcached_api import LimitState
+
+    state = LimitState.of({"status": "deferred", "reason": "inuse_capacity_above_limit", "revision": 7,
+                           "effective_limit_bytes": 1 << 30, "pool_name": "mha"})
+    assert state == LimitState("deferred", "inuse_capacity_above_limit", 7, 1 << 30) and state.deferred
+    assert LimitState.of({"status": "applied", "effective_limit_bytes": None}) == LimitState("applied")
+    for odd in (None, [], {"status": 3, "revision": True, "effective_limit_bytes": "1"}):
+        assert LimitState.of(odd) == LimitState("unknown") and not LimitState.of(odd).deferred
