@@ -50,6 +50,7 @@ from .. import announce, process_state
 from . import kvcached_api, limits, runner
 from .geometry import PoolGeometry
 from .governor import PoolGovernor
+from .grants import Grants, SessionGrants
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -189,7 +190,7 @@ class Agreement:
                 state = self._states.setdefault(manager, SyncState())
                 proposal = _proposal(governor, state)
                 if _governed(governor):
-                    if not _holds_offers(governor):  # no reservation possible yet: nothing above its size
+                    if not isinstance(governor.grants, AgreedGrants):  # its releases do not wait: nothing above its size
                         proposal = min(proposal, governor.real.get_num_total_pages())
                     state.offered = proposal
                 offer += [proposal, -max(state.evict_pages, overage)]
@@ -293,32 +294,62 @@ def _proposal(governor: Any, state: SyncState) -> int:
         return getattr(getattr(governor, "geometry", None), "virtual_pages", _NO_CONSTRAINT)
 
 
-def _holds_offers(governor: Any) -> bool:
-    """True once the pool's grant gives back only through :meth:`Agreement.release`."""
-    return bool(getattr(getattr(governor.grants, "release", None), _HOLDS_OFFERS, False))
+class AgreedGrants:
+    """A pool's grants whose give-backs go through :meth:`Agreement.release` (the offer a sync
+    holds stays granted: "an offer is a reservation"); everything else is ``inner``'s.  The
+    :class:`AgreedLimits` channel composes it when the governor is built
+    (:meth:`AgreedLimits.route_releases`), so every release of that pool's session grant, from
+    its first, passes the sync points.  Before the manager is known (or once it is gone) a release goes
+    straight to ``inner``: no sync point holds an offer of a pool it has not seen."""
 
+    def __init__(self, inner: SessionGrants, agreement: Agreement, governor: PoolGovernor):
+        self.inner = inner
+        self.agreement = agreement
+        self.governor = governor
+        self.maps_here = inner.maps_here
+        self.ratio = inner.ratio  # session pages per pool page (pressure asks are in session pages)
 
-_HOLDS_OFFERS = "__kvcached_broker_holds_offers__"
+    @property
+    def pages(self) -> int:
+        return self.inner.pages
 
+    def release(self, pages: int, *, mapped: int | None = None, key: str | None = None) -> bool:
+        manager = self.governor.manager()
+        if manager is None:
+            return self.inner.release(pages, mapped=mapped, key=key)
+        return self.agreement.release(self.governor, manager,
+                                      lambda allowed: self.inner.release(allowed, mapped=mapped, key=key), pages)
 
-def hold_offers(agreement: "Agreement", governor: Any, manager: Any) -> None:
-    """Route the pool's give-backs through :meth:`Agreement.release` (once; on the governor's
-    thread, the one that gives back, so no release is in flight while this is done)."""
-    grants = governor.grants
-    if grants is None or _holds_offers(governor):
-        return
-    release = grants.release
-    manager_ref = weakref.ref(manager)
+    def lost(self) -> str | None:
+        return self.inner.lost()
 
-    def release_outside_syncs(pages: int, **said: Any) -> bool:
-        # ``said``: what the release says with it (the governor's ``mapped=``, ``key=``)
-        pool = manager_ref()
-        if pool is None:
-            return release(pages, **said)
-        return agreement.release(governor, pool, lambda allowed: release(allowed, **said), pages)
+    def acquire(self, pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None:
+        return self.inner.acquire(pages, min_pages, wait_s=wait_s)
 
-    setattr(release_outside_syncs, _HOLDS_OFFERS, True)
-    grants.release = release_outside_syncs
+    def mapped(self, key: str, pages: int) -> None:
+        self.inner.mapped(key, pages)
+
+    def idle(self, key: str, pages: int) -> None:
+        self.inner.idle(key, pages)
+
+    def uncharged_pages(self) -> int:
+        return self.inner.uncharged_pages()
+
+    def unasked_shortfall(self) -> int:
+        return self.inner.unasked_shortfall()
+
+    def report(self, key: str, pools: dict[str, int], *, usage: dict[str, int] | None = None,
+               allocated: bool = True) -> bool:
+        return self.inner.report(key, pools, usage=usage, allocated=allocated)
+
+    def forget(self, key: str) -> None:
+        self.inner.forget(key)
+
+    def forget_report(self, key: str) -> None:
+        self.inner.forget_report(key)
+
+    def poll(self) -> int:
+        return self.inner.poll()
 
 
 def _size(governor: Any) -> int:
@@ -374,9 +405,13 @@ class AgreedLimits:
         self.agreement = agreement
         self.wait_s = wait_s
 
+    def route_releases(self, grants: Grants, governor: PoolGovernor) -> Grants:
+        """The session's grants, routed through the agreement; other grants (a test's fixed
+        ones) as they are: their releases do not wait, so a sync offers no more than their size."""
+        return AgreedGrants(grants, self.agreement, governor) if isinstance(grants, SessionGrants) else grants
+
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> kvcached_api.LimitState:
         governor = manager.page_allocator.governor
-        hold_offers(self.agreement, governor, manager)
         pages = governor.geometry.pages_of(limit_bytes)
         if governor.governed and governor.grants is not None:
             pages = min(pages, governor.grants.pages)  # never want more than this rank holds

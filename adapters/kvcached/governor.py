@@ -99,8 +99,8 @@ class PoolGovernor:
                  marks: Watermarks, *, limits: LimitChannel | None = None, why_ungoverned: str = ""):
         self.geometry = geometry
         self.real = real_allocator
-        self.grants = grants
         self.limits = limits or DirectLimits()
+        self.grants = grants if grants is None else self.limits.route_releases(grants, self)
         self.marks = marks
         self.ramp = Ramp(marks)
         self.state = PoolState(governed=grants is not None, why_ungoverned=why_ungoverned)
@@ -227,7 +227,7 @@ class PoolGovernor:
         pool's limits change only where its TP ranks agree (``at_sync_points``, SGLang): the
         segment is shared by the ranks, so the target may be a governed peer's limit, and a
         resize on this rank alone would leave the ranks' capacities unequal."""
-        if (self.governed or self.kvctl.own_target(target) or getattr(self.limits, "at_sync_points", False)
+        if (self.governed or self.kvctl.own_target(target) or self.limits.at_sync_points
                 or self.kvctl.unsafe):
             return -1  # (an untrusted segment's value is never applied)
         return target

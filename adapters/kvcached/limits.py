@@ -28,14 +28,26 @@ channel too (:meth:`.governor.PoolGovernor._ungovern`).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .. import process_state
 from .geometry import PoolGeometry
 from .kvcached_api import LimitState
 
+if TYPE_CHECKING:
+    from .governor import PoolGovernor
+    from .grants import Grants
+
 
 class LimitChannel(Protocol):
+    #: The pool's limits change only at the runtime's sync points (SGLang's agreement): nothing
+    #: else may resize it, not even kvcached's kvctl watcher.
+    at_sync_points: bool
+
+    def route_releases(self, grants: Grants, governor: PoolGovernor) -> Grants:
+        """The grants the governor gives back through (once, as it is built)."""
+        ...
+
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState: ...
 
 
@@ -62,6 +74,11 @@ def is_own_limit_call(manager: Any) -> bool:
 
 class DirectLimits:
     """Apply a limit at once, on the caller's thread."""
+
+    at_sync_points = False
+
+    def route_releases(self, grants: Grants, governor: PoolGovernor) -> Grants:
+        return grants
 
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState:
         return set_own_limit(manager, limit_bytes, revision)

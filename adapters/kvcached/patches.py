@@ -193,7 +193,7 @@ def _wrap_engine_calls(manager: Any, governor: PoolGovernor) -> None:
     admitted before the shortfall is allocated (admission and allocation always see the same
     pool), and the shortfall goes back at the next sync point."""
     alloc, free, available_size = manager.alloc, manager.free, manager.available_size
-    at_sync_points = bool(getattr(governor.limits, "at_sync_points", False))
+    at_sync_points = governor.limits.at_sync_points
 
     def governed_available_size() -> int:
         if governor.charge_short():

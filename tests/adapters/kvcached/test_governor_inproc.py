@@ -132,7 +132,7 @@ def test_an_ungoverned_pool_with_a_limit_channel_is_lifted_only_through_the_chan
     capacity on an allocation in between."""
     from kvcached_broker.adapters.kvcached import kvcached_api, limits
 
-    class HeldChannel:
+    class HeldChannel(limits.DirectLimits):
         """Records what the governor wants; applies it only when the test's sync point comes."""
 
         def __init__(self):
