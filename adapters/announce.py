@@ -63,7 +63,7 @@ class AdapterLog:
         self.name = name
         self._logger = logging.getLogger(name)
 
-    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - logging.Logger's name
+    def isEnabledFor(self, level: int) -> bool:  # logging.Logger's name
         return level >= logging.INFO or self._logger.isEnabledFor(level)
 
     def log(self, level: int, msg: object, *args: object, exc_info: ExcInfo = None, stacklevel: int = 1) -> None:

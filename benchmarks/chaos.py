@@ -1408,7 +1408,7 @@ class ChaosRun:
             for step in steps:
                 try:
                     step()
-                except Exception as exc:  # keep going: the other processes must go too
+                except Exception as exc:  # noqa: BLE001 - keep going: the other processes must go too
                     print(f"cleanup: {exc!r}", file=sys.stderr)
         finally:
             self.broker.kill()

@@ -319,7 +319,7 @@ def main(argv: list[str]) -> int:
     def run_traffic() -> None:
         try:
             traffic.run()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - any failure of the traffic is reported, then the worker exits
             emit({"ev": "error", "where": "traffic", "error": traceback.format_exc()})
             os._exit(1)
 

@@ -29,7 +29,7 @@ import msgpack
 import zmq
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import (  # noqa: E402
+from harness import (
     broker,
     open_raw_session,
     percentile,

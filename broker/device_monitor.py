@@ -52,7 +52,7 @@ class DeviceMonitor:
         self.log_new_collisions(ledger)
         try:
             reading = self.probe.read()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed reading is logged; the next tick reads again
             log.error("event=device_read_failed error=%s", exc)
             return
         headroom = self._headroom_bytes

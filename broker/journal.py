@@ -369,7 +369,7 @@ class Journal:
             if self.writes.error is not None:
                 log.error("event=snapshot_failed error=%r detail=the_state_on_disk_is_older_than_this_broker_and_marked_stale",
                           self.writes.error)
-        except Exception as exc:  # keep the journal; it is enough to recover
+        except Exception as exc:  # noqa: BLE001 - keep the journal; it is enough to recover
             log.error("event=snapshot_failed error=%s", exc)
         self.store.close()
 

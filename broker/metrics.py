@@ -321,7 +321,7 @@ class MetricsServer:
             try:
                 self._server.finish_request(request, client_address)
                 self.served += 1
-            except Exception:  # a timeout or a peer that went away: that connection only
+            except Exception:  # noqa: BLE001 - a timeout or a peer that went away: that connection only
                 pass
             finally:
                 self._server.shutdown_request(request)

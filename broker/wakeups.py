@@ -102,7 +102,7 @@ class WakeupThread:
                         self._drain_wake_pipe()
                     else:
                         self._post_exit(fd)
-        except Exception as exc:  # the shell still sees exits through the lease
+        except Exception as exc:  # noqa: BLE001 - the shell still sees exits through the lease
             log.error("event=wakeup_thread_failed error=%r", exc)
         finally:
             self._sock.close(0)

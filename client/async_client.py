@@ -165,7 +165,7 @@ class AsyncBrokerClient(SessionView):
             value, error = None, None
             try:
                 value = await self._do(action)
-            except BaseException as exc:  # the operation decides: in doubt, refused, ...
+            except BaseException as exc:  # noqa: BLE001 - the operation decides: in doubt, refused, ...
                 error = exc
 
     async def _do(self, action: Send | Resume | Invoke) -> Any:

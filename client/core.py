@@ -485,7 +485,7 @@ def package_version() -> str:
         from importlib.metadata import version
 
         return version("kvcached-broker")
-    except Exception:
+    except Exception:  # noqa: BLE001 - not installed as a package: the version is unknown
         return "0+unknown"
 
 

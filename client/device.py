@@ -86,7 +86,7 @@ def _uuid_from_torch(ordinal: int) -> str | None:
         if not torch.cuda.is_initialized():
             return None
         uuid = str(torch.cuda.get_device_properties(ordinal).uuid)
-    except Exception:
+    except Exception:  # noqa: BLE001 - torch cannot say: resolve without it
         return None
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
@@ -98,7 +98,7 @@ def _nvml() -> Any:
 
         pynvml.nvmlInit()
         return pynvml
-    except Exception:
+    except Exception:  # noqa: BLE001 - no usable NVML: resolve without it
         return None
 
 
@@ -124,7 +124,7 @@ def _nvml_lookup(entry: str) -> tuple[int, str] | None:
             if uuid == entry or uuid.startswith(entry if entry.startswith("GPU-") else "GPU-" + entry):
                 matches.append((index, uuid))
         return matches[0] if len(matches) == 1 else None
-    except Exception:
+    except Exception:  # noqa: BLE001 - NVML cannot resolve it: the caller says why
         return None
 
 

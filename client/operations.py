@@ -75,7 +75,7 @@ def drive(op: Op[T], do: Callable[[Action], Any]) -> T:
         value, error = None, None
         try:
             value = do(action)
-        except BaseException as exc:  # the operation decides
+        except BaseException as exc:  # noqa: BLE001 - the operation decides
             error = exc
 
 
@@ -232,7 +232,7 @@ class Operations:
         failure: Exception | None = None
         try:
             local = yield from self.acquire(pages, min_pages)
-        except Exception as exc:  # not BaseException: an interrupt or a cancellation stops the rank
+        except Exception as exc:  # noqa: BLE001 - not BaseException: an interrupt or a cancellation stops the rank
             local, failure = 0, exc
         agreed = int((yield Invoke(reduce_min, (local,))))
         if not 0 <= agreed <= local:

@@ -285,7 +285,7 @@ def _salvage_id(frame: bytes) -> int | None:
     """Best effort: the ``id`` of an invalid request, so its sender can match the error."""
     try:
         raw = msgspec.msgpack.decode(frame)
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort: a frame that does not decode has no id
         return None
     if isinstance(raw, dict):
         rid = raw.get("id")

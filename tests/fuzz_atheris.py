@@ -21,7 +21,7 @@ with atheris.instrument_imports(include=["kvcached_broker"]):
     from kvcached_broker.client import protocol as proto
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import make_core  # noqa: E402  (the request core alone: no sockets, files or processes)
+from helpers import make_core  # the request core alone: no sockets, files or processes
 
 PEER = Peer(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), address="localhost")
 RID = b"\x00fuzz"

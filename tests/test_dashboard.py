@@ -136,7 +136,7 @@ def test_every_query_parses():
     for where, expr, _ in queries():
         try:
             parse(expr)
-        except Exception as exc:  # the parser's error names the position
+        except Exception as exc:  # noqa: BLE001 - the parser's error names the position
             pytest.fail(f"{where}: {expr!r} does not parse: {exc}")
 
 

@@ -172,7 +172,7 @@ def _governor_or_ungoverned(geometry: PoolGeometry, real: Any) -> PoolGovernor:
         return new_governor(geometry, real)
     except BrokerRequired:
         raise
-    except Exception as exc:  # noqa: BLE001 - nothing raises into KVCacheManager.__init__
+    except Exception as exc:  # nothing raises into KVCacheManager.__init__
         why = f"governor failed at pool start ({type(exc).__name__}: {exc})"
         if flags.required():
             raise BrokerRequired(f"kvcached-broker is required (KVCACHED_REQUIRE=1) but cannot govern the kvcached "
@@ -236,7 +236,7 @@ def _wrap_init(init):
             if governor.governed:
                 _wrap_engine_calls(self, governor)
             runner.enlist(governor)  # an ungoverned pool only shows in status(), saying why
-        except Exception as exc:  # noqa: BLE001 - nothing raises into KVCacheManager.__init__
+        except Exception as exc:  # nothing raises into KVCacheManager.__init__
             if flags.required():
                 raise BrokerRequired(f"kvcached-broker is required (KVCACHED_REQUIRE=1) but cannot govern the "
                                      f"kvcached pool {governor.key}: {type(exc).__name__}: {exc}") from exc

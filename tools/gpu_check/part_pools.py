@@ -252,7 +252,7 @@ class Sampler:
             while not self._stop.is_set():
                 try:
                     self.sample(admin, probe)
-                except Exception as exc:  # a failed sample is reported, never silent
+                except Exception as exc:  # noqa: BLE001 - a failed sample is reported, never silent
                     if len(self.errors) < 5:
                         self.errors.append(f"{type(exc).__name__}: {exc}")
                 self._stop.wait(SAMPLE_S)

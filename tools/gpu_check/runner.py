@@ -92,7 +92,7 @@ def part_main(args: argparse.Namespace) -> int:
         part.run(ctx)
     except Skip as exc:
         status, why = "skipped", str(exc)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a part's failure is its record's, not the run's
         status, why = "error", f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         record.data["trace"] = traceback.format_exc()[-4000:]
     record.finish(status, why)
@@ -289,14 +289,14 @@ def machine(mode: str) -> dict[str, Any]:
         driver = pynvml.nvmlSystemGetDriverVersion()
         info["driver"] = driver.decode() if isinstance(driver, bytes) else driver
         info["total_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the run says what it could not read
         info["device"] = f"unknown ({type(exc).__name__}: {exc})"
     try:
         import torch
 
         info["torch"] = torch.__version__
         info["torch_cuda"] = torch.version.cuda
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the run says what it could not read
         info["torch"] = f"not importable ({type(exc).__name__})"
     return info
 

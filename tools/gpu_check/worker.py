@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
                 return
             try:
                 reply(worker.handle(request))
-            except Exception as exc:  # one failed step must not end the others: the part records it
+            except Exception as exc:  # noqa: BLE001 - one failed step must not end the others: the part records it
                 reply({"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500],
                        "trace": traceback.format_exc()[-2000:]})
     finally:

@@ -11,16 +11,16 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import logging  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import logging
+import sys
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/adapters: device_usage
 
-import pytest  # noqa: E402
-from helpers import connect_to, require_runtime  # noqa: E402,F401  (tests import connect_to from here)
+import pytest
+from helpers import connect_to, require_runtime  # tests import connect_to from here
 
-from kvcached_broker.adapters import process_state, sessions  # noqa: E402
+from kvcached_broker.adapters import process_state, sessions
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,17 +39,17 @@ def patched_sglang(sglang_version):
     from kvcached_broker.adapters import autopatch
 
     autopatch.apply(["sglang"])
-    import sglang.srt.mem_cache.allocator  # noqa: F401
-    import sglang.srt.mem_cache.deepseek_v4_memory_pool  # noqa: F401
+    import sglang.srt.mem_cache.allocator
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool
 
     import sglang_cpu
 
     if sglang_cpu.at_least("0.5.16"):
-        import sglang.srt.mem_cache.kv_cache_configurator  # noqa: F401
+        import sglang.srt.mem_cache.kv_cache_configurator
     else:
-        import sglang.srt.model_executor.model_runner_kv_cache_mixin  # noqa: F401
+        import sglang.srt.model_executor.model_runner_kv_cache_mixin
     if sglang_cpu.at_least("0.5.13"):
-        import sglang.srt.managers.scheduler_components.weight_updater  # noqa: F401
+        import sglang.srt.managers.scheduler_components.weight_updater
     else:
         import sglang.srt.managers.scheduler_update_weights_mixin  # noqa: F401
     return autopatch.apply(["sglang"])

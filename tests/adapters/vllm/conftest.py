@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import connect_to, require_runtime  # noqa: F401  (tests import connect_to from here)
+from helpers import connect_to, require_runtime  # tests import connect_to from here
 
 from kvcached_broker.adapters import process_state, sessions
 

@@ -489,8 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     # A collective a peer never joins fails after a minute instead of hanging the test.
     dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=60))
-    import sglang  # noqa: F401  - kvcached's patches apply now (wrapt hook on sglang)
-    import sglang.srt.managers.scheduler  # noqa: F401  - the sync-point patch
+    import sglang  # kvcached's patches apply now (wrapt hook on sglang)
+    import sglang.srt.managers.scheduler  # the sync-point patch
     import sglang.srt.mem_cache.kv_cache_configurator  # noqa: F401  - kvcached's sizing patch, then the broker's
 
     publish_groups(args.rank, args.world)

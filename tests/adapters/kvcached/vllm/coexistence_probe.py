@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kv_model  # noqa: E402  (the test model, as this vLLM's kvcached integration lays it out)
+import kv_model  # the test model, as this vLLM's kvcached integration lays it out
 
 #: The result goes out on the original stdout; everything else printed (kvcached prints) goes to stderr.
 _result = os.fdopen(os.dup(1), "w")

@@ -18,7 +18,7 @@ from helpers import require_kvcached_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tp_harness import Broker, Gpu, Processes  # noqa: E402
+from tp_harness import Broker, Gpu, Processes
 
 
 @pytest.fixture(scope="session", autouse=True)

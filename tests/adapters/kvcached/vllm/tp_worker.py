@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import kv_model  # noqa: E402  (the test model, as this vLLM's kvcached integration lays it out)
+import kv_model  # the test model, as this vLLM's kvcached integration lays it out
 
 
 #: Replies go out on the original stdout; everything else printed (kvcached prints) goes to stderr.
