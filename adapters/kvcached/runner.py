@@ -19,13 +19,25 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from .. import announce, process_state, sessions
 
 log = announce.logger("kvcached_broker.adapters")
 
 TICK_S = 0.1
+
+
+class Stepped(Protocol):
+    """What the thread steps: a pool's governor (:class:`.governor.PoolGovernor`), or a
+    broadcast-mode TP worker's grant holder (:class:`.broadcast.worker_grants.WorkerGrants`)."""
+
+    @property
+    def key(self) -> str: ...
+
+    def step(self, now_s: float) -> None: ...
+
+    def status(self) -> dict[str, Any] | None: ...
 
 
 class _Runner:
@@ -40,7 +52,7 @@ class _Runner:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.wake = threading.Event()
-        self.governors: "weakref.WeakSet" = weakref.WeakSet()
+        self.governors: "weakref.WeakSet[Stepped]" = weakref.WeakSet()
         self.thread: threading.Thread | None = None
         self.first: dict[Callable[[], None], str] = {}
         self.rounds = 0
@@ -81,14 +93,13 @@ class _Runner:
                 try:
                     governor.step(now)
                 except Exception as exc:  # noqa: BLE001 - the runtime must never see a governor failure
-                    log.warning("event=kvcached_governor_failed pool=%s error=%r", getattr(governor, "key", "?"),
-                                str(exc))
+                    log.warning("event=kvcached_governor_failed pool=%s error=%r", governor.key, str(exc))
             with self.rounds_cond:
                 self.rounds += 1
                 self.rounds_cond.notify_all()
 
 
-def enlist(governor) -> None:
+def enlist(governor: Stepped) -> None:
     """Step ``governor`` on the thread (started on first use)."""
     sessions.before_settling_warm_up(_report_mapped)  # outside state.lock: no lock inside another; never waits on the broker
     state = process_state.part(_Runner)
@@ -115,7 +126,7 @@ def first_in_every_round(check: Callable[[], None], failure_event: str) -> None:
         state.first.setdefault(check, failure_event)
 
 
-def governors() -> list:
+def governors() -> list[Stepped]:
     state = process_state.part(_Runner)
     with state.lock:
         return list(state.governors)
