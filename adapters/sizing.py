@@ -163,10 +163,7 @@ def _hold_waiting_for_start_ups(session: DeviceSession, ask: StartupAsk, holds: 
 
 def _starting(exc: BudgetExceeded) -> list[str]:
     """The instances a refusal says hold memory for start-ups in progress (none from an older broker)."""
-    entries = exc.details.get("starting")
-    if not isinstance(entries, list):
-        return []
-    return [str(e["instance"]) for e in entries if isinstance(e, dict) and isinstance(e.get("instance"), str)]
+    return [hold.instance for hold in exc.refusal_details.starting]
 
 
 def startup_wait_s(env: Mapping[str, str] | None = None) -> float:

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import msgspec
+
+from .results import RefusalDetails
+
 #: Every stable error code, with the one-line meaning documented in the README.
 ERROR_CODES = (
     "bad_request",
@@ -63,6 +67,15 @@ class BudgetExceeded(BrokerError):
 
     code = "budget_exceeded"
     retryable = True
+
+    @property
+    def refusal_details(self) -> RefusalDetails:
+        """:attr:`details`, typed; all defaults where they are not in the shape the protocol
+        gives (they only explain the refusal: its code and message are the answer)."""
+        try:
+            return msgspec.convert(self.details, RefusalDetails)
+        except msgspec.ValidationError:
+            return RefusalDetails()
 
 
 class LimitExceeded(BudgetExceeded):

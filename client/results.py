@@ -88,6 +88,27 @@ class ReserveResult(Result):
     holders: list[Holder] | UnsetType = UNSET  # only for a reserve with min_holds
 
 
+class StartingHold(Result):
+    instance: str
+    held_bytes: int  # what it holds for its start-up in progress
+
+
+class RefusalDetails(Result):
+    """The ``details`` of a refusal for room or a cap (``budget_exceeded``, ``overcommitted``,
+    ``limit_exceeded``; docs/protocol.md, §5), typed.  A field left out (an older broker, a
+    refusal that does not say it) is its default."""
+
+    instance: str = ""
+    asked_bytes: int | UnsetType = UNSET  # what the charge would have grown by
+    free_bytes: int | UnsetType = UNSET  # the room there was
+    budget_bytes: int | UnsetType = UNSET
+    holders: list[Holder] = []  # the other instances holding the most
+    starting: list[StartingHold] = []  # the other instances' holds for start-ups in progress
+    held: bool = False  # refused only because growth is held after damaged state
+    pool: str = ""  # the pool asked for ("elastic": an acquire)
+    pool_asked_bytes: int | UnsetType = UNSET  # that pool's own growth
+
+
 class AcquireResult(Result):
     granted: int  # pages granted by this ask (0: refused)
     granted_pages: int  # what the session holds now

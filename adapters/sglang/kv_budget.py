@@ -7,6 +7,8 @@ instances that hold the rest.
 
 from __future__ import annotations
 
+from msgspec import UNSET
+
 from ...client import BrokerClient, BudgetExceeded
 from ...client.units import format_bytes
 from .. import worker_identity
@@ -22,10 +24,10 @@ def explain_refusal(
     """The error for a refused reservation, in the broker's words.  The size said is what the
     charge would have grown by (the broker's ``asked_bytes``): a pool that replaces a hold
     grows by far less than its size."""
-    asked = exc.details.get("asked_bytes")
-    if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 0:
-        needed_bytes = asked
-    more = " more" if needed_bytes < int(exc.details.get("pool_asked_bytes") or 0) else ""
+    refusal = exc.refusal_details
+    if refusal.asked_bytes is not UNSET and refusal.asked_bytes >= 0:
+        needed_bytes = refusal.asked_bytes
+    more = " more" if refusal.pool_asked_bytes is not UNSET and needed_bytes < refusal.pool_asked_bytes else ""
     return BrokerBudgetError(
         f"kvcached-broker at {client.endpoint} cannot give SGLang instance {identity.instance_name()!r} "
         f"{format_bytes(needed_bytes)}{more} for {what}: {exc.message}"

@@ -94,3 +94,22 @@ def test_an_older_brokers_status_with_only_the_contracts_fields_is_read(broker_f
     assert old["instances"][0]["sessions"] and results.checked_status(old) is old
     typed = results.decode(old, results.StatusDocument)
     assert typed.instances[0].sessions[0].phase == "" and typed.held_bytes == 0 and typed.broker == {}
+
+
+def test_a_refusals_details_read_typed_and_details_of_another_shape_read_as_none_given(broker_factory):
+    """What a real broker's refusal says reaches ``BudgetExceeded.refusal_details`` typed; details
+    in another shape (an older or a newer broker) explain nothing rather than raise."""
+    from helpers import GIB, connect
+
+    from kvcached_broker.client import BudgetExceeded
+
+    b = broker_factory(simulate="4GiB", extra_args=["--headroom", "0"])
+    with connect(b, "big") as big, connect(b, "late") as late:
+        big.reserve({"weights": 3 * GIB})
+        with pytest.raises(BudgetExceeded) as refused:
+            late.reserve({"kv": 2 * GIB})
+    why = refused.value.refusal_details
+    assert (why.instance, why.asked_bytes, why.free_bytes, why.pool) == ("late", 2 * GIB, GIB, "kv")
+    assert [(h.instance, h.charged_bytes) for h in why.holders] == [("big", 3 * GIB)] and why.starting == []
+    odd = BudgetExceeded("no room", details={"starting": "three", "asked_bytes": 1})
+    assert odd.refusal_details == results.RefusalDetails()

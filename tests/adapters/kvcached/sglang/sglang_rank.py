@@ -396,12 +396,12 @@ class Rank:
         real = grants.SessionGrants.acquire
         seen = self.first_grant_pools = []
 
-        def acquire(grant_self, pages, min_pages):
+        def acquire(grant_self, pages, min_pages, **said):  # ``said``: the Grants call's wait_s
             if not seen:
                 with AdminClient(os.environ["KVCACHED_BROKER"], timeout_s=5.0) as admin:
                     (mine,) = [i for i in admin.status()["instances"] if i["name"] == os.environ["KVCACHED_BROKER_INSTANCE"]]
                 seen.append(mine["pools"])
-            return real(grant_self, pages, min_pages)
+            return real(grant_self, pages, min_pages, **said)
 
         grants.SessionGrants.acquire = acquire
         return {}
