@@ -134,15 +134,15 @@ class DeviceSession:
         """
         return self._report(reporter, pools, usage, holds, allocated, phase)
 
-    def report_built(self, reporter: str, pools: dict[str, int], *, growth_bytes: int | None = None,
-                     last: bool = False, usage: dict[str, int] | None = None, allocated: bool = True,
+    def report_built(self, reporter: str, pools: dict[str, int], *, last: bool = False,
+                     usage: dict[str, int] | None = None, allocated: bool = True,
                      phase: str | None = None) -> dict[str, int] | None:
-        """:meth:`report` for a pool the KV sizing hold was for, built ``growth_bytes`` larger than
-        before (None: larger than what ``reporter`` has in the book): the holds shrink by its
-        growth in the same request (rule B6 of :mod:`.report_book`; with ``last``, the KV hold
-        drops), read from the book under the same lock as the request."""
+        """:meth:`report` for a pool the KV sizing hold was for: the holds shrink by its growth,
+        what ``pools`` add to what ``reporter`` has in the book, in the same request (rule B6 of
+        :mod:`.report_book`; with ``last``, the KV hold drops), read from the book under the same
+        lock as the request."""
         with self.lock:
-            growth = sum(pools.values()) - self.book.booked_bytes(reporter) if growth_bytes is None else growth_bytes
+            growth = sum(pools.values()) - self.book.booked_bytes(reporter)
             return self._report(reporter, pools, usage, self.book.holds_after_pool(growth, last), allocated, phase)
 
     def _report(self, reporter: str, pools: dict[str, int], usage: dict[str, int] | None,

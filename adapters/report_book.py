@@ -29,10 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-#: The pool the broker sets to what a process already used when it pinned its base.
-RUNTIME_BASE_POOL = "runtime_base"
-#: What is left of the runtime's slack once warm-up ended: kept for the runtime, resident.
-SLACK_POOL = "runtime_slack"
+from ..client.protocol import RUNTIME_BASE_POOL
+from ..client.protocol import RUNTIME_SLACK_POOL as SLACK_POOL  # the name this book's users import
 #: The hold KV sizing takes (memory promised between sizing and allocating the KV cache).
 KV_SIZING_HOLD = "kv_sizing_hold"
 #: The hold for what a runtime keeps beside its KV cache (activations, CUDA graphs, request

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..client import BrokerClient
+from ..client.protocol import DEFAULT_PAGE_BYTES
 from . import announce, instance, patching, startup_hook, versions
 
 
@@ -22,7 +23,7 @@ class WorkerIdentity:
     device: int | str
     tp_rank: int = 0
     tp_size: int = 1
-    page_bytes: int = 2 << 20
+    page_bytes: int = DEFAULT_PAGE_BYTES  # elastic KV pages of any size are counted in session pages
     instance: str | None = None
     #: Adapters batch their own elastic grants (kvcached mode grows a pool a batch at a time),
     #: so by default the client keeps no credit reserve of its own: a worker that only

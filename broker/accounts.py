@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..client import protocol as proto
 from ..client import results
 
 class SessionState(str, enum.Enum):
@@ -46,10 +47,10 @@ class Limits:
 
     max_bytes: int | None = None
     min_bytes: int = 0
-    weight: float = 1.0
+    weight: float = proto.DEFAULT_WEIGHT
     revision: int = 0
     source: LimitSource = "admin"
-    priority: int = 0
+    priority: int = proto.DEFAULT_PRIORITY
     owner_uid: int | None = None
 
     def to_dict(self) -> dict[str, Any]:

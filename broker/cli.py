@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from msgspec import UNSET
 
+from ..client import protocol as proto
 from ..client import results
 from ..client.admin import AdminClient
 from ..client.endpoint import EndpointError, resolve_endpoint
@@ -113,12 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the broker for one GPU.  Options come from the command line, then the "
         "environment, then the config file (--config, or /etc/kvcached-broker/gpu{device}.toml).",
     )
-    serve.add_argument("--device", type=_non_negative_int, default=None, metavar="N", help="NVML index of the GPU (default 0)")
+    serve.add_argument("--device", type=_non_negative_int, default=None, metavar="N", help=f"NVML index of the GPU (default {serve_config.DEFAULT_DEVICE})")
     serve.add_argument("--simulate", type=_size, metavar="SIZE", help="simulate a GPU of SIZE (e.g. 80GiB) instead of NVML")
     serve.add_argument("--simulate-usage-dir", type=Path, metavar="DIR",
                        help="with --simulate: a device shared by processes, each writing its usage to DIR/PID (testing aid)")
     serve.add_argument("--endpoint", type=_endpoint, metavar="URI", help="ipc:///path.sock or tcp://host:port")
-    serve.add_argument("--headroom", type=_headroom, default=None, metavar="SIZE|PCT", help="kept free (default 5%%)")
+    serve.add_argument("--headroom", type=_headroom, default=None, metavar="SIZE|PCT", help=f"kept free (default {serve_config.DEFAULT_HEADROOM})".replace("%", "%%"))
     serve.add_argument("--state-dir", type=Path, metavar="DIR", help="checkpoint directory (default: per-user state dir)")
     serve.add_argument("--no-state", action="store_true", default=None, help="keep no checkpoint (lost if the broker dies)")
     serve.add_argument("--lease", type=_positive_float, default=None, metavar="SECONDS", help=f"session lease (default {DEFAULT_QUOTAS.lease_s:g})")
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def endpoint_options(p: argparse.ArgumentParser) -> None:
         group = p.add_mutually_exclusive_group()
-        group.add_argument("--device", type=_non_negative_int, default=None, metavar="N", help="GPU index (default 0)")
+        group.add_argument("--device", type=_non_negative_int, default=None, metavar="N", help=f"GPU index (default {serve_config.DEFAULT_DEVICE})")
         group.add_argument("--endpoint", type=_endpoint, metavar="URI", help="broker endpoint")
         p.add_argument("--timeout", type=_positive_float, default=3.0, metavar="SECONDS", help=argparse.SUPPRESS)
 
@@ -153,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     endpoint_options(limit)
     limit.add_argument("--max", type=_size_or_none, default=UNSET, metavar="SIZE|none", help="cap; 'none' clears it")
     limit.add_argument("--min", type=_size, default=UNSET, metavar="SIZE", help="guaranteed floor")
-    limit.add_argument("--weight", type=_positive_float, default=UNSET, metavar="W", help="share weight (default 1)")
+    limit.add_argument("--weight", type=_positive_float, default=UNSET, metavar="W", help=f"share weight (default {proto.DEFAULT_WEIGHT:g})")
     limit.add_argument("--priority", type=_priority, default=UNSET, metavar="P",
-                       help="reclaim order, -1000..1000 (default 0): the lowest is asked for memory back first")
+                       help=f"reclaim order, {proto.MIN_PRIORITY}..{proto.MAX_PRIORITY} (default {proto.DEFAULT_PRIORITY}): "
+                       "the lowest is asked for memory back first")
     limit.add_argument("--revision", type=_non_negative_int, default=None, metavar="R", help="apply only at revision R")
 
     evict = sub.add_parser("evict", help="free a session's memory and fence it (admin)")
@@ -190,7 +192,7 @@ def _target_endpoint(args: argparse.Namespace) -> str:
     if args.endpoint:
         given: str = args.endpoint  # parsed by _endpoint
         return given
-    device = 0 if args.device is None else args.device
+    device = serve_config.DEFAULT_DEVICE if args.device is None else args.device
     try:
         endpoint = resolve_endpoint(device, uuid=_nvml_uuid(device))
     except EndpointError as exc:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..client import protocol as proto
 from ..client.endpoint import EndpointError, validate_endpoint
 from ..client.units import SizeError, parse_headroom, parse_size
 from .quotas import DEFAULT_QUOTAS, SessionQuotas
@@ -39,6 +40,9 @@ else:
     import tomli as tomllib
 
 DEFAULT_CONFIG = "/etc/kvcached-broker/gpu{device}.toml"
+#: The GPU a broker serves, and what it keeps free of it, unless told otherwise.
+DEFAULT_DEVICE = 0
+DEFAULT_HEADROOM = "5%"
 
 
 @dataclass
@@ -46,8 +50,8 @@ class ServeConfig:
     """Everything ``serve`` can be told.  Sizes in bytes, times in seconds."""
 
     endpoint: str
-    device_index: int = 0
-    headroom: str = "5%"
+    device_index: int = DEFAULT_DEVICE
+    headroom: str = DEFAULT_HEADROOM
     state_dir: Path | None = None
     lease_s: float = DEFAULT_QUOTAS.lease_s
     socket_group: int | None = None
@@ -117,14 +121,11 @@ def _non_negative_int(value: Any) -> int:
     return value
 
 
-#: An instance's reclaim priority (``limit --priority``, ``[limits.X] priority``): the protocol's bounds.
-PRIORITY_RANGE = (-1000, 1000)
-
-
 def _priority(value: Any) -> int:
+    """An instance's reclaim priority (``limit --priority``, ``[limits.X] priority``), within the protocol's bounds."""
     if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         value = int(value.strip())
-    low, high = PRIORITY_RANGE
+    low, high = proto.MIN_PRIORITY, proto.MAX_PRIORITY
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValueError(f"expected an integer from {low} to {high}, got {value!r}")
     return value
@@ -239,11 +240,11 @@ def _level(value: Any) -> str:
 
 #: option -> (parser, environment variable, default)
 OPTIONS: dict[str, tuple[Callable[[Any], Any], str | None, Any]] = {
-    "device": (_non_negative_int, "KVCACHED_BROKER_DEVICE", 0),
+    "device": (_non_negative_int, "KVCACHED_BROKER_DEVICE", DEFAULT_DEVICE),
     "simulate": (_size, "KVCACHED_BROKER_SIMULATE", None),
     "simulate_usage_dir": (_path, "KVCACHED_BROKER_SIMULATE_USAGE_DIR", None),
     "endpoint": (_endpoint, None, None),  # the environment's KVCACHED_BROKER is a template, read later
-    "headroom": (_headroom, "KVCACHED_BROKER_HEADROOM", "5%"),
+    "headroom": (_headroom, "KVCACHED_BROKER_HEADROOM", DEFAULT_HEADROOM),
     "state_dir": (_path, "KVCACHED_BROKER_STATE_DIR", None),
     "no_state": (_bool, "KVCACHED_BROKER_NO_STATE", False),
     "lease": (_positive_float, "KVCACHED_BROKER_LEASE_S", DEFAULT_QUOTAS.lease_s),
@@ -273,8 +274,8 @@ class LimitConfig:
 
     max_bytes: int | None = None
     min_bytes: int = 0
-    weight: float = 1.0
-    priority: int = 0
+    weight: float = proto.DEFAULT_WEIGHT
+    priority: int = proto.DEFAULT_PRIORITY
 
 
 @dataclass

@@ -47,6 +47,7 @@ from typing import Iterable
 from msgspec import UNSET, UnsetType
 
 from ..client.errors import BadRequest, BrokerError, LimitExceeded, StaleRevision
+from ..client.protocol import RUNTIME_BASE_POOL, RUNTIME_SLACK_POOL
 from ..client.units import format_bytes
 from .accounts import (
     SMALL_GRANTS,
@@ -64,13 +65,6 @@ from .accounts import (
 from .refusals import clean_pools, clean_views, largest_growth
 from .refusal_errors import error_for
 from .refusals import refusal as refusal_for
-
-#: The pool that ``reserve(..., measured_base=True)`` sets: what a process had allocated
-#: before it reported anything (weights, CUDA context, runtime buffers).
-RUNTIME_BASE_POOL = "runtime_base"
-#: The pool a worker keeps, once its warm-up is over, for the activations of later batches:
-#: reserved, and allocated only as they come (see ``_with_measured_base``).
-RUNTIME_SLACK_POOL = "runtime_slack"
 
 
 class Ledger:

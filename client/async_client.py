@@ -57,7 +57,7 @@ class AsyncBrokerClient(SessionView):
         device: int | str = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
-        page_bytes: int = 2 << 20,
+        page_bytes: int = proto.DEFAULT_PAGE_BYTES,
         endpoint: str | None = None,
         credit_pages: int | None = None,
         *,

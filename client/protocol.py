@@ -30,6 +30,18 @@ SUPPORTED_VERSIONS = (1,)
 #: answer says the lease in force (``lease_s``), a client assumes this one until it has one.
 DEFAULT_LEASE_S = 10.0
 
+#: A session's page size unless its client asks for another (``connect(page_bytes=)``); the
+#: adapters' sessions all use it (elastic KV pages of any size are counted in session pages).
+DEFAULT_PAGE_BYTES = 2 << 20
+
+#: The pool the broker sets on ``reserve(measured_base=True)``: what the process measures
+#: beyond everything else it reports (weights, CUDA context, runtime buffers).
+RUNTIME_BASE_POOL = "runtime_base"
+#: What is left of a worker's runtime slack once its warm-up is over: kept for the activations
+#: of later batches, reserved and allocated only as they come (a re-pin grows the base into it
+#: by what the device measures, ``Ledger._with_measured_base``).
+RUNTIME_SLACK_POOL = "runtime_slack"
+
 #: The broker drops (and ZeroMQ disconnects) any request larger than this.
 MAX_REQUEST_BYTES = 64 << 10
 MAX_POOLS = 64
@@ -57,8 +69,13 @@ Weight = Annotated[float, Meta(gt=0.0, le=1e6)]
 FreeText = Annotated[str, Meta(max_length=256)]
 #: Where a worker says it is in its start-up (shown in status): ``sizing``, ``warming``, ``serving``.
 Phase = Annotated[str, Meta(max_length=32, pattern=r"^[a-z_]*$")]
-#: Who is asked first when memory must be reclaimed: the lowest priority first (default 0).
-Priority = Annotated[int, Meta(ge=-1000, le=1000)]
+#: Who is asked first when memory must be reclaimed: the lowest priority first.
+MIN_PRIORITY = -1000
+MAX_PRIORITY = 1000
+#: An instance's priority and share weight when no limit sets them.
+DEFAULT_PRIORITY = 0
+DEFAULT_WEIGHT = 1.0
+Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 #: The longest an ``acquire`` may wait at the broker for memory to come back.
 MAX_WAIT_S = 5.0
 WaitSeconds = Annotated[float, Meta(ge=0.0, le=MAX_WAIT_S)]

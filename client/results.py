@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from .protocol import ErrorBody, Holdings, ProtocolError
+from .protocol import DEFAULT_PRIORITY, DEFAULT_WEIGHT, ErrorBody, Holdings, ProtocolError
 
 
 class Result(Struct, kw_only=True, forbid_unknown_fields=False, gc=False):
@@ -38,8 +38,8 @@ class LimitsView(Result):
 
     max_bytes: int | None = None
     min_bytes: int = 0
-    weight: float = 1.0
-    priority: int = 0
+    weight: float = DEFAULT_WEIGHT
+    priority: int = DEFAULT_PRIORITY
     revision: int = 0
     source: str = "admin"
 
@@ -218,8 +218,8 @@ class InstanceStatus(Result):
     granted_bytes: int
     pools: dict[str, int]
     sessions: list[SessionStatus]
-    weight: float = 1.0
-    priority: int = 0
+    weight: float = DEFAULT_WEIGHT
+    priority: int = DEFAULT_PRIORITY
     limits_revision: int = 0
     unreported_bytes: int = 0
     charged_bytes: int = 0

@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 
 from .core import ClientCore, check_pages, package_version, prepare
 from .errors import BrokerError
+from .protocol import DEFAULT_PAGE_BYTES
 from .operations import (
     BACKGROUND_TICK_S,
     PUSH_TICK_S,
@@ -64,7 +65,7 @@ class BrokerClient(SessionView):
         device: int | str = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
-        page_bytes: int = 2 << 20,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
         endpoint: str | None = None,
         credit_pages: int | None = None,
         *,

@@ -218,3 +218,31 @@ def test_the_floors_of_docs_design():
         or {_floor(source), _floor(target)} == {"broker", "adapters"}
     )
     assert crossing == []
+
+
+def _lines_inside_functions(path: Path) -> set[int]:
+    """The lines of the import statements of ``path`` that sit inside a function."""
+    lines: set[int] = set()
+    for function in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines.update(node.lineno for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom)))
+    return lines
+
+
+def test_the_tools_floor_of_docs_design():
+    """docs/design.md: "`tools/` stands on all three: `client/`, `broker/` ... and `adapters/`";
+    "Nothing but the broker's CLI imports a tool, and the CLI only inside the function of the
+    subcommand that runs it"."""
+    modules = _modules()
+    graph = _graph()
+    stands_on = {_floor(target) for source, edges in graph.items() if _floor(source) == "tools" for target in edges}
+    assert stands_on - {"tools"} == {"client", "broker", "adapters"}
+    reaching = sorted(
+        f"{_short(module)} -> {_short(target)} (line {line})"
+        for module, path in modules.items() if _floor(module) != "tools"
+        for target, line in _imported(module, path, modules)
+        if _floor(target) == "tools"
+        and not (module == f"{PACKAGE}.broker.cli" and line in _lines_inside_functions(path))
+    )
+    assert reaching == []
+    assert f"{PACKAGE}.tools.demo" in graph[f"{PACKAGE}.broker.cli"]  # the check sees the CLI's imports

@@ -28,6 +28,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..client.protocol import RUNTIME_BASE_POOL, RUNTIME_SLACK_POOL
+
 GIB = 1 << 30
 
 #: Bar characters: resident memory, a hold (promised, not allocated yet), and a kvcached pool's
@@ -256,8 +258,8 @@ def _phase_words(frame: Frame, name: str, phase: str) -> str:
         side = [p for p in inst.get("pools", {}) if p not in holds and not p.startswith("runtime_")]
         return f"{len(side)} pools reported, its KV hold turned into them in one request"
     if phase == "serving":
-        slack = inst.get("pools", {}).get("runtime_slack", 0)
-        return f"runtime_slack {_gib(slack)} kept; its pools are static from now on"
+        slack = inst.get("pools", {}).get(RUNTIME_SLACK_POOL, 0)
+        return f"{RUNTIME_SLACK_POOL} {_gib(slack)} kept; its pools are static from now on"
     return phase
 
 
@@ -337,8 +339,8 @@ def _server_rows(frame: Frame, server: Server, symbol: str, scale: "Scale", widt
 
 #: Pools in the order a server builds them: its base, its KV pools (DeepSeek-V4's side pools in
 #: SGLang's order), what it keeps beside them; holds last.
-POOL_ORDER = ("runtime_base", "weights", "kv_static", "swa_kv_pool", "c4_kv_pool", "c128_kv_pool",
-              "c4_indexer_kv_pool", "compress_state_pools", "indexer_compress_state_pools", "runtime_slack")
+POOL_ORDER = (RUNTIME_BASE_POOL, "weights", "kv_static", "swa_kv_pool", "c4_kv_pool", "c128_kv_pool",
+              "c4_indexer_kv_pool", "compress_state_pools", "indexer_compress_state_pools", RUNTIME_SLACK_POOL)
 
 
 def _pool_rank(pool: str, holds: dict[str, int]) -> tuple[int, int, str]:

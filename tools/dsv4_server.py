@@ -5,7 +5,7 @@
 It is not SGLang: it goes through the memory side of an SGLang DeepSeek-V4 rank's start-up
 with the broker adapters' own start-up calls (:mod:`kvcached_broker.adapters.sizing` and
 :mod:`kvcached_broker.adapters.device_session`, which speak the client API), and every byte it takes
-lands on the shared simulated device as it is taken (:class:`..shared_gpu.Footprint`).  Its
+lands on the shared simulated device as it is taken (:class:`.shared_gpu.Footprint`).  Its
 pool sizes come from a DeepSeek-V4-Flash-like shape (:mod:`.dsv4_shape`).  ``KVCACHED_BROKER``
 names the broker.  Requests are JSON lines; each gets one JSON line back:
 

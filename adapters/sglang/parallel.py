@@ -22,10 +22,6 @@ from typing import Any
 
 from .. import worker_identity
 
-#: The page size of this worker's broker session, in bytes.  Elastic KV pages of any size are
-#: converted to session pages (see ``paged_allocator``), so one session serves every reporter.
-SESSION_PAGE_BYTES = 2 << 20
-
 
 @dataclass(frozen=True)
 class RankGroup:
@@ -159,10 +155,11 @@ def _current_cuda_device() -> int:
 def identity(device: Any, gpu_id: int | None = None) -> worker_identity.WorkerIdentity:
     """The broker identity of this worker for a pool or runner on ``device``."""
     group = tp_group()
+    # The session page is the identity's default: ``paged_allocator`` converts elastic KV pages
+    # of any size to it, so one session serves every reporter.
     return worker_identity.WorkerIdentity(
         runtime="sglang",
         device=device_index(device, gpu_id),
         tp_rank=group.rank,
         tp_size=group.size,
-        page_bytes=SESSION_PAGE_BYTES,
     )

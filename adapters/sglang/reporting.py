@@ -35,15 +35,15 @@ log = announce.logger("kvcached_broker.adapters.sglang")
 
 
 class _Reporting:
-    """This process's pool reporters: each live pool's reporter key (by the pool's ``id``), what
-    each key reported (bytes) and the storage keys it charged, the identity it reported under,
-    and per device the identity that took the sizing hold.  ``lock`` guards every field; a key
-    in ``totals``, ``storages`` or ``identity`` is one :func:`reporter_key` gave out."""
+    """This process's pool reporters: each live pool's reporter key (by the pool's ``id``), the
+    storage keys each key charged, the identity it reported under, and per device the identity
+    that took the sizing hold (what a key reported is its session's book's,
+    :meth:`~..device_session.DeviceSession.booked_bytes`).  ``lock`` guards every field; a key in
+    ``storages`` or ``identity`` is one :func:`reporter_key` gave out."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.keys: dict[int, str] = {}
-        self.totals: dict[str, int] = {}
         self.storages: dict[str, set] = {}  # reporter key -> storage keys it charged
         self.identity: dict[str, worker_identity.WorkerIdentity] = {}
         self.holders: dict[str, worker_identity.WorkerIdentity] = {}  # device -> the identity that took the sizing hold
@@ -89,7 +89,6 @@ def _collected(pool_id: int, key: str) -> None:
     state = process_state.part(_Reporting)
     with state.lock:
         state.keys.pop(pool_id, None)
-        state.totals.pop(key, None)
         state.storages.pop(key, None)
         identity = state.identity.pop(key, None)
     if identity is not None:
@@ -119,15 +118,14 @@ def report_pool(identity: worker_identity.WorkerIdentity, pool: Any, kind: str, 
     total = sum(pools.values())
     state = process_state.part(_Reporting)
     with state.lock:
-        growth = total - state.totals.get(key, 0)
         state.identity[key] = identity
     try:
-        if session.report_built(key, pools, growth_bytes=growth, last=last, phase="warming" if last else None) is None:
+        if session.report_built(key, pools, last=last, phase="warming" if last else None) is None:
             return False
     except BudgetExceeded as exc:
+        growth = total - session.booked_bytes(key)  # a refusal left the book as it was
         raise kv_budget.explain_refusal(identity, session.client, max(0, growth), what, exc) from exc
     with state.lock:
-        state.totals[key] = total
         if storages is not None:
             state.storages[key] = set(storages)
     log.info(

@@ -21,6 +21,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Callable
 
+from ...client.protocol import RUNTIME_BASE_POOL
 from .context import PartContext
 from .devices import GIB, MIB, PROBE_INTERVAL_S
 from .measure import instance, session_of, spread, wait_for
@@ -124,7 +125,7 @@ def pin_base(ctx: PartContext, broker, worker) -> None:
     rec = ctx.record
     pools = worker.request("report", endpoint=broker.endpoint, instance=INSTANCES["a"], pools={"weights": SIZES["a"]},
                            measured_base=True)["pools"]
-    rec.figure("a_runtime_base_bytes", pools.get("runtime_base", 0))
+    rec.figure("a_runtime_base_bytes", pools.get(RUNTIME_BASE_POOL, 0))
     inst = instance(broker.status(), INSTANCES["a"])
     unreported = inst["unreported_bytes"] if inst else None
     rec.figure("a_unreported_after_pin_bytes", unreported)

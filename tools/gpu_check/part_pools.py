@@ -33,6 +33,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
+from ...client.protocol import RUNTIME_BASE_POOL
 from .context import PartContext
 from .devices import GIB, Device
 from .measure import charged_by_pid, granted_by_pid, instance, percentile, session_of, wait_for
@@ -121,7 +122,7 @@ def describe_pool(ctx: PartContext, broker, pool, page_bytes: int) -> None:
     status = pool.request("status")
     rec.figures(pool_page_bytes=page_bytes, pool_device_bytes=status["device_bytes"],
                 pool_mapped_bytes=status["pools"][0]["mapped_bytes"], pool_granted_bytes=status["pools"][0]["granted_bytes"],
-                pool_runtime_base_bytes=None if session is None else session["pools"].get("runtime_base", 0),
+                pool_runtime_base_bytes=None if session is None else session["pools"].get(RUNTIME_BASE_POOL, 0),
                 pool_reported_bytes=(session or {}).get("reserved_bytes"))
     governed = bool(status["pools"][0].get("governed"))
     rec.check("the pool is governed by the broker", governed, str(status["pools"][0].get("why_ungoverned") or ""))

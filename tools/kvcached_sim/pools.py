@@ -12,11 +12,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...client.protocol import DEFAULT_PAGE_BYTES as SESSION_PAGE_BYTES  # the adapters' session page
 from .. import json_lines
 from . import child_env
 
 MODULE = "kvcached_broker.tools.kvcached_sim.pool_process"
-SESSION_PAGE_BYTES = 2 << 20  # the adapters' broker session page
 
 
 def pool_page_bytes(layers: int) -> int:
