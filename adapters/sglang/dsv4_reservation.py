@@ -65,15 +65,17 @@ def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
     if pool_bytes.is_managed(pool):
         return None
     identity = parallel.identity(getattr(pool, "device", None))
-    seen = reporting.charged_storages(identity, pool)
-    already = set(seen)
-    pools = dsv4_ownership.without_kvcached_reports(dsv4_pools.measure(pool, seen))
     _track_window(pool)
     _remember(pool)
-    if not reporting.report_pool(identity, pool, "dsv4", pools, "DeepSeek-V4 runtime-owned pools",
-                                 last=last, storages=seen - already):
+    measured: dict[str, int] = {}
+
+    def measure(seen: set) -> dict[str, int]:
+        measured.update(dsv4_ownership.without_kvcached_reports(dsv4_pools.measure(pool, seen)))
+        return measured
+
+    if not reporting.report_measured(identity, pool, "dsv4", measure, "DeepSeek-V4 runtime-owned pools", last=last):
         return None
-    return pools
+    return measured
 
 
 def _remember(pool: Any) -> None:

@@ -190,12 +190,11 @@ def _charge(identity: worker_identity.WorkerIdentity, pool: Any, extra: tuple, l
         return
     if pool_bytes.is_managed(pool):
         return
-    seen = reporting.charged_storages(identity, pool)
-    already = set(seen)
-    size = sum(pool_bytes.object_bytes(obj, seen) for obj in (pool, *extra) if obj is not None)
-    if size:
-        reporting.report_pool(identity, pool, "kv_static", {"kv_static": size}, "its static KV pool",
-                              last=last, storages=seen - already)
+    def measure(seen: set) -> dict[str, int] | None:
+        size = sum(pool_bytes.object_bytes(obj, seen) for obj in (pool, *extra) if obj is not None)
+        return {"kv_static": size} if size else None
+
+    reporting.report_measured(identity, pool, "kv_static", measure, "its static KV pool", last=last)
 
 
 def _drop_hold(identity: worker_identity.WorkerIdentity) -> None:

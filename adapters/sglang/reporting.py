@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from ...client import BudgetExceeded
 from ...client.units import format_bytes
@@ -177,6 +177,20 @@ def end_start_ups() -> None:
         session = sessions.session(identity)
         if session is not None:
             session.settle_warm_up()
+
+
+def report_measured(identity: worker_identity.WorkerIdentity, pool: Any, kind: str,
+                    measure: Callable[[set], dict[str, int] | None], what: str, *, last: bool = False) -> bool:
+    """Measure ``pool`` and :func:`report_pool` what it holds: ``measure(seen)`` returns its pools
+    (None: nothing to report), skipping the storages in ``seen`` (charged by the device's other
+    reporters) and adding those it measured, which are recorded as this pool's.  False if the
+    worker runs unprotected or there was nothing to report."""
+    seen = charged_storages(identity, pool)
+    already = set(seen)
+    pools = measure(seen)
+    if pools is None:
+        return False
+    return report_pool(identity, pool, kind, pools, what, last=last, storages=seen - already)
 
 
 def charged_storages(identity: worker_identity.WorkerIdentity, pool: Any) -> set:
