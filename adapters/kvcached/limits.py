@@ -35,7 +35,6 @@ from .geometry import PoolGeometry
 from .kvcached_api import LimitState
 
 if TYPE_CHECKING:
-    from .governor import PoolGovernor
     from .grants import Grants
 
 
@@ -44,8 +43,9 @@ class LimitChannel(Protocol):
     #: else may resize it, not even kvcached's kvctl watcher.
     at_sync_points: bool
 
-    def route_releases(self, grants: Grants, governor: PoolGovernor) -> Grants:
-        """The grants the governor gives back through (once, as it is built)."""
+    def route_releases(self, grants: Grants, governor: Any) -> Grants:
+        """The grants ``governor`` (a :class:`.governor.PoolGovernor`, being built) gives back
+        through."""
         ...
 
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState: ...
@@ -77,7 +77,7 @@ class DirectLimits:
 
     at_sync_points = False
 
-    def route_releases(self, grants: Grants, governor: PoolGovernor) -> Grants:
+    def route_releases(self, grants: Grants, governor: Any) -> Grants:
         return grants
 
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState:
