@@ -25,24 +25,16 @@ This module reads kvcached only (through ``..kvcached.kvcached_api``); ``dsv4_re
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from .. import announce, process_state
+from .. import announce
 from ..kvcached import kvcached_api
-
-log = announce.logger("kvcached_broker.adapters.sglang")
 
 CAPABILITY = "runtime_reservation_reporting"
 PREFIX = "dsv4."
 #: kvcached names every V4 pool: step all of the adapter's aside
 ALL = frozenset({"*"})
-
-
-class _Said:
-    """The V4 pool names this process already said kvcached reports (each said once)."""
-
-    def __init__(self) -> None:
-        self.names: set[str] = set()
 
 
 def kvcached_reports() -> bool:
@@ -76,13 +68,10 @@ def without_kvcached_reports(pools: dict[str, int]) -> dict[str, int]:
     if not reported:
         return pools
     kept = {}
-    said = process_state.part(_Said).names
     for name, size in pools.items():
         if reported is ALL or name in reported:
-            if name not in said:
-                said.add(name)
-                log.warning("event=dsv4_pool_reported_by_kvcached pool=%s detail=kvcached reports it: "
-                            "not reserved here too", name)
+            announce.once(f"dsv4_pool_reported_by_kvcached:{name}", logging.WARNING, "dsv4_pool_reported_by_kvcached",
+                          pool=name, detail="kvcached reports it: not reserved here too")
             continue
         kept[name] = size
     return kept

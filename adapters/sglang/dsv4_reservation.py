@@ -22,6 +22,8 @@ pool takes its first grant (:func:`before_kvcached_grant`).
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -34,14 +36,15 @@ log = announce.logger("kvcached_broker.adapters.sglang")
 
 
 class _V4Pools:
-    """The live V4 pools this process measured (``registered``), each live request window's
-    pool (``windows``: window -> weak reference to its pool), and whether the flag being off
-    was said.  Weak: a pool or window that is collected drops out."""
+    """The live V4 pools this process measured (``registered``) and each live request window's
+    pool (``windows``: window -> weak reference to its pool).  Weak: a pool or window that is
+    collected drops out.  ``lock`` guards both: pools register on the scheduler's thread and are
+    measured again on the governors' and the background's."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.windows: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
         self.registered: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.said_off = False
 
 
 def is_dsv4_pool(pool: Any) -> bool:
@@ -57,10 +60,8 @@ def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
     runs unprotected.
     """
     if not flags.dsv4_runtime_reservation():
-        state = process_state.part(_V4Pools)
-        if not state.said_off:
-            state.said_off = True
-            log.warning("event=dsv4_reservation_off detail=KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION=0_pools_not_reported")
+        announce.once("dsv4_reservation_off", logging.WARNING, "dsv4_reservation_off",
+                      detail="KVCACHED_SGLANG_DSV4_RUNTIME_RESERVATION=0_pools_not_reported")
         return None
     if pool_bytes.is_managed(pool):
         return None
@@ -79,15 +80,20 @@ def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
 
 
 def _remember(pool: Any) -> None:
+    state = process_state.part(_V4Pools)
     try:
-        process_state.part(_V4Pools).registered.add(pool)
+        with state.lock:
+            state.registered.add(pool)
     except TypeError:
         pass
 
 
 def remeasure_all() -> None:
     """Measure every live V4 pool again (what kvcached reports or owns by now is left out)."""
-    for pool in list(process_state.part(_V4Pools).registered):
+    state = process_state.part(_V4Pools)
+    with state.lock:
+        pools = list(state.registered)
+    for pool in pools:
         register(pool)
 
 
@@ -102,8 +108,10 @@ def before_kvcached_grant() -> None:
 def _track_window(pool: Any) -> None:
     window = getattr(pool, "request_window", None)
     if window is not None:
+        state = process_state.part(_V4Pools)
         try:
-            process_state.part(_V4Pools).windows[window] = weakref.ref(pool)
+            with state.lock:
+                state.windows[window] = weakref.ref(pool)
         except TypeError:
             pass
 
@@ -125,7 +133,9 @@ def wrap_ensure_workspace(original: Callable[..., None]) -> Callable[..., None]:
     def _ensure_workspace(self: Any, *args: Any, **kwargs: Any) -> None:
         before = getattr(self, "workspace", None)
         original(self, *args, **kwargs)
-        owner_ref = process_state.part(_V4Pools).windows.get(self)
+        state = process_state.part(_V4Pools)
+        with state.lock:
+            owner_ref = state.windows.get(self)
         if owner_ref is not None and getattr(self, "workspace", None) is not before:
             background.submit(f"dsv4 request window {id(self):x}", lambda: _remeasure(owner_ref))
 

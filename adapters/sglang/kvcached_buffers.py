@@ -17,23 +17,17 @@ alone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from ..patching import PatchError, wrap_methods, wrap_once
-from .. import announce, process_state
+from .. import announce
 from ..kvcached import kvcached_api
 
 log = announce.logger("kvcached_broker.adapters.sglang")
 
 METHOD = "_build_kv_buffer_descs"
-
-
-class _Trimmed:
-    """Whether this process said it trimmed a kvcached pool's K/V views (said once)."""
-
-    def __init__(self) -> None:
-        self.said = False
 
 
 def trim_virtual_rows(pool: Any) -> bool:
@@ -48,11 +42,8 @@ def trim_virtual_rows(pool: Any) -> bool:
         return False  # fewer rows than slots: SGLang's own check says so
     pool.k_buffer = [t[:rows] for t in k_buffer]
     pool.v_buffer = [t[:rows] for t in v_buffer]
-    state = process_state.part(_Trimmed)
-    if not state.said:
-        state.said = True
-        log.info("event=kvcached_buffers_trimmed pool=%s rows=%d detail=kvcached's virtual K/V views "
-                 "cut to the pool's slots", type(pool).__name__, rows)
+    announce.once("kvcached_buffers_trimmed", logging.INFO, "kvcached_buffers_trimmed", pool=type(pool).__name__,
+                  rows=rows, detail="kvcached's virtual K/V views cut to the pool's slots")
     return True
 
 

@@ -23,6 +23,7 @@ pool builder only once every alias is in place).  Idempotent.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from typing import Any
@@ -30,8 +31,6 @@ from typing import Any
 from .. import announce, process_state
 from . import paged_allocator
 from ..kvcached import kvcached_api
-
-log = announce.logger("kvcached_broker.adapters.sglang")
 
 _ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"
 _MARK = "__kvcached_broker_fallback__"
@@ -48,13 +47,6 @@ class _Natives:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.classes: dict[str, type] = {}
-
-
-class _Said:
-    """The ``allocator:pool kind`` pairs this process already said fall back (each said once)."""
-
-    def __init__(self) -> None:
-        self.keys: set[str] = set()
 
 
 def remember_native(name: str, cls: Any) -> None:
@@ -132,13 +124,9 @@ def _kvcache_argument(native_name: str, args: tuple, kwargs: dict) -> Any:
 
 def _say_once(native_name: str, kvcache: Any) -> None:
     kind = type(kvcache).__name__ if kvcache is not None else "None"
-    key = f"{native_name}:{kind}"
-    said = process_state.part(_Said).keys
-    if key in said:
-        return
-    said.add(key)
-    log.warning("event=kvcached_pool_static allocator=%s kvcache=%s detail=kvcached does not manage this pool: "
-                "SGLang's own allocator, broker-sized static KV", native_name, kind)
+    announce.once(f"kvcached_pool_static:{native_name}:{kind}", logging.WARNING, "kvcached_pool_static",
+                  allocator=native_name, kvcache=kind,
+                  detail="kvcached does not manage this pool: SGLang's own allocator, broker-sized static KV")
 
 
 def apply(module: Any) -> None:
