@@ -34,10 +34,12 @@ Invariants:
   or a failure leaves it as it was;
 * failing safe: every round trip runs through :meth:`DeviceSession.guard`.  A refusal
   (``BudgetExceeded``) goes to the caller, which explains it; an eviction is always raised
-  (its memory was given away); anything else (a timeout, ``rate_limited``, ``internal``, an
-  unknown code, an answer in a shape the adapter cannot read) turns the device unprotected
-  through its host (:class:`SessionHost`, the process's registry in :mod:`.sessions`), and
-  from then on every operation answers None (or 0, or False) without a round trip.
+  (its memory was given away); any other broker failure (a timeout, ``rate_limited``,
+  ``internal``, an unknown code, an answer of another shape than its request calls for, an
+  endpoint the client cannot check at a re-open) turns the device unprotected through its host
+  (:class:`SessionHost`, the process's registry in :mod:`.sessions`), and from then on every
+  operation answers None (or 0, or False) without a round trip.  Any other exception is a bug
+  of the adapter's and reaches its caller: it is not taken for a broker failure.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import threading
 from typing import Callable, Protocol, TypeVar
 
 from ..client import BadRequest, BrokerClient, BrokerError, BudgetExceeded
+from ..client.endpoint import EndpointError
 from ..client.protocol import ProtocolError
 from ..client.results import ReserveResult
 from . import announce
@@ -98,8 +101,12 @@ class DeviceSession:
 
     def guard(self, action: str, call: Callable[[], T]) -> T | None:
         """Run ``call`` (a broker round trip: the client checks its answer's shape); None if the
-        device is, or just turned, unprotected.  ``BudgetExceeded`` and an eviction propagate, and
-        so does any other exception: it is a bug here, not a broker failure."""
+        device is, or just turned, unprotected.  A broker failure turns it unprotected: an error
+        the client raises for the broker (``BrokerError``: gone, slow, refusing, untrusted), an
+        answer of another shape (``ProtocolError``), or an endpoint the client cannot check now
+        (``EndpointError``, ``OSError``: a user lookup or a stat that failed at a re-open).
+        ``BudgetExceeded`` and an eviction propagate, and so does any other exception: it is a bug
+        of the caller's, not a broker failure."""
         if not self.usable:
             return None
         cause: Exception
@@ -113,6 +120,8 @@ class DeviceSession:
             why, cause = str(exc), exc
         except ProtocolError as exc:  # an answer of another shape than its request calls for
             why, cause = str(exc), exc
+        except (EndpointError, OSError) as exc:  # the endpoint cannot be checked now (a user lookup, a stat)
+            why, cause = f"{type(exc).__name__}: {exc}", exc
         self._host.failed(self._device, f"{action}: {why}", cause)
         return None
 

@@ -142,6 +142,15 @@ class SyncTransport:
         self._sock.connect(endpoint)
 
     def request(self, payload: bytes, request_id: int, *, total_s: float | None = None) -> proto.Reply:
+        """The reply to ``request_id``; :class:`BrokerUnavailable` when none comes in time or the
+        socket fails (a ZeroMQ error other than a timeout)."""
+        try:
+            return self._request(payload, request_id, total_s)
+        except zmq.ZMQError as exc:
+            raise BrokerUnavailable(f"kvcached-broker at {self.endpoint}: the socket failed ({exc})",
+                                    details={"endpoint": self.endpoint}) from exc
+
+    def _request(self, payload: bytes, request_id: int, total_s: float | None) -> proto.Reply:
         timeouts = self.timeouts if total_s is None else Timeouts(min(self.timeouts.attempt_s, total_s), total_s)
         deadline = time.monotonic() + timeouts.total_s
         sock = self._sock

@@ -406,8 +406,9 @@ class AgreedLimits:
         self.wait_s = wait_s
 
     def route_releases(self, grants: Grants, governor: PoolGovernor) -> Grants:
-        """The session's grants, routed through the agreement; other grants (a test's fixed
-        ones) as they are: their releases do not wait, so a sync offers no more than their size."""
+        """The session's grants, routed through the agreement; any other grants as they are (none
+        today): their releases would not wait, so :meth:`Agreement._offer` offers no more than
+        the pool's size for them."""
         return AgreedGrants(grants, self.agreement, governor) if isinstance(grants, SessionGrants) else grants
 
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> kvcached_api.LimitState:

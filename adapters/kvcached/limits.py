@@ -51,20 +51,23 @@ class LimitChannel(Protocol):
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState: ...
 
 
-#: The manager's attribute naming the threads that are in a :func:`set_own_limit` call now.
+#: The manager's attribute counting, per thread, the :func:`set_own_limit` calls in progress.
 _OWN_CALLS = "_kvcached_broker_own_limit_threads"
 
 
 def set_own_limit(manager: Any, limit_bytes: int, revision: int) -> LimitState:
     """``manager.set_memory_limit(limit_bytes, revision=revision)`` as the broker's own call:
     :func:`is_own_limit_call` is True on this thread, for this manager, while it runs."""
-    own: set[int] = manager.__dict__.setdefault(_OWN_CALLS, set())
+    own: dict[int, int] = manager.__dict__.setdefault(_OWN_CALLS, {})  # thread -> calls in progress
     thread = threading.get_ident()
-    own.add(thread)
+    own[thread] = own.get(thread, 0) + 1
     try:
         return LimitState.of(manager.set_memory_limit(limit_bytes, revision=revision))
     finally:
-        own.discard(thread)
+        if own[thread] > 1:
+            own[thread] -= 1
+        else:
+            del own[thread]
 
 
 def is_own_limit_call(manager: Any) -> bool:

@@ -93,6 +93,42 @@ def test_the_guard_takes_a_malformed_answer_as_a_broker_failure_and_lets_a_bug_t
     assert not session.usable and "is not a ReserveResult" in (sessions.unprotected_reason(ident) or "")
 
 
+def test_a_reopen_whose_endpoint_check_cannot_look_up_the_broker_user_turns_the_device_unprotected(
+        broker_factory, monkeypatch):
+    """After a broker restart that lost the session, the next report opens it again, and the
+    client checks the broker's socket again: a ``KVCACHED_BROKER_UID`` name that cannot be looked
+    up at that moment (an NSS outage) is a broker failure, never an exception into the runtime."""
+    import os
+    import pwd
+    import shutil
+
+    from kvcached_broker.client import BrokerClient
+
+    monkeypatch.setenv("KVCACHED_BROKER_UID", pwd.getpwuid(os.getuid()).pw_name)
+    b = broker_factory(simulate="8GiB")
+    process_state.reset()
+    sessions.set_client_factory(lambda ident: BrokerClient.connect(
+        ident.instance_name(), endpoint=b.endpoint, page_bytes=ident.page_bytes, credit_pages=0))
+    try:
+        ident = worker_identity.WorkerIdentity("sglang", 0, instance="nss")
+        session = sessions.session(ident)
+        assert session is not None and session.report("pool", {"kv_static": GIB}) is not None
+        b.kill()
+        shutil.rmtree(b.state_dir, ignore_errors=True)  # the broker lost the session: the next request opens it again
+        b.start()
+
+        def nss_down(name):
+            raise KeyError(f"getpwnam(): name not found: {name!r}")
+
+        monkeypatch.setattr(pwd, "getpwnam", nss_down)
+        assert session.report("pool", {"kv_static": 2 * GIB}) is None
+        assert "KVCACHED_BROKER_UID" in (sessions.unprotected_reason(ident) or "")
+    finally:
+        monkeypatch.undo()
+        process_state.reset()
+        sessions.set_client_factory(None)
+
+
 def test_a_usage_view_above_the_sessions_charge_is_dropped_not_a_reason_to_turn_unprotected(adapter_broker):
     """Views are never charged: one larger than what the session holds (its charge not caught up
     yet, as after a short broker restart) is left out of that report, the pools are reported,

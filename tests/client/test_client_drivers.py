@@ -138,3 +138,13 @@ def test_a_bad_KVCACHED_BROKER_TIMEOUT_S_is_one_clear_error_naming_the_variable(
             connect()
         assert "KVCACHED_BROKER_TIMEOUT_S" in raised.value.message and "\n" not in raised.value.message
         assert "positive number of seconds" in raised.value.message
+
+
+def test_a_socket_that_fails_is_the_broker_unavailable_not_a_zeromq_error(short_tmp):
+    from kvcached_broker.client import BrokerUnavailable
+    from kvcached_broker.client.transport import SyncTransport, Timeouts
+
+    transport = SyncTransport(f"ipc://{short_tmp}/nobody.sock", Timeouts(0.2, 0.4))
+    transport._sock.close(0)  # as a ZeroMQ context torn down under the client would leave it
+    with pytest.raises(BrokerUnavailable, match="the socket failed"):
+        transport.request(b"x", 1)
