@@ -212,7 +212,12 @@ def main(argv: list[str]) -> None:
         pool.free_blocks(taken)
         return {"held_blocks": len(held)}
 
-    def prefill(requests: int, tokens: int, misses: int = 100) -> dict:
+    def prefill(requests: int, tokens: int, misses: int = 1000) -> dict:
+        """Schedule ``requests`` new prefills until all were scheduled, a governor round after each
+        step that could not; gives up after ``misses`` rounds in a row in which nothing moved (no
+        request scheduled, no page granted to the pool or added to kvcached's size).  The grant
+        grows only as the TP workers' processes take it from their brokers, so a round of this
+        process alone, on a loaded machine, often finds nothing new yet."""
         made = []
         for _ in range(requests):
             n = next(ids)
@@ -222,11 +227,16 @@ def main(argv: list[str]) -> None:
             core.scheduler.add_request(req)
             made.append(req.request_id)
         scheduled: set[str] = set()
-        for _ in range(misses):  # the scheduler steps until every prefill was scheduled (a miss waits)
+        governor = manager.page_allocator.governor
+        moved, idle = None, 0
+        while idle < misses:  # the scheduler steps until every prefill was scheduled (a miss waits)
             scheduled.update(core.scheduler.schedule().num_scheduled_tokens)
             if scheduled >= set(made):
                 break
             runner.settle(1)  # a step that could not schedule everything: the next one, after the governor ran
+            now = (len(scheduled), manager.page_allocator.get_num_total_pages(),
+                   governor.grants.pages if governor.grants is not None else -1)
+            moved, idle = now, 0 if now != moved else idle + 1
         core.scheduler.finish_requests(made, RequestStatus.FINISHED_STOPPED)
         return {"scheduled": len(scheduled), "cached_blocks": len(pool._evictable_blocks)}
 
