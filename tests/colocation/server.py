@@ -5,7 +5,7 @@
 ``ROLE`` is ``dsv4`` (SGLang, a DeepSeek-V4 pool with its side pools), ``mha`` (SGLang, a static
 MHA pool) or ``vllm`` (vLLM, a static KV buffer); each runs inside its runtime's overlay with
 ``ENABLE_KVCACHED=1``, so the broker's adapters patch the runtime by the startup hook alone, and
-``KVCACHED_BROKER`` names the broker.  (The kvcached-mode server is ``adapters/kvcached/sglang/sglang_rank.py``,
+``KVCACHED_BROKER`` names the broker.  (The kvcached-mode server is ``adapters/sglang/sglang_rank.py``,
 whose ``start_up`` op does the same steps.)
 
 It prints ``{"event": "ready", "pid": ...}`` and waits for a line (the moment every server

@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ENVS = ROOT / ".adapter-envs"
 SERVER = HERE / "server.py"
-RANK = HERE.parent / "adapters" / "kvcached" / "sglang" / "sglang_rank.py"
+RANK = HERE.parent / "adapters" / "sglang" / "sglang_rank.py"
 TOTAL = 80 * GIB
 
 #: role -> (instance, the operator's cap, what its start-up takes)

@@ -1,7 +1,7 @@
 """kvcached's sync-point agreement alone: a pool's give-back routed through the agreement
 (:class:`agreement.AgreedGrants`) still says what the governor says with it.  The pool's allocator
 and grant are small stand-ins; the sync points themselves run in the kvcached+SGLang overlay
-tests (tests/adapters/kvcached/sglang)."""
+tests (tests/adapters/sglang/test_kvcached_sglang_*)."""
 
 from __future__ import annotations
 

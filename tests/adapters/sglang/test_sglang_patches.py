@@ -44,7 +44,7 @@ def test_every_patch_for_this_release_applied_once(patched_sglang, sglang_versio
         if patch.module == "sglang.srt.managers.scheduler":
             continue  # the scheduler module: test_sglang_measured_device (it imports only on 0.5.23 here)
         if patch.module.startswith("kvcached."):
-            continue  # kvcached's own module: kvcached mode, tests/adapters/kvcached/sglang
+            continue  # kvcached's own module: kvcached mode, tests/adapters/sglang/test_kvcached_sglang_*
         module = sys.modules[patch.module]
         assert patch.name in applied and getattr(module, f"__kvcached_broker_patched_{patch.name}__"), patch.name
         again = apply_patch(patch, module)

@@ -1,5 +1,9 @@
 """kvcached mode in SGLang: kvcached 0.1.6's real Python code and SGLang 0.5.23's real classes.
 
+The harness of the ``test_kvcached_sglang_*`` modules, which import its fixtures (``overlay``,
+autouse, with them): they live beside SGLang's other adapter tests, and which overlay they run in
+is their ``runtime("kvcached", "sglang")`` marker.
+
 Run in the combined overlay ``kvcached+sglang-0.5.23`` (scripts/test-adapters.sh: SGLang's
 overlay, the common packages, the test stubs and kvcached's Python code on one path); skipped
 elsewhere.  Every SGLang rank is its own process (``sglang_rank.py``) on its own simulated GPU

@@ -11,6 +11,8 @@ iteration.  One SGLang rank (TP=1) on a simulated 1 GiB GPU with a real broker.
 from __future__ import annotations
 
 import pytest
+from kvcached_sglang_harness import overlay  # noqa: F401  (autouse: kvcached and SGLang at the overlay's versions)
+from kvcached_sglang_harness import gpu_broker, ranks  # noqa: F401  (fixtures)
 from helpers import wait_for
 
 from kvcached_broker.client import BrokerClient

@@ -16,6 +16,7 @@ import os
 import uuid
 
 import pytest
+from kvcached_sglang_harness import overlay  # noqa: F401  (autouse: kvcached and SGLang at the overlay's versions)
 from helpers import FixedGrants as Grants
 from helpers import KvcachedAllocator as Allocator
 

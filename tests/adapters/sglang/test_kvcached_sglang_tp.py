@@ -9,12 +9,14 @@ iterations.  Both ranks always get the same requests, as SGLang's broadcast give
 from __future__ import annotations
 
 import pytest
+from kvcached_sglang_harness import overlay  # noqa: F401  (autouse: kvcached and SGLang at the overlay's versions)
+from kvcached_sglang_harness import gpu_broker, ranks, sampler  # noqa: F401  (fixtures)
 import math
 
 import subprocess
 import sys
 
-from conftest import POOL_PAGE_BYTES, SESSION_PAGE_BYTES, on_all, session_pages
+from kvcached_sglang_harness import POOL_PAGE_BYTES, SESSION_PAGE_BYTES, on_all, session_pages
 from helpers import MIB, python_env, wait_for
 
 from kvcached_broker.client import BrokerClient

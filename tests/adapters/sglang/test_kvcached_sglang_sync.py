@@ -13,7 +13,9 @@ group, run the real, patched ``Scheduler.ingest_requests`` as their iterations:
 from __future__ import annotations
 
 import pytest
-from conftest import POOL_PAGE_BYTES, on_all
+from kvcached_sglang_harness import overlay  # noqa: F401  (autouse: kvcached and SGLang at the overlay's versions)
+from kvcached_sglang_harness import gpu_broker, ranks, sampler  # noqa: F401  (fixtures)
+from kvcached_sglang_harness import POOL_PAGE_BYTES, on_all
 from test_kvcached_sglang_tp import BATCH_PAGES, TOKENS_PER_PAGE, assert_agreed_at_every_sync, fill
 
 pytestmark = pytest.mark.runtime("kvcached", "sglang")

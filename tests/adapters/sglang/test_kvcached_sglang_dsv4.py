@@ -11,6 +11,8 @@ side (a V4 server's MHA draft, or another model's pool: what matters is both kin
 from __future__ import annotations
 
 import pytest
+from kvcached_sglang_harness import overlay  # noqa: F401  (autouse: kvcached and SGLang at the overlay's versions)
+from kvcached_sglang_harness import gpu_broker, ranks  # noqa: F401  (fixtures)
 from helpers import wait_for
 
 from helpers import MIB
