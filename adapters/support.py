@@ -136,7 +136,7 @@ VLLM = Runtime(
     kvcached_mode=Range("0.19.1", "0.31"),  # kvcached 0.1.6 has no runner adapter past vLLM 0.30
     kvcached_overlays=("0.19.1", "0.30.0"),
     # 0.30.0: kvcached's Model Runner V2 layout; the board's lifetime is the same on every release
-    kvcached_suites={"0.30.0": tuple(f"tests/adapters/kvcached/vllm/{name}.py" for name in
+    kvcached_suites={"0.30.0": tuple(f"tests/adapters/vllm/{name}.py" for name in
                                      ("test_tp_broadcast", "test_prefix_eviction", "test_coexistence",
                                       "test_kvcached_vllm_range"))},
 )

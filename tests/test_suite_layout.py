@@ -36,7 +36,6 @@ def test_every_module_of_the_suite_has_a_name_of_its_own():
 
 #: Test folders that mirror no package folder, and why.
 NOT_A_PACKAGE = {
-    "adapters/kvcached/vllm": "kvcached mode inside vLLM's real classes (the kvcached+vllm overlays)",
     "colocation": "whole servers of both runtimes started side by side",
 }
 

@@ -150,7 +150,7 @@ class Sampler(BackgroundThread):
     on its simulated GPU (its bytes less its pool's zero page, which kvcached allocates with the
     KV tensors) is at most what its GPU's broker granted the process's sessions.  Each GPU is
     read with its allocation lock held (nothing maps or unmaps meanwhile) while the broker's
-    status is taken, as tests/adapters/kvcached and tests/adapters/kvcached/vllm sample theirs."""
+    status is taken, as tests/adapters/kvcached and kvcached mode's vLLM tests sample theirs."""
 
     def __init__(self, ranks: list[tuple[RankProcess, object]], zero_page_bytes: int = POOL_PAGE_BYTES):
         self.ranks = ranks  # (rank, its GPU's broker)

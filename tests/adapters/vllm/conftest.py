@@ -67,3 +67,13 @@ def measured(gpu_broker):
     usage = MeasuredUsage(gpu_broker.endpoint)
     yield usage
     usage.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Whether a test's call failed (``item.call_failed``): kvcached mode's ``processes`` fixture
+    (kvcached_vllm_harness.py) then prints what its processes and brokers said."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.call_failed = report.failed

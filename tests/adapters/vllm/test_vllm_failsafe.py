@@ -3,7 +3,7 @@
 Each failure kind (``tests/broker_failures.py``) is met on the worker's real start-up path:
 vLLM's ``Worker.determine_available_memory`` wrapper (around a stand-in for the GPU profile)
 and the KV cache allocation vLLM's own model runner makes.  (Elastic KV is kvcached mode, whose
-failures while serving are covered in tests/adapters/kvcached and tests/adapters/kvcached/vllm.)
+failures while serving are covered in tests/adapters/kvcached and tests/adapters/vllm's kvcached-mode modules.)
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ board) or among the abstract Unix sockets (the doorbells, ``/proc/net/unix``).
 from __future__ import annotations
 
 import pytest
+from kvcached_vllm_harness import overlay  # noqa: F401  (autouse: kvcached and vLLM at the overlay's versions)
+from kvcached_vllm_harness import gpus, processes  # noqa: F401  (fixtures)
 import os
 
 from tp_harness import BLOCKS_PER_PAGE, Processes

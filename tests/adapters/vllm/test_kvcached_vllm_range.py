@@ -4,6 +4,7 @@ patched ``EngineCore.__init__``, every vLLM from 0.29 outside its Model Runner V
 from __future__ import annotations
 
 import pytest
+from kvcached_vllm_harness import overlay  # noqa: F401  (autouse: kvcached and vLLM at the overlay's versions)
 from kvcached_broker.adapters import support
 from kvcached_broker.adapters.versions import parse
 

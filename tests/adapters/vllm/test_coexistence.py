@@ -9,6 +9,8 @@ runs first; the broker's sizing cap wraps kvcached's patched ``determine_availab
 from __future__ import annotations
 
 import pytest
+from kvcached_vllm_harness import overlay  # noqa: F401  (autouse: kvcached and vLLM at the overlay's versions)
+from kvcached_vllm_harness import gpus, processes  # noqa: F401  (fixtures)
 import json
 import subprocess
 import sys

@@ -10,6 +10,8 @@ limit is at most every governed worker's grant (tp_harness.py).
 from __future__ import annotations
 
 import pytest
+from kvcached_vllm_harness import overlay  # noqa: F401  (autouse: kvcached and vLLM at the overlay's versions)
+from kvcached_vllm_harness import gpus, processes  # noqa: F401  (fixtures)
 from helpers import wait_for
 from tp_harness import BLOCKS_PER_PAGE, POOL_PAGE_BYTES, Sampler
 

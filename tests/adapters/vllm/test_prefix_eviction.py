@@ -11,6 +11,8 @@ scheduler's next ``schedule()``.
 from __future__ import annotations
 
 import pytest
+from kvcached_vllm_harness import overlay  # noqa: F401  (autouse: kvcached and vLLM at the overlay's versions)
+from kvcached_vllm_harness import gpus, processes  # noqa: F401  (fixtures)
 import kv_model
 from helpers import python_env, wait_for
 from tp_harness import BLOCKS_PER_PAGE, GIB, POOL_PAGE_BYTES, Sampler

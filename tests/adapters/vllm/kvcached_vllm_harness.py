@@ -1,5 +1,10 @@
 """kvcached mode for vLLM: kvcached 0.1.6's real Python code with the overlay's real vLLM classes.
 
+The harness of the kvcached-mode modules beside vLLM's other adapter tests (``test_tp_broadcast``,
+``test_prefix_eviction``, ``test_board_lifetime``, ``test_coexistence``, ``test_kvcached_vllm_range``),
+which import its fixtures (``overlay``, autouse, with them); which overlay they run in is their
+``runtime("kvcached", "vllm")`` marker.
+
 They run in the combined overlays ``kvcached+vllm-0.19.1`` and ``kvcached+vllm-0.30.0`` (the table
 of supported releases, adapters/support.py; scripts/test-adapters.sh: vLLM's overlay, its common
 packages and kvcached's Python code on one path) and are skipped elsewhere; kv_model.py lays the
@@ -48,20 +53,12 @@ def gpus(short_tmp):
         broker.stop()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if report.when == "call":
-        item.call_failed = report.failed
-
-
 @pytest.fixture
 def processes(request, short_tmp):
     running = Processes(short_tmp)
     yield running
     running.stop_all()
-    if getattr(request.node, "call_failed", False):  # what the processes and brokers said, for the report
+    if getattr(request.node, "call_failed", False):  # (tests/adapters/vllm/conftest.py) what the processes and brokers said
         for path in sorted(short_tmp.rglob("*.err")) + sorted(short_tmp.rglob("broker.log")):
             tail = path.read_text(errors="replace")[-6000:]
             print(f"===== {path.relative_to(short_tmp)} (tail) =====\n{tail}")
