@@ -73,7 +73,7 @@ class ServeConfig:
     #: replies keep flowing while later requests wait (a round that swallowed every request in
     #: flight would leave all clients idle until it ends); still enough to share one write.
     max_batch: int = 16
-    limits: dict[str, Any] = field(default_factory=dict)  # instance -> config.LimitConfig, applied at start
+    limits: dict[str, LimitConfig] = field(default_factory=dict)  # instance -> its limits, applied at start
     #: What a worker's hello may ask for its own instance: a floor of at most this share of the
     #: budget, a weight of at most this (the ``limit`` command and the config file are not bound).
     hello_max_floor_share: float = DEFAULT_QUOTAS.hello_max_floor_share
