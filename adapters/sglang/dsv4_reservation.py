@@ -68,15 +68,9 @@ def register(pool: Any, *, last: bool = False) -> dict[str, int] | None:
     identity = parallel.identity(getattr(pool, "device", None))
     _track_window(pool)
     _remember(pool)
-    measured: dict[str, int] = {}
-
-    def measure(seen: set) -> dict[str, int]:
-        measured.update(dsv4_ownership.without_kvcached_reports(dsv4_pools.measure(pool, seen)))
-        return measured
-
-    if not reporting.report_measured(identity, pool, "dsv4", measure, "DeepSeek-V4 runtime-owned pools", last=last):
-        return None
-    return measured
+    return reporting.report_measured(
+        identity, pool, "dsv4", lambda seen: dsv4_ownership.without_kvcached_reports(dsv4_pools.measure(pool, seen)),
+        "DeepSeek-V4 runtime-owned pools", last=last)
 
 
 def _remember(pool: Any) -> None:

@@ -180,17 +180,18 @@ def end_start_ups() -> None:
 
 
 def report_measured(identity: worker_identity.WorkerIdentity, pool: Any, kind: str,
-                    measure: Callable[[set], dict[str, int] | None], what: str, *, last: bool = False) -> bool:
+                    measure: Callable[[set], dict[str, int] | None], what: str, *,
+                    last: bool = False) -> dict[str, int] | None:
     """Measure ``pool`` and :func:`report_pool` what it holds: ``measure(seen)`` returns its pools
     (None: nothing to report), skipping the storages in ``seen`` (charged by the device's other
-    reporters) and adding those it measured, which are recorded as this pool's.  False if the
-    worker runs unprotected or there was nothing to report."""
+    reporters) and adding those it measured, which are recorded as this pool's.  Returns the
+    pools reported; None if the worker runs unprotected or there was nothing to report."""
     seen = charged_storages(identity, pool)
     already = set(seen)
     pools = measure(seen)
-    if pools is None:
-        return False
-    return report_pool(identity, pool, kind, pools, what, last=last, storages=seen - already)
+    if pools is None or not report_pool(identity, pool, kind, pools, what, last=last, storages=seen - already):
+        return None
+    return pools
 
 
 def charged_storages(identity: worker_identity.WorkerIdentity, pool: Any) -> set:
