@@ -47,19 +47,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kv_model  # the test model, as this vLLM's kvcached integration lays it out
+import line_replies
 
 BLOCK_TOKENS = kv_model.BLOCK_TOKENS
 
-
-#: Replies go out on the original stdout; everything else printed (kvcached prints) goes to stderr.
-_replies = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
-
-
-def reply(obj: dict) -> None:
-    _replies.write(json.dumps(obj) + "\n")
-    _replies.flush()
+reply = line_replies.open_channel()
 
 
 class ModelConfig:
