@@ -26,6 +26,7 @@ from ..client.credit import split_grant
 from ..client.errors import BrokerError, NotOwner, SessionEvicted, UnknownSession
 from .admin_ops import AdminOps
 from .checkpoint import StateStore
+from .config import DEFAULT_HEADROOM
 from .counters import Counters
 from .device import DeviceProbe
 from .device_monitor import DeviceMonitor
@@ -167,38 +168,39 @@ class RequestCore:
             )
         return UnknownSession("unknown session; open a new one with hello")
 
-    def _session_request(self, request: Any, rid: bytes, now: float) -> tuple[Binding, Session]:
-        """The caller's binding and ledger session, with its lease renewed.
+    def _session_request(self, token: str, request_id: int, rid: bytes, now: float, *,
+                         reserve_pages: int | None = None, idle_pages: int | None = None) -> tuple[Binding, Session]:
+        """The binding and ledger session of the request ``request_id`` carrying ``token``, with
+        its lease renewed and the news the request brings taken (the client's credit reserve, its
+        idle pages; None: the request does not say).
 
         A retried request (an id this session has been answered for) raises :class:`_Retried`
         carrying that first answer, so it is never applied twice.
         """
-        binding = self.table.by_token(request.session)
+        binding = self.table.by_token(token)
         if binding is None or binding.routing_id != rid:
-            raise self._refusal_for_token(request.session, binding)
+            raise self._refusal_for_token(token, binding)
         session = self.ledger.sessions[binding.session_id]
         session.last_seen_s = now
-        if request.id in binding.replies or request.id <= binding.forgotten_id:
-            cached = binding.replay(request.id, hash(self._body))
+        if request_id in binding.replies or request_id <= binding.forgotten_id:
+            cached = binding.replay(request_id, hash(self._body))
             if cached is not None:
                 raise _Retried(cached)
         if session.state is not _LIVE and self.ledger.touch(session.id, now):
             log.info("event=session_live session=%s detail=lease_renewed", session.id)
-        reserve = getattr(request, "reserve_pages", None)
-        if reserve is not None and reserve != session.reserve_pages:
-            self.ledger.set_reserve_pages(session.id, reserve)
-        idle = getattr(request, "idle_pages", None)
-        if idle is not None:
-            session.idle_pages = idle
+        if reserve_pages is not None and reserve_pages != session.reserve_pages:
+            self.ledger.set_reserve_pages(session.id, reserve_pages)
+        if idle_pages is not None:
+            session.idle_pages = idle_pages
         return binding, session
 
-    def _answer(self, binding: Binding, request_id: int, result: Any) -> bytes:
+    def _answer(self, binding: Binding, request_id: int, result: results.Result) -> bytes:
         reply = _encode(proto.Reply(id=request_id, ok=True, result=result))
         binding.remember_reply(request_id, hash(self._body), reply, self.table.reply_cache)
         return reply
 
     def _reserve(self, req: proto.Reserve, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, session = self._session_request(req, rid, now)
+        binding, session = self._session_request(req.session, req.id, rid, now)
         if req.measured_base:
             self.device.observe(self.ledger, now)  # pin what the device says now, not a reading ago
         try:
@@ -228,7 +230,8 @@ class RequestCore:
         return self._answer(binding, req.id, result)
 
     def _acquire(self, req: proto.Acquire, rid: bytes, peer: Peer, now: float) -> bytes | None:
-        binding, session = self._session_request(req, rid, now)
+        binding, session = self._session_request(req.session, req.id, rid, now, reserve_pages=req.reserve_pages,
+                                                 idle_pages=req.idle_pages)
         if self.waiting and self.waiting.waiting(session.id, req.id):
             return None  # a resend of an ask that waits: it is answered once, when it ends
         if req.mapped and session.report_mapping:
@@ -314,7 +317,8 @@ class RequestCore:
         return self.ledger.instance_charge_bytes(session.instance) - shares.get(session.instance, 0), ask.since_s
 
     def _release(self, req: proto.Release, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, session = self._session_request(req, rid, now)
+        binding, session = self._session_request(req.session, req.id, rid, now, reserve_pages=req.reserve_pages,
+                                                 idle_pages=req.idle_pages)
         if req.mapped_pages is not None and req.mapped_pages != session.mapped_pages:
             self.device.observe(self.ledger, now)  # a mapping change against a fresh reading (see _mapped)
         remaining = self.ledger.release(session.id, req.pages, req.mapped_pages)
@@ -333,7 +337,8 @@ class RequestCore:
         off the promised charge only once a reading can show it (the last periodic one may not
         yet), and a page unmapped goes back on it as the reading stops showing it (else it would
         be charged twice, measured and promised, until the next periodic reading)."""
-        binding, session = self._session_request(req, rid, now)
+        binding, session = self._session_request(req.session, req.id, rid, now, reserve_pages=req.reserve_pages,
+                                                 idle_pages=req.idle_pages)
         if session.report_mapping and req.mapped_pages != session.mapped_pages:
             self.device.observe(self.ledger, now)
         unmapped = self.ledger.set_mapped(session.id, req.mapped_pages)
@@ -344,19 +349,21 @@ class RequestCore:
                                                                   unmapped_pages=unmapped))
 
     def _heartbeat(self, req: proto.Heartbeat, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, session = self._session_request(req, rid, now)
+        binding, session = self._session_request(req.session, req.id, rid, now, reserve_pages=req.reserve_pages,
+                                                 idle_pages=req.idle_pages)
         return self._answer(binding, req.id, results.HeartbeatResult(state=session.state.value,
                                                                      granted_pages=session.granted_pages))
 
     def _close(self, req: proto.Close, rid: bytes, peer: Peer, now: float) -> bytes:
-        binding, _ = self._session_request(req, rid, now)
+        binding, _ = self._session_request(req.session, req.id, rid, now)
         freed = self.lifecycle.end(binding, cause="closed")
         return proto.ok_reply(req.id, results.CloseResult(closed=binding.session_id, freed_bytes=freed))
 
     def _status(self, req: proto.Status, rid: bytes, peer: Peer, now: float) -> bytes:
         if req.session is not None:
             try:
-                self._session_request(req, rid, now)  # renews the lease; a status is never cached
+                # renews the lease (a status is never cached)
+                self._session_request(req.session, req.id, rid, now, reserve_pages=req.reserve_pages)
             except _Retried:
                 pass
         return proto.ok_reply(req.id, self.status(now))
@@ -532,7 +539,7 @@ def build_core(
     probe: DeviceProbe,
     processes: ProcessOps,
     *,
-    headroom: str = "5%",
+    headroom: str = DEFAULT_HEADROOM,
     is_admin: Callable[[Peer], bool] = lambda peer: False,
     quotas: SessionQuotas = SessionQuotas(),
     state_dir: Path | None = None,
