@@ -74,7 +74,8 @@ from .kvctl import KvctlSegment
 from .grants import Grants
 from .kvcached_api import LimitState
 from .limits import DirectLimits, LimitChannel
-from .policy import Grow, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan, initial_pages
+from .policy import (Grow, PoolPages, Ramp, Shrink, Watermarks, after_eviction, decide, initial_pages,
+                     plan_give_back)
 from .pool_state import AskBook, GrowPacing, PoolState, limit_after_grant, surplus_pages
 
 log = announce.logger("kvcached_broker.adapters")
@@ -113,6 +114,7 @@ class PoolGovernor:
         self.display = PoolDisplay(geometry, self.state, f"kvcached:g{geometry.group_id}:{self.sequence}")
         self._manager: "weakref.ref[Any] | None" = None
         self._round_lock = threading.Lock()  # held by a round, and by a shutdown's give-back
+        self._revision_lock = threading.Lock()  # revisions are taken on the governor's and a channel's threads
 
     # ------------------------------------------------------------ the state, read
     @property
@@ -479,31 +481,27 @@ class PoolGovernor:
     def _give_back(self, manager: Any, wanted: int, *, evict: bool, defer: bool = True) -> None:
         """Lower the limit by ``wanted`` pages: over free pages at once, then (after asking the
         prefix cache to evict) below what is in use, deferred until blocks are freed (not for
-        ``defer=False``, a soft ask: only what the eviction freed)."""
-        pages = self.pages()
-        now, later = give_back_plan(pages, wanted, self.marks.floor_pages)
-        if now < pages.limit:
-            self._lower_now(manager, now)
+        ``defer=False``, a soft ask: only what the eviction freed).  The steps are
+        :func:`.policy.plan_give_back`'s and :func:`.policy.after_eviction`'s; this performs them."""
+        plan = plan_give_back(self.pages(), wanted, self.marks.floor_pages, evict=evict)
+        if plan.lower_to is not None:
+            self._lower_now(manager, plan.lower_to)
             if not self._live():
                 return
-        if later >= now:  # free pages covered the ask, or the pool is at its floor
-            self.state.answer("" if pages.limit - now >= wanted else self._floor_reason(wanted))
+        if plan.done:
+            self.state.answer(self._floor_reason(wanted) if plan.at_floor else "")
             return
-        if evict:
-            self._evict(manager, now - later)
-            inuse = self.real.get_num_inuse_pages()
-            if later >= inuse:  # the eviction freed enough at once
-                self._lower_now(manager, later)
-                self.state.answer()
+        if plan.evict_pages:
+            self._evict(manager, plan.evict_pages)
+        rest = after_eviction(plan, inuse=self.real.get_num_inuse_pages(), limit=self._limit_pages(), defer=defer)
+        if rest.lower_to is not None:
+            self._lower_now(manager, rest.lower_to)
+            if not self._live():
                 return
-            if inuse < self._limit_pages():
-                self._lower_now(manager, inuse)
-                if not self._live():
-                    return
-        if not defer:
+        if rest.defer_to is None:
             self.state.answer()
-            return
-        self._defer(manager, later)
+        else:
+            self._defer(manager, rest.defer_to)
 
     def _lower_now(self, manager: Any, limit_pages: int) -> None:
         """Lower the limit to ``limit_pages`` (>= in use: kvcached applies it) and release."""
@@ -599,12 +597,18 @@ class PoolGovernor:
     def _set_limit(self, manager: Any, limit_pages: int) -> LimitState:
         """``set_memory_limit`` with a revision newer than any the pool has seen (its own, an
         outside caller's, kvcached's current one); the state kvcached reports."""
-        revision = self.state.next_revision(self.asks.outside_revision, kvcached_api.limit_revision(manager))
         try:
-            return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), revision)
+            return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), self.next_revision(manager))
         except Exception as exc:  # noqa: BLE001 - a limit kvcached cannot take changes nothing
             log.warning("event=kvcached_limit_failed pool=%s limit_pages=%d error=%r", self.key, limit_pages, str(exc))
             return LimitState("rejected", str(exc))
+
+    def next_revision(self, manager: Any) -> int:
+        """L3: the revision of the pool's next limit, newer than any it has seen (its own, an
+        outside caller's, kvcached's current one); on any thread (the governor's, or a limit
+        channel's that applies where TP ranks agree)."""
+        with self._revision_lock:
+            return self.state.next_revision(self.asks.outside_revision, kvcached_api.limit_revision(manager))
 
     def _limit_pages(self) -> int:
         """kvcached's allocator size: the bound on what the pool maps."""

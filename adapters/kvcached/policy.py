@@ -152,13 +152,58 @@ def initial_pages(marks: Watermarks, virtual_pages: int) -> int:
     return max(1, min(virtual_pages, marks.floor_pages + marks.batch_pages))
 
 
-def give_back_plan(pages: PoolPages, wanted: int, floor_pages: int) -> tuple[int, int]:
-    """For a pressure ask of ``wanted`` pool pages: ``(limit now, deferred limit)``.
+@dataclass(frozen=True)
+class GiveBack:
+    """The first steps of giving back ``wanted`` pool pages (:func:`plan_give_back`), in order.
 
-    The first lowers the limit over free pages only (applies at once); the second, if the
-    free pages were not enough, goes below what is in use and applies once blocks are freed.
+    1. ``lower_to``: lower the limit to it at once, over free pages only (None: no change; when
+       set, ``inuse <= lower_to < limit`` and ``lower_to >= floor``);
+    2. ``done``: free pages covered the ask, or the pool reached its floor (``at_floor``: the
+       ask was not met, nothing more can go): the give-back is answered here;
+    3. otherwise, ask the prefix cache to free ``evict_pages`` (0: no eviction asked) and let
+       :func:`after_eviction` decide the rest from what is in use then, toward ``target``
+       (``floor <= target < lower_to or limit``), the limit the ask needs in the end.
     """
+
+    lower_to: int | None
+    target: int
+    done: bool = False
+    at_floor: bool = False
+    evict_pages: int = 0
+
+
+@dataclass(frozen=True)
+class AfterEviction:
+    """The last steps of a give-back, once the eviction ran (:func:`after_eviction`), in order:
+    ``lower_to``, lower the limit to it at once (``target <= lower_to < limit``, at or above
+    what is in use; None: no change); ``defer_to``, then lower it below what is in use, deferred
+    until blocks are freed (None: nothing deferred, the give-back is answered)."""
+
+    lower_to: int | None
+    defer_to: int | None
+
+
+def plan_give_back(pages: PoolPages, wanted: int, floor_pages: int, *, evict: bool) -> GiveBack:
+    """For a pressure ask of ``wanted`` pool pages: what to lower at once, and whether eviction
+    and a deferred limit must follow (``evict``: the prefix cache may be asked to free blocks)."""
     now = max(pages.inuse, pages.limit - wanted, floor_pages)
     rest = wanted - (pages.limit - now)
-    later = max(floor_pages, now - rest) if rest > 0 else now
-    return now, later
+    target = max(floor_pages, now - rest) if rest > 0 else now
+    lower_to = now if now < pages.limit else None
+    if target >= now:  # free pages covered the ask, or the pool is at its floor
+        return GiveBack(lower_to, target, done=True, at_floor=pages.limit - now < wanted)
+    return GiveBack(lower_to, target, evict_pages=now - target if evict else 0)
+
+
+def after_eviction(plan: GiveBack, *, inuse: int, limit: int, defer: bool) -> AfterEviction:
+    """The rest of a give-back not ``done`` by :func:`plan_give_back`, from what is in use and
+    kvcached's size after the eviction: lower the limit at once as far toward ``plan.target``
+    as what is in use allows (after an eviction only: without one nothing was freed since the
+    first step), then defer the rest (``defer``; False for a soft ask: only what was idle)."""
+    lower_to: int | None = None
+    if plan.evict_pages:
+        floor = max(plan.target, inuse)
+        lower_to = floor if floor < limit else None
+        if plan.target >= inuse:  # the eviction freed enough at once
+            return AfterEviction(lower_to, None)
+    return AfterEviction(lower_to, plan.target if defer else None)

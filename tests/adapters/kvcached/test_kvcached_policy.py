@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from kvcached_broker.adapters.kvcached import segment
 from kvcached_broker.adapters.kvcached.geometry import PoolGeometry, session_pages_per_page
 from kvcached_broker.adapters.kvcached.policy import (
-    RAMP_AHEAD_S, RAMP_MAX, RAMP_WINDOW_S, Grow, Hold, PoolPages, Ramp, Shrink, Watermarks, decide, give_back_plan,
-    initial_pages,
+    RAMP_AHEAD_S, RAMP_MAX, RAMP_WINDOW_S, AfterEviction, GiveBack, Grow, Hold, PoolPages, Ramp, Shrink,
+    Watermarks, after_eviction, decide, initial_pages, plan_give_back,
 )
 
 MARKS = Watermarks(batch_pages=8, low_pages=4, high_pages=16)
@@ -42,9 +42,55 @@ def test_an_operator_cap_below_the_limit_lowers_it_but_never_below_what_is_in_us
 
 def test_pressure_takes_free_pages_now_and_the_rest_once_blocks_are_freed():
     pages = PoolPages(inuse=10, limit=16, granted=16, ceiling=100)
-    assert give_back_plan(pages, 4, floor_pages=1) == (12, 12)
-    assert give_back_plan(pages, 10, floor_pages=1) == (10, 6)
-    assert give_back_plan(pages, 100, floor_pages=1) == (10, 1)  # never below the null block's page
+    assert plan_give_back(pages, 4, floor_pages=1, evict=True) == GiveBack(12, 12, done=True)
+    plan = plan_give_back(pages, 10, floor_pages=1, evict=True)
+    assert plan == GiveBack(10, 6, evict_pages=4)
+    assert after_eviction(plan, inuse=8, limit=10, defer=True) == AfterEviction(8, 6)  # 2 freed: lowered, rest deferred
+    assert after_eviction(plan, inuse=5, limit=10, defer=True) == AfterEviction(6, None)  # freed enough at once
+    assert after_eviction(plan, inuse=8, limit=10, defer=False) == AfterEviction(8, None)  # a soft ask: no deferral
+    # never below the null block's page:
+    assert plan_give_back(pages, 100, floor_pages=1, evict=True) == GiveBack(10, 1, evict_pages=9)
+
+
+def test_a_give_back_at_the_floor_is_answered_short_and_one_without_eviction_defers_at_once():
+    at_floor = PoolPages(inuse=0, limit=3, granted=3, ceiling=100)
+    assert plan_give_back(at_floor, 5, floor_pages=1, evict=True) == GiveBack(1, 1, done=True, at_floor=True)
+    plan = plan_give_back(PoolPages(inuse=10, limit=10, granted=10, ceiling=100), 4, floor_pages=1, evict=False)
+    assert plan == GiveBack(None, 6)
+    assert after_eviction(plan, inuse=10, limit=10, defer=True) == AfterEviction(None, 6)
+
+
+@given(inuse=st.integers(0, 64), free=st.integers(0, 64), wanted=st.integers(1, 128), floor=st.integers(1, 4),
+       freed=st.integers(0, 64), evict=st.booleans(), defer=st.booleans())
+def test_a_give_back_never_lowers_the_limit_below_what_is_in_use_and_gives_what_was_asked(
+        inuse, free, wanted, floor, freed, evict, defer):
+    """The whole give-back, run against a model of kvcached (a limit at or above what is in use
+    applies at once; below it, it is deferred): the limit only falls, never below the floor nor,
+    at once, below what is in use; the pages the ask did not get at once are deferred unless the
+    ask was soft, the floor stopped it, or the eviction freed them."""
+    limit = max(floor, inuse + free)  # the floor is mapped from the pool's start (the null block)
+    pages = PoolPages(inuse=inuse, limit=limit, granted=limit, ceiling=limit + 8)
+    plan = plan_give_back(pages, wanted, floor, evict=evict)
+    if plan.lower_to is not None:
+        assert max(inuse, floor) <= plan.lower_to < limit
+        limit = plan.lower_to
+    assert floor <= plan.target <= limit
+    if plan.done:
+        assert plan.at_floor == (pages.limit - limit < wanted)
+        assert not plan.at_floor or limit == max(inuse, floor)
+        return
+    assert plan.target < limit and plan.evict_pages == (limit - plan.target if evict else 0)
+    inuse = max(0, inuse - (min(freed, plan.evict_pages)))
+    rest = after_eviction(plan, inuse=inuse, limit=limit, defer=defer)
+    if rest.lower_to is not None:
+        assert max(inuse, plan.target) <= rest.lower_to < limit
+        limit = rest.lower_to
+    final = rest.defer_to if rest.defer_to is not None else limit
+    assert rest.defer_to is None or (defer and rest.defer_to < inuse)
+    # In the end the ask takes the limit to what it wanted, never below the floor; a soft ask
+    # (no deferral) stops at what was idle.
+    assert plan.target == max(floor, pages.limit - wanted)
+    assert final == plan.target if defer else final >= plan.target
 
 
 @given(inuse=st.integers(0, 64), free=st.integers(0, 64), extra=st.integers(0, 64), short=st.integers(0, 64))
