@@ -407,6 +407,7 @@ class FixedGrants:
 
     pages = 40
     maps_here = False
+    ratio = 1
 
     def lost(self) -> str | None:
         return None

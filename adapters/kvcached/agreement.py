@@ -50,7 +50,7 @@ from .. import announce, process_state
 from . import kvcached_api, limits, runner
 from .geometry import PoolGeometry
 from .governor import PoolGovernor
-from .grants import Grants, SessionGrants
+from .grants import Grants
 
 log = announce.logger("kvcached_broker.adapters")
 
@@ -73,6 +73,15 @@ class SyncState:
     offered: int | None = None  # the grant offered into the sync in flight: held until it ends
     releasing: int = 0  # pages the governor's thread is giving back right now
     release_waits: int = 0  # releases that waited for a sync to end (status, tests)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A rank's offer into a sync point's collective: ``[min(wanted, granted), -evict_pages]``
+    per pool, and the newest want it covers (every want up to it is served once it settles)."""
+
+    offer: list[int]
+    served: int
 
 
 @dataclass
@@ -129,28 +138,46 @@ class Agreement:
             state.evict_pages = max(state.evict_pages, int(pages))
 
     # ------------------------------------------------------------ the scheduler's thread
-    def sync(self, reduce: Reduce | None, evict: Evict | None) -> SyncRecord | None:
-        """One sync point: agree, evict, apply.  Every rank calls it at the same points; None
-        (and no collective) when this process has no kvcached pool, on every rank alike.  With
-        pools, ``reduce`` is called exactly once, whatever fails before it."""
-        pools = ordered_pools()
+    def sync(self, reduce: Reduce | None, evict: Evict | None,
+             pools: list[tuple[Any, Any]] | None = None) -> SyncRecord | None:
+        """One sync point: :meth:`propose`, the runtime's ``reduce`` (the collective), then
+        :meth:`settle`.  Every rank calls it at the same points; None (and no collective) when
+        this process has no kvcached pool (``pools``: :func:`ordered_pools` by default), on every
+        rank alike.  With pools, ``reduce`` is called exactly once, whatever fails before it."""
+        pools = ordered_pools() if pools is None else pools
         if not pools:
             return None
+        proposal = self.propose(pools)
         try:
-            try:
-                offer, served = self._offer(pools, [_deferred_overage(governor, manager) for governor, manager in pools])
-            except Exception as exc:  # noqa: BLE001 - take part all the same, constraining nothing
-                log.warning("event=kvcached_agreement_offer_failed error=%r", str(exc))
-                self._unpin(pools)
-                offer, served = [_NO_CONSTRAINT, 0] * len(pools), 0
-            agreed = reduce(offer) if reduce is not None else offer
-            return self._settle(pools, agreed, served, evict)
+            agreed = reduce(proposal.offer) if reduce is not None else proposal.offer
+        except BaseException:
+            self._unpin(pools)
+            raise
+        return self.settle(pools, proposal, agreed, evict)
+
+    def propose(self, pools: list[tuple[Any, Any]]) -> Proposal:
+        """What this rank offers into the collective for ``pools`` (``(governor, manager)`` in
+        creation order).  Each governed pool's offer is held until :meth:`settle` ends the sync;
+        a failure reading it offers no constraint, so the rank still takes part."""
+        try:
+            offer, served = self._offer(pools, [_deferred_overage(governor, manager) for governor, manager in pools])
+        except Exception as exc:  # noqa: BLE001 - take part all the same, constraining nothing
+            log.warning("event=kvcached_agreement_offer_failed error=%r", str(exc))
+            self._unpin(pools)
+            offer, served = [_NO_CONSTRAINT, 0] * len(pools), 0
+        return Proposal(offer, served)
+
+    def settle(self, pools: list[tuple[Any, Any]], proposal: Proposal, agreed: Sequence[int],
+               evict: Evict | None) -> SyncRecord:
+        """After the collective (``agreed``: the element-wise MIN of every rank's offer): evict
+        the agreed amount, apply the agreed limits, and release the offers :meth:`propose` held."""
+        try:
+            return self._settle(pools, agreed, proposal.served, evict)
         finally:
             self._unpin(pools)
 
     def _settle(self, pools: list[tuple[Any, Any]], agreed: Sequence[int], served: int,
                 evict: Evict | None) -> SyncRecord:
-        """After the collective: evict the agreed amount and apply the agreed limits."""
         record = SyncRecord(self.syncs + 1)
         lowered = False
         evictions = []
@@ -242,8 +269,7 @@ class Agreement:
         finishing = limit.deferred and governor.real.get_num_inuse_pages() <= pages
         if unchanged and not finishing:
             return
-        revision = max(limit.revision, 0) + 1
-        applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), revision)
+        applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), governor.next_revision(manager))
         for _ in range(_PREALLOC_RETRIES):
             if not applied.deferred or governor.real.get_num_inuse_pages() > pages:
                 break
@@ -252,8 +278,7 @@ class Agreement:
             # shrink failed.  Those maps take moments; deferring would leave this rank's capacity
             # unlike its peers' until blocks are freed.
             time.sleep(_PREALLOC_RETRY_S)
-            revision += 1
-            applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), revision)
+            applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), governor.next_revision(manager))
         state.agreed_pages = pages
 
     def state_of(self, manager: Any) -> SyncState | None:
@@ -302,12 +327,13 @@ class AgreedGrants:
     its first, passes the sync points.  Before the manager is known (or once it is gone) a release goes
     straight to ``inner``: no sync point holds an offer of a pool it has not seen."""
 
-    def __init__(self, inner: SessionGrants, agreement: Agreement, governor: PoolGovernor):
+    def __init__(self, inner: Grants, agreement: Agreement, governor: PoolGovernor, wait_s: float = WAIT_S):
         self.inner = inner
         self.agreement = agreement
         self.governor = governor
+        self.wait_s = wait_s  # how long a release waits for a sync that holds the pool's offer
         self.maps_here = inner.maps_here
-        self.ratio = inner.ratio  # session pages per pool page (pressure asks are in session pages)
+        self.ratio = inner.ratio
 
     @property
     def pages(self) -> int:
@@ -318,7 +344,8 @@ class AgreedGrants:
         if manager is None:
             return self.inner.release(pages, mapped=mapped, key=key)
         return self.agreement.release(self.governor, manager,
-                                      lambda allowed: self.inner.release(allowed, mapped=mapped, key=key), pages)
+                                      lambda allowed: self.inner.release(allowed, mapped=mapped, key=key), pages,
+                                      self.wait_s)
 
     def lost(self) -> str | None:
         return self.inner.lost()
@@ -406,10 +433,11 @@ class AgreedLimits:
         self.wait_s = wait_s
 
     def route_releases(self, grants: Grants, governor: PoolGovernor) -> Grants:
-        """The session's grants, routed through the agreement; any other grants as they are (none
-        today): their releases would not wait, so :meth:`Agreement._offer` offers no more than
-        the pool's size for them."""
-        return AgreedGrants(grants, self.agreement, governor) if isinstance(grants, SessionGrants) else grants
+        """Grants of a pool mapped in this process, routed through the agreement (they wait for a
+        sync that holds their offer, at most ``wait_s``); grants mapped elsewhere as they are
+        (none today): their releases would not wait, so :meth:`Agreement._offer` offers no more
+        than the pool's size for them."""
+        return AgreedGrants(grants, self.agreement, governor, self.wait_s) if grants.maps_here else grants
 
     def apply(self, manager: Any, limit_bytes: int, revision: int) -> kvcached_api.LimitState:
         governor = manager.page_allocator.governor

@@ -34,9 +34,13 @@ class Grants(Protocol):
     ``maps_here``: the pool's pages are mapped in this process, so the governor reports how many
     are mapped and idle (:meth:`mapped`, :meth:`idle`), says in a release what it still maps,
     and shrinks kvcached's allocator when the pool closes.  Where it is False those calls are
-    accepted and do nothing, and ``mapped``/``key`` of a release are ignored."""
+    accepted and do nothing, and ``mapped``/``key`` of a release are ignored.
+
+    ``ratio``: session pages per pool page (a broker's pressure asks are in session pages; 1
+    where the grants are not a session's)."""
 
     maps_here: bool
+    ratio: int
 
     @property
     def pages(self) -> int: ...

@@ -71,6 +71,7 @@ class BoardGrants:
     """The :class:`~..grants.Grants` of a pool whose pages are mapped in its TP workers."""
 
     maps_here = False  # the workers map, and report what they map and hold idle
+    ratio = 1  # pool pages: the board's pressure asks are in pool pages
 
     def __init__(self, board: board_mod.Board, geometry: PoolGeometry, slots: int, real: Any):
         self.board = board

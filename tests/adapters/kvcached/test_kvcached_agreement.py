@@ -5,7 +5,20 @@ tests (tests/adapters/sglang/test_kvcached_sglang_*)."""
 
 from __future__ import annotations
 
-from kvcached_broker.adapters.kvcached import agreement
+import uuid
+from collections.abc import Callable
+from types import SimpleNamespace
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvcached_broker.adapters.kvcached import agreement, eviction
+from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
+from kvcached_broker.adapters.kvcached.governor import PoolGovernor
+from kvcached_broker.adapters.kvcached.policy import Watermarks
+
+from kvcached_model import ModelAllocator, ModelBroker, ModelManager, ModelPrefixCache
 
 
 class Allocator:
@@ -72,3 +85,169 @@ def test_a_release_before_the_pool_is_known_goes_straight_to_the_grant():
 
     assert governor.grants.release(4, mapped=3, key=governor.key)
     assert grants.calls == [(4, 3, governor.key)]  # no sync point holds an offer of a pool it has not seen
+
+
+# ---------------------------------------------------------------- tensor-parallel ranks, agreeing
+# The property test: the real governors and agreements of RANKS tensor-parallel ranks, each with
+# its own kvcached and broker session (tests/adapters/kvcached/kvcached_model.py), in one thread.
+# The engine acts on every rank alike (SGLang's ranks schedule the same batches); each rank's
+# broker grants, refuses, presses, goes or evicts on its own; each governor runs its rounds on its
+# own; a sync point is every rank's proposal, the MIN a collective computes, then every rank's
+# settle, with a rank's governor round (a release) landing inside the collective when a rule says.
+# Checked at every mutation: a governed rank's kvcached size is at most its grant.  After every
+# rule: every rank's kvcached size is the same (a rank's admission decisions are its peers'), no
+# limit was stale or in conflict, and no offer stays held once its sync ended.
+
+RANKS = 2
+TP_VIRTUAL_PAGES = 32
+TP_PAGE_SIZE = 4096
+
+
+class QueuedEviction:
+    """A pool's eviction hook as SGLang's wiring registers it: queued for the next sync point."""
+
+    def __init__(self, agreement_: agreement.Agreement, manager: object):
+        self.agreement, self.manager = agreement_, manager
+
+    def evict(self, pages: int) -> int:
+        self.agreement.request_eviction(self.manager, pages)
+        return 0
+
+
+class AgreeingRanks(RuleBasedStateMachine):
+    @initialize(capacities=st.lists(st.integers(2, 2 * TP_VIRTUAL_PAGES), min_size=RANKS, max_size=RANKS))
+    def start(self, capacities):
+        self.now_s = 0.0
+        self.violations: list[str] = []
+        self.ranks = []
+        for rank, capacity in enumerate(capacities):
+            geometry = PoolGeometry(num_layers=1, page_size=TP_PAGE_SIZE, num_kv_buffers=1,
+                                    virtual_pages=TP_VIRTUAL_PAGES,
+                                    ipc_name=f"kvcached_broker_agree_{rank}_{uuid.uuid4().hex}")
+            allocator = ModelAllocator(TP_VIRTUAL_PAGES, TP_PAGE_SIZE)
+            broker = ModelBroker(capacity)
+            manager = ModelManager(allocator, geometry.page_bytes, TP_VIRTUAL_PAGES)
+            agreement_ = agreement.Agreement()
+            governor = PoolGovernor(geometry, allocator, broker, Watermarks(batch_pages=4, low_pages=2, high_pages=8),
+                                    limits=agreement.AgreedLimits(agreement_, wait_s=0.0))
+            allocator.governor = governor  # as the patched PageAllocator carries it
+            allocator.check = broker.check = self.check
+            governor.start()
+            governor.attach(manager)
+            cache = ModelPrefixCache(manager)
+            eviction.register_eviction_hook(manager, QueuedEviction(agreement_, manager))
+            self.ranks.append(SimpleNamespace(allocator=allocator, broker=broker, manager=manager, cache=cache,
+                                              governor=governor, agreement=agreement_))
+        self.started = True
+        self.sync_point()  # the runtime's first sync point comes before its first batch
+
+    def teardown(self):
+        for rank in getattr(self, "ranks", []):
+            eviction.register_eviction_hook(rank.manager, None)
+
+    # -------------------------------------------------------- checked at every mutation
+    def check(self) -> None:
+        if not getattr(self, "started", False):
+            return
+        for i, rank in enumerate(self.ranks):
+            if rank.governor.governed and rank.governor.grants is not None and rank.allocator.total > rank.broker.pages:
+                self.violations.append(f"rank {i}: kvcached's size {rank.allocator.total} above its grant "
+                                       f"{rank.broker.pages}")
+        assert not self.violations, self.violations[0]
+
+    # -------------------------------------------------------- the sync point
+    def sync_point(self, inside: Callable[[], None] | None = None) -> None:
+        pools = [[(rank.governor, rank.manager)] for rank in self.ranks]
+        proposals = [rank.agreement.propose(p) for rank, p in zip(self.ranks, pools)]
+        agreed = [min(column) for column in zip(*(proposal.offer for proposal in proposals))]
+        if inside is not None:
+            inside()
+        for rank, p, proposal in zip(self.ranks, pools, proposals):
+            rank.agreement.settle(p, proposal, agreed, self.evict_on(rank))
+
+    @staticmethod
+    def evict_on(rank):
+        return lambda asks: [rank.cache.evict(pages) for _manager, pages in asks]
+
+    # -------------------------------------------------------- what happens to the ranks
+    @rule(what=st.sampled_from(["alloc", "alloc", "free", "finish", "prealloc"]), pages=st.integers(1, 8))
+    def engine(self, what, pages):
+        """Every rank's engine does the same (the same batch on every rank)."""
+        outcomes = set()
+        for rank in self.ranks:
+            if what == "alloc":
+                got = rank.allocator.alloc(pages)
+                outcomes.add(got)
+                rank.governor.note_alloc(pages, object() if got else None, TP_PAGE_SIZE)
+            elif what == "free":  # a running request's blocks
+                rank.manager.free(min(pages, rank.allocator.inuse - rank.cache.cached))
+                rank.governor.note_free()
+            elif what == "finish":  # a request finished into the prefix cache
+                rank.cache.cached = min(rank.allocator.inuse, rank.cache.cached + pages)
+            else:
+                rank.allocator.prealloc()
+        assert len(outcomes) <= 1, "an allocation succeeded on one rank and missed on another"
+
+    @rule(rank=st.integers(0, RANKS - 1), pages=st.integers(1, 16), soft=st.booleans())
+    def pressure(self, rank, pages, soft):
+        self.ranks[rank].governor.ask_back(pages, soft=soft)
+
+    @rule(rank=st.integers(0, RANKS - 1), mode=st.sampled_from(["grant", "grant", "grant", "refuse", "lost", "evict"]))
+    def broker_turns(self, rank, mode):
+        broker = self.ranks[rank].broker
+        if broker.why_lost is None:  # a process that turned unprotected stays so
+            broker.mode = mode
+
+    @rule(rank=st.integers(0, RANKS - 1), capacity=st.integers(2, 2 * TP_VIRTUAL_PAGES))
+    def room_changes(self, rank, capacity):
+        """What this rank's broker can grant changes (its GPU's other tenants grew or shrank)."""
+        self.ranks[rank].broker.capacity_pages = max(capacity, self.ranks[rank].broker.pages)
+
+    @rule(rank=st.integers(0, RANKS - 1), dt_s=st.sampled_from([0.0, 0.06, 0.6, 2.5]))
+    def governor_round(self, rank, dt_s):
+        self.now_s += dt_s
+        self.ranks[rank].governor.step(self.now_s)
+
+    @rule(dt_s=st.sampled_from([0.0, 0.06, 0.6, 2.5]))
+    def every_governor_round(self, dt_s):
+        """Every rank's governor runs a round (their threads run alike, seeing the same engine)."""
+        self.now_s += dt_s
+        for rank in self.ranks:
+            rank.governor.step(self.now_s)
+
+    @rule(inside=st.none() | st.tuples(st.integers(0, RANKS - 1), st.integers(1, 16)))
+    def sync(self, inside):
+        """A sync point; ``inside``: that rank is asked for pages back and its governor runs a round
+        while the collective is in flight (its release meets the offer the sync holds)."""
+        def round_inside():
+            rank = self.ranks[inside[0]]
+            rank.governor.ask_back(inside[1])
+            rank.governor.step(self.now_s)
+
+        self.sync_point(round_inside if inside is not None else None)
+
+    # -------------------------------------------------------- after every rule
+    @invariant()
+    def every_rank_has_the_same_capacity(self):
+        sizes = [rank.allocator.total for rank in self.ranks]
+        assert len(set(sizes)) == 1, f"kvcached's sizes differ across the ranks: {sizes}"
+
+    @invariant()
+    def no_limit_was_stale_or_in_conflict(self):
+        for rank in self.ranks:
+            assert not {"stale", "conflict"} & set(rank.manager.statuses), rank.manager.statuses
+
+    @invariant()
+    def no_offer_outlives_its_sync(self):
+        for rank in self.ranks:
+            state = rank.agreement.state_of(rank.manager)
+            assert state is None or state.offered is None
+
+    @invariant()
+    def the_grant_bounds_the_size_on_every_governed_rank(self):
+        self.check()
+
+
+AgreeingRanks.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+test_tensor_parallel_ranks_agree_within_every_grant = AgreeingRanks.TestCase
