@@ -37,6 +37,8 @@ from bisect import bisect_right
 from pathlib import Path
 from typing import Any
 
+from ..broker.config import DEFAULT_HEADROOM
+
 GIB = 1 << 30
 MIB = 1 << 20
 POLICIES = ("static", "fcfs", "policy")
@@ -50,7 +52,7 @@ class TraceError(ValueError):
 def generate(seed: int = 7, duration_s: float = 120.0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     page = 64 * MIB
-    lines: list[dict[str, Any]] = [{"kind": "gpu", "total_bytes": 80 * GIB, "headroom": "5%", "duration_s": duration_s}]
+    lines: list[dict[str, Any]] = [{"kind": "gpu", "total_bytes": 80 * GIB, "headroom": DEFAULT_HEADROOM, "duration_s": duration_s}]
     llama_pools = {"weights": 16 * GIB, "activations": GIB // 2}
     for name in ("llama-a", "llama-b", "llama-c"):
         lines.append({"kind": "model", "name": name, "page_bytes": page, "pools": llama_pools,
@@ -87,7 +89,7 @@ def load(path: Path) -> dict[str, Any]:
             record = json.loads(line)
             kind = record["kind"]
             if kind == "gpu":
-                gpu = {"total_bytes": int(record["total_bytes"]), "headroom": str(record.get("headroom", "5%")),
+                gpu = {"total_bytes": int(record["total_bytes"]), "headroom": str(record.get("headroom", DEFAULT_HEADROOM)),
                        "duration_s": float(record["duration_s"])}
             elif kind == "model":
                 name = str(record["name"])

@@ -1,6 +1,6 @@
-"""A test process's reply channel (the kvcached-mode engine and workers, ``tp_engine.py`` and
-``tp_worker.py``): one JSON line per reply on the stdout it was started with; everything else it
-prints (kvcached prints) goes to stderr."""
+"""A test process's reply channel (the kvcached-mode vLLM engine and workers, ``vllm/tp_engine.py``
+and ``vllm/tp_worker.py``; an SGLang rank, ``sglang/sglang_rank.py``): one JSON line per reply on
+the stdout it was started with; everything else it prints (kvcached prints) goes to stderr."""
 
 from __future__ import annotations
 

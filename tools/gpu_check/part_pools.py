@@ -44,6 +44,8 @@ LAYERS = 32
 VIRTUAL_TOKENS = 1 << 19  # 64 GiB of virtual KV per pool
 ROOM_BYTES = 16 * GIB
 A_FILL_BYTES = 10 * GIB
+#: The ballast allocates in CUDA's 2 MiB allocation granules.
+CUDA_GRANULE_BYTES = 2 << 20
 B_BURST_BYTES = 8 * GIB
 TRIALS = 3
 TRIAL_RESERVE_S = 40.0  # a trial is not started with less time than this left
@@ -134,7 +136,7 @@ def squeeze(ctx: PartContext, broker, stack: ExitStack) -> None:
     stack.callback(ballast.stop)
     ballast.request("context")
     before = broker.status()
-    size = max(0, before["free_bytes"] - ROOM_BYTES) // (2 << 20) * (2 << 20)
+    size = max(0, before["free_bytes"] - ROOM_BYTES) // CUDA_GRANULE_BYTES * CUDA_GRANULE_BYTES
     if size:
         ballast.request("alloc", bytes=size, timeout_s=120)
     seen = wait_for(lambda: broker.status()["external_bytes"] >= before["external_bytes"] + size // 2, timeout_s=10.0)

@@ -26,13 +26,14 @@ import pytest
 from helpers import BackgroundThread, device_and_status, granted_bytes_by_pid, python_env, require_kvcached_mode
 
 from kvcached_broker.adapters.kvcached import segment
+from kvcached_broker.client.protocol import DEFAULT_PAGE_BYTES
 
 HERE = Path(__file__).resolve().parent
 RANK = HERE / "sglang_rank.py"
 #: One pool page of the ranks' model: 2 MiB x 4 layers x K and V.
 POOL_PAGE_BYTES = 16 << 20
-#: One broker session page.
-SESSION_PAGE_BYTES = 2 << 20
+#: One broker session page (the client's default).
+SESSION_PAGE_BYTES = DEFAULT_PAGE_BYTES
 
 
 @pytest.fixture(scope="session", autouse=True)

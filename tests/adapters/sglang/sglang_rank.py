@@ -56,19 +56,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-_replies = None  # this process's stdout; anything else printing (kvcached does) goes to stderr
-
-
 def reply(obj: dict) -> None:
-    _replies.write(json.dumps(obj) + "\n")
-    _replies.flush()
-
-
-def _keep_stdout_for_replies() -> None:
-    global _replies
-    _replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    """Replaced by :func:`main` with this process's reply channel (``line_replies``)."""
+    raise RuntimeError("no reply channel: run as a script")
 
 
 class Rank:
@@ -462,8 +452,12 @@ def _log_to_stderr() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global reply
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    _keep_stdout_for_replies()
+    sys.path.insert(0, str(HERE.parent))
+    import line_replies
+
+    reply = line_replies.open_channel()
     _log_to_stderr()
     sys.path[:0] = [str(HERE), str(HERE.parents[1] / "sglang")]
     from kvcached_broker.tools.kvcached_sim import kvcached_cpu

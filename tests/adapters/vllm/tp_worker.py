@@ -33,6 +33,7 @@ import sys
 import threading
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # line_replies
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kv_model  # the test model, as this vLLM's kvcached integration lays it out
