@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 from ..client import protocol as proto
 from ..client.endpoint import EndpointError, validate_endpoint
 from ..client.units import SizeError, parse_headroom, parse_size
+from .accounts import Limits
 from .quotas import DEFAULT_QUOTAS, SessionQuotas
 
 if sys.version_info >= (3, 11):
@@ -73,7 +74,7 @@ class ServeConfig:
     #: replies keep flowing while later requests wait (a round that swallowed every request in
     #: flight would leave all clients idle until it ends); still enough to share one write.
     max_batch: int = 16
-    limits: dict[str, LimitConfig] = field(default_factory=dict)  # instance -> its limits, applied at start
+    limits: dict[str, Limits] = field(default_factory=dict)  # instance -> its limits, applied at start
     #: What a worker's hello may ask for its own instance: a floor of at most this share of the
     #: budget, a weight of at most this (the ``limit`` command and the config file are not bound).
     hello_max_floor_share: float = DEFAULT_QUOTAS.hello_max_floor_share
@@ -268,21 +269,10 @@ LIMIT_KEYS = {"max": _size, "min": _size, "weight": _positive_float, "priority":
 
 
 @dataclass
-class LimitConfig:
-    """An instance's limits from the config file: the whole of them (a key left out is its
-    default; ``max = "none"`` or no ``max`` is no cap)."""
-
-    max_bytes: int | None = None
-    min_bytes: int = 0
-    weight: float = proto.DEFAULT_WEIGHT
-    priority: int = proto.DEFAULT_PRIORITY
-
-
-@dataclass
 class ServeOptions:
     values: dict[str, Any]
     sources: dict[str, str]
-    limits: dict[str, LimitConfig] = field(default_factory=dict)
+    limits: dict[str, Limits] = field(default_factory=dict)
     config_path: Path | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -334,7 +324,7 @@ def _pick(key: str, cli: Mapping[str, Any], env: Mapping[str, str], file_values:
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def _load_file(path: Path) -> tuple[dict[str, Any], dict[str, LimitConfig]]:
+def _load_file(path: Path) -> tuple[dict[str, Any], dict[str, Limits]]:
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
@@ -364,11 +354,13 @@ def _load_file(path: Path) -> tuple[dict[str, Any], dict[str, LimitConfig]]:
     return raw, limits
 
 
-def _limit(path: Path, instance: str, table: Any) -> LimitConfig:
+def _limit(path: Path, instance: str, table: Any) -> Limits:
+    """An instance's limits from the config file: the whole of them (a key left out is its
+    default; ``max = "none"`` or no ``max`` is no cap)."""
     where = f"config {path}: key 'limits.{instance}"
     if not isinstance(table, dict):
         raise ConfigError(f"{where}' must be a table with max, min, weight and/or priority")
-    limit = LimitConfig()
+    limit = Limits(source="config")
     for key, value in table.items():
         if key not in LIMIT_KEYS:
             raise ConfigError(f"{where}.{key}': unknown key (use max, min, weight, priority)")

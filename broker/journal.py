@@ -29,7 +29,7 @@ from handing memory out twice: a session that ends a round charged more than its
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, NamedTuple
 
 import msgspec
@@ -413,10 +413,7 @@ class Journal:
             snap, records = None, []
         sessions, limits, fenced = replay(snap, records)
         for name, limit in limits.items():
-            self._ledger.restore_limits(
-                name, Limits(limit.max_bytes, limit.min_bytes, limit.weight, limit.revision, limit.source,
-                             limit.priority, limit.owner_uid)
-            )
+            self._ledger.restore_limits(name, limits_of(limit))
         self._table.fenced.update(fenced)
         if loaded.secret_problem is not None:
             log.warning("event=state_secret_problem state_dir=%s detail=%r", self.store.state_dir, loaded.secret_problem)
@@ -475,9 +472,13 @@ def _charged_bytes(pools: dict[str, int], holds: dict[str, int], granted_pages: 
 
 
 def limit_record(instance: str, limits: Limits) -> LimitRecord:
-    return LimitRecord(instance=instance, max_bytes=limits.max_bytes, min_bytes=limits.min_bytes,
-                       weight=limits.weight, revision=limits.revision, source=limits.source,
-                       priority=limits.priority, owner_uid=limits.owner_uid)
+    """An instance's limits as the journal writes them: every field of :class:`Limits`, named."""
+    return LimitRecord(instance=instance, **asdict(limits))
+
+
+def limits_of(record: LimitRecord) -> Limits:
+    """The limits a journal record holds (:func:`limit_record`'s inverse)."""
+    return Limits(**{f.name: getattr(record, f.name) for f in fields(Limits)})
 
 
 def replay(

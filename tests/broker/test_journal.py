@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
+from kvcached_broker.broker.accounts import Limits
 from kvcached_broker.broker.checkpoint import StateStore
-from kvcached_broker.broker.journal import DEFER_S, NullJournal, replay
+from kvcached_broker.broker.journal import DEFER_S, NullJournal, limit_record, limits_of, replay
 from kvcached_broker.broker.state_records import (
     CloseRecord,
     FenceRecord,
@@ -460,3 +463,12 @@ def test_the_null_journal_forgets(short_tmp):
     assert core.ledger.drain_changes() is None  # drained, as a round's commit does
     assert core.journal.restore().sessions == [] and not core.journal.flush_due(100.0)
     assert list(short_tmp.iterdir()) == []
+
+
+def test_an_instances_limits_go_through_the_journal_whole():
+    """Every field of the broker's limits is in its journal record, and comes back as it was."""
+    limits = Limits(max_bytes=8 * GIB, min_bytes=GIB, weight=2.5, revision=7, source="hello", priority=-3,
+                    owner_uid=1234)
+    record = limit_record("model-a", limits)
+    assert record.instance == "model-a"
+    assert limits_of(msgspec.msgpack.decode(msgspec.msgpack.encode(record), type=LimitRecord)) == limits
