@@ -10,7 +10,8 @@ raises kvcached's limit itself.  Its :class:`AgreedLimits` channel records the l
 follows) every rank offers, per pool in creation order, ``[min(wanted, granted), -evict_pages]``;
 one MIN reduce over the ranks gives the limit they all apply and the most any of them wants
 evicted.  Each rank then evicts that much from its prefix cache (the trees are identical, so the
-evictions are too) and sets the agreed limit with ``set_memory_limit`` (:func:`.limits.set_own_limit`).
+evictions are too) and sets the agreed limit with ``set_memory_limit`` (through the governor,
+:meth:`~.governor.PoolGovernor.apply_own_limit`: the pool's revisions come from one place).
 
 Invariants:
 
@@ -147,8 +148,8 @@ class Agreement:
         pools = ordered_pools() if pools is None else pools
         if not pools:
             return None
-        proposal = self.propose(pools)
         try:
+            proposal = self.propose(pools)
             agreed = reduce(proposal.offer) if reduce is not None else proposal.offer
         except BaseException:
             self._unpin(pools)
@@ -269,7 +270,7 @@ class Agreement:
         finishing = limit.deferred and governor.real.get_num_inuse_pages() <= pages
         if unchanged and not finishing:
             return
-        applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), governor.next_revision(manager))
+        applied = governor.apply_own_limit(manager, governor.geometry.limit_bytes(pages))
         for _ in range(_PREALLOC_RETRIES):
             if not applied.deferred or governor.real.get_num_inuse_pages() > pages:
                 break
@@ -278,7 +279,7 @@ class Agreement:
             # shrink failed.  Those maps take moments; deferring would leave this rank's capacity
             # unlike its peers' until blocks are freed.
             time.sleep(_PREALLOC_RETRY_S)
-            applied = limits.set_own_limit(manager, governor.geometry.limit_bytes(pages), governor.next_revision(manager))
+            applied = governor.apply_own_limit(manager, governor.geometry.limit_bytes(pages))
         state.agreed_pages = pages
 
     def state_of(self, manager: Any) -> SyncState | None:
@@ -323,8 +324,8 @@ class AgreedGrants:
     """A pool's grants whose give-backs go through :meth:`Agreement.release` (the offer a sync
     holds stays granted: "an offer is a reservation"); everything else is ``inner``'s.  The
     :class:`AgreedLimits` channel composes it when the governor is built
-    (:meth:`AgreedLimits.route_releases`), so every release of that pool's session grant, from
-    its first, passes the sync points.  Before the manager is known (or once it is gone) a release goes
+    (:meth:`AgreedLimits.route_releases`) for grants mapped in this process, so every release of
+    that pool's grant, from its first, passes the sync points.  Before the manager is known (or once it is gone) a release goes
     straight to ``inner``: no sync point holds an offer of a pool it has not seen."""
 
     def __init__(self, inner: Grants, agreement: Agreement, governor: PoolGovernor, wait_s: float = WAIT_S):
@@ -439,8 +440,10 @@ class AgreedLimits:
         than the pool's size for them."""
         return AgreedGrants(grants, self.agreement, governor, self.wait_s) if grants.maps_here else grants
 
-    def apply(self, manager: Any, limit_bytes: int, revision: int) -> kvcached_api.LimitState:
-        governor = manager.page_allocator.governor
+    def apply(self, governor: limits.OwnLimits, manager: Any, limit_bytes: int) -> kvcached_api.LimitState:
+        """Record the limit the governor wants (never more than its grant) for the next sync
+        point, and wait for it, at most ``wait_s``; kvcached's limit state then."""
+        assert isinstance(governor, PoolGovernor)
         pages = governor.geometry.pages_of(limit_bytes)
         if governor.governed and governor.grants is not None:
             pages = min(pages, governor.grants.pages)  # never want more than this rank holds

@@ -73,7 +73,7 @@ from .geometry import PoolGeometry
 from .kvctl import KvctlSegment
 from .grants import Grants
 from .kvcached_api import LimitState
-from .limits import DirectLimits, LimitChannel
+from .limits import DirectLimits, LimitChannel, set_own_limit
 from .policy import (Grow, PoolPages, Ramp, Shrink, Watermarks, after_eviction, decide, initial_pages,
                      plan_give_back)
 from .pool_state import AskBook, GrowPacing, PoolState, limit_after_grant, surplus_pages
@@ -114,7 +114,7 @@ class PoolGovernor:
         self.display = PoolDisplay(geometry, self.state, f"kvcached:g{geometry.group_id}:{self.sequence}")
         self._manager: "weakref.ref[Any] | None" = None
         self._round_lock = threading.Lock()  # held by a round, and by a shutdown's give-back
-        self._revision_lock = threading.Lock()  # revisions are taken on the governor's and a channel's threads
+        self._revision_lock = threading.Lock()  # a revision taken and applied (apply_own_limit), on any thread
 
     # ------------------------------------------------------------ the state, read
     @property
@@ -498,6 +498,10 @@ class PoolGovernor:
             self._lower_now(manager, rest.lower_to)
             if not self._live():
                 return
+        elif plan.evict_pages:
+            # The eviction's frees finished a deferred shrink, to or below the target: kvcached's
+            # size fell without this governor lowering it, and the grant above it goes back now.
+            self._release_above_limit()
         if rest.defer_to is None:
             self.state.answer()
         else:
@@ -595,20 +599,24 @@ class PoolGovernor:
 
     # ------------------------------------------------------------ kvcached's limit
     def _set_limit(self, manager: Any, limit_pages: int) -> LimitState:
-        """``set_memory_limit`` with a revision newer than any the pool has seen (its own, an
-        outside caller's, kvcached's current one); the state kvcached reports."""
+        """The limit through the pool's channel (at once, or recorded for the TP ranks' next sync
+        point); the state kvcached reports."""
         try:
-            return self.limits.apply(manager, self.geometry.limit_bytes(limit_pages), self.next_revision(manager))
+            return self.limits.apply(self, manager, self.geometry.limit_bytes(limit_pages))
         except Exception as exc:  # noqa: BLE001 - a limit kvcached cannot take changes nothing
             log.warning("event=kvcached_limit_failed pool=%s limit_pages=%d error=%r", self.key, limit_pages, str(exc))
             return LimitState("rejected", str(exc))
 
-    def next_revision(self, manager: Any) -> int:
-        """L3: the revision of the pool's next limit, newer than any it has seen (its own, an
-        outside caller's, kvcached's current one); on any thread (the governor's, or a limit
-        channel's that applies where TP ranks agree)."""
+    def apply_own_limit(self, manager: Any, limit_bytes: int) -> LimitState:
+        """kvcached's limit set to ``limit_bytes`` as the broker's own call
+        (:func:`.limits.set_own_limit`), with a revision newer than any the pool has seen (L3: its
+        own, an outside caller's, kvcached's current one).  The revision is taken and applied
+        under one lock, so the pool's revisions reach kvcached in the order they were taken, on
+        whichever thread applies them (the governor's, or a limit channel's that applies where
+        the TP ranks agree); only a limit applied takes one."""
         with self._revision_lock:
-            return self.state.next_revision(self.asks.outside_revision, kvcached_api.limit_revision(manager))
+            revision = self.state.next_revision(self.asks.outside_revision, kvcached_api.limit_revision(manager))
+            return set_own_limit(manager, limit_bytes, revision)
 
     def _limit_pages(self) -> int:
         """kvcached's allocator size: the bound on what the pool maps."""

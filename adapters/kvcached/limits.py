@@ -12,13 +12,16 @@ runtime's allocation path:
   Such a channel is installed with :func:`set_factory`.
 
 A channel's :meth:`apply` returns kvcached's limit state as ``KVCacheManager.set_memory_limit``
-answers it, read (:class:`.kvcached_api.LimitState`: applied, deferred, ...).  Whatever it
+answers it, read (:class:`.kvcached_api.LimitState`: applied, deferred, ...).  It applies a limit
+through the governor (:meth:`OwnLimits.apply_own_limit`), which takes the pool's next revision and
+applies it under one lock, so the pool's revisions reach kvcached in the order they were taken,
+whichever thread applies them.  Whatever it
 returns, the governor releases grants only above the allocator's size that kvcached reports
 (``PageAllocator.get_num_total_pages``), so a channel that applies late or not at all can
 delay a give-back but never overbook.
 
-A channel sets kvcached's limit through :func:`set_own_limit` (as :class:`DirectLimits` and
-:mod:`.agreement` do), which marks the call as the broker's own on its thread for as long as it
+A channel sets kvcached's limit through the governor, whose ``apply_own_limit`` calls
+:func:`set_own_limit` (as :class:`DirectLimits` and :mod:`.agreement` do), which marks the call as the broker's own on its thread for as long as it
 runs: on a governed pool, any other ``KVCacheManager.set_memory_limit`` is an outside limit,
 taken as an operator cap (:meth:`.governor.PoolGovernor.outside_limit`), whatever wrappers sit
 between the caller and the patch's.  The ungoverning lift to the virtual size goes through the
@@ -38,6 +41,14 @@ if TYPE_CHECKING:
     from .grants import Grants
 
 
+class OwnLimits(Protocol):
+    """What a channel needs of the pool's governor (:class:`.governor.PoolGovernor`)."""
+
+    def apply_own_limit(self, manager: Any, limit_bytes: int) -> LimitState:
+        """``set_memory_limit`` through :func:`set_own_limit`, with the pool's next revision."""
+        ...
+
+
 class LimitChannel(Protocol):
     #: The pool's limits change only at the runtime's sync points (SGLang's agreement): nothing
     #: else may resize it, not even kvcached's kvctl watcher.
@@ -48,7 +59,7 @@ class LimitChannel(Protocol):
         through."""
         ...
 
-    def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState: ...
+    def apply(self, governor: OwnLimits, manager: Any, limit_bytes: int) -> LimitState: ...
 
 
 #: The manager's attribute counting, per thread, the :func:`set_own_limit` calls in progress.
@@ -83,8 +94,8 @@ class DirectLimits:
     def route_releases(self, grants: Grants, governor: Any) -> Grants:
         return grants
 
-    def apply(self, manager: Any, limit_bytes: int, revision: int) -> LimitState:
-        return set_own_limit(manager, limit_bytes, revision)
+    def apply(self, governor: OwnLimits, manager: Any, limit_bytes: int) -> LimitState:
+        return governor.apply_own_limit(manager, limit_bytes)
 
 
 Factory = Callable[[PoolGeometry], "LimitChannel | None"]

@@ -199,7 +199,9 @@ def after_eviction(plan: GiveBack, *, inuse: int, limit: int, defer: bool) -> Af
     """The rest of a give-back not ``done`` by :func:`plan_give_back`, from what is in use and
     kvcached's size after the eviction: lower the limit at once as far toward ``plan.target``
     as what is in use allows (after an eviction only: without one nothing was freed since the
-    first step), then defer the rest (``defer``; False for a soft ask: only what was idle)."""
+    first step), then defer the rest (``defer``; False for a soft ask: only what was idle).
+    Never raises the limit: where the eviction's frees finished an earlier deferred shrink, to
+    or below the target, kvcached's size is already there (``lower_to`` None)."""
     lower_to: int | None = None
     if plan.evict_pages:
         floor = max(plan.target, inuse)

@@ -137,13 +137,15 @@ def test_an_ungoverned_pool_with_a_limit_channel_is_lifted_only_through_the_chan
 
         def __init__(self):
             self.wanted: list[int] = []
+            self.governor = None
 
-        def apply(self, manager, limit_bytes, revision):
+        def apply(self, governor, manager, limit_bytes):
+            self.governor = governor
             self.wanted.append(limit_bytes)
             return kvcached_api.limit_state(manager)
 
         def sync(self, manager):
-            return limits.DirectLimits().apply(manager, self.wanted[-1], kvcached_api.limit_state(manager).revision + 1)
+            return limits.DirectLimits().apply(self.governor, manager, self.wanted[-1])
 
     channel = HeldChannel()
     limits.set_factory(lambda geometry: channel)

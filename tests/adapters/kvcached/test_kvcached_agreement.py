@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -103,6 +104,10 @@ TP_VIRTUAL_PAGES = 32
 TP_PAGE_SIZE = 4096
 
 
+class CollectiveFailed(RuntimeError):
+    pass
+
+
 class QueuedEviction:
     """A pool's eviction hook as SGLang's wiring registers it: queued for the next sync point."""
 
@@ -130,7 +135,6 @@ class AgreeingRanks(RuleBasedStateMachine):
             agreement_ = agreement.Agreement()
             governor = PoolGovernor(geometry, allocator, broker, Watermarks(batch_pages=4, low_pages=2, high_pages=8),
                                     limits=agreement.AgreedLimits(agreement_, wait_s=0.0))
-            allocator.governor = governor  # as the patched PageAllocator carries it
             allocator.check = broker.check = self.check
             governor.start()
             governor.attach(manager)
@@ -226,7 +230,29 @@ class AgreeingRanks(RuleBasedStateMachine):
 
         self.sync_point(round_inside if inside is not None else None)
 
+    @rule()
+    def a_collective_that_fails(self):
+        """The collective raises on every rank (a peer died): each rank's sync raises it, holds
+        no offer after it (the invariant below), and applies nothing."""
+        sizes = [rank.allocator.total for rank in self.ranks]
+
+        def fail(offer):
+            raise CollectiveFailed("a peer died")
+
+        for rank in self.ranks:
+            with pytest.raises(CollectiveFailed):
+                rank.agreement.sync(fail, self.evict_on(rank), [(rank.governor, rank.manager)])
+        assert [rank.allocator.total for rank in self.ranks] == sizes
+
     # -------------------------------------------------------- after every rule
+    @invariant()
+    def kvcached_holds_the_governors_latest_revision(self):
+        """Every limit applied, by the governor's thread or at a sync point, took its revision
+        from the governor (``apply_own_limit``): kvcached's is the last one it took."""
+        for rank in self.ranks:
+            applied = rank.manager._memory_limit_revision
+            assert applied == -1 or applied == rank.governor.state.revision, (applied, rank.governor.state.revision)
+
     @invariant()
     def every_rank_has_the_same_capacity(self):
         sizes = [rank.allocator.total for rank in self.ranks]

@@ -214,6 +214,48 @@ def test_what_the_broker_was_told_is_told_again_only_when_it_changed():
     assert told.renamed() and not told.zero_page and not told.renamed()
 
 
+# ---------------------------------------------------------------- a give-back, performed
+def _busy_pool(capacity: int = 40) -> tuple[PoolGovernor, ModelAllocator, ModelManager, ModelBroker]:
+    """A governed pool of the models, 24 pages in use (12 of them a finished request's, in the
+    prefix cache) and a few free, after one round."""
+    geometry = PoolGeometry(num_layers=1, page_size=PAGE_SIZE, num_kv_buffers=1, virtual_pages=VIRTUAL_PAGES,
+                            ipc_name=f"kvcached_broker_model_{uuid.uuid4().hex}")
+    allocator, broker = ModelAllocator(VIRTUAL_PAGES, PAGE_SIZE), ModelBroker(capacity)
+    manager = ModelManager(allocator, geometry.page_bytes, VIRTUAL_PAGES)
+    governor = PoolGovernor(geometry, allocator, broker, Watermarks(batch_pages=4, low_pages=2, high_pages=8))
+    governor.start()
+    governor.attach(manager)
+    cache = ModelPrefixCache(manager)
+    eviction.register_eviction_hook(manager, cache)
+    for now_s in (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0):
+        if allocator.inuse < 24:
+            allocator.alloc(min(4, 24 - allocator.inuse, allocator.total - allocator.mapped))
+        governor.step(now_s)
+    cache.cached = 12
+    assert allocator.inuse == 24 and broker.pages > 24
+    return governor, allocator, manager, broker
+
+
+@pytest.mark.parametrize("soft", [True, False])
+def test_a_soft_ask_takes_only_idle_pages_and_a_hard_one_defers_the_rest(soft):
+    """The broker asks for more than the pool holds idle (its free pages and its prefix cache's
+    12 pages): a soft ask lowers the limit over what the eviction freed and stops there; a hard
+    one defers the rest, below what running requests use, until blocks are freed."""
+    governor, allocator, manager, broker = _busy_pool()
+    try:
+        governor.ask_back(broker.pages, soft=soft)
+        governor.step(10.0)
+        assert allocator.inuse == 12  # the prefix cache's pages were evicted
+        if soft:
+            assert governor.pending_limit is None and not manager.in_shrink
+            assert allocator.total >= allocator.inuse and broker.pages == allocator.total
+        else:
+            assert governor.pending_limit == 1 and manager.in_shrink  # down to the null block's page
+            assert broker.pages == allocator.total == 12
+    finally:
+        eviction.register_eviction_hook(manager, None)
+
+
 # ---------------------------------------------------------------- the governor, property-tested
 class GovernedPool(RuleBasedStateMachine):
     """One governed pool: the real governor, kvcached and a broker as models, and the engine."""

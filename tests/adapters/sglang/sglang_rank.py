@@ -457,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE.parent))
     import line_replies
 
+    sys.path.remove(str(HERE.parent))  # its vllm/ folder would pass for vLLM (kvcached's engine detection)
     reply = line_replies.open_channel()
     _log_to_stderr()
     sys.path[:0] = [str(HERE), str(HERE.parents[1] / "sglang")]

@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_model  # the test model, as this vLLM's kvcached integration lays it out
 import line_replies
 
+sys.path.remove(str(Path(__file__).resolve().parents[1]))  # only line_replies is wanted from there
+
 BLOCK_TOKENS = kv_model.BLOCK_TOKENS
 
 reply = line_replies.open_channel()

@@ -39,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_model  # the test model, as this vLLM's kvcached integration lays it out
 import line_replies
 
+sys.path.remove(str(Path(__file__).resolve().parents[1]))  # only line_replies is wanted from there
+
 reply = line_replies.open_channel()
 
 
