@@ -120,7 +120,8 @@ def test_two_kvcached_pools_hand_over_with_mapped_within_granted_at_every_sample
     for i in range(1, f["trials"] + 1):
         assert f[f"trial{i}_b_held_bytes"] > f[f"trial{i}_free_before_bytes"]  # more than was free once A filled: A's room
         if f[f"trial{i}_handover_s"] is None:
-            continue  # B's asks all fitted at once: the broker freed A's cache ahead of them
+            continue  # B's asks all fitted at once (the broker freed A's cache ahead of them), or
+            # the one that did not was ahead of need and B finished within what it held
         # The hand-over's time, split: B's grants after its first ask that did not fit, B's
         # allocations, A's releases.
         assert f[f"trial{i}_b_acquire_calls"] >= 1 and f[f"trial{i}_b_alloc_calls"] >= 1

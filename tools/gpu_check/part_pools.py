@@ -173,7 +173,10 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     complete = burst["held_blocks"] >= want
     b_spans = burst["after_refusal"] or {}
     a_spans = a.request("spans", start=refused_at, end=burst["done_at"]) if refused_at is not None else {}
-    handover = burst["done_at"] - refused_at if complete and refused_at is not None else None
+    b_asked_after = bool((b_spans.get("acquire") or {}).get("calls"))
+    # A hand-over is B's first ask that did not fit to its burst held; an ask ahead of need that
+    # was refused while B finished within what it held (nothing asked after it) is none.
+    handover = burst["done_at"] - refused_at if complete and refused_at is not None and b_asked_after else None
     out = {
         "complete": complete, "b_held_bytes": burst["held_blocks"] * block_bytes,
         "free_before_bytes": before["free_bytes"],
