@@ -325,8 +325,9 @@ class AgreedGrants:
     holds stays granted: "an offer is a reservation"); everything else is ``inner``'s.  The
     :class:`AgreedLimits` channel composes it when the governor is built
     (:meth:`AgreedLimits.route_releases`) for grants mapped in this process, so every release of
-    that pool's grant, from its first, passes the sync points.  Before the manager is known (or once it is gone) a release goes
-    straight to ``inner``: no sync point holds an offer of a pool it has not seen."""
+    that pool's grant, from its first, passes the sync points.  Before the manager is known (or
+    once it is gone) a release goes straight to ``inner``: no sync point holds an offer of a pool
+    it has not seen."""
 
     def __init__(self, inner: Grants, agreement: Agreement, governor: PoolGovernor, wait_s: float = WAIT_S):
         self.inner = inner

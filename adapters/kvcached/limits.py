@@ -12,20 +12,20 @@ runtime's allocation path:
   Such a channel is installed with :func:`set_factory`.
 
 A channel's :meth:`apply` returns kvcached's limit state as ``KVCacheManager.set_memory_limit``
-answers it, read (:class:`.kvcached_api.LimitState`: applied, deferred, ...).  It applies a limit
-through the governor (:meth:`OwnLimits.apply_own_limit`), which takes the pool's next revision and
-applies it under one lock, so the pool's revisions reach kvcached in the order they were taken,
-whichever thread applies them.  Whatever it
+answers it, read (:class:`.kvcached_api.LimitState`: applied, deferred, ...).  Whatever it
 returns, the governor releases grants only above the allocator's size that kvcached reports
 (``PageAllocator.get_num_total_pages``), so a channel that applies late or not at all can
 delay a give-back but never overbook.
 
-A channel sets kvcached's limit through the governor, whose ``apply_own_limit`` calls
-:func:`set_own_limit` (as :class:`DirectLimits` and :mod:`.agreement` do), which marks the call as the broker's own on its thread for as long as it
-runs: on a governed pool, any other ``KVCacheManager.set_memory_limit`` is an outside limit,
-taken as an operator cap (:meth:`.governor.PoolGovernor.outside_limit`), whatever wrappers sit
-between the caller and the patch's.  The ungoverning lift to the virtual size goes through the
-channel too (:meth:`.governor.PoolGovernor._ungovern`).
+A channel sets kvcached's limit through the governor (:meth:`OwnLimits.apply_own_limit`, as
+:class:`DirectLimits` and :mod:`.agreement` do), which takes the pool's next revision and applies
+it under one lock, so the pool's revisions reach kvcached in the order they were taken, whichever
+thread applies them.  It calls :func:`set_own_limit`, which marks the call as the broker's own on
+its thread for as long as it runs: on a governed pool, any other
+``KVCacheManager.set_memory_limit`` is an outside limit, taken as an operator cap
+(:meth:`.governor.PoolGovernor.outside_limit`), whatever wrappers sit between the caller and the
+patch's.  The ungoverning lift to the virtual size goes through the channel too
+(:meth:`.governor.PoolGovernor._ungovern`).
 """
 
 from __future__ import annotations
