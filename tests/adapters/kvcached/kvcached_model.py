@@ -23,10 +23,14 @@ Every mutation checks the invariant through ``check`` (given by the test): the m
 from __future__ import annotations
 
 import threading
-from typing import Callable
+import uuid
+from typing import Any, Callable
 
 from helpers import FixedGrants
 
+from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
+from kvcached_broker.adapters.kvcached.governor import PoolGovernor
+from kvcached_broker.adapters.kvcached.policy import Watermarks
 from kvcached_broker.client import SessionEvicted
 
 MIN_RESERVED = 2
@@ -287,3 +291,20 @@ class ModelPrefixCache:
 
     def cached_pages(self) -> int:
         return min(self.cached, self.manager.page_allocator.inuse)
+
+
+class ModelPool:
+    """One pool of these models under the real governor, built and not started: the caller wires
+    its checks into the models first, then ``governor.start()`` and ``governor.attach(manager)``.
+    One layer and one buffer, so a pool page is ``page_size`` bytes; marks of 4 pages a batch."""
+
+    MARKS = Watermarks(batch_pages=4, low_pages=2, high_pages=8)
+
+    def __init__(self, capacity_pages: int, *, virtual_pages: int, page_size: int, limits: Any = None):
+        self.geometry = PoolGeometry(num_layers=1, page_size=page_size, num_kv_buffers=1, virtual_pages=virtual_pages,
+                                     ipc_name=f"kvcached_broker_model_{uuid.uuid4().hex}")
+        self.allocator = ModelAllocator(virtual_pages, page_size)
+        self.broker = ModelBroker(capacity_pages)
+        self.manager = ModelManager(self.allocator, self.geometry.page_bytes, virtual_pages)
+        self.cache = ModelPrefixCache(self.manager)
+        self.governor = PoolGovernor(self.geometry, self.allocator, self.broker, self.MARKS, limits=limits)

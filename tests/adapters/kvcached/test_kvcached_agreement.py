@@ -5,7 +5,6 @@ tests (tests/adapters/sglang/test_kvcached_sglang_*)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -15,11 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvcached_broker.adapters.kvcached import agreement, eviction
-from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
-from kvcached_broker.adapters.kvcached.governor import PoolGovernor
-from kvcached_broker.adapters.kvcached.policy import Watermarks
 
-from kvcached_model import ModelAllocator, ModelBroker, ModelManager, ModelPrefixCache
+from kvcached_model import ModelPool
 
 
 class Allocator:
@@ -125,23 +121,16 @@ class AgreeingRanks(RuleBasedStateMachine):
         self.now_s = 0.0
         self.violations: list[str] = []
         self.ranks = []
-        for rank, capacity in enumerate(capacities):
-            geometry = PoolGeometry(num_layers=1, page_size=TP_PAGE_SIZE, num_kv_buffers=1,
-                                    virtual_pages=TP_VIRTUAL_PAGES,
-                                    ipc_name=f"kvcached_broker_agree_{rank}_{uuid.uuid4().hex}")
-            allocator = ModelAllocator(TP_VIRTUAL_PAGES, TP_PAGE_SIZE)
-            broker = ModelBroker(capacity)
-            manager = ModelManager(allocator, geometry.page_bytes, TP_VIRTUAL_PAGES)
+        for capacity in capacities:
             agreement_ = agreement.Agreement()
-            governor = PoolGovernor(geometry, allocator, broker, Watermarks(batch_pages=4, low_pages=2, high_pages=8),
-                                    limits=agreement.AgreedLimits(agreement_, wait_s=0.0))
-            allocator.check = broker.check = self.check
-            governor.start()
-            governor.attach(manager)
-            cache = ModelPrefixCache(manager)
-            eviction.register_eviction_hook(manager, QueuedEviction(agreement_, manager))
-            self.ranks.append(SimpleNamespace(allocator=allocator, broker=broker, manager=manager, cache=cache,
-                                              governor=governor, agreement=agreement_))
+            pool = ModelPool(capacity, virtual_pages=TP_VIRTUAL_PAGES, page_size=TP_PAGE_SIZE,
+                             limits=agreement.AgreedLimits(agreement_, wait_s=0.0))
+            pool.allocator.check = pool.broker.check = self.check
+            pool.governor.start()
+            pool.governor.attach(pool.manager)
+            eviction.register_eviction_hook(pool.manager, QueuedEviction(agreement_, pool.manager))
+            self.ranks.append(SimpleNamespace(allocator=pool.allocator, broker=pool.broker, manager=pool.manager,
+                                              cache=pool.cache, governor=pool.governor, agreement=agreement_))
         self.started = True
         self.sync_point()  # the runtime's first sync point comes before its first batch
 

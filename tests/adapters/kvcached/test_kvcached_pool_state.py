@@ -24,7 +24,6 @@ freed its blocks, gave back its whole grant.
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,9 +31,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcached_broker.adapters.kvcached import eviction
-from kvcached_broker.adapters.kvcached.geometry import PoolGeometry
-from kvcached_broker.adapters.kvcached.governor import PoolGovernor
-from kvcached_broker.adapters.kvcached.policy import Watermarks
 from kvcached_broker.adapters.kvcached.pool_state import (
     _NEXT,
     AskBook,
@@ -48,7 +44,7 @@ from kvcached_broker.adapters.kvcached.pool_state import (
     surplus_pages,
 )
 
-from kvcached_model import ModelAllocator, ModelBroker, ModelManager, ModelPrefixCache
+from kvcached_model import ModelPool
 
 PAGE_SIZE = 4096  # per-layer bytes of one page id; one layer, one buffer: a pool page is 4 KiB
 VIRTUAL_PAGES = 48
@@ -215,25 +211,20 @@ def test_what_the_broker_was_told_is_told_again_only_when_it_changed():
 
 
 # ---------------------------------------------------------------- a give-back, performed
-def _busy_pool(capacity: int = 40) -> tuple[PoolGovernor, ModelAllocator, ModelManager, ModelBroker]:
+def _busy_pool(capacity: int = 40) -> ModelPool:
     """A governed pool of the models, 24 pages in use (12 of them a finished request's, in the
     prefix cache) and a few free, after one round."""
-    geometry = PoolGeometry(num_layers=1, page_size=PAGE_SIZE, num_kv_buffers=1, virtual_pages=VIRTUAL_PAGES,
-                            ipc_name=f"kvcached_broker_model_{uuid.uuid4().hex}")
-    allocator, broker = ModelAllocator(VIRTUAL_PAGES, PAGE_SIZE), ModelBroker(capacity)
-    manager = ModelManager(allocator, geometry.page_bytes, VIRTUAL_PAGES)
-    governor = PoolGovernor(geometry, allocator, broker, Watermarks(batch_pages=4, low_pages=2, high_pages=8))
-    governor.start()
-    governor.attach(manager)
-    cache = ModelPrefixCache(manager)
-    eviction.register_eviction_hook(manager, cache)
+    pool = ModelPool(capacity, virtual_pages=VIRTUAL_PAGES, page_size=PAGE_SIZE)
+    pool.governor.start()
+    pool.governor.attach(pool.manager)
+    eviction.register_eviction_hook(pool.manager, pool.cache)
     for now_s in (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0):
-        if allocator.inuse < 24:
-            allocator.alloc(min(4, 24 - allocator.inuse, allocator.total - allocator.mapped))
-        governor.step(now_s)
-    cache.cached = 12
-    assert allocator.inuse == 24 and broker.pages > 24
-    return governor, allocator, manager, broker
+        if pool.allocator.inuse < 24:
+            pool.allocator.alloc(min(4, 24 - pool.allocator.inuse, pool.allocator.total - pool.allocator.mapped))
+        pool.governor.step(now_s)
+    pool.cache.cached = 12
+    assert pool.allocator.inuse == 24 and pool.broker.pages > 24
+    return pool
 
 
 @pytest.mark.parametrize("soft", [True, False])
@@ -241,7 +232,8 @@ def test_a_soft_ask_takes_only_idle_pages_and_a_hard_one_defers_the_rest(soft):
     """The broker asks for more than the pool holds idle (its free pages and its prefix cache's
     12 pages): a soft ask lowers the limit over what the eviction freed and stops there; a hard
     one defers the rest, below what running requests use, until blocks are freed."""
-    governor, allocator, manager, broker = _busy_pool()
+    pool = _busy_pool()
+    governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
     try:
         governor.ask_back(broker.pages, soft=soft)
         governor.step(10.0)
@@ -267,14 +259,9 @@ class GovernedPool(RuleBasedStateMachine):
         self.schedule: list[str] = []
         self.interleaving = False
         self.violations: list[str] = []
-        self.geometry = PoolGeometry(num_layers=1, page_size=PAGE_SIZE, num_kv_buffers=1,
-                                     virtual_pages=VIRTUAL_PAGES, ipc_name=f"kvcached_broker_model_{uuid.uuid4().hex}")
-        self.allocator = ModelAllocator(VIRTUAL_PAGES, PAGE_SIZE)
-        self.broker = ModelBroker(capacity)
-        self.manager = ModelManager(self.allocator, self.geometry.page_bytes, VIRTUAL_PAGES)
-        self.cache = ModelPrefixCache(self.manager)
-        marks = Watermarks(batch_pages=4, low_pages=2, high_pages=8)
-        self.governor = PoolGovernor(self.geometry, self.allocator, self.broker, marks)
+        pool = ModelPool(capacity, virtual_pages=VIRTUAL_PAGES, page_size=PAGE_SIZE)
+        self.geometry, self.allocator, self.broker = pool.geometry, pool.allocator, pool.broker
+        self.manager, self.cache, self.governor = pool.manager, pool.cache, pool.governor
         self.allocator.check = self.broker.check = self.check
         self.broker.said_mapped = self.said_mapped
         self.broker.called = self.broker_called
