@@ -498,14 +498,14 @@ class PoolGovernor:
             self._lower_now(manager, rest.lower_to)
             if not self._live():
                 return
-        elif plan.evict_pages:
-            # The eviction's frees finished a deferred shrink, to or below the target: kvcached's
-            # size fell without this governor lowering it, and the grant above it goes back now.
+        if rest.defer_to is not None:
+            self._defer(manager, rest.defer_to)  # (it releases what is above the limit)
+            return
+        if rest.lower_to is None and plan.evict_pages:
+            # The eviction's frees may have finished a deferred shrink, to or below the target:
+            # kvcached's size fell without this governor lowering it; the grant above it goes back.
             self._release_above_limit()
-        if rest.defer_to is None:
-            self.state.answer()
-        else:
-            self._defer(manager, rest.defer_to)
+        self.state.answer()
 
     def _lower_now(self, manager: Any, limit_pages: int) -> None:
         """Lower the limit to ``limit_pages`` (>= in use: kvcached applies it) and release."""
