@@ -417,8 +417,9 @@ def run_setups(setups: list[str], workdir: Path, trials: int, traces: list[str])
 
 def paired_burst_ratio(results: dict[str, dict], ours: str = "broker", key: str = "trials") -> float | None:
     """p50 over trials of a burst (kvcached mode's, or the oracle's: ``ours``'s ``key``) over
-    static partitioning's in the same turn (they ran back to back, under the same load); None
-    unless both completed every trial."""
+    static partitioning's in the same turn (a turn's trials run one after another, so under
+    about the same load; the oracle's right after kvcached alone's); None unless both
+    completed every trial."""
     if ours not in results or "static" not in results:
         return None
     pairs = list(zip(results[ours][key], results["static"]["trials"]))
