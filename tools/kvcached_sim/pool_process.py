@@ -25,9 +25,9 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
   N newest finish but stay in the prefix cache (held until an eviction frees them);
   ``{"op": "drop_cache"}``: free every cached block;
 * ``{"op": "limit", "bytes": N}``: kvcached's own ``set_memory_limit`` (static partitioning);
-  ``{"op": "give", "blocks": N, "page_bytes": P}``: free the N oldest cached blocks and lower
-  the limit to the pages still in use, which unmaps the pages freed (the hand-over's oracle,
-  ``benchmarks/handover.py``: no broker, no protocol);
+  ``{"op": "give", "blocks": N, "page_bytes": P}``: free the N oldest cached blocks, lower the
+  limit to the pages still in use and trim kvcached's reserve, which unmaps the pages freed at
+  once (the hand-over's oracle, ``benchmarks/handover.py``: no broker, no protocol);
 * ``{"op": "outside", "bytes": N}``: take N bytes on the device outside the pool, as CUDA graphs
   or cached activations are (``oom`` in the reply if the device has no room);
 * ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S}``:
@@ -260,13 +260,16 @@ class Engine:
 
     def give(self, blocks: int, page_bytes: int) -> dict:
         """Hand memory back to the device at once, as a pool that knew a neighbour's need would:
-        free the ``blocks`` oldest cached blocks, then lower kvcached's limit to the pages still
-        in use (``page_bytes`` a page of the pool, every layer), which unmaps the pages freed."""
+        free the ``blocks`` oldest cached blocks, lower kvcached's limit to the pages still in
+        use (``page_bytes`` a page of the pool, every layer) and trim its reserve, so every page
+        freed is unmapped now (kvcached keeps freed pages mapped in its reserve, and defers a
+        limit below it; the limit keeps the reserve from being mapped again)."""
         freed = self._free_cached(blocks)
         inuse_pages = self.manager.page_allocator.get_num_inuse_pages()
         revision = int(self.manager.memory_limit_state().get("revision", 0)) + 1
-        state = self.spans.call("give", self.manager.set_memory_limit, inuse_pages * page_bytes, revision=revision)
-        return {"freed_blocks": freed, "limit": state, "device_bytes": self.gpu.mine_bytes()}
+        self.spans.call("give", self.manager.set_memory_limit, inuse_pages * page_bytes, revision=revision)
+        self.spans.call("give", self.manager.trim)
+        return {"freed_blocks": freed, "limit": self.manager.memory_limit_state(), "device_bytes": self.gpu.mine_bytes()}
 
     def cached_pages(self) -> int:
         """The hook's idle figure: about how many pool pages the prefix cache could free now."""
