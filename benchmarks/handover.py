@@ -292,12 +292,19 @@ def reset(r: Rig) -> None:
 
 
 # ----------------------------------------------------------------------------- the hand-over
-def handover_trial(r: Rig) -> dict:
-    """A fills 56 GiB and idles (all cached); B bursts 28 GiB.  Times, bytes moved, completion."""
+def a_fills_and_idles(r: Rig) -> dict:
+    """Every pool empty, then A fills 56 GiB and its requests finish into its prefix cache (the
+    governors settled after): A's fill's reply."""
     reset(r)
     a_fill = r.a.request("fill", blocks=r.blocks(A_FILL_BYTES), stall_s=STALL_S[r.setup])
     r.a.request("cache", blocks=a_fill["held_blocks"])
     r.a.request("settle")
+    return a_fill
+
+
+def handover_trial(r: Rig) -> dict:
+    """A fills 56 GiB and idles (all cached); B bursts 28 GiB.  Times, bytes moved, completion."""
+    a_fill = a_fills_and_idles(r)
     a_before, b_before, free_before = device_bytes(r.a), device_bytes(r.b), free_usable_bytes(r.usage)
     pressure_before = pressure_on_a(r)
     want = r.blocks(B_BURST_BYTES)
@@ -327,12 +334,10 @@ def handover_trial(r: Rig) -> dict:
 def oracle_handover_trial(r: Rig) -> dict:
     """The hand-over's floor on this device: as :func:`handover_trial`, on kvcached alone's rig,
     but A, knowing what B lacks, gives it back the instant B starts (its oldest cached blocks
-    freed and its limit lowered, which unmaps them) while B bursts: no broker, no refusal, no
-    retry but the engine's own step; only pages unmapped beside pages mapped."""
-    reset(r)
-    a_fill = r.a.request("fill", blocks=r.blocks(A_FILL_BYTES), stall_s=STALL_S[r.setup])
-    r.a.request("cache", blocks=a_fill["held_blocks"])
-    r.a.request("settle")
+    freed, its limit lowered and its reserve trimmed, which unmaps them) while B bursts: no
+    broker, no refusal, no retry but the engine's own step; only pages unmapped beside pages
+    mapped."""
+    a_fills_and_idles(r)
     a_before, free_before = device_bytes(r.a), free_usable_bytes(r.usage)
     capacity_bytes = r.a.request("status")["limit"]["current_capacity_bytes"]
     blocks_per_page = r.a.ready["blocks_per_page"]

@@ -157,8 +157,7 @@ def serve(engine: "Engine", manager, runner) -> None:
         elif op == "give":
             reply(engine.give(request["blocks"], request["page_bytes"]))
         elif op == "limit":
-            revision = int(manager.memory_limit_state().get("revision", 0)) + 1
-            reply({"limit": manager.set_memory_limit(request["bytes"], revision=revision)})
+            reply({"limit": engine.set_limit(request["bytes"])})
         elif op == "track":
             reply(engine.track(request["schedule"], request["start_at"], request.get("sample_s", 0.05)))
         elif op == "settle":
@@ -258,6 +257,12 @@ class Engine:
             self.spans.call("free", self.manager.free, taken)
         return len(taken)
 
+    def set_limit(self, limit_bytes: int) -> dict:
+        """kvcached's own ``set_memory_limit``, with the revision after its current one; its
+        limit state."""
+        revision = int(self.manager.memory_limit_state().get("revision", 0)) + 1
+        return self.manager.set_memory_limit(limit_bytes, revision=revision)
+
     def give(self, blocks: int, page_bytes: int) -> dict:
         """Hand memory back to the device at once, as a pool that knew a neighbour's need would:
         free the ``blocks`` oldest cached blocks, lower kvcached's limit to the pages still in
@@ -265,9 +270,7 @@ class Engine:
         freed is unmapped now (kvcached keeps freed pages mapped in its reserve, and defers a
         limit below it; the limit keeps the reserve from being mapped again)."""
         freed = self._free_cached(blocks)
-        inuse_pages = self.manager.page_allocator.get_num_inuse_pages()
-        revision = int(self.manager.memory_limit_state().get("revision", 0)) + 1
-        self.spans.call("give", self.manager.set_memory_limit, inuse_pages * page_bytes, revision=revision)
+        self.spans.call("give", self.set_limit, self.manager.page_allocator.get_num_inuse_pages() * page_bytes)
         self.spans.call("give", self.manager.trim)
         return {"freed_blocks": freed, "limit": self.manager.memory_limit_state(), "device_bytes": self.gpu.mine_bytes()}
 
