@@ -6,17 +6,15 @@ Exit codes: 0 ok, 1 refused, 2 usage, 3 broker unreachable.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from msgspec import UNSET
 
@@ -28,6 +26,7 @@ from ..client.errors import BrokerError, BrokerUnavailable
 from ..client.units import MAX_SIZE_BYTES, SizeError
 from . import __version__
 from . import config as serve_config
+from .interrupt import stopped_by_interrupt
 from .quotas import DEFAULT_QUOTAS
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -291,7 +290,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(_render(_fetch(endpoints, args.timeout, strict=not args.all), args.json, False, args.all))
         return EXIT_OK
     interactive = sys.stdout.isatty() and not args.json
-    with _stopped_by_interrupt() as stop:
+    with stopped_by_interrupt() as stop:
         while not stop.is_set():
             try:
                 frame = _render(_fetch(endpoints, args.timeout, strict=not args.all), args.json, True, args.all)
@@ -307,23 +306,6 @@ def cmd_status(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             stop.wait(args.watch)
     return EXIT_OK
-
-
-@contextlib.contextmanager
-def _stopped_by_interrupt() -> Iterator[threading.Event]:
-    """An event Ctrl-C (SIGINT) sets, in place of a ``KeyboardInterrupt`` that could land in the
-    middle of a broker round trip or a socket's close and leave the process unable to exit: the
-    round in progress finishes (bounded by its timeout), then the loop ends."""
-    stop = threading.Event()
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
-    except ValueError:  # not the main thread (an embedder): Ctrl-C is the caller's
-        yield stop
-        return
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_limit(args: argparse.Namespace) -> int:

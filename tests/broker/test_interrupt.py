@@ -1,0 +1,97 @@
+"""The Ctrl-C latch of ``status --watch``: a handler landing anywhere in a wait ends it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+from kvcached_broker.broker.interrupt import InterruptLatch, stopped_by_interrupt
+
+# Runs in a child, so that a handler that deadlocks hangs the child, not the test run. A Python
+# signal handler runs between two bytecodes of the main thread; the tracer calls the installed
+# SIGINT handler at the n-th line executed inside ``wait`` (in any frame it calls), for every n the
+# wait has, which is where a real Ctrl-C can land. Lines after the sleep are reached only once it
+# times out, so the waits are short; the old ``threading.Event`` hung for good at the lines inside
+# its lock.
+CHILD = textwrap.dedent("""
+    import signal, sys
+    from kvcached_broker.broker.interrupt import stopped_by_interrupt
+
+    def lines_in_wait(stop, fire_at):
+        seen = 0
+        def local(frame, event, arg):
+            nonlocal seen
+            if event == "line":
+                seen += 1
+                if seen == fire_at:
+                    signal.getsignal(signal.SIGINT)(signal.SIGINT, frame)
+            return local
+        sys.settrace(lambda frame, event, arg: local)
+        try:
+            woke = stop.wait(0 if fire_at == 0 else 0.2)
+        finally:
+            sys.settrace(None)
+        return seen, woke
+
+    with stopped_by_interrupt() as stop:
+        total, woke = lines_in_wait(stop, 0)
+    assert total >= 1 and not woke, (total, woke)
+    for n in range(1, total + 1):
+        with stopped_by_interrupt() as stop:
+            _, woke = lines_in_wait(stop, n)
+        assert woke and stop.is_set(), n
+    print("lines", total)
+""")
+
+
+def test_a_handler_landing_at_any_line_of_a_wait_never_hangs_it_and_is_seen():
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", CHILD],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"a handler inside wait() hung it; where:\n{err[-4000:]}") from None
+    assert proc.returncode == 0, err
+    assert out.startswith("lines "), out
+
+
+def test_a_trip_from_another_thread_wakes_a_wait_in_progress():
+    latch = InterruptLatch()
+    try:
+        waiting = threading.Event()
+        tripper = threading.Thread(target=lambda: (waiting.wait(), latch.trip()))
+        tripper.start()
+        waiting.set()
+        assert latch.wait(600) is True  # returns on the trip, not the timeout
+        tripper.join()
+        assert latch.is_set() and latch.wait(600) is True  # stays set
+    finally:
+        latch.close()
+
+
+def test_the_previous_sigint_handler_is_restored():
+    before = signal.getsignal(signal.SIGINT)
+    with stopped_by_interrupt() as stop:
+        assert signal.getsignal(signal.SIGINT) == stop.trip
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_outside_the_main_thread_no_handler_is_installed():
+    seen: list[object] = []
+
+    def body() -> None:
+        with stopped_by_interrupt() as stop:
+            seen.append(signal.getsignal(signal.SIGINT))
+            stop.trip()
+            seen.append(stop.wait(600))
+
+    before = signal.getsignal(signal.SIGINT)
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == [before, True]
