@@ -150,7 +150,7 @@ def test_watch_redraws_until_interrupted(broker):
     try:
         proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        # Seen once under load (not reproduced): abort it, so faulthandler prints where it waits.
+        # Abort it, so faulthandler prints where it waits (a handler once deadlocked in a wait: test_interrupt.py).
         proc.send_signal(signal.SIGABRT)
         _, stderr = proc.communicate(timeout=30)
         pytest.fail(f"status --watch did not exit within 60 s of Ctrl-C; its threads:\n{stderr[-6000:]}")
