@@ -30,8 +30,10 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
   once (the hand-over's oracle, ``benchmarks/handover.py``: no broker, no protocol);
 * ``{"op": "outside", "bytes": N}``: take N bytes on the device outside the pool, as CUDA graphs
   or cached activations are (``oom`` in the reply if the device has no room);
-* ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S}``:
-  follow a demand trace in real time (see :meth:`Engine.track`);
+* ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S,
+  "gives": [[t_s, blocks, page_bytes], ...]}``: follow a demand trace in real time, and at each
+  ``gives`` instant (optional) give as ``give`` does, then lift the limit back (the trace
+  oracle's lender; see :meth:`Engine.track`);
 * ``{"op": "status"}``: the governor's status, kvcached's limit state and the bytes this
   process has on the device; ``{"op": "settle"}``: wait for two governor rounds;
 * ``{"op": "spans", "start": T0, "end": T1}``: the time this process spent, between two
@@ -159,7 +161,8 @@ def serve(engine: "Engine", manager, runner) -> None:
         elif op == "limit":
             reply({"limit": engine.set_limit(request["bytes"])})
         elif op == "track":
-            reply(engine.track(request["schedule"], request["start_at"], request.get("sample_s", 0.05)))
+            reply(engine.track(request["schedule"], request["start_at"], request.get("sample_s", 0.05),
+                               request.get("gives")))
         elif op == "settle":
             reply({"settled": runner.settle()})
         elif op == "status":
@@ -274,6 +277,14 @@ class Engine:
         self.spans.call("give", self.manager.trim)
         return {"freed_blocks": freed, "limit": self.manager.memory_limit_state(), "device_bytes": self.gpu.mine_bytes()}
 
+    def give_for_a_while(self, blocks: int, page_bytes: int) -> dict:
+        """:meth:`give`, then the limit back where it was: the pages freed are unmapped, and the
+        pool may map again later (kvcached maps on demand, not ahead)."""
+        capacity_bytes = int(self.manager.memory_limit_state()["current_capacity_bytes"])
+        given = self.give(blocks, page_bytes)
+        self.set_limit(capacity_bytes)
+        return given
+
     def cached_pages(self) -> int:
         """The hook's idle figure: about how many pool pages the prefix cache could free now."""
         return self.cached_count() // self.blocks_per_page()
@@ -286,7 +297,8 @@ class Engine:
         return max(1, self.manager.page_size // self.manager.block_mem_size)
 
     # ------------------------------------------------------------ a demand trace
-    def track(self, schedule: list[list[float]], start_at: float, sample_s: float) -> dict:
+    def track(self, schedule: list[list[float]], start_at: float, sample_s: float,
+              gives: list[list[float]] | None = None) -> dict:
         """Follow ``schedule`` (``[t_s, live blocks wanted]`` steps, from ``start_at``, epoch seconds).
 
         Every ``sample_s`` the live blocks move toward the demand: up by allocating (a miss is
@@ -295,13 +307,22 @@ class Engine:
         finishing requests into the prefix cache.  Each sample records the demand, the live
         blocks and the bytes the process has on the device; ``served_block_s`` integrates
         ``min(demand, live)`` over time and ``demand_block_s`` the demand.
+
+        ``gives`` (``[t_s, blocks, page_bytes]``, a pool without a broker): at the first sample
+        at or after ``t_s``, before following the demand, the pool gives its ``blocks`` oldest
+        cached blocks back to the device as :meth:`give` does, then its limit is lifted back to
+        what it was, so it grows again as kvcached alone does.
         """
+        pending = sorted(gives or [])
         while time.time() < start_at:
             time.sleep(min(0.01, max(0.0, start_at - time.time())))
         end_s = schedule[-1][0]
         samples, served, wanted = [], 0.0, 0.0
         t = 0.0
         while t <= end_s:
+            while pending and pending[0][0] <= t:
+                _, blocks, page_bytes = pending.pop(0)
+                self.give_for_a_while(int(blocks), int(page_bytes))
             demand = demand_at(schedule, t)
             self._follow(demand, deadline=start_at + t + sample_s)
             live = self.count()

@@ -262,6 +262,26 @@ def test_a_pool_without_a_broker_gives_its_oldest_cached_pages_back_to_the_devic
     assert after["held_blocks"] == 0
 
 
+def test_a_pool_following_a_trace_gives_at_its_instant_and_grows_again_after(short_tmp, pools):
+    """The trace oracle's lender (``track`` with ``gives``): at the give's instant the oldest
+    cached blocks go back to the device, unmapped; then the limit is what it was, so the pool
+    maps again past what it kept."""
+    nowhere = SimpleNamespace(endpoint=f"ipc://{short_tmp}/none.sock")
+    a = pools(nowhere, short_tmp / "gpu-usage", 2 * GIB, "model-a", extra_env={"KVCACHED_BROKER_TIMEOUT_S": "1"})
+    held = a.request("fill", blocks=20 * BLOCKS_PER_PAGE)["held_blocks"]
+    a.request("cache", blocks=held)
+    before = a.request("status")
+    tracked = a.request("track", schedule=[[0.0, 0], [0.1, 0]], start_at=time.time(), sample_s=0.05,
+                        gives=[[0.0, 8 * BLOCKS_PER_PAGE, POOL_PAGE_BYTES]])
+    first_sample_device_bytes = tracked["samples"][0][4]
+    assert before["device_bytes"] - first_sample_device_bytes >= 8 * POOL_PAGE_BYTES
+    after = a.request("status")
+    assert after["cached_blocks"] == held - 8 * BLOCKS_PER_PAGE
+    assert after["limit"]["current_capacity_bytes"] == before["limit"]["current_capacity_bytes"]
+    grown = a.request("fill", blocks=24 * BLOCKS_PER_PAGE, reuse_cache=True)
+    assert grown["held_blocks"] == 24 * BLOCKS_PER_PAGE  # past the pages it kept: the limit is back
+
+
 def _segment_limit(ipc_name: str) -> int | None:
     import json
 

@@ -1,0 +1,75 @@
+"""The hand-over benchmark's trace oracle (``benchmarks/handover.py``, ``Trace.lender_gives``):
+what each model gives back, and when, so that a rising model finds what it lacks."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "handover.py"
+
+
+@pytest.fixture(scope="module")
+def handover():
+    spec = importlib.util.spec_from_file_location("handover_bench_under_test", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through it
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def trace(handover, *models: tuple[str, tuple]) -> object:
+    return handover.Trace("t", "test", tuple(handover.Model(name, steps) for name, steps in models), 10.0)
+
+
+def room_gib(handover) -> float:
+    return handover.USABLE_BYTES / handover.GIB
+
+
+def test_a_rising_model_is_given_only_what_it_lacks_beyond_the_free_memory(handover):
+    room = room_gib(handover)
+    gives = trace(handover, ("A", ((0.0, 2), (1.0, room - 2), (2.0, 2))),
+                  ("B", ((0.0, 2), (3.0, 30)))).lender_gives()
+    # At 3 s: A has 2 live and room - 4 cached, B 2 live; free is 0, so B lacks 28 of A's cache.
+    assert gives == {"A": [(3.0, pytest.approx(28.0))]}
+
+
+def test_free_memory_and_the_own_cache_come_before_another_models_cache(handover):
+    room = room_gib(handover)
+    gives = trace(handover, ("A", ((0.0, 10), (1.0, 2))),
+                  ("B", ((0.0, 10), (2.0, 4), (3.0, room - 8)))).lender_gives()
+    # At 3 s: 2 + 8 cached for A, 4 + 6 cached for B, free room - 20; B needs room - 12:
+    # the free memory, then its own 6 cached, then 2 of A's 8.
+    assert gives == {"A": [(3.0, pytest.approx(2.0))]}
+    assert trace(handover, ("A", ((0.0, 10), (1.0, 2))), ("B", ((0.0, 10), (3.0, 20)))).lender_gives() == {}
+
+
+def test_the_oldest_cache_on_the_device_goes_first(handover):
+    room = room_gib(handover)
+    third = room / 3
+    gives = trace(handover, ("A", ((0.0, third), (1.0, 0))),  # A's cache is the older
+                  ("B", ((0.0, third), (2.0, 0))),
+                  ("C", ((0.0, third), (3.0, room)))).lender_gives()
+    assert gives == {"A": [(3.0, pytest.approx(third))], "B": [(3.0, pytest.approx(third))]}
+    gives = trace(handover, ("A", ((0.0, third), (1.0, 0))),
+                  ("B", ((0.0, third), (2.0, 0))),
+                  ("C", ((0.0, third), (3.0, 1.5 * third)))).lender_gives()
+    assert gives == {"A": [(3.0, pytest.approx(0.5 * third))]}  # none of B's: A's covered it
+
+
+def test_a_model_given_away_and_back_follows_its_cache(handover):
+    """The benchmark's ``three`` trace, step by step (room: 76 GiB of an 80 GiB device)."""
+    gives = handover.TRACES["three"].lender_gives()
+    room = room_gib(handover)
+    assert room == pytest.approx(76.0)
+    # 5 s: C rises to 40; A (5 live, 35 cached) and B (30) leave room - 75 free: A gives 34.
+    # 12 s: A rises to 26 with nothing cached; B's cache (25, from 7 s) is older than C's (36).
+    # 13 s: B rises to 22 with 5 of its own cached: C gives the other 12.
+    assert gives == {"A": [(5.0, pytest.approx(34.0))], "B": [(12.0, pytest.approx(20.0))],
+                     "C": [(13.0, pytest.approx(12.0))]}
