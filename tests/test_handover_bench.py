@@ -73,3 +73,8 @@ def test_a_model_given_away_and_back_follows_its_cache(handover):
     # 13 s: B rises to 22 with 5 of its own cached: C gives the other 12.
     assert gives == {"A": [(5.0, pytest.approx(34.0))], "B": [(12.0, pytest.approx(20.0))],
                      "C": [(13.0, pytest.approx(12.0))]}
+
+
+def test_the_device_oracle_runs_only_where_the_demand_always_fits(handover):
+    fits = {name: handover.trace_named(name).always_fits for name in ("burst", "overlap", "three")}
+    assert fits == {"burst": True, "overlap": False, "three": True}
