@@ -72,6 +72,10 @@ GIB = 1 << 30
 DEVICE_BYTES = 80 * GIB
 LAYERS = 32
 VIRTUAL_TOKENS = 1 << 20  # 128 GiB of virtual KV per pool: more than the device
+#: The pages kvcached's prealloc thread keeps mapped ahead in every pool (its
+#: ``KVCACHED_MIN_RESERVED_PAGES``, 5 by default in 0.1.6; read here as the pool processes'
+#: ``vmm_ops`` double reads it, which this driver cannot import: it needs torch).
+KVCACHED_RESERVED_PAGES = int(os.environ.get("KVCACHED_MIN_RESERVED_PAGES", "5"))
 #: What the pools may map together in every set-up: the broker's default headroom (5%) and
 #: kvcached's own (``KVCACHED_GPU_UTILIZATION=0.95``: it maps no page that would leave less free).
 USABLE_BYTES = DEVICE_BYTES * 95 // 100
@@ -141,7 +145,7 @@ class Trace:
         served), not the device's."""
         return self.oracle() >= 1.0 - 1e-9
 
-    def lender_gives(self) -> dict[str, list[tuple[float, float]]]:
+    def lender_gives(self, room_gib: float | None = None) -> dict[str, list[tuple[float, float]]]:
         """The trace oracle's hand-overs: at each step, what each model gives back (GiB of its
         oldest cached blocks, unmapped at once) so that the models whose demand rises there
         find the memory they lack beyond the free memory and their own cache.
@@ -150,10 +154,12 @@ class Trace:
         kvcached alone does) until another model lacks the memory, then takes the oldest cache
         on the device first (another model's only), and never maps ahead of demand.  At a step,
         falling models cache first; then each rising model, in the trace's order, uses free
-        memory first and its own cache after, and takes the rest from the others.  Model name
-        -> ``(t_s, GiB)``, in step order (only models that give).
+        memory first and its own cache after, and takes the rest from the caches of the models
+        not rising at that step.  ``room_gib``: what the models' KV may take together (default:
+        the usable memory less their static memory).  Model name -> ``(t_s, GiB)``, in step
+        order (only models that give).
         """
-        room = (USABLE_BYTES - sum(m.weights_bytes for m in self.models)) / GIB
+        room = (USABLE_BYTES - sum(m.weights_bytes for m in self.models)) / GIB if room_gib is None else room_gib
         live = {m.name: 0.0 for m in self.models}
         cache: dict[str, list[list[float]]] = {m.name: [] for m in self.models}  # [t_s cached, GiB], oldest first
         gives: dict[str, list[tuple[float, float]]] = {}
@@ -178,6 +184,7 @@ class Trace:
                 if gib < live[name]:
                     cache[name].append([t, live[name] - gib])
                     live[name] = gib
+            rising = {name for name, gib in want.items() if gib - live[name] > eps}
             for name, gib in want.items():
                 need = gib - live[name]
                 if need <= eps:
@@ -185,12 +192,14 @@ class Trace:
                 free = room - sum(live.values()) - sum(cached(n) for n in cache)
                 lack = max(0.0, need - max(0.0, free) - cached(name))
                 while lack > eps:
-                    lenders = [n for n in cache if n != name and cache[n]]
+                    lenders = [n for n in cache if n not in rising and cache[n]]
                     if not lenders:
                         break
                     oldest = min(lenders, key=lambda n: cache[n][0][0])
                     given = take(cache[oldest], lack)
                     lack -= given
+                    if given <= eps:
+                        continue
                     steps = gives.setdefault(oldest, [])
                     if steps and steps[-1][0] == t:
                         steps[-1] = (t, steps[-1][1] + given)
@@ -460,8 +469,12 @@ def oracle_trace(r: Rig, trace: Trace) -> dict:
     serves is the floor mapping sets: memory moves only by pages unmapped and mapped."""
     blocks_per_page = r.a.ready["blocks_per_page"]
     page_bytes = r.block_bytes * blocks_per_page
-    gives = {name: [[t, math.ceil(gib * GIB / page_bytes - 1e-9) * blocks_per_page, page_bytes] for t, gib in steps]
-             for name, steps in trace.lender_gives().items()}
+    # What the KV may take: each pool also maps its zero page and kvcached's reserve.
+    kept_bytes = len(trace.models) * (1 + KVCACHED_RESERVED_PAGES) * page_bytes
+    room_gib = (USABLE_BYTES - sum(m.weights_bytes for m in trace.models) - kept_bytes) / GIB
+    gives = {name: [[t, pages * blocks_per_page, page_bytes] for t, gib in steps
+                    if (pages := math.ceil(gib * GIB / page_bytes - 1e-9)) > 0]
+             for name, steps in trace.lender_gives(room_gib).items()}
     return run_trace(r, trace, gives)
 
 
@@ -495,13 +508,16 @@ def run_setups(setups: list[str], workdir: Path, trials: int, traces: list[str])
                     started = time.monotonic()
                     if step is None:
                         results[setup]["trials"].append(handover_trial(rigs[setup]))
-                        if setup == "alone":  # the floor, on the rig with no limits
-                            results[setup]["oracle_trials"].append(oracle_handover_trial(rigs[setup]))
                     else:
                         results[setup]["traces"][step] = run_trace(rigs[setup], trace_named(step))
-                        if setup == "alone" and trace_named(step).always_fits:  # the floor, on the rig with no limits
-                            results[setup]["oracle_traces"][step] = oracle_trace(rigs[setup], trace_named(step))
                     results[setup]["wall_s"] += time.monotonic() - started
+                    if setup != "alone":
+                        continue
+                    # The floor, on the rig with no limits (its time is not kvcached alone's).
+                    if step is None:
+                        results[setup]["oracle_trials"].append(oracle_handover_trial(rigs[setup]))
+                    elif trace_named(step).always_fits:
+                        results[setup]["oracle_traces"][step] = oracle_trace(rigs[setup], trace_named(step))
                 turn += 1
     for setup in setups:
         result = results[setup]

@@ -69,7 +69,7 @@ def test_a_model_given_away_and_back_follows_its_cache(handover):
     room = room_gib(handover)
     assert room == pytest.approx(76.0)
     # 5 s: C rises to 40; A (5 live, 35 cached) and B (30) leave room - 75 free: A gives 34.
-    # 12 s: A rises to 26 with nothing cached; B's cache (25, from 7 s) is older than C's (36).
+    # 12 s: A rises to 26 with 1 cached; B's cache (25, from 7 s) is older than C's (36).
     # 13 s: B rises to 22 with 5 of its own cached: C gives the other 12.
     assert gives == {"A": [(5.0, pytest.approx(34.0))], "B": [(12.0, pytest.approx(20.0))],
                      "C": [(13.0, pytest.approx(12.0))]}
@@ -78,3 +78,19 @@ def test_a_model_given_away_and_back_follows_its_cache(handover):
 def test_the_device_oracle_runs_only_where_the_demand_always_fits(handover):
     fits = {name: handover.trace_named(name).always_fits for name in ("burst", "overlap", "three")}
     assert fits == {"burst": True, "overlap": False, "three": True}
+
+
+def test_models_rising_at_the_same_step_do_not_lend_to_each_other(handover):
+    room = room_gib(handover)
+    third = room / 3
+    gives = trace(handover, ("A", ((0.0, third), (1.0, 0), (3.0, third + 5))),
+                  ("B", ((0.0, third), (2.0, 0), (3.0, third + 5))),
+                  ("C", ((0.0, third), (2.5, 0)))).lender_gives()
+    # At 3 s each of A and B uses its own cache, then the free memory is gone: the 10 they
+    # lack beyond it come from C's cache, however old A's and B's are.
+    assert gives == {"C": [(3.0, pytest.approx(10.0))]}
+
+
+def test_the_room_is_what_the_caller_says_the_kv_may_take(handover):
+    gives = trace(handover, ("A", ((0.0, 40), (1.0, 0))), ("B", ((0.0, 0), (2.0, 40)))).lender_gives(room_gib=60.0)
+    assert gives == {"A": [(2.0, pytest.approx(20.0))]}  # 60 - 40 cached = 20 free; B lacks 20
