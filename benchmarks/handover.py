@@ -124,10 +124,15 @@ class Trace:
     models: tuple[Model, ...]
     end_s: float
 
+    @property
+    def room_gib(self) -> float:
+        """What the pools may map together: the usable memory less the models' static memory."""
+        return (USABLE_BYTES - sum(m.weights_bytes for m in self.models)) / GIB
+
     def oracle(self) -> float:
         """The share of the demand an oracle serves: at each sample all of it, up to what the
-        pools may map together (the usable memory less the models' static memory)."""
-        room = (USABLE_BYTES - sum(m.weights_bytes for m in self.models)) / GIB
+        pools may map together (:attr:`room_gib`)."""
+        room = self.room_gib
         served = wanted = 0.0
         t = 0.0
         while t <= self.end_s:
@@ -156,10 +161,10 @@ class Trace:
         falling models cache first; then each rising model, in the trace's order, uses free
         memory first and its own cache after, and takes the rest from the caches of the models
         not rising at that step.  ``room_gib``: what the models' KV may take together (default:
-        the usable memory less their static memory).  Model name -> ``(t_s, GiB)``, in step
+        :attr:`room_gib`).  Model name -> ``(t_s, GiB)``, in step
         order (only models that give).
         """
-        room = (USABLE_BYTES - sum(m.weights_bytes for m in self.models)) / GIB if room_gib is None else room_gib
+        room = self.room_gib if room_gib is None else room_gib
         live = {m.name: 0.0 for m in self.models}
         cache: dict[str, list[list[float]]] = {m.name: [] for m in self.models}  # [t_s cached, GiB], oldest first
         gives: dict[str, list[tuple[float, float]]] = {}
@@ -471,10 +476,9 @@ def oracle_trace(r: Rig, trace: Trace) -> dict:
     page_bytes = r.block_bytes * blocks_per_page
     # What the KV may take: each pool also maps its zero page and kvcached's reserve.
     kept_bytes = len(trace.models) * (1 + KVCACHED_RESERVED_PAGES) * page_bytes
-    room_gib = (USABLE_BYTES - sum(m.weights_bytes for m in trace.models) - kept_bytes) / GIB
     gives = {name: [[t, pages * blocks_per_page, page_bytes] for t, gib in steps
                     if (pages := math.ceil(gib * GIB / page_bytes - 1e-9)) > 0]
-             for name, steps in trace.lender_gives(room_gib).items()}
+             for name, steps in trace.lender_gives(trace.room_gib - kept_bytes / GIB).items()}
     return run_trace(r, trace, gives)
 
 
@@ -679,7 +683,7 @@ def checks(summaries: dict, traces: list[str]) -> list[dict]:
             ours = broker[key]
             best = max((s[key] for s in (static, alone) if s is not None and s.get(key) is not None), default=0.0)
             floor = max(best, 0.95 if trace.oracle() >= 0.97 else 0.0)
-            measured = (alone or {}).get(f"oracle_served:{key[len('served:'):]}")
+            measured = (alone or {}).get(f"oracle_served:{name}:{model.name}")
             out.append({"target": f"{name}: {model.instance} >= max(best alternative, 95%)"
                                   if trace.oracle() >= 0.97 else f"{name}: {model.instance} >= best alternative",
                         "value": f"{100 * ours:.1f}% (best alternative {100 * best:.1f}%"
