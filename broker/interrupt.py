@@ -68,7 +68,7 @@ class InterruptLatch:
             if readable and not self._tripped:
                 try:
                     os.read(self._wake_r, 512)
-                except (BlockingIOError, OSError):
+                except OSError:  # drained already (it is non-blocking)
                     pass
         return self._tripped
 
