@@ -43,7 +43,10 @@ What is measured:
   fits in the device (``burst``, ``three``): each model, knowing the trace, gives back its
   oldest cached pages the instant another lacks them (:meth:`Trace.lender_gives`), so memory
   moves only as fast as pages unmap and map (the oracle column of each model's row, and the
-  line under the trace's).
+  line under the trace's).  Under each trace, where the demand went unserved: for the rises
+  (a step up of a model's demand) at which kvcached mode lost most, the GiB-seconds each set-up
+  left unserved from that rise until the model's next step (:func:`unserved_by_rise`); a
+  model's losses sum to what it did not serve.
 
 Prints a table with ratios against the baselines measured in the same run, and the targets of
 issue 31 as met or not, and writes ``handover.json`` and ``handover.png`` (matplotlib, if
@@ -85,6 +88,8 @@ B_BURST_BYTES = 28 * GIB
 #: refused ask after up to 0.5 s, so they get longer; without a broker a stall is final.
 STALL_S = {"broker": 2.0, "static": 1.0, "alone": 1.0}
 SAMPLE_S = 0.05
+#: Per trace, the rises whose unserved demand the table shows (kvcached mode's largest).
+RISES_SHOWN = 5
 SETUPS = {
     "broker": "kvcached mode (grants + pressure)",
     "static": "static partitioning (equal parts)",
@@ -141,6 +146,19 @@ class Trace:
             wanted += demand
             t += SAMPLE_S
         return served / wanted if wanted else 1.0
+
+    def rises(self) -> list[tuple[str, float, float, float, float]]:
+        """Every step at which a model's demand rises: ``(model, t_s, until_s, from_gib, to_gib)``,
+        ``until_s`` the model's next step (infinity for its last)."""
+        out = []
+        for model in self.models:
+            ends = [at for at, _ in model.steps[1:]] + [math.inf]
+            before = 0.0
+            for (at_s, gib), end_s in zip(model.steps, ends):
+                if gib > before:
+                    out.append((model.name, at_s, end_s, before, gib))
+                before = gib
+        return out
 
     @property
     def always_fits(self) -> bool:
@@ -487,6 +505,20 @@ def served_fraction(trace: dict, names=None) -> float:
     return sum(trace[n]["served_gib_s"] for n in names) / sum(trace[n]["demand_gib_s"] for n in names)
 
 
+def unserved_by_rise(trace: Trace, run: dict) -> dict[tuple[str, float], float]:
+    """For each rising step of :meth:`Trace.rises`, the demand ``run`` (one set-up's run of the
+    trace: per model, samples ``[t_s, demand GiB, live GiB, ...]``) left unserved from that step
+    until the model's next one, in GiB-seconds (each sample counts ``SAMPLE_S``, as served does).
+    What a model did not serve is the sum over its rises, so they say where it was lost: a
+    climb on free memory, a hand-over, a return to its own cache."""
+    lost = {}
+    for name, at_s, end_s, _, _ in trace.rises():
+        samples = run[name]["samples"]
+        lost[(name, at_s)] = SAMPLE_S * sum(max(0.0, demand - live) for t, demand, live, *_ in samples
+                                            if at_s <= t < end_s)
+    return lost
+
+
 # ----------------------------------------------------------------------------- one set-up
 def run_setups(setups: list[str], workdir: Path, trials: int, traces: list[str]) -> dict[str, dict]:
     """The hand-over trials, then every trace, each set-up's run beside the others': one rig
@@ -580,6 +612,10 @@ def summary(result: dict) -> dict:
         out[f"served:{name}"] = served_fraction(run)
         for model in trace_named(name).models:
             out[f"served:{name}:{model.name}"] = served_fraction(run, [model.name])
+    for prefix, runs in (("unserved", result["traces"]), ("oracle_unserved", result.get("oracle_traces") or {})):
+        for name, run in runs.items():
+            for (model, at_s), gib_s in unserved_by_rise(trace_named(name), run).items():
+                out[f"{prefix}:{name}:{model}@{at_s:g}"] = gib_s
     for name, run in (result.get("oracle_traces") or {}).items():
         out[f"oracle_served:{name}"] = served_fraction(run)
         for model in trace_named(name).models:
@@ -641,7 +677,21 @@ def rows(summaries: dict, traces: list[str]) -> list[dict]:
             model_floor = floor.get(f"oracle_served:{name}:{model.name}")
             table.append(row(f"demand served, {name} trace, {model.instance}", f"served:{name}:{model.name}", "%",
                              100.0, oracle=None if model_floor is None else 100.0 * model_floor))
+        instances = {m.name: m.instance for m in trace.models}
+        for model, at_s, _, from_gib, to_gib in largest_losses(summaries, name, RISES_SHOWN):
+            key = f"unserved:{name}:{model}@{at_s:g}"
+            table.append(row(f"  GiB*s unserved: {instances[model]} rising {from_gib:.0f}->{to_gib:.0f} GiB at {at_s:g} s",
+                             key, "", ratios=False, oracle=floor.get(f"oracle_{key}")))
     return table
+
+
+def largest_losses(summaries: dict, name: str, count: int) -> list[tuple[str, float, float, float, float]]:
+    """The ``count`` rises of trace ``name`` at which kvcached mode (or, without it, the first
+    set-up) left the most demand unserved, largest first."""
+    ours = summaries.get("broker") or next(iter(summaries.values()), {})
+    rises = trace_named(name).rises()
+    lost = {r: ours.get(f"unserved:{name}:{r[0]}@{r[1]:g}") for r in rises}
+    return sorted((r for r in rises if lost[r] is not None), key=lambda r: -lost[r])[:count]
 
 
 def checks(summaries: dict, traces: list[str]) -> list[dict]:

@@ -94,3 +94,51 @@ def test_models_rising_at_the_same_step_do_not_lend_to_each_other(handover):
 def test_the_room_is_what_the_caller_says_the_kv_may_take(handover):
     gives = trace(handover, ("A", ((0.0, 40), (1.0, 0))), ("B", ((0.0, 0), (2.0, 40)))).lender_gives(room_gib=60.0)
     assert gives == {"A": [(2.0, pytest.approx(20.0))]}  # 60 - 40 cached = 20 free; B lacks 20
+
+
+def test_a_traces_rises_are_its_models_rising_steps_each_until_the_models_next(handover):
+    t = trace(handover, ("A", ((0.0, 4), (1.0, 56), (5.0, 6), (13.0, 30))), ("B", ((0.0, 0), (6.0, 44))))
+    assert t.rises() == [("A", 0.0, 1.0, 0.0, 4), ("A", 1.0, 5.0, 4, 56), ("A", 13.0, float("inf"), 6, 30),
+                         ("B", 6.0, float("inf"), 0, 44)]
+
+
+def samples(handover, *points: tuple[float, float, float]) -> dict:
+    """A model's run: ``(t_s, demand GiB, live GiB)`` samples, as a pool's track reply gives them."""
+    return {"samples": [[t, demand, live, 0.0, live] for t, demand, live in points]}
+
+
+def test_the_unserved_demand_of_each_rise_sums_its_samples_shortfall_until_the_next_step(handover):
+    t = trace(handover, ("A", ((0.0, 4), (1.0, 56), (5.0, 6), (13.0, 30))))
+    run = {"A": samples(handover,
+                        (0.0, 4, 1), (0.95, 4, 4),  # the first rise: 3 GiB short in one sample
+                        (1.0, 56, 10), (1.05, 56, 40), (1.1, 56, 56), (4.95, 56, 50),  # 46 + 16 + 6 short
+                        (5.0, 6, 56),  # a fall: never a loss (its finished requests stay cached)
+                        (13.0, 30, 20), (13.05, 30, 31))}  # the return: 10 short
+    lost = handover.unserved_by_rise(t, run)
+    step = handover.SAMPLE_S
+    assert lost == {("A", 0.0): pytest.approx(3 * step), ("A", 1.0): pytest.approx(68 * step),
+                    ("A", 13.0): pytest.approx(10 * step)}
+    # What the model did not serve is the sum of its rises' losses.
+    demand = sum(d for _, d, _, _, _ in run["A"]["samples"])
+    served = sum(min(d, live) for _, d, live, _, _ in run["A"]["samples"])
+    assert sum(lost.values()) == pytest.approx((demand - served) * step)
+
+
+def test_the_table_shows_the_rises_where_kvcached_mode_lost_most_with_each_set_ups_loss(handover, monkeypatch):
+    t = trace(handover, ("A", ((0.0, 4), (1.0, 56), (13.0, 30))), ("B", ((0.0, 4), (6.0, 44))))
+    monkeypatch.setitem(handover.TRACES, "t", t)
+    monkeypatch.setattr(handover, "RISES_SHOWN", 2)
+
+    def summary(losses: dict) -> dict:
+        out = {"trials": 0, "refused": 0, "complete": 0, "served:t": 0.9, "served:t:A": 0.9, "served:t:B": 0.9}
+        out.update({f"unserved:t:{k}": v for k, v in losses.items()})
+        return out
+
+    summaries = {"broker": summary({"A@0": 0.1, "A@1": 7.0, "A@13": 2.0, "B@0": 0.0, "B@6": 9.0}),
+                 "alone": {**summary({"A@0": 0.1, "A@1": 5.0, "A@13": 1.0, "B@0": 0.0, "B@6": 80.0}),
+                           "oracle_unserved:t:B@6": 6.5}}
+    shown = [r for r in handover.rows(summaries, ["t"]) if "unserved" in r["figure"]]
+    assert [r["figure"].strip() for r in shown] == ["GiB*s unserved: model-b rising 4->44 GiB at 6 s",
+                                                    "GiB*s unserved: model-a rising 4->56 GiB at 1 s"]
+    assert shown[0]["values"] == {"broker": 9.0, "alone": 80.0} and shown[0]["oracle"] == 6.5
+    assert shown[1]["shown"] == {"broker": "7.0", "alone": "5.0"} and shown[1]["oracle"] is None
