@@ -45,8 +45,8 @@ What is measured:
   moves only as fast as pages unmap and map (the oracle column of each model's row, and the
   line under the trace's).  Under each trace, where the demand went unserved: for the rises
   (a step up of a model's demand) at which kvcached mode lost most, the GiB-seconds each set-up
-  left unserved from that rise until the model's next step (:func:`unserved_by_rise`); a
-  model's losses sum to what it did not serve.
+  left unserved from that rise until the model's next one (:func:`unserved_by_rise`); a
+  model's losses over all its rises sum to what it did not serve.
 
 Prints a table with ratios against the baselines measured in the same run, and the targets of
 issue 31 as met or not, and writes ``handover.json`` and ``handover.png`` (matplotlib, if
@@ -149,15 +149,18 @@ class Trace:
 
     def rises(self) -> list[tuple[str, float, float, float, float]]:
         """Every step at which a model's demand rises: ``(model, t_s, until_s, from_gib, to_gib)``,
-        ``until_s`` the model's next step (infinity for its last)."""
+        ``until_s`` the model's next rise (infinity after its last), so a model's rises cover
+        its whole trace from its first (before which its demand is 0)."""
         out = []
         for model in self.models:
-            ends = [at for at, _ in model.steps[1:]] + [math.inf]
-            before = 0.0
-            for (at_s, gib), end_s in zip(model.steps, ends):
+            before, mine = 0.0, []
+            for at_s, gib in model.steps:
                 if gib > before:
-                    out.append((model.name, at_s, end_s, before, gib))
+                    mine.append([model.name, at_s, math.inf, before, gib])
                 before = gib
+            for rise, following in zip(mine, mine[1:]):
+                rise[2] = following[1]
+            out += [tuple(r) for r in mine]
         return out
 
     @property
@@ -508,9 +511,9 @@ def served_fraction(trace: dict, names=None) -> float:
 def unserved_by_rise(trace: Trace, run: dict) -> dict[tuple[str, float], float]:
     """For each rising step of :meth:`Trace.rises`, the demand ``run`` (one set-up's run of the
     trace: per model, samples ``[t_s, demand GiB, live GiB, ...]``) left unserved from that step
-    until the model's next one, in GiB-seconds (each sample counts ``SAMPLE_S``, as served does).
-    What a model did not serve is the sum over its rises, so they say where it was lost: a
-    climb on free memory, a hand-over, a return to its own cache."""
+    until the model's next rise, in GiB-seconds (each sample counts ``SAMPLE_S``, as served
+    does).  What a model did not serve is the sum over its rises, so they say where it was
+    lost: a climb on free memory, a hand-over, a return to its own cache."""
     lost = {}
     for name, at_s, end_s, _, _ in trace.rises():
         samples = run[name]["samples"]
@@ -680,18 +683,20 @@ def rows(summaries: dict, traces: list[str]) -> list[dict]:
         instances = {m.name: m.instance for m in trace.models}
         for model, at_s, _, from_gib, to_gib in largest_losses(summaries, name, RISES_SHOWN):
             key = f"unserved:{name}:{model}@{at_s:g}"
-            table.append(row(f"  GiB*s unserved: {instances[model]} rising {from_gib:.0f}->{to_gib:.0f} GiB at {at_s:g} s",
+            table.append(row(f"  GiB*s unserved: {instances[model]} rising {from_gib:.4g}->{to_gib:.4g} GiB at {at_s:g} s",
                              key, "", ratios=False, oracle=floor.get(f"oracle_{key}")))
     return table
 
 
 def largest_losses(summaries: dict, name: str, count: int) -> list[tuple[str, float, float, float, float]]:
-    """The ``count`` rises of trace ``name`` at which kvcached mode (or, without it, the first
-    set-up) left the most demand unserved, largest first."""
-    ours = summaries.get("broker") or next(iter(summaries.values()), {})
+    """The ``count`` rises of trace ``name`` at which kvcached mode (or, where it did not run the
+    trace, the first set-up that did) left the most demand unserved, largest first."""
     rises = trace_named(name).rises()
-    lost = {r: ours.get(f"unserved:{name}:{r[0]}@{r[1]:g}") for r in rises}
-    return sorted((r for r in rises if lost[r] is not None), key=lambda r: -lost[r])[:count]
+    for setup in sorted(summaries, key=lambda s: s != "broker"):
+        lost = {r: summaries[setup].get(f"unserved:{name}:{r[0]}@{r[1]:g}") for r in rises}
+        if any(v is not None for v in lost.values()):
+            return sorted((r for r in rises if lost[r] is not None), key=lambda r: -lost[r])[:count]
+    return []
 
 
 def checks(summaries: dict, traces: list[str]) -> list[dict]:

@@ -96,9 +96,10 @@ def test_the_room_is_what_the_caller_says_the_kv_may_take(handover):
     assert gives == {"A": [(2.0, pytest.approx(20.0))]}  # 60 - 40 cached = 20 free; B lacks 20
 
 
-def test_a_traces_rises_are_its_models_rising_steps_each_until_the_models_next(handover):
-    t = trace(handover, ("A", ((0.0, 4), (1.0, 56), (5.0, 6), (13.0, 30))), ("B", ((0.0, 0), (6.0, 44))))
-    assert t.rises() == [("A", 0.0, 1.0, 0.0, 4), ("A", 1.0, 5.0, 4, 56), ("A", 13.0, float("inf"), 6, 30),
+def test_a_traces_rises_are_its_models_rising_steps_each_until_the_models_next_rise(handover):
+    t = trace(handover, ("A", ((0.0, 4), (1.0, 56), (5.0, 6), (9.0, 6), (13.0, 30))),
+              ("B", ((0.0, 0), (6.0, 44), (12.0, 8))))
+    assert t.rises() == [("A", 0.0, 1.0, 0.0, 4), ("A", 1.0, 13.0, 4, 56), ("A", 13.0, float("inf"), 6, 30),
                          ("B", 6.0, float("inf"), 0, 44)]
 
 
@@ -107,16 +108,17 @@ def samples(handover, *points: tuple[float, float, float]) -> dict:
     return {"samples": [[t, demand, live, 0.0, live] for t, demand, live in points]}
 
 
-def test_the_unserved_demand_of_each_rise_sums_its_samples_shortfall_until_the_next_step(handover):
+def test_the_unserved_demand_of_each_rise_sums_its_samples_shortfall_until_the_next_rise(handover):
     t = trace(handover, ("A", ((0.0, 4), (1.0, 56), (5.0, 6), (13.0, 30))))
     run = {"A": samples(handover,
                         (0.0, 4, 1), (0.95, 4, 4),  # the first rise: 3 GiB short in one sample
                         (1.0, 56, 10), (1.05, 56, 40), (1.1, 56, 56), (4.95, 56, 50),  # 46 + 16 + 6 short
-                        (5.0, 6, 56),  # a fall: never a loss (its finished requests stay cached)
+                        (5.0, 6, 56),  # a fall: its finished requests stay cached
+                        (5.05, 6, 3),  # a fall short all the same: the climb before it lost it
                         (13.0, 30, 20), (13.05, 30, 31))}  # the return: 10 short
     lost = handover.unserved_by_rise(t, run)
     step = handover.SAMPLE_S
-    assert lost == {("A", 0.0): pytest.approx(3 * step), ("A", 1.0): pytest.approx(68 * step),
+    assert lost == {("A", 0.0): pytest.approx(3 * step), ("A", 1.0): pytest.approx(71 * step),
                     ("A", 13.0): pytest.approx(10 * step)}
     # What the model did not serve is the sum of its rises' losses.
     demand = sum(d for _, d, _, _, _ in run["A"]["samples"])
@@ -125,20 +127,34 @@ def test_the_unserved_demand_of_each_rise_sums_its_samples_shortfall_until_the_n
 
 
 def test_the_table_shows_the_rises_where_kvcached_mode_lost_most_with_each_set_ups_loss(handover, monkeypatch):
-    t = trace(handover, ("A", ((0.0, 4), (1.0, 56), (13.0, 30))), ("B", ((0.0, 4), (6.0, 44))))
+    t = trace(handover, ("A", ((0.0, 4), (1.0, 56), (5.0, 6), (13.0, 30))), ("B", ((0.0, 4), (6.0, 44))))
     monkeypatch.setitem(handover.TRACES, "t", t)
     monkeypatch.setattr(handover, "RISES_SHOWN", 2)
 
-    def summary(losses: dict) -> dict:
-        out = {"trials": 0, "refused": 0, "complete": 0, "served:t": 0.9, "served:t:A": 0.9, "served:t:B": 0.9}
-        out.update({f"unserved:t:{k}": v for k, v in losses.items()})
-        return out
+    def result(a: tuple, b: tuple) -> dict:
+        """One set-up's run of the trace: A and B short as ``(t_s, demand, live)`` samples say."""
+        run = {"A": samples(handover, *a), "B": samples(handover, *b)}
+        for name in run:
+            points = run[name]["samples"]
+            run[name]["served_gib_s"] = sum(min(d, live) for _, d, live, _, _ in points) * handover.SAMPLE_S
+            run[name]["demand_gib_s"] = sum(d for _, d, _, _, _ in points) * handover.SAMPLE_S
+        return {"trials": [], "traces": {"t": run}}
 
-    summaries = {"broker": summary({"A@0": 0.1, "A@1": 7.0, "A@13": 2.0, "B@0": 0.0, "B@6": 9.0}),
-                 "alone": {**summary({"A@0": 0.1, "A@1": 5.0, "A@13": 1.0, "B@0": 0.0, "B@6": 80.0}),
-                           "oracle_unserved:t:B@6": 6.5}}
+    broker = result(((0.0, 4, 4), (1.0, 56, 16), (13.0, 30, 10)), ((0.0, 4, 4), (6.0, 44, 3)))
+    alone = result(((0.0, 4, 4), (1.0, 56, 46), (13.0, 30, 0)), ((0.0, 4, 4), (6.0, 44, 44)))
+    alone["oracle_traces"] = {"t": result(((0.0, 4, 4), (1.0, 56, 56), (13.0, 30, 30)),
+                                          ((0.0, 4, 4), (6.0, 44, 37)))["traces"]["t"]}
+    summaries = {"alone": handover.summary(alone), "broker": handover.summary(broker)}
     shown = [r for r in handover.rows(summaries, ["t"]) if "unserved" in r["figure"]]
+    # kvcached mode's largest (B at 6 s: 41 GiB short, A at 1 s: 40), not kvcached alone's (A at 13 s: 30).
     assert [r["figure"].strip() for r in shown] == ["GiB*s unserved: model-b rising 4->44 GiB at 6 s",
                                                     "GiB*s unserved: model-a rising 4->56 GiB at 1 s"]
-    assert shown[0]["values"] == {"broker": 9.0, "alone": 80.0} and shown[0]["oracle"] == 6.5
-    assert shown[1]["shown"] == {"broker": "7.0", "alone": "5.0"} and shown[1]["oracle"] is None
+    step = handover.SAMPLE_S
+    assert shown[0]["values"] == {"alone": 0.0, "broker": pytest.approx(41 * step)}
+    assert shown[0]["oracle"] == pytest.approx(7 * step)
+    assert shown[1]["values"] == {"alone": pytest.approx(10 * step), "broker": pytest.approx(40 * step)}
+    assert shown[1]["oracle"] == 0.0
+    # Without kvcached mode's run, the first set-up that ran the trace orders them.
+    del summaries["broker"]
+    assert [r[:2] for r in handover.largest_losses(summaries, "t", 2)] == [("A", 13.0), ("A", 1.0)]
+    assert handover.largest_losses({}, "t", 2) == []
