@@ -2,6 +2,7 @@
 
     python benchmarks/handover.py [--trials 5] [--out bench-results] [--setups broker,static,alone]
                                   [--traces burst,overlap,three,replay]
+                                  [--broker-log-level warning] [--keep-logs]
 
 Models share one simulated 80 GiB GPU.  Each is a real process with a real kvcached 0.1.6
 ``KVCacheManager`` built through kvcached's SGLang integration (only ``kvcached.vmm_ops`` is a
@@ -90,6 +91,8 @@ STALL_S = {"broker": 2.0, "static": 1.0, "alone": 1.0}
 SAMPLE_S = 0.05
 #: Per trace, the rises whose unserved demand the table shows (kvcached mode's largest).
 RISES_SHOWN = 5
+#: What ``--broker-log-level`` takes (the broker's own ``--log-level`` choices).
+BROKER_LOG_LEVELS = ("debug", "info", "warning", "error")
 SETUPS = {
     "broker": "kvcached mode (grants + pressure)",
     "static": "static partitioning (equal parts)",
@@ -314,9 +317,10 @@ class Rig:
 
 
 @contextmanager
-def rig(setup: str, workdir: Path, models: tuple[Model, ...]) -> Iterator[Rig]:
-    """Start ``setup``'s broker (kvcached mode only, with the models' limits) and one pool process
-    per model (after its static memory); stop them after."""
+def rig(setup: str, workdir: Path, models: tuple[Model, ...], broker_log_level: str = "warning") -> Iterator[Rig]:
+    """Start ``setup``'s broker (kvcached mode only, with the models' limits, logging at
+    ``broker_log_level``) and one pool process per model (after its static memory); stop them
+    after.  Their logs are ``workdir``'s ``*-broker.log`` and ``*.err`` files."""
     from kvcached_broker.client.admin import AdminClient
     from kvcached_broker.tools.kvcached_sim.pools import PoolProcess
     from kvcached_broker.tools.launch import BrokerLauncher
@@ -331,7 +335,7 @@ def rig(setup: str, workdir: Path, models: tuple[Model, ...]) -> Iterator[Rig]:
     launcher = None
     if setup == "broker":
         launcher = BrokerLauncher(endpoint, simulate=f"{DEVICE_BYTES // GIB}GiB", state_dir=workdir / tag / "state",
-                                  args=["--headroom", "5%", "--simulate-usage-dir", str(usage), "--log-level", "warning"],
+                                  args=["--headroom", "5%", "--simulate-usage-dir", str(usage), "--log-level", broker_log_level],
                                   log=workdir / f"{tag}-broker.log")
         launcher.start()
         limited = [m for m in models if m.min_bytes or m.weight != 1.0]
@@ -523,7 +527,8 @@ def unserved_by_rise(trace: Trace, run: dict) -> dict[tuple[str, float], float]:
 
 
 # ----------------------------------------------------------------------------- one set-up
-def run_setups(setups: list[str], workdir: Path, trials: int, traces: list[str]) -> dict[str, dict]:
+def run_setups(setups: list[str], workdir: Path, trials: int, traces: list[str],
+               broker_log_level: str = "warning") -> dict[str, dict]:
     """The hand-over trials, then every trace, each set-up's run beside the others': one rig
     (fresh device and processes) per set-up and set of models, all started together, and each
     trial or trace run by every set-up in turn (the order rotating), so that all three meet the
@@ -540,7 +545,7 @@ def run_setups(setups: list[str], workdir: Path, trials: int, traces: list[str])
     turn = 0
     for models, names in groups.items():
         with ExitStack() as stack:
-            rigs = {setup: stack.enter_context(rig(setup, workdir, models)) for setup in setups}
+            rigs = {setup: stack.enter_context(rig(setup, workdir, models, broker_log_level)) for setup in setups}
             steps = [None] * (trials if models == two else 0) + list(names)  # None: a hand-over trial
             for step in steps:
                 for setup in setups[turn % len(setups):] + setups[:turn % len(setups)]:
@@ -829,15 +834,20 @@ def prerequisites() -> str:
     return missing()
 
 
-def run(out: Path, trials: int, setups: list[str], traces: list[str] | None = None) -> tuple[list[dict], dict]:
-    """Run every set-up; print the table; write handover.json and handover.png.  (rows, results)."""
+def run(out: Path, trials: int, setups: list[str], traces: list[str] | None = None, *,
+        broker_log_level: str = "warning", keep_logs: bool = False) -> tuple[list[dict], dict]:
+    """Run every set-up; print the table; write handover.json and handover.png.  (rows, results).
+    ``keep_logs``: the brokers' and pool processes' logs are copied under ``out/logs`` (the
+    brokers log at ``broker_log_level``; ``info`` names every pressure ask, its kind and size)."""
     traces = list(TRACE_NAMES) if traces is None else traces
     workdir = Path(tempfile.mkdtemp(prefix="kb-handover-", dir="/tmp"))
     results = {}
     load_before = os.getloadavg()
     try:
-        results = run_setups(setups, workdir, trials, traces)
+        results = run_setups(setups, workdir, trials, traces, broker_log_level)
     finally:
+        if keep_logs:
+            print(f"logs: {copy_logs(workdir, out / 'logs')}")
         shutil.rmtree(workdir, ignore_errors=True)
     summaries = {name: summary(result) for name, result in results.items()}
     if "broker" in summaries:
@@ -864,6 +874,19 @@ def run(out: Path, trials: int, setups: list[str], traces: list[str] | None = No
     return table, results
 
 
+def copy_logs(workdir: Path, dest: Path) -> Path:
+    """Copy every rig's logs (a broker's ``*-broker.log``, a pool process's ``*.err``, named after
+    its set-up, model count, rig and model) from ``workdir`` to ``dest``, replacing what an
+    earlier run left there; ``dest``."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for log in sorted(workdir.glob("*-broker.log")) + sorted(workdir.glob("*.err")):
+        if log.is_file():
+            shutil.copy2(log, dest / log.name)
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=5, help="hand-over trials per set-up (default 5; 0: none)")
@@ -871,6 +894,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated: " + ",".join(SETUPS))
     parser.add_argument("--traces", default=",".join(TRACE_NAMES),
                         help="comma-separated demand traces: " + ",".join(TRACE_NAMES) + " (default all; '' none)")
+    parser.add_argument("--broker-log-level", default="warning", choices=BROKER_LOG_LEVELS, metavar="LEVEL",
+                        help="the brokers' log level (default warning; info logs every pressure ask): "
+                             + ", ".join(BROKER_LOG_LEVELS))
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="copy the brokers' and pool processes' logs under OUT/logs")
     args = parser.parse_args(argv)
     setups = [s for s in args.setups.split(",") if s]
     unknown = [s for s in setups if s not in SETUPS]
@@ -887,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hand-over benchmark skipped: {why}")
         return 2
     started = time.monotonic()
-    run(args.out, args.trials, setups, traces)
+    run(args.out, args.trials, setups, traces, broker_log_level=args.broker_log_level, keep_logs=args.keep_logs)
     print(f"hand-over benchmark: {time.monotonic() - started:.0f} s")
     return 0
 

@@ -158,3 +158,29 @@ def test_the_table_shows_the_rises_where_kvcached_mode_lost_most_with_each_set_u
     del summaries["broker"]
     assert [r[:2] for r in handover.largest_losses(summaries, "t", 2)] == [("A", 13.0), ("A", 1.0)]
     assert handover.largest_losses({}, "t", 2) == []
+
+
+def test_a_runs_logs_are_kept_under_the_out_folder_replacing_an_earlier_runs(handover, tmp_path):
+    work = tmp_path / "work"
+    (work / "broker-2-0" / "gpu-usage").mkdir(parents=True)  # a rig's device: not a log
+    (work / "broker-2-0-broker.log").write_text("event=pressure kind=watermark\n")
+    (work / "broker-2-0-A.err").write_text("governor says\n")
+    (work / "broker-2-0.sock.lock").write_text("")
+    dest = tmp_path / "out" / "logs"
+    dest.mkdir(parents=True)
+    (dest / "stale-broker.log").write_text("an earlier run's\n")
+    assert handover.copy_logs(work, dest) == dest
+    assert sorted(p.name for p in dest.iterdir()) == ["broker-2-0-A.err", "broker-2-0-broker.log"]
+    assert (dest / "broker-2-0-broker.log").read_text() == "event=pressure kind=watermark\n"
+
+
+def test_the_broker_log_level_is_one_the_broker_takes(handover, capsys):
+    from kvcached_broker.broker.cli import build_parser
+
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+                 if "--log-level" in a.option_strings)
+    assert tuple(serve.choices) == handover.BROKER_LOG_LEVELS
+    with pytest.raises(SystemExit) as exit_:
+        handover.main(["--broker-log-level", "verbose", "--traces", "", "--trials", "0"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'verbose'" in capsys.readouterr().err
