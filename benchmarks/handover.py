@@ -846,9 +846,13 @@ def run(out: Path, trials: int, setups: list[str], traces: list[str] | None = No
     try:
         results = run_setups(setups, workdir, trials, traces, broker_log_level)
     finally:
-        if keep_logs:
-            print(f"logs: {copy_logs(workdir, out / 'logs')}")
-        shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            if keep_logs:
+                print(f"logs: {copy_logs(workdir, out / 'logs')}")
+        except OSError as exc:  # the logs are a help; the results still get written
+            print(f"logs not kept: {exc}")
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     summaries = {name: summary(result) for name, result in results.items()}
     if "broker" in summaries:
         summaries["broker"]["burst_vs_static_paired"] = paired_burst_ratio(results)
@@ -874,16 +878,22 @@ def run(out: Path, trials: int, setups: list[str], traces: list[str] | None = No
     return table, results
 
 
+LOG_PATTERNS = ("*-broker.log", "*.err")
+
+
 def copy_logs(workdir: Path, dest: Path) -> Path:
     """Copy every rig's logs (a broker's ``*-broker.log``, a pool process's ``*.err``, named after
-    its set-up, model count, rig and model) from ``workdir`` to ``dest``, replacing what an
-    earlier run left there; ``dest``."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    for log in sorted(workdir.glob("*-broker.log")) + sorted(workdir.glob("*.err")):
-        if log.is_file():
-            shutil.copy2(log, dest / log.name)
+    its set-up, model count, rig and model) from ``workdir`` to ``dest``, after removing the logs
+    an earlier run left there (only those: anything else in ``dest`` stays); ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for pattern in LOG_PATTERNS:
+        for old in dest.glob(pattern):
+            if old.is_file():
+                old.unlink()
+    for pattern in LOG_PATTERNS:
+        for log in sorted(workdir.glob(pattern)):
+            if log.is_file():
+                shutil.copy2(log, dest / log.name)
     return dest
 
 

@@ -154,10 +154,22 @@ def test_the_table_shows_the_rises_where_kvcached_mode_lost_most_with_each_set_u
     assert shown[0]["oracle"] == pytest.approx(7 * step)
     assert shown[1]["values"] == {"alone": pytest.approx(10 * step), "broker": pytest.approx(40 * step)}
     assert shown[1]["oracle"] == 0.0
-    # Without kvcached mode's run, the first set-up that ran the trace orders them.
-    del summaries["broker"]
+    # Where kvcached mode did not run the trace, the first set-up that did orders them.
+    summaries["broker"] = handover.summary({"trials": [], "traces": {}})
     assert [r[:2] for r in handover.largest_losses(summaries, "t", 2)] == [("A", 13.0), ("A", 1.0)]
     assert handover.largest_losses({}, "t", 2) == []
+
+
+def test_a_rise_shows_fractional_gib_and_a_first_step_after_the_start(handover, monkeypatch):
+    t = trace(handover, ("A", ((0.5, 10.125), (1.0, 10.8125))))
+    monkeypatch.setitem(handover.TRACES, "t", t)
+    run = {"A": samples(handover, (0.0, 0, 0), (0.45, 0, 0), (0.5, 10.125, 10), (1.0, 10.8125, 10))}
+    run["A"].update(served_gib_s=0.0, demand_gib_s=1.0)
+    assert t.rises() == [("A", 0.5, 1.0, 0.0, 10.125), ("A", 1.0, float("inf"), 10.125, 10.8125)]
+    shown = [r["figure"].strip() for r in handover.rows({"broker": handover.summary({"trials": [], "traces": {"t": run}})},
+                                                        ["t"]) if "unserved" in r["figure"]]
+    assert shown == ["GiB*s unserved: model-a rising 10.12->10.81 GiB at 1 s",
+                     "GiB*s unserved: model-a rising 0->10.12 GiB at 0.5 s"]
 
 
 def test_a_runs_logs_are_kept_under_the_out_folder_replacing_an_earlier_runs(handover, tmp_path):
@@ -169,17 +181,17 @@ def test_a_runs_logs_are_kept_under_the_out_folder_replacing_an_earlier_runs(han
     dest = tmp_path / "out" / "logs"
     dest.mkdir(parents=True)
     (dest / "stale-broker.log").write_text("an earlier run's\n")
+    (dest / "notes.txt").write_text("the user's own\n")
     assert handover.copy_logs(work, dest) == dest
-    assert sorted(p.name for p in dest.iterdir()) == ["broker-2-0-A.err", "broker-2-0-broker.log"]
+    assert sorted(p.name for p in dest.iterdir()) == ["broker-2-0-A.err", "broker-2-0-broker.log", "notes.txt"]
     assert (dest / "broker-2-0-broker.log").read_text() == "event=pressure kind=watermark\n"
 
 
 def test_the_broker_log_level_is_one_the_broker_takes(handover, capsys):
     from kvcached_broker.broker.cli import build_parser
 
-    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
-                 if "--log-level" in a.option_strings)
-    assert tuple(serve.choices) == handover.BROKER_LOG_LEVELS
+    for level in handover.BROKER_LOG_LEVELS:
+        assert build_parser().parse_args(["serve", "--log-level", level]).log_level == level
     with pytest.raises(SystemExit) as exit_:
         handover.main(["--broker-log-level", "verbose", "--traces", "", "--trials", "0"])
     assert exit_.value.code == 2
