@@ -33,7 +33,8 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
 * ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S,
   "gives": [[t_s, blocks, page_bytes], ...]}``: follow a demand trace in real time, and at each
   ``gives`` instant (optional) give as ``give`` does, then lift the limit back (the trace
-  oracle's lender; see :meth:`Engine.track`);
+  oracle's lender; see :meth:`Engine.track`; the reply's ``gave`` has each give's instant,
+  blocks freed and the process's device bytes once they were unmapped);
 * ``{"op": "status"}``: the governor's status, kvcached's limit state and the bytes this
   process has on the device; ``{"op": "settle"}``: wait for two governor rounds;
 * ``{"op": "spans", "start": T0, "end": T1}``: the time this process spent, between two
@@ -311,9 +312,11 @@ class Engine:
         ``gives`` (``[t_s, blocks, page_bytes]``, a pool without a broker): at the first sample
         at or after ``t_s``, before following the demand, the pool gives its ``blocks`` oldest
         cached blocks back to the device as :meth:`give` does, then its limit is lifted back to
-        what it was, so it grows again as kvcached alone does.
+        what it was, so it grows again as kvcached alone does.  ``gave``: per give, ``[t_s,
+        blocks freed, device bytes]``, the bytes read once the pages were unmapped and before
+        the limit was lifted (kvcached's prealloc thread may map its reserve again after).
         """
-        pending = sorted(gives or [])
+        pending, gave = sorted(gives or []), []
         while time.time() < start_at:
             time.sleep(min(0.01, max(0.0, start_at - time.time())))
         end_s = schedule[-1][0]
@@ -322,7 +325,8 @@ class Engine:
         while t <= end_s:
             while pending and pending[0][0] <= t:
                 _, blocks, page_bytes = pending.pop(0)
-                self.give_for_a_while(int(blocks), int(page_bytes))
+                given = self.give_for_a_while(int(blocks), int(page_bytes))
+                gave.append([round(t, 3), given["freed_blocks"], given["device_bytes"]])
             demand = demand_at(schedule, t)
             self._follow(demand, deadline=start_at + t + sample_s)
             live = self.count()
@@ -333,7 +337,7 @@ class Engine:
             time.sleep(max(0.0, sample_s - (t - samples[-1][0])))
             t = time.time() - start_at
         return {"samples": samples, "served_block_s": served, "demand_block_s": wanted, "misses": self.misses,
-                "evicted_blocks": self.evicted_blocks}
+                "evicted_blocks": self.evicted_blocks, "gave": gave}
 
     def _follow(self, demand: int, deadline: float) -> None:
         live = self.count()
