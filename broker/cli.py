@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--insecure-tcp", action="store_true", default=None, help="allow tcp on loopback without CURVE")
     serve.add_argument("--curve-dir", type=_directory, metavar="DIR",
                        help="CURVE for tcp: DIR/server.key_secret and DIR/authorized/*.key (see `keygen`)")
-    serve.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], metavar="LEVEL",
+    serve.add_argument("--log-level", default=None, choices=serve_config.LOG_LEVELS, metavar="LEVEL",
                        help="debug, info, warning or error (default info)")
     serve.add_argument("--log-json", action="store_true", default=None, help="log one JSON object per line")
 

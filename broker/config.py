@@ -232,10 +232,14 @@ def _endpoint(value: Any) -> str:
     return validate_endpoint(_text(value))
 
 
+#: The log levels ``serve`` takes (``--log-level``, the config file, the environment).
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _level(value: Any) -> str:
     text = _text(value).lower()
-    if text not in ("debug", "info", "warning", "error"):
-        raise ValueError(f"expected debug, info, warning or error, got {value!r}")
+    if text not in LOG_LEVELS:
+        raise ValueError(f"expected {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}, got {value!r}")
     return text
 
 
