@@ -91,8 +91,8 @@ STALL_S = {"broker": 2.0, "static": 1.0, "alone": 1.0}
 SAMPLE_S = 0.05
 #: Per trace, the rises whose unserved demand the table shows (kvcached mode's largest).
 RISES_SHOWN = 5
-#: What ``--broker-log-level`` takes (the broker's own ``--log-level`` choices).
-BROKER_LOG_LEVELS = ("debug", "info", "warning", "error")
+#: A run's logs (``--keep-logs``): a broker's, and a pool process's stderr.
+LOG_PATTERNS = ("*-broker.log", "*.err")
 SETUPS = {
     "broker": "kvcached mode (grants + pressure)",
     "static": "static partitioning (equal parts)",
@@ -526,6 +526,11 @@ def unserved_by_rise(trace: Trace, run: dict) -> dict[tuple[str, float], float]:
     return lost
 
 
+def unserved_key(trace: str, model: str, at_s: float) -> str:
+    """How a rise is named in the summaries (after ``unserved:`` or ``oracle_unserved:``)."""
+    return f"{trace}:{model}@{at_s:g}"
+
+
 # ----------------------------------------------------------------------------- one set-up
 def run_setups(setups: list[str], workdir: Path, trials: int, traces: list[str],
                broker_log_level: str = "warning") -> dict[str, dict]:
@@ -623,7 +628,7 @@ def summary(result: dict) -> dict:
     for prefix, runs in (("unserved", result["traces"]), ("oracle_unserved", result.get("oracle_traces") or {})):
         for name, run in runs.items():
             for (model, at_s), gib_s in unserved_by_rise(trace_named(name), run).items():
-                out[f"{prefix}:{name}:{model}@{at_s:g}"] = gib_s
+                out[f"{prefix}:{unserved_key(name, model, at_s)}"] = gib_s
     for name, run in (result.get("oracle_traces") or {}).items():
         out[f"oracle_served:{name}"] = served_fraction(run)
         for model in trace_named(name).models:
@@ -687,7 +692,7 @@ def rows(summaries: dict, traces: list[str]) -> list[dict]:
                              100.0, oracle=None if model_floor is None else 100.0 * model_floor))
         instances = {m.name: m.instance for m in trace.models}
         for model, at_s, _, from_gib, to_gib in largest_losses(summaries, name, RISES_SHOWN):
-            key = f"unserved:{name}:{model}@{at_s:g}"
+            key = f"unserved:{unserved_key(name, model, at_s)}"
             table.append(row(f"  GiB*s unserved: {instances[model]} rising {from_gib:.4g}->{to_gib:.4g} GiB at {at_s:g} s",
                              key, "", ratios=False, oracle=floor.get(f"oracle_{key}")))
     return table
@@ -698,7 +703,7 @@ def largest_losses(summaries: dict, name: str, count: int) -> list[tuple[str, fl
     trace, the first set-up that did) left the most demand unserved, largest first."""
     rises = trace_named(name).rises()
     for setup in sorted(summaries, key=lambda s: s != "broker"):
-        lost = {r: summaries[setup].get(f"unserved:{name}:{r[0]}@{r[1]:g}") for r in rises}
+        lost = {r: summaries[setup].get(f"unserved:{unserved_key(name, r[0], r[1])}") for r in rises}
         if any(v is not None for v in lost.values()):
             return sorted((r for r in rises if lost[r] is not None), key=lambda r: -lost[r])[:count]
     return []
@@ -878,19 +883,15 @@ def run(out: Path, trials: int, setups: list[str], traces: list[str] | None = No
     return table, results
 
 
-LOG_PATTERNS = ("*-broker.log", "*.err")
-
-
 def copy_logs(workdir: Path, dest: Path) -> Path:
     """Copy every rig's logs (a broker's ``*-broker.log``, a pool process's ``*.err``, named after
     its set-up, model count, rig and model) from ``workdir`` to ``dest``, after removing the logs
     an earlier run left there (only those: anything else in ``dest`` stays); ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
-    for pattern in LOG_PATTERNS:
+    for pattern in LOG_PATTERNS:  # (no file matches two patterns)
         for old in dest.glob(pattern):
             if old.is_file():
                 old.unlink()
-    for pattern in LOG_PATTERNS:
         for log in sorted(workdir.glob(pattern)):
             if log.is_file():
                 shutil.copy2(log, dest / log.name)
@@ -904,9 +905,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated: " + ",".join(SETUPS))
     parser.add_argument("--traces", default=",".join(TRACE_NAMES),
                         help="comma-separated demand traces: " + ",".join(TRACE_NAMES) + " (default all; '' none)")
-    parser.add_argument("--broker-log-level", default="warning", choices=BROKER_LOG_LEVELS, metavar="LEVEL",
+    from kvcached_broker.broker.config import LOG_LEVELS
+
+    parser.add_argument("--broker-log-level", default="warning", choices=LOG_LEVELS, metavar="LEVEL",
                         help="the brokers' log level (default warning; info logs every pressure ask): "
-                             + ", ".join(BROKER_LOG_LEVELS))
+                             + ", ".join(LOG_LEVELS))
     parser.add_argument("--keep-logs", action="store_true",
                         help="copy the brokers' and pool processes' logs under OUT/logs")
     args = parser.parse_args(argv)
