@@ -69,6 +69,11 @@ BLOCK_TOKENS = 16
 #: runtime's scheduler steps every few to tens of milliseconds; a hot retry loop would take
 #: the CPU from the governors and the broker on a small machine).
 RETRY_S = 0.01
+#: A give waits at most this long for kvcached to apply the lowered limit (a reserve page the
+#: prealloc thread was mapping lands within a map call, microseconds on the simulated device),
+#: trying again every GIVE_RETRY_S.
+GIVE_SETTLE_S = 1.0
+GIVE_RETRY_S = 0.001
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -269,14 +274,28 @@ class Engine:
 
     def give(self, blocks: int, page_bytes: int) -> dict:
         """Hand memory back to the device at once, as a pool that knew a neighbour's need would:
-        free the ``blocks`` oldest cached blocks, lower kvcached's limit to the pages still in
-        use (``page_bytes`` a page of the pool, every layer) and trim its reserve, so every page
-        freed is unmapped now (kvcached keeps freed pages mapped in its reserve, and defers a
-        limit below it; the limit keeps the reserve from being mapped again)."""
+        free the ``blocks`` oldest cached blocks, trim kvcached's reserve and lower its limit to
+        the pages still in use (``page_bytes`` a page of the pool, every layer), so every page
+        freed is unmapped now and the reserve is not mapped again.
+
+        kvcached defers a limit below what is mapped, and its prealloc thread may be mapping
+        reserve pages while the limit falls (they land in the reserve after a trim); so the trim
+        and the limit are repeated, each limit with a new revision, until kvcached says the limit
+        is applied, which it does only once nothing but the pages in use is mapped, or until
+        :data:`GIVE_SETTLE_S` has passed (a quarantined pool rejects the limit)."""
         freed = self._free_cached(blocks)
-        self.spans.call("give", self.set_limit, self.manager.page_allocator.get_num_inuse_pages() * page_bytes)
-        self.spans.call("give", self.manager.trim)
-        return {"freed_blocks": freed, "limit": self.manager.memory_limit_state(), "device_bytes": self.gpu.mine_bytes()}
+        limit_bytes = self.manager.page_allocator.get_num_inuse_pages() * page_bytes
+        state = self.spans.call("give", self._unmap_down_to, limit_bytes)
+        return {"freed_blocks": freed, "limit": state, "device_bytes": self.gpu.mine_bytes()}
+
+    def _unmap_down_to(self, limit_bytes: int) -> dict:
+        deadline_s = time.monotonic() + GIVE_SETTLE_S
+        while True:
+            self.manager.trim()
+            state = self.set_limit(limit_bytes)
+            if state["status"] == "applied" or time.monotonic() >= deadline_s:
+                return state
+            time.sleep(GIVE_RETRY_S)
 
     def give_for_a_while(self, blocks: int, page_bytes: int) -> dict:
         """:meth:`give`, then the limit back where it was: the pages freed are unmapped, and the

@@ -254,6 +254,7 @@ def test_a_pool_without_a_broker_gives_its_oldest_cached_pages_back_to_the_devic
     assert given["freed_blocks"] == 8 * BLOCKS_PER_PAGE
     inuse_pages = a.request("status")["page_state"]["inuse_pages"]
     assert given["limit"]["limit_bytes"] == inuse_pages * POOL_PAGE_BYTES
+    assert given["limit"]["status"] == "applied"  # not deferred behind a reserve page mapped meanwhile
     assert before["device_bytes"] - given["device_bytes"] >= 8 * POOL_PAGE_BYTES
     after = a.request("status")
     assert after["device_bytes"] == given["device_bytes"]  # the reserve was not mapped again
