@@ -25,9 +25,9 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
   N newest finish but stay in the prefix cache (held until an eviction frees them);
   ``{"op": "drop_cache"}``: free every cached block;
 * ``{"op": "limit", "bytes": N}``: kvcached's own ``set_memory_limit`` (static partitioning);
-  ``{"op": "give", "blocks": N, "page_bytes": P}``: free the N oldest cached blocks, lower the
-  limit to the pages still in use and trim kvcached's reserve, which unmaps the pages freed at
-  once (the hand-over's oracle, ``benchmarks/handover.py``: no broker, no protocol);
+  ``{"op": "give", "blocks": N, "page_bytes": P}``: free the N oldest cached blocks, trim
+  kvcached's reserve and lower the limit to the pages still in use (again until kvcached
+  applies it), which unmaps the pages freed at once (the hand-over's oracle, ``benchmarks/handover.py``: no broker, no protocol);
 * ``{"op": "outside", "bytes": N}``: take N bytes on the device outside the pool, as CUDA graphs
   or cached activations are (``oom`` in the reply if the device has no room);
 * ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S,
