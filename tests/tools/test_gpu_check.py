@@ -136,6 +136,17 @@ def test_two_kvcached_pools_hand_over_with_mapped_within_granted_at_every_sample
     assert derived["handover_floor_s"] > 0
 
 
+def test_a_pools_trial_whose_burst_fitted_in_free_memory_says_which_side_missed():
+    from kvcached_broker.tools.gpu_check.part_pools import missed_set_up, took_a_room
+
+    trial = {"b_held_bytes": 8 * GIB, "free_before_bytes": 8 * GIB, "a_filled_bytes": 17 * GIB // 2,
+             "a_charged_before_bytes": 9 * GIB, "b_charged_before_bytes": None}
+    assert not took_a_room(trial)  # all of B's burst was free: no hand-over was measured
+    assert took_a_room({**trial, "free_before_bytes": 8 * GIB - 1})
+    assert missed_set_up(trial) == ("B's burst (8.00 GiB) fitted in what was free once A filled (8.00 GiB; "
+                                    "A filled 8.50 GiB, charged A 9.00 GiB, B ?)")
+
+
 def test_the_co_located_start_serves_every_server_without_an_out_of_memory_error(simulated):
     p = simulated[1]["parts"]["colocated_start"]
     assert p["status"] == "ok", p

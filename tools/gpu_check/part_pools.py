@@ -6,7 +6,9 @@ MiB pages): on a GPU with kvcached's CUDA extension (:mod:`.pool_gpu`), simulate
 double (``tools/kvcached_sim``).  A third process that reports nothing takes all but
 ``ROOM_BYTES`` of what the broker could grant, so the pools compete for 16 GiB.  Then, ``TRIALS``
 times: A fills 10 GiB and goes idle (its blocks stay in its prefix cache), B bursts 8 GiB and
-gets what is missing from A through the broker's pressure.
+gets what is missing from A through the broker's pressure.  A trial in which B's burst fitted in
+what was free once A filled measured no hand-over: it is noted, with A's fill and both charges,
+and run again (at most ``TRIAL_REDOS`` times; a trial kept that way fails the check).
 
 Measured: each hand-over (B's first refused ask to B holding everything), split into B's broker
 round trips (``acquire``), B's allocations (kvcached's ``alloc``, which maps pages itself only
@@ -49,13 +51,16 @@ CUDA_GRANULE_BYTES = 2 << 20
 B_BURST_BYTES = 8 * GIB
 TRIALS = 3
 TRIAL_RESERVE_S = 40.0  # a trial is not started with less time than this left
+#: Trials run again, at most, when B's burst fitted in what was free once A filled (no hand-over
+#: to measure: the set-up missed, as when A's fill ended short behind B's idle grant).
+TRIAL_REDOS = 2
 SAMPLE_S = 0.02
 NVML_GRACE_S = 0.2
 POOLS = ("a", "b")
 #: What each trial shows of itself (the JSON keeps these; the spans of every kind are in the p50s).
 TRIAL_FIGURES = ("complete", "handover_s", "burst_s", "a_unmapped_bytes", "b_acquire_s", "b_acquire_calls",
-                 "b_alloc_s", "b_alloc_calls", "b_waiting_s", "a_release_s", "a_free_s", "free_before_bytes",
-                 "b_held_bytes")
+                 "b_alloc_s", "b_alloc_calls", "b_waiting_s", "a_release_s", "a_free_s", "a_filled_bytes",
+                 "free_before_bytes", "a_charged_before_bytes", "b_charged_before_bytes", "b_held_bytes")
 
 
 def run(ctx: PartContext) -> None:
@@ -72,13 +77,20 @@ def run(ctx: PartContext) -> None:
         block_bytes = page_bytes // a.ready["blocks_per_page"]
         describe_pool(ctx, broker, a, page_bytes)
         squeeze(ctx, broker, stack)
-        trials = []
-        for i in range(TRIALS):
+        trials: list[dict[str, Any]] = []
+        redone = 0
+        while len(trials) < TRIALS:
             if ctx.left_s() < TRIAL_RESERVE_S:
-                rec.note(f"trial {i + 1} not started: {ctx.left_s():.0f} s left")
+                rec.note(f"trial {len(trials) + 1} not started: {ctx.left_s():.0f} s left")
                 break
-            trials.append(trial(ctx, broker, a, b, block_bytes))
+            t = trial(ctx, broker, a, b, block_bytes)
+            if not took_a_room(t) and redone < TRIAL_REDOS:
+                redone += 1
+                rec.note(f"trial {len(trials) + 1} run again: {missed_set_up(t)}")
+                continue
+            trials.append(t)
             rec.figure("trials_run", len(trials))
+        rec.figure("trials_redone", redone)
         summarise(ctx, trials)
     sampler.record(rec)
 
@@ -162,6 +174,7 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     # cache back between here and B's burst, ahead of B's asks, and that is the hand-over too
     a_before = a.pool()
     before = broker.status()
+    charged_before = {name: (instance(before, pool.instance) or {}).get("charged_bytes") for name, pool in (("a", a), ("b", b))}
     a.request("cache", blocks=a_fill["held_blocks"])
     a.request("settle")
     asked_before = (instance(before, a.instance) or {}).get("pressure") or {}
@@ -180,6 +193,7 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     out = {
         "complete": complete, "b_held_bytes": burst["held_blocks"] * block_bytes,
         "free_before_bytes": before["free_bytes"],
+        "a_charged_before_bytes": charged_before["a"], "b_charged_before_bytes": charged_before["b"],
         "a_filled_bytes": a_fill["held_blocks"] * block_bytes,
         "burst_s": burst["elapsed_s"], "refused_at_s": burst["first_refusal_s"], "handover_s": handover,
         "a_unmapped_bytes": max(0, a_before["mapped_bytes"] - a_after["mapped_bytes"]),
@@ -193,6 +207,20 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     if handover is not None:
         out["b_waiting_s"] = max(0.0, handover - out["b_acquire_s"] - out["b_alloc_s"])
     return out
+
+
+def took_a_room(t: dict[str, Any]) -> bool:
+    """B's burst held more than was free once A filled: some of it had to be A's."""
+    return t["b_held_bytes"] > t["free_before_bytes"]
+
+
+def missed_set_up(t: dict[str, Any]) -> str:
+    """Why a trial measured no hand-over, in the figures that say which side missed."""
+    def gib(value: Any) -> str:
+        return "?" if value is None else f"{value / GIB:.2f} GiB"
+    return (f"B's burst ({gib(t['b_held_bytes'])}) fitted in what was free once A filled ({gib(t['free_before_bytes'])}; "
+            f"A filled {gib(t['a_filled_bytes'])}, charged A {gib(t['a_charged_before_bytes'])}, "
+            f"B {gib(t['b_charged_before_bytes'])})")
 
 
 def summarise(ctx: PartContext, trials: list[dict[str, Any]]) -> None:
@@ -211,9 +239,9 @@ def summarise(ctx: PartContext, trials: list[dict[str, Any]]) -> None:
                   f"{sum(t['complete'] for t in trials)} of {len(trials)} complete")
         # the room was A's: B holds more than was free once A filled (B need not have waited
         # for it: the broker's watermarks and pressure may take A's cache back before B's ask)
-        rec.check("each burst took more than was free (the room was A's)",
-                  all(t["b_held_bytes"] > t["free_before_bytes"] for t in trials),
-                  f"{sum(t['b_held_bytes'] > t['free_before_bytes'] for t in trials)} of {len(trials)}")
+        missed = [f"trial {i}: {missed_set_up(t)}" for i, t in enumerate(trials, 1) if not took_a_room(t)]
+        rec.check("each burst took more than was free (the room was A's)", not missed,
+                  f"{len(trials) - len(missed)} of {len(trials)}" + "".join(f"; {m}" for m in missed))
         rec.figures(handovers=sum(t["handover_s"] is not None for t in trials))
     else:
         rec.check("at least one trial ran", False, "no time left for a trial")
