@@ -174,7 +174,8 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     # cache back between here and B's burst, ahead of B's asks, and that is the hand-over too
     a_before = a.pool()
     before = broker.status()
-    charged_before = {name: (instance(before, pool.instance) or {}).get("charged_bytes") for name, pool in (("a", a), ("b", b))}
+    charged_before = {name: (instance(before, pool.instance) or {}).get("charged_bytes")
+                      for name, pool in (("a", a), ("b", b))}
     a.request("cache", blocks=a_fill["held_blocks"])
     a.request("settle")
     asked_before = (instance(before, a.instance) or {}).get("pressure") or {}

@@ -27,7 +27,8 @@ layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
 * ``{"op": "limit", "bytes": N}``: kvcached's own ``set_memory_limit`` (static partitioning);
   ``{"op": "give", "blocks": N, "page_bytes": P}``: free the N oldest cached blocks, trim
   kvcached's reserve and lower the limit to the pages still in use (again until kvcached
-  applies it), which unmaps the pages freed at once (the hand-over's oracle, ``benchmarks/handover.py``: no broker, no protocol);
+  applies it), which unmaps the pages freed at once (the hand-over's oracle,
+  ``benchmarks/handover.py``: no broker, no protocol);
 * ``{"op": "outside", "bytes": N}``: take N bytes on the device outside the pool, as CUDA graphs
   or cached activations are (``oom`` in the reply if the device has no room);
 * ``{"op": "track", "schedule": [[t_s, blocks], ...], "start_at": EPOCH_S, "sample_s": S,
