@@ -144,7 +144,7 @@ def test_a_pools_trial_whose_burst_fitted_in_free_memory_says_which_side_missed(
     assert not took_a_room(trial)  # all of B's burst was free: no hand-over was measured
     assert took_a_room({**trial, "free_before_bytes": 8 * GIB - 1})
     assert missed_set_up(trial) == ("B's burst (8.00 GiB) fitted in what was free once A filled (8.00 GiB; "
-                                    "A filled 8.50 GiB, charged A 9.00 GiB, B ?)")
+                                    "A filled 8.50 GiB, charged A 9.00 GiB, B ?, B granted ?)")
 
 
 def test_the_co_located_start_serves_every_server_without_an_out_of_memory_error(simulated):

@@ -7,8 +7,9 @@ double (``tools/kvcached_sim``).  A third process that reports nothing takes all
 ``ROOM_BYTES`` of what the broker could grant, so the pools compete for 16 GiB.  Then, ``TRIALS``
 times: A fills 10 GiB and goes idle (its blocks stay in its prefix cache), B bursts 8 GiB and
 gets what is missing from A through the broker's pressure.  A trial in which B's burst fitted in
-what was free once A filled measured no hand-over: it is noted, with A's fill and both charges,
-and run again (at most ``TRIAL_REDOS`` times; a trial kept that way fails the check).
+what was free once A filled took none of A's room: it is noted, with A's fill, both charges and
+B's grant, and run again (at most ``TRIAL_REDOS`` reruns in all, each only with a trial's time
+left; a trial kept that way fails the check).
 
 Measured: each hand-over (B's first refused ask to B holding everything), split into B's broker
 round trips (``acquire``), B's allocations (kvcached's ``alloc``, which maps pages itself only
@@ -51,8 +52,8 @@ CUDA_GRANULE_BYTES = 2 << 20
 B_BURST_BYTES = 8 * GIB
 TRIALS = 3
 TRIAL_RESERVE_S = 40.0  # a trial is not started with less time than this left
-#: Trials run again, at most, when B's burst fitted in what was free once A filled (no hand-over
-#: to measure: the set-up missed, as when A's fill ended short behind B's idle grant).
+#: Reruns, at most, of trials in which B's burst fitted in what was free once A filled (the set-up
+#: missed, as when A's fill ended short behind B's idle grant), over the whole part.
 TRIAL_REDOS = 2
 SAMPLE_S = 0.02
 NVML_GRACE_S = 0.2
@@ -60,7 +61,8 @@ POOLS = ("a", "b")
 #: What each trial shows of itself (the JSON keeps these; the spans of every kind are in the p50s).
 TRIAL_FIGURES = ("complete", "handover_s", "burst_s", "a_unmapped_bytes", "b_acquire_s", "b_acquire_calls",
                  "b_alloc_s", "b_alloc_calls", "b_waiting_s", "a_release_s", "a_free_s", "a_filled_bytes",
-                 "free_before_bytes", "a_charged_before_bytes", "b_charged_before_bytes", "b_held_bytes")
+                 "free_before_bytes", "a_charged_before_bytes", "b_charged_before_bytes", "b_granted_before_bytes",
+                 "b_held_bytes")
 
 
 def run(ctx: PartContext) -> None:
@@ -84,9 +86,10 @@ def run(ctx: PartContext) -> None:
                 rec.note(f"trial {len(trials) + 1} not started: {ctx.left_s():.0f} s left")
                 break
             t = trial(ctx, broker, a, b, block_bytes)
-            if not took_a_room(t) and redone < TRIAL_REDOS:
+            if not took_a_room(t) and redone < TRIAL_REDOS and ctx.left_s() >= TRIAL_RESERVE_S:
                 redone += 1
-                rec.note(f"trial {len(trials) + 1} run again: {missed_set_up(t)}")
+                rec.note(f"trial {len(trials) + 1} run again (rerun {redone} of at most {TRIAL_REDOS}): "
+                         f"{missed_set_up(t)}")
                 continue
             trials.append(t)
             rec.figure("trials_run", len(trials))
@@ -176,6 +179,7 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     before = broker.status()
     charged_before = {name: (instance(before, pool.instance) or {}).get("charged_bytes")
                       for name, pool in (("a", a), ("b", b))}
+    b_granted_before = (session_of(before, b.instance) or {}).get("granted_bytes")
     a.request("cache", blocks=a_fill["held_blocks"])
     a.request("settle")
     asked_before = (instance(before, a.instance) or {}).get("pressure") or {}
@@ -195,6 +199,7 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
         "complete": complete, "b_held_bytes": burst["held_blocks"] * block_bytes,
         "free_before_bytes": before["free_bytes"],
         "a_charged_before_bytes": charged_before["a"], "b_charged_before_bytes": charged_before["b"],
+        "b_granted_before_bytes": b_granted_before,
         "a_filled_bytes": a_fill["held_blocks"] * block_bytes,
         "burst_s": burst["elapsed_s"], "refused_at_s": burst["first_refusal_s"], "handover_s": handover,
         "a_unmapped_bytes": max(0, a_before["mapped_bytes"] - a_after["mapped_bytes"]),
@@ -221,7 +226,7 @@ def missed_set_up(t: dict[str, Any]) -> str:
         return "?" if value is None else f"{value / GIB:.2f} GiB"
     return (f"B's burst ({gib(t['b_held_bytes'])}) fitted in what was free once A filled ({gib(t['free_before_bytes'])}; "
             f"A filled {gib(t['a_filled_bytes'])}, charged A {gib(t['a_charged_before_bytes'])}, "
-            f"B {gib(t['b_charged_before_bytes'])})")
+            f"B {gib(t['b_charged_before_bytes'])}, B granted {gib(t.get('b_granted_before_bytes'))})")
 
 
 def summarise(ctx: PartContext, trials: list[dict[str, Any]]) -> None:

@@ -283,7 +283,9 @@ class Engine:
         reserve pages while the limit falls (they land in the reserve after a trim); so the trim
         and the limit are repeated, each limit with a new revision, until kvcached says the limit
         is applied, which it does only once nothing but the pages in use is mapped, or until
-        :data:`GIVE_SETTLE_S` has passed (a quarantined pool rejects the limit)."""
+        :data:`GIVE_SETTLE_S` has passed (then the state says ``deferred``: ``page_bytes`` below a
+        page of every layer sets a limit under the pages in use, which never applies).  A
+        quarantined pool's resize raises, as kvcached's does."""
         freed = self._free_cached(blocks)
         limit_bytes = self.manager.page_allocator.get_num_inuse_pages() * page_bytes
         state = self.spans.call("give", self._unmap_down_to, limit_bytes)
