@@ -189,7 +189,6 @@ def test_a_runs_logs_are_kept_under_the_out_folder_replacing_an_earlier_runs(han
 
 def test_the_broker_log_level_is_one_the_broker_takes(handover, capsys):
     from kvcached_broker.broker.cli import build_parser
-
     from kvcached_broker.broker.config import LOG_LEVELS
 
     for level in LOG_LEVELS:  # what the benchmark offers (its choices are these)

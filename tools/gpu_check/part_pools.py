@@ -37,6 +37,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from ...client.protocol import RUNTIME_BASE_POOL
+from ...client.units import format_bytes
 from .context import PartContext
 from .devices import GIB, Device
 from .measure import charged_by_pid, granted_by_pid, instance, percentile, session_of, wait_for
@@ -222,11 +223,12 @@ def took_a_room(t: dict[str, Any]) -> bool:
 
 def missed_set_up(t: dict[str, Any]) -> str:
     """Why a trial measured no hand-over, in the figures that say which side missed."""
-    def gib(value: Any) -> str:
-        return "?" if value is None else f"{value / GIB:.2f} GiB"
-    return (f"B's burst ({gib(t['b_held_bytes'])}) fitted in what was free once A filled ({gib(t['free_before_bytes'])}; "
-            f"A filled {gib(t['a_filled_bytes'])}, charged A {gib(t['a_charged_before_bytes'])}, "
-            f"B {gib(t['b_charged_before_bytes'])}, B granted {gib(t.get('b_granted_before_bytes'))})")
+    def size(value: int | None) -> str:
+        return "?" if value is None else format_bytes(value)
+    return (f"B's burst ({size(t['b_held_bytes'])}) fitted in what was free once A filled "
+            f"({size(t['free_before_bytes'])}; A filled {size(t['a_filled_bytes'])}, "
+            f"charged A {size(t['a_charged_before_bytes'])}, B {size(t['b_charged_before_bytes'])}, "
+            f"B granted {size(t.get('b_granted_before_bytes'))})")
 
 
 def summarise(ctx: PartContext, trials: list[dict[str, Any]]) -> None:

@@ -71,8 +71,8 @@ BLOCK_TOKENS = 16
 #: the CPU from the governors and the broker on a small machine).
 RETRY_S = 0.01
 #: A give waits at most this long for kvcached to apply the lowered limit (a reserve page the
-#: prealloc thread was mapping lands within a map call, microseconds on the simulated device),
-#: trying again every GIVE_RETRY_S.
+#: prealloc thread was mapping lands within its map call, a few milliseconds on the simulated
+#: device), trying again every GIVE_RETRY_S.
 GIVE_SETTLE_S = 1.0
 GIVE_RETRY_S = 0.001
 
