@@ -18,7 +18,10 @@ batch, at most ``RAMP_MAX``), and its marks scale with it.  A burst of many GiB 
 few round trips, each granted before the engine runs short, and asks the broker (and so the
 pools it takes memory from) for about what the next ``RAMP_AHEAD_S`` will use, not a
 doubling's overshoot.  Once it pauses for the window, the batch is back to one, and what the
-ramp left free goes back.
+ramp left free goes back.  A burst that starts on the pool's free pages is seen before its
+first growth: a round that finds more pages in use than the round before, at a rate one batch
+would not cover for ``RAMP_AHEAD_S``, starts the burst at that rate (otherwise its first
+growths would be one batch each, and the engine would run short of each in turn).
 """
 
 from __future__ import annotations
@@ -63,14 +66,16 @@ class Ramp:
 
     marks: Watermarks
     batch_pages: int = 0  # in a burst, the batch (0: one batch of the marks)
-    last_grow_s: float = -math.inf
+    active_s: float = -math.inf  # the burst's last growth, or the round that saw it begin
     burst_start_s: float = -math.inf
     burst_start_inuse: int = 0
+    seen_s: float = -math.inf  # the last round's look at the pool
+    seen_inuse: int = 0
 
     def current(self, now_s: float) -> Watermarks:
         """The marks in force: the batch, and the low and high marks scaled with it."""
         m = self.marks
-        if now_s - self.last_grow_s > RAMP_WINDOW_S or self.batch_pages <= m.batch_pages:
+        if now_s - self.active_s > RAMP_WINDOW_S or self.batch_pages <= m.batch_pages:
             return m
         batch = self.batch_pages
         return replace(m, batch_pages=batch, low_pages=max(m.low_pages, batch // 2),
@@ -83,7 +88,7 @@ class Ramp:
         for the burst): the batch at least doubles, as TCP's slow start does, since the rate so
         far is limited by the grants themselves."""
         m = self.marks
-        if now_s - self.last_grow_s > RAMP_WINDOW_S:
+        if now_s - self.active_s > RAMP_WINDOW_S:
             self.burst_start_s, self.burst_start_inuse = now_s, inuse_pages
             self.batch_pages = m.batch_pages
         else:
@@ -92,13 +97,30 @@ class Ramp:
             floor = 2 * self.batch_pages if short else self.batch_pages
             self.batch_pages = min(m.batch_pages * RAMP_MAX,
                                    max(floor, m.batch_pages, math.ceil(rate * RAMP_AHEAD_S)))
-        self.last_grow_s = now_s
+        self.active_s = now_s
+
+    def observed(self, now_s: float, inuse_pages: int) -> None:
+        """A round saw ``inuse_pages`` in use.  A pool outside a burst that used more since the
+        round before (within ``RAMP_WINDOW_S``) than one batch covers in ``RAMP_AHEAD_S`` at
+        that rate is in a burst from that round on: its first growth is sized by the rate, so
+        the engine does not run short of one batch after another while the rate is measured."""
+        before_s, before_inuse = self.seen_s, self.seen_inuse
+        self.seen_s, self.seen_inuse = now_s, inuse_pages
+        if now_s - self.active_s <= RAMP_WINDOW_S or now_s - before_s > RAMP_WINDOW_S:
+            return
+        rate = max(0, inuse_pages - before_inuse) / max(RAMP_MIN_ELAPSED_S, now_s - before_s)
+        batch = math.ceil(rate * RAMP_AHEAD_S)
+        if batch <= self.marks.batch_pages:
+            return
+        self.burst_start_s, self.burst_start_inuse = before_s, before_inuse
+        self.batch_pages = min(self.marks.batch_pages * RAMP_MAX, batch)
+        self.active_s = now_s
 
     def starved(self, now_s: float) -> None:
         """An ask the engine waited for was not granted: the burst goes on (its batch is kept
         for when memory comes back), however long the pool waits."""
-        if now_s - self.last_grow_s <= RAMP_WINDOW_S:
-            self.last_grow_s = now_s
+        if now_s - self.active_s <= RAMP_WINDOW_S:
+            self.active_s = now_s
 
 
 @dataclass(frozen=True)

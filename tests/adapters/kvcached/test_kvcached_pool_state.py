@@ -24,6 +24,7 @@ freed its blocks, gave back its whole grant.
 
 from __future__ import annotations
 
+import math
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcached_broker.adapters.kvcached import eviction
+from kvcached_broker.adapters.kvcached.policy import RAMP_AHEAD_S
 from kvcached_broker.adapters.kvcached.pool_state import (
     _NEXT,
     AskBook,
@@ -246,6 +248,40 @@ def test_a_soft_ask_takes_only_idle_pages_and_a_hard_one_defers_the_rest(soft):
             assert broker.pages == allocator.total == 12
     finally:
         eviction.register_eviction_hook(manager, None)
+
+
+# ---------------------------------------------------------------- a burst, seen
+def _idle_pool(used_pages: int) -> ModelPool:
+    """A governed pool with ``used_pages`` in use, idle for a while: one batch or so free."""
+    pool = ModelPool(400, virtual_pages=400, page_size=PAGE_SIZE)
+    pool.governor.start()
+    pool.governor.attach(pool.manager)
+    for now_s in (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0):
+        if pool.allocator.inuse < used_pages:
+            pool.allocator.alloc(min(4, used_pages - pool.allocator.inuse, pool.allocator.total - pool.allocator.mapped))
+        pool.governor.step(now_s)
+    for now_s in (10.0, 11.0):
+        pool.governor.step(now_s)
+    assert pool.allocator.inuse == used_pages and 0 < pool.allocator.total - used_pages <= pool.MARKS.high_pages
+    return pool
+
+
+@pytest.mark.parametrize("between_s", [0.03125, 0.25])
+def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_at_the_next_round(between_s):
+    """The engine takes every free page between two rounds.  Taken in 1/32 s, the rate a batch
+    would not cover: the round's growth is what that rate uses in ``RAMP_AHEAD_S`` (a burst),
+    not one batch, so the engine does not run short again while the governor finds the rate.
+    Taken in 0.25 s: a batch covers it, and one batch is asked."""
+    pool = _idle_pool(10)
+    governor, allocator, broker = pool.governor, pool.allocator, pool.broker
+    taken = allocator.total - allocator.inuse
+    assert allocator.alloc(taken)
+    granted = broker.pages
+    governor.step(11.0 + between_s)
+    rate_batch = math.ceil(taken / between_s * RAMP_AHEAD_S)
+    expected = rate_batch if rate_batch > pool.MARKS.batch_pages else pool.MARKS.batch_pages
+    assert broker.pages - granted == expected
+    assert allocator.total == allocator.inuse + expected  # the limit follows the grant
 
 
 # ---------------------------------------------------------------- the governor, property-tested
