@@ -402,7 +402,7 @@ class PoolGovernor:
 
     def _follow_policy(self, manager: Any, short_pages: int, now_s: float) -> None:
         pages = self.pages()
-        self.ramp.observed(now_s, pages.inuse)
+        self.ramp.observed(now_s, pages.inuse, short=short_pages > 0)
         decision = decide(pages, self.ramp.current(now_s), short_pages=short_pages)
         if isinstance(decision, Grow):
             if not self.pacing.may_grow(now_s, short=short_pages > 0):

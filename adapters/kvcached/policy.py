@@ -18,10 +18,11 @@ batch, at most ``RAMP_MAX``), and its marks scale with it.  A burst of many GiB 
 few round trips, each granted before the engine runs short, and asks the broker (and so the
 pools it takes memory from) for about what the next ``RAMP_AHEAD_S`` will use, not a
 doubling's overshoot.  Once it pauses for the window, the batch is back to one, and what the
-ramp left free goes back.  A burst that starts on the pool's free pages is seen before its
-first growth: a round that finds more pages in use than the round before, at a rate one batch
-would not cover for ``RAMP_AHEAD_S``, starts the burst at that rate (otherwise its first
-growths would be one batch each, and the engine would run short of each in turn).
+ramp left free goes back.  A burst that starts on the pool's free pages is seen at its first
+miss: the round that finds the engine ran out, with more pages in use than the round before at
+a rate one batch would not cover for ``RAMP_AHEAD_S``, starts the burst at that rate
+(otherwise its first growths would be one batch each, and the engine would run short of each
+in turn).
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ class Watermarks:
 @dataclass
 class Ramp:
     """A pool's growth batch (pool pages): one batch, or, in a burst (growths within
-    ``RAMP_WINDOW_S`` of each other), what the burst uses in ``RAMP_AHEAD_S`` at its rate so
-    far (in-use pages gained per second since it began), between one and ``RAMP_MAX`` batches.
-    Times on the monotonic clock."""
+    ``RAMP_WINDOW_S`` of each other, the first of them on a miss that :meth:`observed` saw at a
+    rate), what the burst uses in ``RAMP_AHEAD_S`` at its rate so far (in-use pages gained per
+    second since it began), between one and ``RAMP_MAX`` batches.  Times on the monotonic
+    clock."""
 
     marks: Watermarks
     batch_pages: int = 0  # in a burst, the batch (0: one batch of the marks)
@@ -99,14 +101,20 @@ class Ramp:
                                    max(floor, m.batch_pages, math.ceil(rate * RAMP_AHEAD_S)))
         self.active_s = now_s
 
-    def observed(self, now_s: float, inuse_pages: int) -> None:
-        """A round saw ``inuse_pages`` in use.  A pool outside a burst that used more since the
-        round before (within ``RAMP_WINDOW_S``) than one batch covers in ``RAMP_AHEAD_S`` at
-        that rate is in a burst from that round on: its first growth is sized by the rate, so
-        the engine does not run short of one batch after another while the rate is measured."""
+    def observed(self, now_s: float, inuse_pages: int, *, short: bool = False) -> None:
+        """A round saw ``inuse_pages`` in use (``short``: the engine ran out of free pages since
+        the last round).  A pool that ran out, having used more since the round before (within
+        ``RAMP_WINDOW_S``) than one batch covers in ``RAMP_AHEAD_S`` at that rate, and whose
+        burst has no measured batch yet (none, or one begun at one batch by a growth ahead of
+        need), bursts at that rate from the round before: the growth the engine waits for is
+        sized by it, so the engine does not run short of one batch after another while growths
+        measure the rate.  A pool with pages free never starts a burst here: a request that fits
+        is not a rate, however soon after a round it comes."""
+        inuse_pages = max(0, inuse_pages)  # kvcached's count is transiently negative while it expands
         before_s, before_inuse = self.seen_s, self.seen_inuse
         self.seen_s, self.seen_inuse = now_s, inuse_pages
-        if now_s - self.active_s <= RAMP_WINDOW_S or now_s - before_s > RAMP_WINDOW_S:
+        measured = now_s - self.active_s <= RAMP_WINDOW_S and self.batch_pages > self.marks.batch_pages
+        if not short or measured or now_s - before_s > RAMP_WINDOW_S:
             return
         rate = max(0, inuse_pages - before_inuse) / max(RAMP_MIN_ELAPSED_S, now_s - before_s)
         batch = math.ceil(rate * RAMP_AHEAD_S)

@@ -159,30 +159,35 @@ def test_a_burst_seen_on_the_pools_free_pages_starts_at_its_rate_not_at_one_batc
     ramp.observed(0.5, inuse_pages=10)
     ramp.observed(1.0, inuse_pages=10)  # idle between rounds: no burst
     assert ramp.current(1.0) == MARKS
-    ramp.observed(1.03125, inuse_pages=10 + 64)  # 64 pages in 1/32 s: 2048 pages/s, on free pages
+    ramp.observed(1.03125, inuse_pages=10 + 64, short=True)  # 64 pages in 1/32 s, then a miss: 2048 pages/s
     batch = 205  # 2048 pages/s for RAMP_AHEAD_S, rounded up
     assert ramp.current(1.03125) == Watermarks(batch_pages=batch, low_pages=batch // 2, high_pages=2 * batch)
     assert decide(PoolPages(inuse=74, limit=75, granted=75, ceiling=10_000), ramp.current(1.03125),
                   short_pages=1) == Grow(batch, 1)  # the engine's first miss asks for the burst's batch
     ramp.grew(1.09375, inuse_pages=10 + 384)  # 384 pages in 3/32 s since the round before: 4096 pages/s
     assert ramp.current(1.09375).batch_pages == 410
-    ramp.observed(1.125, inuse_pages=10_000)  # within a burst only growths set the batch
+    ramp.observed(1.125, inuse_pages=10_000, short=True)  # within a burst only growths set the batch
     assert ramp.current(1.125).batch_pages == 410
 
 
-def test_slow_use_or_a_look_too_long_ago_starts_no_burst():
+def test_no_miss_slow_use_or_a_look_too_long_ago_starts_no_burst():
     ramp = Ramp(MARKS)
     ramp.observed(1.0, inuse_pages=10)
-    ramp.observed(1.125, inuse_pages=10 + MARKS.batch_pages)  # a batch lasts longer than RAMP_AHEAD_S
+    ramp.observed(1.001, inuse_pages=13)  # a request that fit, just after a round: not a rate
+    assert ramp.current(1.001) == MARKS
+    ramp.observed(1.125, inuse_pages=13 + MARKS.batch_pages, short=True)  # a batch lasts longer than RAMP_AHEAD_S
     assert ramp.current(1.125) == MARKS
-    ramp.observed(1.2 + RAMP_WINDOW_S, inuse_pages=10_000)  # the round before is too old to time a rate
+    ramp.observed(1.2 + RAMP_WINDOW_S, inuse_pages=10_000, short=True)  # the round before is too old to time a rate
     assert ramp.current(1.2 + RAMP_WINDOW_S) == MARKS
-    ramp.observed(1.21 + RAMP_WINDOW_S, inuse_pages=9_000)  # pages freed: no rate
+    ramp.observed(1.21 + RAMP_WINDOW_S, inuse_pages=9_000, short=True)  # pages freed: no rate
     assert ramp.current(1.21 + RAMP_WINDOW_S) == MARKS
-    ramp.observed(2.0, inuse_pages=9_000)
-    ramp.observed(2.001, inuse_pages=9_000 + 10**7)  # never past RAMP_MAX batches
-    assert ramp.current(2.001).batch_pages == MARKS.batch_pages * RAMP_MAX
-    assert ramp.current(2.002 + RAMP_WINDOW_S) == MARKS  # no growth followed: the burst ends
+    ramp.observed(2.0, inuse_pages=-6)  # kvcached's count while it expands: read as none in use
+    ramp.observed(2.0625, inuse_pages=4, short=True)  # 4 pages in 1/16 s (from -6: 10, a burst): none
+    assert ramp.current(2.0625) == MARKS
+    ramp.observed(3.0, inuse_pages=9_000)
+    ramp.observed(3.001, inuse_pages=9_000 + 10**7, short=True)  # never past RAMP_MAX batches
+    assert ramp.current(3.001).batch_pages == MARKS.batch_pages * RAMP_MAX
+    assert ramp.current(3.002 + RAMP_WINDOW_S) == MARKS  # no growth followed: the burst ends
 
 
 def test_pool_pages_convert_to_session_pages_only_when_they_divide():

@@ -266,20 +266,23 @@ def _idle_pool(used_pages: int) -> ModelPool:
     return pool
 
 
-@pytest.mark.parametrize("between_s", [0.03125, 0.25])
-def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_at_the_next_round(between_s):
-    """The engine takes every free page between two rounds.  Taken in 1/32 s, the rate a batch
-    would not cover: the round's growth is what that rate uses in ``RAMP_AHEAD_S`` (a burst),
-    not one batch, so the engine does not run short again while the governor finds the rate.
-    Taken in 0.25 s: a batch covers it, and one batch is asked."""
+@pytest.mark.parametrize("between_s, missed", [(0.03125, True), (0.25, True), (0.03125, False)])
+def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_when_the_engine_runs_out(between_s, missed):
+    """The engine takes every free page between two rounds, then misses.  Taken in 1/32 s, a
+    rate a batch would not cover: the growth it waits for is what that rate uses in
+    ``RAMP_AHEAD_S`` (a burst), not one batch, so it does not run short again while the
+    governor finds the rate.  Taken in 0.25 s, or with no miss (the pool grows ahead of need
+    as ever): one batch."""
     pool = _idle_pool(10)
     governor, allocator, broker = pool.governor, pool.allocator, pool.broker
     taken = allocator.total - allocator.inuse
     assert allocator.alloc(taken)
+    if missed:
+        governor.note_alloc(1, None, PAGE_SIZE)  # the next allocation found no free page
     granted = broker.pages
     governor.step(11.0 + between_s)
     rate_batch = math.ceil(taken / between_s * RAMP_AHEAD_S)
-    expected = rate_batch if rate_batch > pool.MARKS.batch_pages else pool.MARKS.batch_pages
+    expected = rate_batch if missed and rate_batch > pool.MARKS.batch_pages else pool.MARKS.batch_pages
     assert broker.pages - granted == expected
     assert allocator.total == allocator.inuse + expected  # the limit follows the grant
 
