@@ -152,9 +152,10 @@ def test_a_burst_that_runs_short_at_least_doubles_its_batch():
 
 
 def test_a_burst_seen_on_the_pools_free_pages_starts_at_its_rate_not_at_one_batch():
-    """A round that finds pages in use rising faster than one batch lasts (for RAMP_AHEAD_S)
-    starts the burst there, so the first growth already covers the rate; the growths after it
-    measure the burst from the round before.  (Times are binary fractions: exact rates.)"""
+    """A round that finds the engine ran out, with pages in use rising faster than one batch
+    lasts (for RAMP_AHEAD_S), starts the burst at that rate, so the growth the engine waits for
+    already covers it; the growths after it measure the burst from the round before.  (Times
+    are binary fractions: exact rates.)"""
     ramp = Ramp(MARKS)
     ramp.observed(0.5, inuse_pages=10)
     ramp.observed(1.0, inuse_pages=10)  # idle between rounds: no burst
@@ -168,6 +169,20 @@ def test_a_burst_seen_on_the_pools_free_pages_starts_at_its_rate_not_at_one_batc
     assert ramp.current(1.09375).batch_pages == 410
     ramp.observed(1.125, inuse_pages=10_000, short=True)  # within a burst only growths set the batch
     assert ramp.current(1.125).batch_pages == 410
+
+
+def test_a_burst_begun_at_one_batch_ahead_of_need_is_sized_at_its_first_miss():
+    """The usual start: the pool runs low and grows one batch ahead of need (a burst begins at
+    one batch), then the engine runs out: the round of that miss sizes the batch by the rate
+    since the round before, once; a measured batch is left to the growths."""
+    ramp = Ramp(MARKS)
+    ramp.observed(1.0, inuse_pages=10)
+    ramp.grew(1.0, inuse_pages=10)  # ahead of need: a burst at one batch
+    assert ramp.current(1.0) == MARKS
+    ramp.observed(1.015625, inuse_pages=42, short=True)  # 32 pages in 1/64 s: 2048 pages/s
+    assert ramp.current(1.015625).batch_pages == 205
+    ramp.observed(1.03125, inuse_pages=10_000, short=True)  # measured now: a miss no longer resizes it
+    assert ramp.current(1.03125).batch_pages == 205
 
 
 def test_no_miss_slow_use_or_a_look_too_long_ago_starts_no_burst():
