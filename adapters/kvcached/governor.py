@@ -427,7 +427,9 @@ class PoolGovernor:
         # What the engine mapped since the last round first: a page mapped but not reported is
         # charged twice (measured, and promised) until it is, and would take the room asked for.
         self._report_mapped()
-        got = self.grants.acquire(decision.pages, decision.min_pages, wait_s=GROW_WAIT_S if waiting else None)
+        got = self.grants.acquire(decision.pages,
+                                  self.pacing.min_pages(decision.pages, decision.min_pages, waiting=waiting),
+                                  wait_s=GROW_WAIT_S if waiting else None)
         if got is None:
             self._ungovern("broker unusable while growing")
             return

@@ -69,9 +69,8 @@ governor's thread takes them in one swap per round (:meth:`AskBook.take`,
 
 **Pacing** (:class:`GrowPacing`): a refused growth ahead of need waits ``GROW_RETRY_S[0]``
 before the next, doubling to ``GROW_RETRY_S[1]``; after a pressure ask the pool grows only on a
-real miss for ``PRESSURE_QUIET_S``.  An ask ahead of need takes what fits (at least a page):
-only an ask the engine waits for has the broker ask others for memory beyond its first page,
-so what a burst asks ahead of its need never takes another pool's cache.
+real miss for ``PRESSURE_QUIET_S``; after a refusal every other ask ahead of need is for the
+whole batch (the broker sizes its pressure from what a refused ask needed at least).
 """
 
 from __future__ import annotations
@@ -241,6 +240,7 @@ class GrowPacing:
 
     next_grow_s: float = 0.0
     wait_s: float = GROW_RETRY_S[0]
+    refusal_streak: int = 0
     quiet_until_s: float = 0.0
 
     def may_grow(self, now_s: float, *, short: bool) -> bool:
@@ -248,7 +248,13 @@ class GrowPacing:
         one ahead of need waits out a refusal's back-off and a pressure ask's quiet period."""
         return short or (now_s >= self.next_grow_s and now_s >= self.quiet_until_s)
 
+    def min_pages(self, pages: int, min_pages: int, *, waiting: bool) -> int:
+        """The least to take of an ask for ``pages``: after a refusal, every other ask ahead of
+        need is for all of it."""
+        return pages if self.refusal_streak % 2 == 1 and not waiting else min_pages
+
     def refused(self, now_s: float) -> None:
+        self.refusal_streak += 1
         self.backed_off(now_s)
 
     def backed_off(self, now_s: float) -> None:
@@ -257,6 +263,7 @@ class GrowPacing:
         self.wait_s = min(GROW_RETRY_S[1], 2 * self.wait_s)
 
     def granted(self) -> None:
+        self.refusal_streak = 0
         self.wait_s = GROW_RETRY_S[0]
         self.next_grow_s = 0.0
 

@@ -129,14 +129,15 @@ def test_the_ask_book_keeps_the_largest_miss_sums_asks_and_refuses_an_older_outs
     assert not book.take().any_pressure and book.outside_revision == 5
 
 
-def test_pacing_backs_off_after_refusals_of_asks_ahead_of_need_but_never_a_miss():
+def test_pacing_backs_off_after_refusals_and_asks_for_the_whole_batch_every_other_time():
     pacing = GrowPacing()
-    assert pacing.may_grow(0.0, short=False)
+    assert pacing.may_grow(0.0, short=False) and pacing.min_pages(8, 1, waiting=False) == 1
     pacing.refused(1.0)
     assert not pacing.may_grow(1.01, short=False) and pacing.may_grow(1.01, short=True)
-    assert pacing.may_grow(1.05, short=False)
+    assert pacing.may_grow(1.05, short=False) and pacing.min_pages(8, 1, waiting=False) == 8
+    assert pacing.min_pages(8, 1, waiting=True) == 1
     pacing.refused(2.0)
-    assert not pacing.may_grow(2.09, short=False) and pacing.may_grow(2.11, short=False)
+    assert not pacing.may_grow(2.09, short=False) and pacing.min_pages(8, 1, waiting=False) == 1
     pacing.granted()
     pacing.quiet(3.0)
     assert not pacing.may_grow(4.9, short=False) and pacing.may_grow(5.0, short=False)
