@@ -94,11 +94,9 @@ class Ramp:
             self.burst_start_s, self.burst_start_inuse = now_s, inuse_pages
             self.batch_pages = m.batch_pages
         else:
-            elapsed = max(RAMP_MIN_ELAPSED_S, now_s - self.burst_start_s)
-            rate = max(0, inuse_pages - self.burst_start_inuse) / elapsed
             floor = 2 * self.batch_pages if short else self.batch_pages
-            self.batch_pages = min(m.batch_pages * RAMP_MAX,
-                                   max(floor, m.batch_pages, math.ceil(rate * RAMP_AHEAD_S)))
+            at_rate = _ahead_pages(inuse_pages - self.burst_start_inuse, now_s - self.burst_start_s)
+            self.batch_pages = min(m.batch_pages * RAMP_MAX, max(floor, m.batch_pages, at_rate))
         self.active_s = now_s
 
     def observed(self, now_s: float, inuse_pages: int, *, short: bool = False) -> None:
@@ -116,8 +114,7 @@ class Ramp:
         measured = now_s - self.active_s <= RAMP_WINDOW_S and self.batch_pages > self.marks.batch_pages
         if not short or measured or now_s - before_s > RAMP_WINDOW_S:
             return
-        rate = max(0, inuse_pages - before_inuse) / max(RAMP_MIN_ELAPSED_S, now_s - before_s)
-        batch = math.ceil(rate * RAMP_AHEAD_S)
+        batch = _ahead_pages(inuse_pages - before_inuse, now_s - before_s)
         if batch <= self.marks.batch_pages:
             return
         self.burst_start_s, self.burst_start_inuse = before_s, before_inuse
@@ -129,6 +126,12 @@ class Ramp:
         for when memory comes back), however long the pool waits."""
         if now_s - self.active_s <= RAMP_WINDOW_S:
             self.active_s = now_s
+
+
+def _ahead_pages(gained_pages: int, elapsed_s: float) -> int:
+    """What ``RAMP_AHEAD_S`` uses at the rate of ``gained_pages`` in use over ``elapsed_s`` (timed
+    over at least ``RAMP_MIN_ELAPSED_S``; pages freed count as none gained), rounded up."""
+    return math.ceil(max(0, gained_pages) / max(RAMP_MIN_ELAPSED_S, elapsed_s) * RAMP_AHEAD_S)
 
 
 @dataclass(frozen=True)
