@@ -106,7 +106,8 @@ class PoolGovernor:
         self.ramp = Ramp(marks)
         self.state = PoolState(governed=grants is not None, why_ungoverned=why_ungoverned)
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
-                         "pressure_asks": 0, "misses": 0, "deferred": 0}
+                         "pressure_asks": 0, "misses": 0, "deferred": 0,
+                         "withdrawn": 0}
         self.asks = AskBook(self.counters)  # the only state other threads write
         self.pacing = GrowPacing()
         self.sequence = next(process_state.part(_Sequence).numbers)  # creation order in this process
@@ -414,7 +415,7 @@ class PoolGovernor:
             if pages.limit > pages.ceiling:
                 self._give_back(manager, pages.limit - pages.ceiling, evict=False)
             else:
-                self._lower_now(manager, decision.limit)
+                self._lower_now(manager, decision.limit, keep_deferred=False)
 
     def _grow(self, manager: Any, decision: Grow, now_s: float, *, waiting: bool = False) -> None:
         assert self.grants is not None
@@ -486,7 +487,7 @@ class PoolGovernor:
         :func:`.policy.plan_give_back`'s and :func:`.policy.after_eviction`'s; this performs them."""
         plan = plan_give_back(self.pages(), wanted, self.marks.floor_pages, evict=evict)
         if plan.lower_to is not None:
-            self._lower_now(manager, plan.lower_to)
+            self._lower_now(manager, plan.lower_to, keep_deferred=defer)
             if not self._live():
                 return
         if plan.done:
@@ -496,7 +497,7 @@ class PoolGovernor:
             self._evict(manager, plan.evict_pages)
         rest = after_eviction(plan, inuse=self.real.get_num_inuse_pages(), limit=self._limit_pages(), defer=defer)
         if rest.lower_to is not None:
-            self._lower_now(manager, rest.lower_to)
+            self._lower_now(manager, rest.lower_to, keep_deferred=defer)
             if not self._live():
                 return
         if rest.defer_to is not None:
@@ -508,9 +509,27 @@ class PoolGovernor:
             self._release_above_limit()
         self.state.answer()
 
-    def _lower_now(self, manager: Any, limit_pages: int) -> None:
-        """Lower the limit to ``limit_pages`` (>= in use: kvcached applies it) and release."""
+    def _lower_now(self, manager: Any, limit_pages: int, *, keep_deferred: bool = True) -> None:
+        """Lower the limit to ``limit_pages`` (>= in use when decided: kvcached applies it) and
+        release.  kvcached defers it when the engine took those free pages meanwhile (or its
+        prealloc thread had pages in flight); while it is deferred kvcached serves no free page,
+        so the engine runs short with pages granted.  A hard give-back keeps it pending (the
+        broker wants the pages; they go as blocks are freed).  Otherwise (``keep_deferred``
+        False: the policy's own shrink, a soft ask for idle pages only) it is withdrawn, the
+        limit set back to the size kvcached kept, and the next round decides again.  While a
+        hard give-back's limit is pending, such a lowering is not made at all: the pending limit
+        is lower (it is below what is in use), and kvcached keeps one target, which this one
+        would replace (applied or withdrawn, it would drop the pending one)."""
+        if not keep_deferred and self.pending_limit is not None:
+            return
         state = self._set_limit(manager, limit_pages)
+        if state.deferred and not keep_deferred:
+            self.counters["withdrawn"] += 1
+            log.info("event=kvcached_shrink_withdrawn pool=%s limit_pages=%d inuse_pages=%d",
+                     self.key, limit_pages, self.real.get_num_inuse_pages())
+            kept = self._limit_pages()
+            state = self._set_limit(manager, kept)
+            limit_pages = kept
         if state.deferred:
             self.state.defer(limit_pages)
             return

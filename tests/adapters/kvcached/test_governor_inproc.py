@@ -360,6 +360,61 @@ def test_an_alloc_racing_a_closed_pools_give_back_hangs_neither_the_engine_nor_t
             allocator._cond.notify_all()
 
 
+def test_a_shrink_the_engine_overtook_is_withdrawn_and_the_engine_gets_the_pages_it_was_granted(inproc_pools,
+                                                                                                monkeypatch):
+    """The governor lowers the limit over free pages it has no use for, and the engine's next
+    burst takes them between the governor's look and kvcached's resize.  kvcached defers the
+    lower limit below what is now in use, and while it is deferred it serves no free page: the
+    engine ran short with pages granted and mapped nowhere, and the governor, waiting for frees
+    that a short engine does not make, asked for nothing (the gpu-check's bursts stalled so).
+    The shrink is withdrawn instead: the limit stays, and the engine's allocations go on."""
+    pools = inproc_pools
+    manager = pools.make()
+    _settle()
+    governor = governor_of(manager)
+    allocator = governor.real
+    held = []
+    while allocator.get_num_inuse_pages() < 60:  # a burst: the governor grows ahead of it
+        got = manager.alloc(BLOCKS_PER_PAGE)
+        if got is None:
+            runner.settle(1)  # a scheduling miss: the next step retries
+            continue
+        held.append(got)
+    _settle()
+
+    pause = Pause("kvcached-broker-governor")
+    lowering: list[int] = []
+    paused_set_limit = pause.hook(governor._set_limit)
+
+    def set_limit(manager_, limit_pages):
+        lowering.append(limit_pages)
+        return paused_set_limit(manager_, limit_pages)
+
+    monkeypatch.setattr(governor, "_set_limit", set_limit)
+    for blocks in held[2:]:
+        manager.free(blocks)  # the burst ends: far more free than the pool keeps; the governor shrinks
+    held = held[:2]
+    assert pause.inside.wait(60), "the governor never lowered the limit"
+    target = lowering[0]
+    assert target < allocator.get_num_total_pages()
+    while allocator.get_num_inuse_pages() <= target:  # the next burst, before the resize
+        got = manager.alloc(BLOCKS_PER_PAGE)
+        assert got is not None
+        held.append(got)
+    pause.go.set()
+    _settle()
+
+    assert governor.pending_limit is None and manager.memory_limit_state()["status"] == "applied"
+    assert allocator.get_num_total_pages() > allocator.get_num_inuse_pages() + 1  # granted pages free, usable
+    granted = governor.grants.pages
+    for _ in range(4):  # the engine's burst goes on within its grant: no miss
+        got = manager.alloc(BLOCKS_PER_PAGE)
+        assert got is not None, "the engine ran short with pages granted"
+        held.append(got)
+    assert allocator.get_num_inuse_pages() + allocator.get_num_reserved_pages() <= governor.grants.pages >= granted
+    assert governor.counters["withdrawn"] == 1 and governor.status()["withdrawn"] == 1
+
+
 # ------------------------------------------------------------------ the engine's path
 def test_allocations_within_the_limit_make_no_broker_round_trip(inproc_pools, monkeypatch):
     """Grow ahead of need: the engine's alloc and free only read counters and wake the governors'

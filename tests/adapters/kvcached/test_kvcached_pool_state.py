@@ -250,6 +250,64 @@ def test_a_soft_ask_takes_only_idle_pages_and_a_hard_one_defers_the_rest(soft):
         eviction.register_eviction_hook(manager, None)
 
 
+@pytest.mark.parametrize("soft", [True, False])
+def test_a_lowering_the_engine_overtook_is_withdrawn_unless_a_hard_ask_wants_the_pages(soft):
+    """The broker asks for two of the pool's free pages, and the engine takes every free page
+    before kvcached resizes: kvcached defers the lower limit, below what is now in use, and
+    serves no free page while it waits.  A soft ask wanted idle pages only: the lowering is
+    withdrawn (the limit stays, nothing pending, nothing released).  A hard one keeps it
+    pending: the pages go back as blocks are freed."""
+    pool = _busy_pool()
+    governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
+    try:
+        limit, granted = allocator.total, broker.pages
+        assert limit - allocator.inuse > 2
+        real_resize = allocator.resize
+
+        def resize_after_the_engine(size):
+            if size // allocator.page_size < allocator.total:  # the lowering: the engine came first
+                assert allocator.alloc(allocator.total - allocator.inuse)
+            return real_resize(size)
+
+        allocator.resize = resize_after_the_engine
+        governor.ask_back(2, soft=soft)
+        governor.step(10.0)
+        assert allocator.inuse == limit  # the engine took every page
+        if soft:
+            assert governor.pending_limit is None and not manager.in_shrink
+            assert allocator.total == limit and broker.pages == granted
+            assert governor.counters["withdrawn"] == 1
+        else:
+            assert governor.pending_limit == limit - 2 and manager.in_shrink
+            assert governor.counters["withdrawn"] == 0
+    finally:
+        eviction.register_eviction_hook(manager, None)
+
+
+def test_a_soft_ask_while_a_hard_limit_is_pending_leaves_the_hard_one_as_it_is():
+    """kvcached keeps one pending target.  A soft ask's lowering over free pages, made while a
+    hard ask's lower limit waits for frees, would replace it: applied, it ends kvcached's
+    shrink, and the pages the broker wants are never given back; deferred and withdrawn, the
+    same.  So it is not made: the hard one stays pending (it is lower: below what is in use)."""
+    pool = _busy_pool()
+    governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
+    try:
+        governor.ask_back(broker.pages)  # hard: down to the null block's page, deferred
+        governor.step(10.0)
+        assert governor.pending_limit == 1 and manager.in_shrink
+        manager.free(4)  # some blocks are freed, not enough for the pending limit: pages free
+        assert allocator.total > allocator.inuse > 1 and manager.in_shrink
+        governor.ask_back(1, soft=True)
+        governor.step(10.1)
+        governor.step(10.2)
+        assert governor.pending_limit == 1 and manager.in_shrink and manager.target_pages == 1
+        manager.free(allocator.inuse - 1)  # the rest is freed: the hard ask's pages go back
+        governor.step(10.3)
+        assert governor.pending_limit is None and allocator.total == 1 and broker.pages == 1
+    finally:
+        eviction.register_eviction_hook(manager, None)
+
+
 # ---------------------------------------------------------------- a burst, seen
 def _idle_pool(used_pages: int) -> ModelPool:
     """A governed pool with ``used_pages`` in use, idle for a while: one batch or so free."""
