@@ -190,6 +190,8 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     asked_after = (instance(broker.status(), a.instance) or {}).get("pressure") or {}
     refused_at = burst["refused_at"]
     complete = burst["held_blocks"] >= want
+    # why a burst ended short, in the governor's own words (its limit, grant, deferred limit)
+    b_stuck = None if complete else stuck_pool(b.request("status")["pools"][0])
     b_spans = burst["after_refusal"] or {}
     a_spans = a.request("spans", start=refused_at, end=burst["done_at"]) if refused_at is not None else {}
     b_asked_after = bool((b_spans.get("acquire") or {}).get("calls"))
@@ -205,6 +207,7 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
         "burst_s": burst["elapsed_s"], "refused_at_s": burst["first_refusal_s"], "handover_s": handover,
         "a_unmapped_bytes": max(0, a_before["mapped_bytes"] - a_after["mapped_bytes"]),
         "pressure_asks": asked_after.get("asks", 0) - asked_before.get("asks", 0),
+        "b_stuck": b_stuck,
     }
     for who, spans in (("b", b_spans), ("a", a_spans)):
         for kind in ("acquire", "release", "alloc", "free"):
@@ -214,6 +217,16 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
     if handover is not None:
         out["b_waiting_s"] = max(0.0, handover - out["b_acquire_s"] - out["b_alloc_s"])
     return out
+
+
+def stuck_pool(pool: dict[str, Any]) -> str:
+    """A pool's state where a burst ended short: what the governor holds and waits on."""
+    def size(key: str) -> str:
+        value = pool.get(key)
+        return "none" if value is None else format_bytes(value)
+    return (f"limit {size('limit_bytes')}, granted {size('granted_bytes')}, mapped {size('mapped_bytes')} "
+            f"({pool.get('inuse_pages')} pages in use, {pool.get('reserve_pages')} in kvcached's reserve), "
+            f"deferred limit {size('pending_limit_bytes')}, blocked {pool.get('blocked')!r}")
 
 
 def took_a_room(t: dict[str, Any]) -> bool:
@@ -243,8 +256,10 @@ def summarise(ctx: PartContext, trials: list[dict[str, Any]]) -> None:
         unit = "_s" if key.endswith("_s") else ""
         rec.figures(**{f"{stem}_p50{unit}": percentile(values, 0.5), f"{stem}_max{unit}": max(values) if values else None})
     if trials:
-        rec.check("every burst got all it asked for", all(t["complete"] for t in trials),
-                  f"{sum(t['complete'] for t in trials)} of {len(trials)} complete")
+        short = [f"; trial {i}: B held {format_bytes(t['b_held_bytes'])} after {t['burst_s']:.2f} s, {t.get('b_stuck')}"
+                 for i, t in enumerate(trials, 1) if not t["complete"]]
+        rec.check("every burst got all it asked for", not short,
+                  f"{sum(t['complete'] for t in trials)} of {len(trials)} complete" + "".join(short))
         # the room was A's: B holds more than was free once A filled (B need not have waited
         # for it: the broker's watermarks and pressure may take A's cache back before B's ask)
         missed = [f"trial {i}: {missed_set_up(t)}" for i, t in enumerate(trials, 1) if not took_a_room(t)]
