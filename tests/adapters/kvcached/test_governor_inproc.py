@@ -100,6 +100,9 @@ def test_a_limit_agreed_while_kvcached_preallocates_applies_at_that_sync(inproc_
 
     pause = Pause(f"kvcached-prealloc-g{allocator.group_id}")
     allocator._map_pages = pause.hook(allocator._map_pages)
+    # a preallocation begun before the hook would refill the reserve after the trim, and the
+    # one triggered next would find nothing to map
+    wait_for(lambda: allocator._in_flight == 0, what="the preallocation under way to finish its maps")
     allocator.trim()  # its reserved pages go back to the free list...
     allocator._trigger_preallocation()  # ...and the preallocation takes some of them to map
     assert pause.inside.wait(60), "kvcached's preallocation never started mapping"
