@@ -30,9 +30,14 @@ Invariants:
 * a deferred limit (below what is in use) keeps asking for prefix-cache eviction of the pages
   above it at every sync until it applies or nothing is evictable (kvcached places a request's
   blocks over several pages, so evicting N pages' worth of tokens can free fewer pages);
-* when the agreed limit falls, every rank's governor gives back the grant it held above
-  kvcached's size (:meth:`~.governor.PoolGovernor.release_standing`): a grant taken to grow
-  while a peer could not is not kept once the group shrinks.
+* when the agreed limit falls below what a rank wanted (its peers lowered it), that rank's
+  governor gives back the grant it held above kvcached's size
+  (:meth:`~.governor.PoolGovernor.release_standing`): a grant taken to grow while a peer could
+  not is not kept once the group shrinks.  A rank whose own lowering the sync applied gives
+  back its grant itself, and is not quieted as after its peers' give-back (a shrink of its own
+  that its engine overtook is withdrawn, and it must grow again at once);
+* a rank that wants a limit at or above kvcached's size (a withdrawn shrink, lifting a deferred
+  limit) asks for no eviction of the pages above the deferred one.
 
 Units: pool pages (kvcached compound pages) unless a name says otherwise.  Runtime-neutral:
 the runtime passes its reduce and its eviction (:mod:`..sglang.kvcached_sync` for SGLang).
@@ -191,12 +196,13 @@ class Agreement:
             _guarded("evict", evict, evictions)
         for i, (governor, manager) in enumerate(pools):
             before = _size(governor)
-            previous = self._states[manager].agreed_pages
+            previous, wanted = self._states[manager].agreed_pages, self._states[manager].wanted_pages
             _guarded("apply", self._apply, governor, manager, record.agreed_pages[i])
             after = _size(governor)
             record.limit_pages.append(after)
             if previous is not None and record.agreed_pages[i] < previous:
-                governor.release_standing()
+                if wanted is None or record.agreed_pages[i] < wanted:  # its peers lowered it, not itself
+                    governor.release_standing()
                 lowered = True
             lowered = lowered or after < before
         with self._lock:
@@ -218,9 +224,12 @@ class Agreement:
                 state = self._states.setdefault(manager, SyncState())
                 proposal = _proposal(governor, state)
                 if _governed(governor):
+                    size = governor.real.get_num_total_pages()
                     if not isinstance(governor.grants, AgreedGrants):  # its releases do not wait: nothing above its size
-                        proposal = min(proposal, governor.real.get_num_total_pages())
+                        proposal = min(proposal, size)
                     state.offered = proposal
+                    if proposal >= size:  # it lifts a deferred limit (a withdrawn shrink): nothing to evict for it
+                        overage = 0
                 offer += [proposal, -max(state.evict_pages, overage)]
                 state.evict_pages = 0
         return offer, served

@@ -511,29 +511,32 @@ class PoolGovernor:
 
     def _lower_now(self, manager: Any, limit_pages: int, *, keep_deferred: bool = True) -> None:
         """Lower the limit to ``limit_pages`` (>= in use when decided: kvcached applies it) and
-        release.  kvcached defers it when the engine took those free pages meanwhile (or its
-        prealloc thread had pages in flight); while it is deferred kvcached serves no free page,
-        so the engine runs short with pages granted.  A hard give-back keeps it pending (the
-        broker wants the pages; they go as blocks are freed).  Otherwise (``keep_deferred``
-        False: the policy's own shrink, a soft ask for idle pages only) it is withdrawn, the
-        limit set back to the size kvcached kept, and the next round decides again.  While a
-        hard give-back's limit is pending, such a lowering is not made at all: the pending limit
-        is lower (it is below what is in use), and kvcached keeps one target, which this one
-        would replace (applied or withdrawn, it would drop the pending one)."""
-        if not keep_deferred and self.pending_limit is not None:
-            return
+        release what is above kvcached's size.
+
+        kvcached keeps one pending limit.  While a lower one is pending (a hard give-back waiting
+        for frees), this lowering replaces it, applied or deferred: the pending one is applied
+        again after it (deferred again), so free pages go back now and the rest as blocks are
+        freed.  Otherwise kvcached defers this lowering when the engine took those free pages
+        meanwhile (or its prealloc thread had pages in flight), and while it is deferred it
+        serves no free page: the engine runs short with pages granted.  A hard give-back keeps
+        it pending (the broker wants the pages; they go as blocks are freed).  The policy's own
+        shrink and a soft ask for idle pages (``keep_deferred`` False) withdraw it: the limit is
+        set back to the size kvcached kept, and the next round decides again."""
+        pending, size_before = self.pending_limit, self._limit_pages()
         state = self._set_limit(manager, limit_pages)
-        if state.deferred and not keep_deferred:
+        if pending is not None and pending < limit_pages:
+            state = self._set_limit(manager, pending)
+            limit_pages = pending
+        elif state.deferred and not keep_deferred:
             self.counters["withdrawn"] += 1
             log.info("event=kvcached_shrink_withdrawn pool=%s limit_pages=%d inuse_pages=%d",
                      self.key, limit_pages, self.real.get_num_inuse_pages())
-            kept = self._limit_pages()
-            state = self._set_limit(manager, kept)
-            limit_pages = kept
+            limit_pages = self._limit_pages()
+            state = self._set_limit(manager, limit_pages)
         if state.deferred:
             self.state.defer(limit_pages)
-            return
-        self._release_above_limit()
+        if not state.deferred or self._limit_pages() < size_before:
+            self._release_above_limit()
 
     def _defer(self, manager: Any, limit_pages: int) -> None:
         inuse = self.real.get_num_inuse_pages()

@@ -181,8 +181,10 @@ class ModelManager:
 
     def memory_limit_state(self) -> dict:
         self.page_allocator.finish_mapping()
+        limit = self._memory_limit_bytes
+        effective = None if limit is None else min(limit // self.page_bytes, self.virtual_pages) * self.page_bytes
         return {"status": "deferred" if self.in_shrink else "applied", "revision": self._memory_limit_revision,
-                "limit_bytes": self._memory_limit_bytes}
+                "limit_bytes": limit, "effective_limit_bytes": effective}
 
     def free(self, pages: int) -> None:
         """The engine frees ``pages``; a deferred limit finishes once the use is down to it."""

@@ -5,6 +5,7 @@ tests (tests/adapters/sglang/test_kvcached_sglang_*)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -113,6 +114,71 @@ class QueuedEviction:
     def evict(self, pages: int) -> int:
         self.agreement.request_eviction(self.manager, pages)
         return 0
+
+
+def _round_with_sync_points(pool, agreement_: agreement.Agreement, now_s: float, evicted: list[int],
+                            before_sync: Callable[[], None] | None = None) -> int:
+    """One governor round on its own thread, as SGLang runs it, while this thread is the
+    scheduler: a sync point whenever the governor waits for one (``before_sync`` first: what the
+    engine does before that sync); the sync points run."""
+    round_ = threading.Thread(target=pool.governor.step, args=(now_s,))
+    round_.start()
+    syncs = 0
+    while round_.is_alive():
+        if agreement_.pending_wants() > 0:
+            if before_sync is not None:
+                before_sync()
+                before_sync = None
+            agreement_.sync(None, lambda asks: evicted.extend(pages for _, pages in asks),
+                            [(pool.governor, pool.manager)])
+            syncs += 1
+        round_.join(0.001)
+    return syncs
+
+
+def test_a_shrink_the_engine_overtook_before_its_sync_is_withdrawn_asking_no_eviction_nor_quiet():
+    """SGLang's pools change their limits only at sync points.  The governor's own shrink waits
+    for the next one, and the engine's next burst takes the free pages before it: the sync
+    applies the lower limit deferred, below what is in use (kvcached then serves no free page).
+    The governor withdraws it at the following sync, which asks for no eviction (the shrink wanted
+    free pages only: nothing cached is the broker's), and the pool, not quieted as after its
+    peers' give-back, grows as soon as the engine runs low."""
+    agreement_ = agreement.Agreement()
+    pool = ModelPool(64, virtual_pages=TP_VIRTUAL_PAGES, page_size=TP_PAGE_SIZE,
+                     limits=agreement.AgreedLimits(agreement_, wait_s=60.0))
+    governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
+    governor.start()
+    governor.attach(manager)
+    eviction.register_eviction_hook(manager, QueuedEviction(agreement_, manager))
+    evicted: list[int] = []
+    try:
+        agreement_.sync(None, None, [(governor, manager)])
+        now_s = 0.0
+        while allocator.inuse < 24:  # a burst: the pool grows ahead of it
+            allocator.alloc(min(3, allocator.total - allocator.mapped))
+            now_s += 1.0
+            _round_with_sync_points(pool, agreement_, now_s, evicted)
+        manager.free(allocator.inuse - 2)  # the burst ends: far more free than the pool keeps
+        pool.cache.cached = 2  # a finished request's blocks, cached: nothing the shrink needs
+        assert allocator.total - allocator.inuse > pool.MARKS.high_pages
+
+        def the_next_burst() -> None:
+            allocator.alloc(allocator.total - allocator.mapped)
+
+        now_s += 1.0
+        syncs = _round_with_sync_points(pool, agreement_, now_s, evicted, the_next_burst)
+        assert syncs == 2  # the shrink, applied deferred; its withdrawal
+        assert governor.counters["withdrawn"] == 1
+        assert governor.pending_limit is None and not manager.in_shrink
+        assert evicted == []
+        assert governor.pacing.quiet_until_s <= now_s
+
+        granted = broker.pages
+        allocator.alloc(allocator.total - allocator.mapped)  # the engine runs low: the pool grows
+        _round_with_sync_points(pool, agreement_, now_s + 0.1, evicted)
+        assert broker.pages > granted and allocator.total > allocator.inuse
+    finally:
+        eviction.register_eviction_hook(manager, None)
 
 
 class AgreeingRanks(RuleBasedStateMachine):

@@ -284,11 +284,12 @@ def test_a_lowering_the_engine_overtook_is_withdrawn_unless_a_hard_ask_wants_the
         eviction.register_eviction_hook(manager, None)
 
 
-def test_a_soft_ask_while_a_hard_limit_is_pending_leaves_the_hard_one_as_it_is():
-    """kvcached keeps one pending target.  A soft ask's lowering over free pages, made while a
-    hard ask's lower limit waits for frees, would replace it: applied, it ends kvcached's
-    shrink, and the pages the broker wants are never given back; deferred and withdrawn, the
-    same.  So it is not made: the hard one stays pending (it is lower: below what is in use)."""
+@pytest.mark.parametrize("soft", [True, False])
+def test_an_ask_while_a_hard_limit_is_pending_takes_the_free_pages_and_keeps_the_hard_one(soft):
+    """kvcached keeps one pending target.  An ask's lowering over free pages, made while a hard
+    ask's lower limit waits for frees, replaces it: applied, it ends kvcached's shrink, and the
+    pages the first ask wanted would never go back.  So the free pages go back at once, and the
+    pending limit is applied again, deferred until the rest is freed."""
     pool = _busy_pool()
     governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
     try:
@@ -296,12 +297,14 @@ def test_a_soft_ask_while_a_hard_limit_is_pending_leaves_the_hard_one_as_it_is()
         governor.step(10.0)
         assert governor.pending_limit == 1 and manager.in_shrink
         manager.free(4)  # some blocks are freed, not enough for the pending limit: pages free
-        assert allocator.total > allocator.inuse > 1 and manager.in_shrink
-        governor.ask_back(1, soft=True)
+        size = allocator.total
+        assert size > allocator.inuse > 1 and manager.in_shrink
+        governor.ask_back(1, soft=soft)
         governor.step(10.1)
         governor.step(10.2)
+        assert allocator.total == size - 1 and broker.pages == allocator.total  # a free page went back
         assert governor.pending_limit == 1 and manager.in_shrink and manager.target_pages == 1
-        manager.free(allocator.inuse - 1)  # the rest is freed: the hard ask's pages go back
+        manager.free(allocator.inuse - 1)  # the rest is freed: the first ask's pages go back
         governor.step(10.3)
         assert governor.pending_limit is None and allocator.total == 1 and broker.pages == 1
     finally:
