@@ -30,12 +30,12 @@ Invariants:
 * a deferred limit (below what is in use) keeps asking for prefix-cache eviction of the pages
   above it at every sync until it applies or nothing is evictable (kvcached places a request's
   blocks over several pages, so evicting N pages' worth of tokens can free fewer pages);
-* when the agreed limit falls below what a rank wanted (its peers lowered it), that rank's
-  governor gives back the grant it held above kvcached's size
-  (:meth:`~.governor.PoolGovernor.release_standing`): a grant taken to grow while a peer could
-  not is not kept once the group shrinks.  A rank whose own lowering the sync applied gives
-  back its grant itself, and is not quieted as after its peers' give-back (a shrink of its own
-  that its engine overtook is withdrawn, and it must grow again at once);
+* when the agreed limit falls, every rank's governor gives back the grant it held above
+  kvcached's size (:meth:`~.governor.PoolGovernor.release_standing`): a grant taken to grow
+  while a peer could not is not kept once the group shrinks.  Only a rank whose limit fell
+  below what it offered (its peers lowered it) is then quieted, growing only on a real miss
+  for a while; a rank whose own lowering the sync applied is not (a shrink of its own that its
+  engine overtook is withdrawn, and it must grow again at once);
 * a rank that wants a limit at or above kvcached's size (a withdrawn shrink, lifting a deferred
   limit) asks for no eviction of the pages above the deferred one.
 
@@ -196,13 +196,14 @@ class Agreement:
             _guarded("evict", evict, evictions)
         for i, (governor, manager) in enumerate(pools):
             before = _size(governor)
-            previous, wanted = self._states[manager].agreed_pages, self._states[manager].wanted_pages
+            state = self._states[manager]
+            previous = state.agreed_pages
+            own = state.offered if state.offered is not None else state.wanted_pages  # what this rank offered
             _guarded("apply", self._apply, governor, manager, record.agreed_pages[i])
             after = _size(governor)
             record.limit_pages.append(after)
             if previous is not None and record.agreed_pages[i] < previous:
-                if wanted is None or record.agreed_pages[i] < wanted:  # its peers lowered it, not itself
-                    governor.release_standing()
+                governor.release_standing(quiet=own is None or record.agreed_pages[i] < own)
                 lowered = True
             lowered = lowered or after < before
         with self._lock:

@@ -261,10 +261,11 @@ class PoolGovernor:
         ``soft``: only idle ones (free pages, the prefix cache's unused blocks)."""
         self.asks.ask_back(pages, soft=soft)
 
-    def release_standing(self) -> None:
-        """A limit channel lowered the limit below what this pool wanted (its TP peers gave
-        back): the grant above kvcached's size goes back at the next round (any thread)."""
-        self.asks.release_standing()
+    def release_standing(self, *, quiet: bool = True) -> None:
+        """A limit channel lowered the limit: the grant above kvcached's size goes back at the
+        next round (any thread); ``quiet``: below what this pool wanted (its TP peers gave back),
+        so it grows only on a real miss for a while, as after pressure."""
+        self.asks.release_standing(quiet=quiet)
 
     def _free_pages(self) -> int:
         return self.real.get_num_total_pages() - self.real.get_num_inuse_pages()
@@ -539,6 +540,8 @@ class PoolGovernor:
             self._release_above_limit()
 
     def _defer(self, manager: Any, limit_pages: int) -> None:
+        if self.pending_limit is not None:  # kvcached keeps one pending limit: never a higher one
+            limit_pages = min(limit_pages, self.pending_limit)
         inuse = self.real.get_num_inuse_pages()
         state = self._set_limit(manager, limit_pages)
         if state.deferred:
@@ -611,10 +614,10 @@ class PoolGovernor:
         its TP peers agreed on, or a deferred limit finishing), or a limit channel said its peers
         lowered the limit: the grant above kvcached's size goes back, and, as after pressure, the
         pool grows only on a real miss for a while (its peers gave back; it would hold alone)."""
-        due = self.asks.take_standing()
-        if due:
+        standing = self.asks.take_standing()
+        if standing.quiet:
             self.pacing.quiet(now_s)
-        if due or self.state.limit_fell(self._limit_pages()):
+        if standing.due or self.state.limit_fell(self._limit_pages()):
             self._release_above_limit()
 
     def _floor_reason(self, wanted: int) -> str:

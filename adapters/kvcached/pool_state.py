@@ -49,9 +49,10 @@ says what it found, the state says what the shell does next):
   segment, an outside ``set_memory_limit``; None: none): the pool's ceiling is at most it
   (:meth:`PoolState.ceiling`); a pool that stops being governed drops it;
 * K3. kvcached's size fell since the last round ended (:meth:`PoolState.round_ended`,
-  :meth:`PoolState.limit_fell`) without this governor lowering it, or a limit channel said the
-  pool's TP peers lowered it (:meth:`AskBook.release_standing`): the grant above the size goes
-  back (L2) in the next round;
+  :meth:`PoolState.limit_fell`) without this governor lowering it, or a limit channel said it
+  lowered it (:meth:`AskBook.release_standing`: the pool's TP peers did, or a sync applied the
+  pool's own lowering after its governor stopped waiting): the grant above the size goes back
+  (L2) in the next round;
 * K4. ``blocked`` says why the last give-back fell short (empty: it did not), and only this
   state writes it: :meth:`PoolState.defer` (the pending limit's reason), :meth:`PoolState.settle`
   and :meth:`PoolState.answer` (a give-back done, short at the floor, or refused by kvcached,
@@ -155,6 +156,14 @@ class Asks:
         return self.pressure_pages > 0 or self.soft_pages > 0
 
 
+@dataclass(frozen=True)
+class Standing:
+    """What a limit channel said of a lowered limit since the governor's last round."""
+
+    due: bool = False  # the grant above kvcached's size goes back
+    quiet: bool = False  # its TP peers lowered it: the pool grows only on a real miss for a while
+
+
 class AskBook:
     """The only part of a pool's state other threads write: pressure asks (the broker's callback
     thread), missed allocations (the engine's), an outside ``set_memory_limit`` (an operator's).
@@ -172,7 +181,8 @@ class AskBook:
         self._short_pages = 0
         self._outside_cap_pages: int | None = None
         self._outside_revision = -1  # the newest revision of an outside set_memory_limit
-        self._standing_due = False  # a limit channel lowered the limit below what the pool wanted
+        self._standing_due = False  # a limit channel lowered the limit: the grant above it goes back
+        self._standing_quiet = False  # below what the pool wanted: it grows only on a real miss a while
 
     def ask_back(self, pages: int, *, soft: bool = False) -> None:
         """The broker wants ``pages`` pool pages back; ``soft``: only idle ones."""
@@ -200,17 +210,20 @@ class AskBook:
             self._outside_cap_pages = cap_pages
             return True
 
-    def release_standing(self) -> None:
-        """A limit channel lowered the limit below what the pool wanted (its TP peers gave back):
-        K3, the grant above kvcached's size goes back in the next round."""
+    def release_standing(self, *, quiet: bool = True) -> None:
+        """A limit channel lowered the limit (K3): the grant above kvcached's size goes back in
+        the next round; ``quiet``: below what the pool wanted (its TP peers gave back), so it then
+        grows only on a real miss for a while (False: the pool's own lowering, applied late)."""
         with self._lock:
             self._standing_due = True
+            self._standing_quiet = self._standing_quiet or quiet
 
-    def take_standing(self) -> bool:
-        """Whether :meth:`release_standing` was said since the last call."""
+    def take_standing(self) -> Standing:
+        """What :meth:`release_standing` said since the last call."""
         with self._lock:
-            due, self._standing_due = self._standing_due, False
-        return due
+            standing = Standing(self._standing_due, self._standing_quiet)
+            self._standing_due = self._standing_quiet = False
+        return standing
 
     @property
     def outside_revision(self) -> int:

@@ -171,7 +171,6 @@ def test_a_shrink_the_engine_overtook_before_its_sync_is_withdrawn_asking_no_evi
         assert governor.counters["withdrawn"] == 1
         assert governor.pending_limit is None and not manager.in_shrink
         assert evicted == []
-        assert governor.pacing.quiet_until_s <= now_s
 
         granted = broker.pages
         allocator.alloc(allocator.total - allocator.mapped)  # the engine runs low: the pool grows
@@ -179,6 +178,46 @@ def test_a_shrink_the_engine_overtook_before_its_sync_is_withdrawn_asking_no_evi
         assert broker.pages > granted and allocator.total > allocator.inuse
     finally:
         eviction.register_eviction_hook(manager, None)
+
+
+def test_an_own_shrink_a_sync_applies_after_the_governor_stopped_waiting_still_gives_its_grant_back():
+    """A rank's own shrink waits for the next sync point at most ``wait_s`` (here none): the
+    governor goes on, releasing nothing, since kvcached's size has not fallen.  The sync then
+    applies it before the round ends, so the round ends with the lower size and sees no fall
+    (K3).  The grant above the new size goes back at the next round all the same, and the pool,
+    whose own lowering it was, is not quieted."""
+    agreement_ = agreement.Agreement()
+    pool = ModelPool(64, virtual_pages=TP_VIRTUAL_PAGES, page_size=TP_PAGE_SIZE,
+                     limits=agreement.AgreedLimits(agreement_, wait_s=0.0))
+    governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
+    governor.start()
+    governor.attach(manager)
+    pools = [(governor, manager)]
+    agreement_.sync(None, None, pools)
+    now_s = 0.0
+    while allocator.inuse < 24:  # a burst: each growth applies at the next sync point
+        allocator.alloc(min(3, allocator.total - allocator.mapped))
+        now_s += 1.0
+        governor.step(now_s)
+        agreement_.sync(None, None, pools)
+    manager.free(allocator.inuse - 2)  # the burst ends: far more free than the pool keeps
+    size = allocator.total
+    assert size - allocator.inuse > pool.MARKS.high_pages and broker.pages == size
+
+    real_end_round = governor._end_round
+
+    def sync_then_end_round(manager_):
+        agreement_.sync(None, None, pools)  # the scheduler's sync point, in the middle of the round
+        real_end_round(manager_)
+
+    governor._end_round = sync_then_end_round
+    now_s += 1.0
+    governor.step(now_s)
+    del governor._end_round
+    assert allocator.total < size and broker.pages == size  # shrunk, the grant above it still held
+    governor.step(now_s + 0.1)
+    assert broker.pages == allocator.total  # given back
+    assert governor.pacing.quiet_until_s <= now_s + 0.1
 
 
 class AgreeingRanks(RuleBasedStateMachine):

@@ -41,6 +41,7 @@ from kvcached_broker.adapters.kvcached.pool_state import (
     Phase,
     PoolState,
     PoolStateError,
+    Standing,
     Told,
     limit_after_grant,
     surplus_pages,
@@ -188,10 +189,14 @@ def test_only_the_state_says_why_a_give_back_fell_short_and_an_answer_keeps_a_pe
 
 def test_a_standing_release_is_taken_once_from_any_thread():
     book = AskBook({"pressure_asks": 0, "misses": 0})
-    assert not book.take_standing()
-    book.release_standing()
-    book.release_standing()
-    assert book.take_standing() and not book.take_standing()
+    assert not book.take_standing().due
+    book.release_standing(quiet=False)
+    book.release_standing(quiet=False)
+    taken = book.take_standing()
+    assert taken.due and not taken.quiet and not book.take_standing().due
+    book.release_standing(quiet=False)
+    book.release_standing()  # one of them quiet: the round is quieted
+    assert book.take_standing() == Standing(due=True, quiet=True) and book.take_standing() == Standing()
 
 
 def test_what_the_broker_was_told_is_told_again_only_when_it_changed():
@@ -307,6 +312,28 @@ def test_an_ask_while_a_hard_limit_is_pending_takes_the_free_pages_and_keeps_the
         manager.free(allocator.inuse - 1)  # the rest is freed: the first ask's pages go back
         governor.step(10.3)
         assert governor.pending_limit is None and allocator.total == 1 and broker.pages == 1
+    finally:
+        eviction.register_eviction_hook(manager, None)
+
+
+def test_a_hard_ask_beyond_the_free_pages_while_a_limit_is_pending_never_raises_the_pending_limit():
+    """A second hard ask, for more than the pool has free, made while the first one's lower
+    limit waits for frees: its free pages go back at once and the rest is deferred, at the lower
+    of the two limits (kvcached keeps one: a higher one would give back less than the first ask
+    wanted)."""
+    pool = _busy_pool()
+    governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
+    try:
+        governor.ask_back(broker.pages)  # hard: down to the null block's page, deferred
+        governor.step(10.0)
+        assert governor.pending_limit == 1
+        manager.free(4)
+        free = allocator.total - allocator.inuse
+        assert free > 0
+        governor.ask_back(free + 3)
+        governor.step(10.1)
+        assert allocator.total == allocator.inuse and broker.pages == allocator.total  # the free pages went
+        assert governor.pending_limit == 1 and manager.in_shrink and manager.target_pages == 1
     finally:
         eviction.register_eviction_hook(manager, None)
 
