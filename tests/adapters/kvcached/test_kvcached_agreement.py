@@ -116,6 +116,17 @@ class QueuedEviction:
         return 0
 
 
+def _agreed_pool(wait_s: float) -> tuple[agreement.Agreement, ModelPool]:
+    """One rank's pool of the models whose limits change at sync points (``wait_s``: how long
+    its governor waits for one), started."""
+    agreement_ = agreement.Agreement()
+    pool = ModelPool(64, virtual_pages=TP_VIRTUAL_PAGES, page_size=TP_PAGE_SIZE,
+                     limits=agreement.AgreedLimits(agreement_, wait_s=wait_s))
+    pool.governor.start()
+    pool.governor.attach(pool.manager)
+    return agreement_, pool
+
+
 def _round_with_sync_points(pool, agreement_: agreement.Agreement, now_s: float, evicted: list[int],
                             before_sync: Callable[[], None] | None = None) -> int:
     """One governor round on its own thread, as SGLang runs it, while this thread is the
@@ -143,12 +154,8 @@ def test_a_shrink_the_engine_overtook_before_its_sync_is_withdrawn_asking_no_evi
     The governor withdraws it at the following sync, which asks for no eviction (the shrink wanted
     free pages only: nothing cached is the broker's), and the pool, not quieted as after its
     peers' give-back, grows as soon as the engine runs low."""
-    agreement_ = agreement.Agreement()
-    pool = ModelPool(64, virtual_pages=TP_VIRTUAL_PAGES, page_size=TP_PAGE_SIZE,
-                     limits=agreement.AgreedLimits(agreement_, wait_s=60.0))
+    agreement_, pool = _agreed_pool(wait_s=60.0)
     governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
-    governor.start()
-    governor.attach(manager)
     eviction.register_eviction_hook(manager, QueuedEviction(agreement_, manager))
     evicted: list[int] = []
     try:
@@ -186,12 +193,8 @@ def test_an_own_shrink_a_sync_applies_after_the_governor_stopped_waiting_still_g
     applies it before the round ends, so the round ends with the lower size and sees no fall
     (K3).  The grant above the new size goes back at the next round all the same, and the pool,
     whose own lowering it was, is not quieted."""
-    agreement_ = agreement.Agreement()
-    pool = ModelPool(64, virtual_pages=TP_VIRTUAL_PAGES, page_size=TP_PAGE_SIZE,
-                     limits=agreement.AgreedLimits(agreement_, wait_s=0.0))
+    agreement_, pool = _agreed_pool(wait_s=0.0)
     governor, allocator, manager, broker = pool.governor, pool.allocator, pool.manager, pool.broker
-    governor.start()
-    governor.attach(manager)
     pools = [(governor, manager)]
     agreement_.sync(None, None, pools)
     now_s = 0.0
