@@ -611,9 +611,10 @@ class PoolGovernor:
 
     def _adopt_lowered_limit(self, now_s: float) -> None:
         """kvcached's size fell since the last round without this governor lowering it (a limit
-        its TP peers agreed on, or a deferred limit finishing), or a limit channel said its peers
-        lowered the limit: the grant above kvcached's size goes back, and, as after pressure, the
-        pool grows only on a real miss for a while (its peers gave back; it would hold alone)."""
+        its TP peers agreed on, or a deferred limit finishing), or a limit channel said it lowered
+        the limit: the grant above kvcached's size goes back; and where its peers lowered it below
+        what this pool wanted, as after pressure, the pool grows only on a real miss for a while
+        (its peers gave back; it would hold alone)."""
         standing = self.asks.take_standing()
         if standing.quiet:
             self.pacing.quiet(now_s)
