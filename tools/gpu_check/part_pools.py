@@ -222,8 +222,7 @@ def trial(ctx: PartContext, broker, a, b, block_bytes: int) -> dict[str, Any]:
 def stuck_pool(pool: dict[str, Any]) -> str:
     """A pool's state where a burst ended short: what the governor holds and waits on."""
     def size(key: str) -> str:
-        value = pool.get(key)
-        return "none" if value is None else format_bytes(value)
+        return format_bytes(pool.get(key))  # (None: 'none')
     return (f"limit {size('limit_bytes')}, granted {size('granted_bytes')}, mapped {size('mapped_bytes')} "
             f"({pool.get('inuse_pages')} pages in use, {pool.get('reserve_pages')} in kvcached's reserve), "
             f"deferred limit {size('pending_limit_bytes')}, blocked {pool.get('blocked')!r}")
