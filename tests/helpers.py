@@ -16,11 +16,13 @@ GIB = 1 << 30
 MIB = 1 << 20
 
 
-def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.01, what: str = "condition"):
+def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.01, what: str = "condition",
+             explain=None):
     """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``.
 
     The timeout only bounds a failure (generous, so a loaded machine does not fail the suite);
-    the test goes on as soon as the condition holds."""
+    the test goes on as soon as the condition holds.  ``explain()``, if given, is called on a
+    timeout and its value shown with the failure (the state the condition was read from)."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
@@ -28,7 +30,8 @@ def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.01, what:
         if last:
             return last
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last value: {last!r})")
+    shown = f"; state: {explain()!r}" if explain is not None else ""
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last value: {last!r}){shown}")
 
 
 def python_env() -> dict[str, str]:

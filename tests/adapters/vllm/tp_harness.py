@@ -35,6 +35,8 @@ GIB = 1 << 30
 #: one pool page of the test model (2 MiB per layer, and per K and V buffer on kvcached's V1 layout)
 POOL_PAGE_BYTES = kv_model.pool_page_bytes()
 BLOCKS_PER_PAGE = kv_model.blocks_per_page()
+#: the pools' growth batch (``KVCACHED_BROKER_KV_BATCH``): 8 pool pages
+KV_BATCH_BYTES = 64 << 20
 
 
 class Broker:
@@ -136,7 +138,7 @@ class Processes:
         env.update({
             "ENABLE_KVCACHED": "1", "KVCACHED_AUTOPATCH": "1", "KVCACHED_IPC_NAME": self.ipc_name,
             "KVCACHED_BROKER_INSTANCE": "vllm-tp", "KVCACHED_LOG_LEVEL": "WARNING", "VLLM_LOGGING_LEVEL": "ERROR",
-            "KVCACHED_MAX_CACHED_TOKENS": "-1", "KVCACHED_BROKER_KV_BATCH": "64MiB", "VLLM_TARGET_DEVICE": "cpu",
+            "KVCACHED_MAX_CACHED_TOKENS": "-1", "KVCACHED_BROKER_KV_BATCH": f"{KV_BATCH_BYTES >> 20}MiB", "VLLM_TARGET_DEVICE": "cpu",
         })
         if endpoint is None:
             env["KVCACHED_BROKER"] = "off"
