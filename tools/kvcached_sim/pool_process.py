@@ -12,8 +12,10 @@ environment the pool runs as kvcached alone.  The model has ``--layers`` layers 
 128 fp16 values and 16-token blocks, so a pool page is 2 MiB x layers x K and V (16 MiB at 4
 layers, 128 MiB at 32).  Requests are JSON lines; each gets one JSON line back:
 
-* ``{"op": "fill", "blocks": N}``: allocate until N blocks are held, as an engine does (a
-  refused allocation is a scheduling miss; it retries after the governors' thread ran); with
+* ``{"op": "fill", "blocks": N}``: allocate until N blocks are held, as an engine does: it
+  allocates only what ``available_size()`` says fits (SGLang's admission, vLLM's free-block
+  check), and an allocation that does not fit, or that kvcached refuses all the same, is a
+  scheduling miss, tried again at the next scheduler step; with
   ``"reuse_cache": true`` a miss first frees the pool's own prefix cache, as a runtime's does;
   ``"stall_s": S`` gives up once nothing was allocated for S seconds.  The reply times the
   fill (``elapsed_s``, and ``first_miss_s``/``first_refusal_s``: the first allocation that
@@ -66,9 +68,9 @@ from msgspec import UNSET
 
 HEADS, HEAD_DIM = 8, 128
 BLOCK_TOKENS = 16
-#: After a miss the engine tries again at its next scheduling step, at most this often (a
-#: runtime's scheduler steps every few to tens of milliseconds; a hot retry loop would take
-#: the CPU from the governors and the broker on a small machine).
+#: After a miss the engine tries again at its next scheduling step, this much later (a
+#: runtime's scheduler steps every few to tens of milliseconds, whatever the governors do; a hot
+#: retry loop would take the CPU from the governors and the broker on a small machine).
 RETRY_S = 0.01
 #: A give waits at most this long for kvcached to apply the lowered limit (a reserve page the
 #: prealloc thread was mapping lands within its map call, a few milliseconds on the simulated
@@ -223,9 +225,13 @@ class Engine:
                 "after_refusal": self.spans.totals(refused[0], done) if refused else None}
 
     def alloc(self, blocks: int, reuse_cache: bool = False) -> bool:
-        """One allocation of ``blocks``; on a miss, with ``reuse_cache``, the own cache makes room first."""
-        got = self.spans.call("alloc", self.manager.alloc, blocks)
-        if got is None and reuse_cache and self._free_cached(blocks):
+        """One allocation of ``blocks``, made only if ``available_size()`` says they fit, as a
+        runtime admits work (with ``reuse_cache``, the own prefix cache makes room first when they
+        do not); a miss otherwise, or when kvcached refuses it all the same."""
+        if reuse_cache and self.manager.available_size() < blocks:
+            self._free_cached(blocks)
+        got = None
+        if self.manager.available_size() >= blocks:
             got = self.spans.call("alloc", self.manager.alloc, blocks)
         if got is None:
             self.misses += 1
@@ -371,10 +377,9 @@ class Engine:
                 self._next_step()
 
     def _next_step(self) -> None:
-        """A scheduling miss: try again once the governor has run, and a scheduler step later."""
-        started = time.monotonic()
-        self.runner.settle(1)
-        time.sleep(max(0.0, RETRY_S - (time.monotonic() - started)))
+        """A scheduling miss: try again at the next scheduler step (the governors run on their
+        own; nothing here waits for them or wakes them)."""
+        time.sleep(RETRY_S)
 
     # ------------------------------------------------------------ bookkeeping
     def time_refusals(self) -> None:
