@@ -106,7 +106,7 @@ class PoolGovernor:
         self.ramp = Ramp(marks)
         self.state = PoolState(governed=grants is not None, why_ungoverned=why_ungoverned)
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
-                         "pressure_asks": 0, "misses": 0, "deferred": 0,
+                         "pressure_asks": 0, "misses": 0, "empty_reads": 0, "deferred": 0,
                          "withdrawn": 0}
         self.asks = AskBook(self.counters)  # the only state other threads write
         self.pacing = GrowPacing()
@@ -196,6 +196,17 @@ class PoolGovernor:
             self.asks.missed(math.ceil(need_blocks / blocks_per_page))
             return True
         return self._free_pages() < self.ramp.current(now_s()).low_pages
+
+    def note_available(self, available_blocks: int, block_mem_size: int) -> bool:
+        """After ``available_size()``, which engines read before they allocate (SGLang's
+        admission, vLLM's ``get_num_free_blocks()``), so that they rarely miss: less than a page
+        of blocks is the engine finding the pool empty, short of a page as a missed allocation
+        is (it may wait at the broker, and a burst is seen at it).  True if the governor's
+        thread should run."""
+        if not self.governed:
+            return False
+        blocks_per_page = max(1, self.geometry.page_size // max(1, block_mem_size))
+        return available_blocks < blocks_per_page and self.asks.found_empty()
 
     def note_free(self) -> bool:
         """After ``free``: True if the governor's thread should run (too much free, deferred, or

@@ -200,6 +200,17 @@ class AskBook:
             self._short_pages = max(self._short_pages, short_pages)
             self._counters["misses"] += 1
 
+    def found_empty(self) -> bool:
+        """The engine looked for room and found less than a page free (``available_size()``):
+        short of a page, as an allocation that missed would be; True the first time since the
+        governor's last :meth:`take` (the governor's thread is worth waking then only)."""
+        with self._lock:
+            first = self._short_pages == 0
+            self._short_pages = max(self._short_pages, 1)
+            if first:
+                self._counters["empty_reads"] += 1
+        return first
+
     def outside_limit(self, cap_pages: int, revision: int) -> bool:
         """An outside ``set_memory_limit`` of ``cap_pages`` with ``revision``; False (nothing
         recorded) for a revision older than the last outside one."""

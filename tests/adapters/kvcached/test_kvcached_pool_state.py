@@ -354,25 +354,59 @@ def _idle_pool(used_pages: int) -> ModelPool:
     return pool
 
 
-@pytest.mark.parametrize("between_s, missed", [(0.03125, True), (0.25, True), (0.03125, False)])
-def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_when_the_engine_runs_out(between_s, missed):
-    """The engine takes every free page between two rounds, then misses.  Taken in 1/32 s, a
-    rate a batch would not cover: the growth it waits for is what that rate uses in
-    ``RAMP_AHEAD_S`` (a burst), not one batch, so it does not run short again while the
-    governor finds the rate.  Taken in 0.25 s, or with no miss (the pool grows ahead of need
-    as ever): one batch."""
+@pytest.mark.parametrize("between_s, ran_out", [(0.03125, "missed"), (0.25, "missed"), (0.03125, "found_empty"),
+                                               (0.03125, "")])
+def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_when_the_engine_runs_out(between_s, ran_out):
+    """The engine takes every free page between two rounds, then runs out: its next allocation
+    misses, or (as SGLang and vLLM do, reading ``available_size()`` first) it finds less than a
+    page free.  Taken in 1/32 s, a rate a batch would not cover: the growth it waits for is what
+    that rate uses in ``RAMP_AHEAD_S`` (a burst), not one batch, so it does not run short again
+    while the governor finds the rate.  Taken in 0.25 s, or with the engine not running out (the
+    pool grows ahead of need as ever): one batch."""
     pool = _idle_pool(10)
     governor, allocator, broker = pool.governor, pool.allocator, pool.broker
     taken = allocator.total - allocator.inuse
     assert allocator.alloc(taken)
-    if missed:
+    if ran_out == "missed":
         governor.note_alloc(1, None, PAGE_SIZE)  # the next allocation found no free page
+    elif ran_out == "found_empty":
+        assert governor.note_available(0, PAGE_SIZE)  # the engine looked: no page free (wake the governor)
+        assert not governor.note_available(0, PAGE_SIZE)  # once a round is enough
     granted = broker.pages
     governor.step(11.0 + between_s)
     rate_batch = math.ceil(taken / between_s * RAMP_AHEAD_S)
-    expected = rate_batch if missed and rate_batch > pool.MARKS.batch_pages else pool.MARKS.batch_pages
+    expected = rate_batch if ran_out and rate_batch > pool.MARKS.batch_pages else pool.MARKS.batch_pages
     assert broker.pages - granted == expected
     assert allocator.total == allocator.inuse + expected  # the limit follows the grant
+
+
+def test_an_engine_that_finds_its_pool_empty_is_short_even_while_pressure_keeps_growth_quiet():
+    """After a pressure ask the pool grows ahead of need only after a quiet period.  An engine
+    that reads ``available_size()`` before it allocates never misses; reading less than a page
+    there is it running short, and its growth goes at once and waits at the broker, as a missed
+    allocation's does.  A read that finds a page free says nothing."""
+    pool = _idle_pool(10)
+    governor, allocator, broker = pool.governor, pool.allocator, pool.broker
+    asks: list[float | None] = []
+    acquire = broker.acquire
+
+    def recorded(pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None:
+        asks.append(wait_s)
+        return acquire(pages, min_pages, wait_s=wait_s)
+
+    broker.acquire = recorded
+    governor.ask_back(1)  # the broker wants a page: the free one goes, and a quiet period starts
+    governor.step(12.0)
+    assert allocator.alloc(allocator.total - allocator.inuse)  # the engine takes every free page
+    assert not governor.note_available(1, PAGE_SIZE)  # a page's blocks still free: nothing to say
+    governor.step(12.1)
+    assert asks == []  # below the low mark, but ahead of need: quiet
+    assert governor.note_available(0, PAGE_SIZE)
+    before = broker.pages
+    governor.step(12.2)
+    assert asks and asks[0] is not None  # it waits at the broker
+    assert broker.pages > before and allocator.total > allocator.inuse
+    assert governor.status()["empty_reads"] == 1 and governor.status()["misses"] == 0
 
 
 # ---------------------------------------------------------------- the governor, property-tested
