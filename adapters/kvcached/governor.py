@@ -76,7 +76,7 @@ from .kvcached_api import LimitState
 from .limits import DirectLimits, LimitChannel, set_own_limit
 from .policy import (Grow, PoolPages, Ramp, Shrink, Watermarks, after_eviction, decide, initial_pages,
                      plan_give_back)
-from .pool_state import AskBook, GrowPacing, PoolState, limit_after_grant, surplus_pages
+from .pool_state import AskBook, Asks, GrowPacing, PoolState, limit_after_grant, surplus_pages
 
 log = announce.logger("kvcached_broker.adapters")
 #: A growth the engine is waiting for (it missed) waits at the broker this long for memory to
@@ -200,10 +200,9 @@ class PoolGovernor:
     def note_available(self, available_blocks: int, block_mem_size: int) -> bool:
         """After ``available_size()``, which engines read before they allocate (SGLang's
         admission, vLLM's ``get_num_free_blocks()``), so that they rarely miss: less than a page
-        of blocks is the engine finding the pool empty, short of a page as a missed allocation
-        is (it may wait at the broker, and a burst is seen at it).  True if the governor's
-        thread should run."""
-        if not self.governed:
+        of blocks, with room to grow, is the engine finding the pool empty (see
+        :meth:`_follow_policy`).  True if the governor's thread should run."""
+        if not self.governed or self._limit_pages() >= self.state.ceiling(self.geometry.virtual_pages):
             return False
         blocks_per_page = max(1, self.geometry.page_size // max(1, block_mem_size))
         return available_blocks < blocks_per_page and self.asks.found_empty()
@@ -320,9 +319,9 @@ class PoolGovernor:
             self._adopt_lowered_limit(now_s)
         if not self._live():
             return
-        short = self._answer_asks(manager, now_s)
+        asks = self._answer_asks(manager, now_s)
         if self.pending_limit is None and self._live():
-            self._follow_policy(manager, short, now_s)
+            self._follow_policy(manager, asks.short_pages, now_s, found_empty=asks.found_empty)
         if self._live():
             self._end_round(manager)
 
@@ -338,9 +337,9 @@ class PoolGovernor:
         if self.pending_limit is not None:
             self._finish_deferred(manager)
 
-    def _answer_asks(self, manager: Any, now_s: float) -> int:
+    def _answer_asks(self, manager: Any, now_s: float) -> Asks:
         """Give back what the broker asked since the last round (a grant held above the limit
-        first); the pages the engine's largest missed allocation still needs."""
+        first); what was asked, and what the engine found short."""
         polled = self.grants.poll() if self.grants is not None else 0
         asks = self.asks.take(polled)  # pressure that came through the grants: a broadcast pool's board
         asked, soft = asks.pressure_pages, asks.soft_pages
@@ -353,7 +352,7 @@ class PoolGovernor:
             self._give_back(manager, asked, evict=True)
         elif soft > 0 and self._live():
             self._give_back(manager, soft, evict=True, defer=False)
-        return asks.short_pages
+        return asks
 
     def _end_round(self, manager: Any) -> None:
         """Show the limit (segment, status), tell the broker what is mapped and idle, and note
@@ -413,16 +412,22 @@ class PoolGovernor:
         except Exception:  # noqa: BLE001 - a figure for the broker's choice, never a failure
             return 0
 
-    def _follow_policy(self, manager: Any, short_pages: int, now_s: float) -> None:
+    def _follow_policy(self, manager: Any, short_pages: int, now_s: float, *, found_empty: bool = False) -> None:
+        """Grow, give back or hold, as the policy decides.  An engine that found its pool empty
+        (it reads ``available_size()`` before it allocates) is short of a page: its growth is
+        sized and seen as a burst as a miss's is, and waits at the broker, but it keeps the
+        pacing of a growth ahead of need (a refusal's back-off, a pressure ask's quiet period,
+        which leaves what the pool gave back to whoever asked for it)."""
         pages = self.pages()
-        self.ramp.observed(now_s, pages.inuse, short=short_pages > 0)
-        decision = decide(pages, self.ramp.current(now_s), short_pages=short_pages)
+        short = short_pages if short_pages > 0 else int(found_empty)
+        self.ramp.observed(now_s, pages.inuse, short=short > 0)
+        decision = decide(pages, self.ramp.current(now_s), short_pages=short)
         if isinstance(decision, Grow):
             if not self.pacing.may_grow(now_s, short=short_pages > 0):
                 return
             # An ask the engine is waiting for waits at the broker (it paces itself there), so a
-            # back-off after refused asks ahead of need does not delay it.
-            self._grow(manager, decision, now_s, waiting=short_pages > 0)
+            # back-off after refused asks ahead of need does not delay a missed allocation's.
+            self._grow(manager, decision, now_s, waiting=short > 0)
         elif isinstance(decision, Shrink):
             if pages.limit > pages.ceiling:
                 self._give_back(manager, pages.limit - pages.ceiling, evict=False)

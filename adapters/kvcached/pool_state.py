@@ -150,6 +150,7 @@ class Asks:
     pressure_pages: int = 0  # the broker wants these back (idle first, then below what is in use)
     soft_pages: int = 0  # the broker wants these back if idle (free pages, the prefix cache's unused blocks)
     short_pages: int = 0  # what the engine's largest missed allocation still needed
+    found_empty: bool = False  # the engine read less than a page free (``available_size()``)
 
     @property
     def any_pressure(self) -> bool:
@@ -179,6 +180,7 @@ class AskBook:
         self._pressure_pages = 0
         self._soft_pages = 0
         self._short_pages = 0
+        self._found_empty = False
         self._outside_cap_pages: int | None = None
         self._outside_revision = -1  # the newest revision of an outside set_memory_limit
         self._standing_due = False  # a limit channel lowered the limit: the grant above it goes back
@@ -201,12 +203,12 @@ class AskBook:
             self._counters["misses"] += 1
 
     def found_empty(self) -> bool:
-        """The engine looked for room and found less than a page free (``available_size()``):
-        short of a page, as an allocation that missed would be; True the first time since the
-        governor's last :meth:`take` (the governor's thread is worth waking then only)."""
+        """The engine looked for room and found less than a page free (``available_size()``);
+        True the first time since the governor's last :meth:`take` (the governor's thread is
+        worth waking then only)."""
         with self._lock:
-            first = self._short_pages == 0
-            self._short_pages = max(self._short_pages, 1)
+            first = not self._found_empty
+            self._found_empty = True
             if first:
                 self._counters["empty_reads"] += 1
         return first
@@ -251,8 +253,9 @@ class AskBook:
         that came through the grants (a broadcast pool's board: counted as one ask); those
         figures are 0 after."""
         with self._lock:
-            asks = Asks(self._pressure_pages + polled_pages, self._soft_pages, self._short_pages)
+            asks = Asks(self._pressure_pages + polled_pages, self._soft_pages, self._short_pages, self._found_empty)
             self._pressure_pages = self._soft_pages = self._short_pages = 0
+            self._found_empty = False
             if polled_pages:
                 self._counters["pressure_asks"] += 1
         return asks

@@ -35,6 +35,7 @@ from kvcached_broker.adapters.kvcached import eviction
 from kvcached_broker.adapters.kvcached.policy import RAMP_AHEAD_S
 from kvcached_broker.adapters.kvcached.pool_state import (
     _NEXT,
+    PRESSURE_QUIET_S,
     AskBook,
     Event,
     GrowPacing,
@@ -380,11 +381,12 @@ def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_when_the_engine_ru
     assert allocator.total == allocator.inuse + expected  # the limit follows the grant
 
 
-def test_an_engine_that_finds_its_pool_empty_is_short_even_while_pressure_keeps_growth_quiet():
-    """After a pressure ask the pool grows ahead of need only after a quiet period.  An engine
-    that reads ``available_size()`` before it allocates never misses; reading less than a page
-    there is it running short, and its growth goes at once and waits at the broker, as a missed
-    allocation's does.  A read that finds a page free says nothing."""
+def test_an_engine_that_finds_its_pool_empty_asks_and_waits_at_the_broker_once_pressure_is_quiet():
+    """An engine that reads ``available_size()`` before it allocates never misses; reading less
+    than a page there is it running short: its growth waits at the broker, as a missed
+    allocation's does.  After a pressure ask it keeps the quiet period a growth ahead of need
+    keeps (what the pool gave back goes to whoever asked for it), where a miss would not.  A
+    read that finds a page free says nothing."""
     pool = _idle_pool(10)
     governor, allocator, broker = pool.governor, pool.allocator, pool.broker
     asks: list[float | None] = []
@@ -399,14 +401,16 @@ def test_an_engine_that_finds_its_pool_empty_is_short_even_while_pressure_keeps_
     governor.step(12.0)
     assert allocator.alloc(allocator.total - allocator.inuse)  # the engine takes every free page
     assert not governor.note_available(1, PAGE_SIZE)  # a page's blocks still free: nothing to say
+    assert governor.note_available(0, PAGE_SIZE)  # none: wake the governor
+    assert not governor.note_available(0, PAGE_SIZE)  # once a round is enough
     governor.step(12.1)
-    assert asks == []  # below the low mark, but ahead of need: quiet
+    assert asks == []  # quiet
     assert governor.note_available(0, PAGE_SIZE)
     before = broker.pages
-    governor.step(12.2)
+    governor.step(12.0 + PRESSURE_QUIET_S)
     assert asks and asks[0] is not None  # it waits at the broker
     assert broker.pages > before and allocator.total > allocator.inuse
-    assert governor.status()["empty_reads"] == 1 and governor.status()["misses"] == 0
+    assert governor.status()["empty_reads"] == 2 and governor.status()["misses"] == 0
 
 
 # ---------------------------------------------------------------- the governor, property-tested
