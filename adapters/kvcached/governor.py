@@ -205,7 +205,10 @@ class PoolGovernor:
         if not self.governed or self._limit_pages() >= self.state.ceiling(self.geometry.virtual_pages):
             return False
         blocks_per_page = max(1, self.geometry.page_size // max(1, block_mem_size))
-        return available_blocks < blocks_per_page and self.asks.found_empty()
+        if available_blocks >= blocks_per_page or not self.asks.found_empty():
+            return False
+        # in a quiet period the governor's next tick is soon enough: no round per scheduler step
+        return self.pacing.may_grow(now_s(), short=False, empty=True)
 
     def note_free(self) -> bool:
         """After ``free``: True if the governor's thread should run (too much free, deferred, or
@@ -415,15 +418,15 @@ class PoolGovernor:
     def _follow_policy(self, manager: Any, short_pages: int, now_s: float, *, found_empty: bool = False) -> None:
         """Grow, give back or hold, as the policy decides.  An engine that found its pool empty
         (it reads ``available_size()`` before it allocates) is short of a page: its growth is
-        sized and seen as a burst as a miss's is, and waits at the broker, but it keeps the
-        pacing of a growth ahead of need (a refusal's back-off, a pressure ask's quiet period,
-        which leaves what the pool gave back to whoever asked for it)."""
+        sized and seen as a burst as a miss's is, and waits at the broker (which paces it), but
+        after a pressure ask's quiet period, which leaves what the pool gave back to whoever
+        asked for it."""
         pages = self.pages()
         short = short_pages if short_pages > 0 else int(found_empty)
         self.ramp.observed(now_s, pages.inuse, short=short > 0)
         decision = decide(pages, self.ramp.current(now_s), short_pages=short)
         if isinstance(decision, Grow):
-            if not self.pacing.may_grow(now_s, short=short_pages > 0):
+            if not self.pacing.may_grow(now_s, short=short_pages > 0, empty=found_empty):
                 return
             # An ask the engine is waiting for waits at the broker (it paces itself there), so a
             # back-off after refused asks ahead of need does not delay a missed allocation's.

@@ -270,10 +270,14 @@ class GrowPacing:
     refusal_streak: int = 0
     quiet_until_s: float = 0.0
 
-    def may_grow(self, now_s: float, *, short: bool) -> bool:
-        """A growth the engine is short of always may (it waits at the broker, which paces it);
-        one ahead of need waits out a refusal's back-off and a pressure ask's quiet period."""
-        return short or (now_s >= self.next_grow_s and now_s >= self.quiet_until_s)
+    def may_grow(self, now_s: float, *, short: bool, empty: bool = False) -> bool:
+        """A growth for an allocation that missed always may (it waits at the broker, which
+        paces it); one for an engine that found the pool ``empty`` waits there too, but after a
+        pressure ask's quiet period (what the pool gave back goes to whoever asked for it); one
+        ahead of need waits out a refusal's back-off and the quiet period."""
+        if short:
+            return True
+        return now_s >= self.quiet_until_s and (empty or now_s >= self.next_grow_s)
 
     def min_pages(self, pages: int, min_pages: int, *, waiting: bool) -> int:
         """The least to take of an ask for ``pages``: after a refusal, every other ask ahead of

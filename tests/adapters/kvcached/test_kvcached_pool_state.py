@@ -384,9 +384,9 @@ def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_when_the_engine_ru
 def test_an_engine_that_finds_its_pool_empty_asks_and_waits_at_the_broker_once_pressure_is_quiet():
     """An engine that reads ``available_size()`` before it allocates never misses; reading less
     than a page there is it running short: its growth waits at the broker, as a missed
-    allocation's does.  After a pressure ask it keeps the quiet period a growth ahead of need
-    keeps (what the pool gave back goes to whoever asked for it), where a miss would not.  A
-    read that finds a page free says nothing."""
+    allocation's does, and a refusal's back-off does not delay it.  After a pressure ask it keeps
+    the quiet period a growth ahead of need keeps (what the pool gave back goes to whoever asked
+    for it), where a miss would not.  A read that finds a page free says nothing."""
     pool = _idle_pool(10)
     governor, allocator, broker = pool.governor, pool.allocator, pool.broker
     asks: list[float | None] = []
@@ -411,6 +411,15 @@ def test_an_engine_that_finds_its_pool_empty_asks_and_waits_at_the_broker_once_p
     assert asks and asks[0] is not None  # it waits at the broker
     assert broker.pages > before and allocator.total > allocator.inuse
     assert governor.status()["empty_reads"] == 2 and governor.status()["misses"] == 0
+    # refused: an ask ahead of need would back off; the engine that finds its pool empty asks again
+    broker.mode = "refuse"
+    assert allocator.alloc(allocator.total - allocator.inuse)
+    governor.note_available(0, PAGE_SIZE)
+    governor.step(12.3 + PRESSURE_QUIET_S)
+    asked = len(asks)
+    assert governor.note_available(0, PAGE_SIZE)  # a refusal's back-off does not hold its wake either
+    governor.step(12.31 + PRESSURE_QUIET_S)
+    assert len(asks) == asked + 1 and asks[-1] is not None
 
 
 # ---------------------------------------------------------------- the governor, property-tested

@@ -20,6 +20,8 @@ from kvcached_broker.client import BrokerClient
 pytestmark = pytest.mark.runtime("kvcached", "sglang")
 
 TOKENS_PER_PAGE = 1024
+#: What the neighbour holds, in its 2 MiB pages (80 MiB): more than model-a's pool leaves of the budget.
+NEIGHBOUR_ROOM_PAGES = 40
 
 
 def fill(rank, pages: int) -> dict:
@@ -56,11 +58,16 @@ def test_pressure_between_admission_and_allocation(gpu_broker, ranks, direct):
         assert lowered["agreed_pages"][0] < limit
         taken = wait_for(lambda: neighbour.acquire(200, min_pages=1), what="the neighbour got model-a's pages")
 
-        # The neighbour keeps its room: model-a's growth is refused from now on.  Requests go on
-        # arriving; each is admitted or not, and none raises inside SGLang.
+        # The neighbour keeps its room, and takes what model-a frees until it holds more than
+        # model-a's whole pool leaves of the budget (972.8 MiB at the default 5 % headroom, less
+        # model-a's 896 MiB pool and its 16 MiB zero page: 60.8 MiB), so model-a's growth is
+        # refused from then on.  Requests go on arriving; each is admitted or not, and none
+        # raises inside SGLang.
         asked = admitted = 0
         for _ in range(400):
             asked += 1
+            if taken < NEIGHBOUR_ROOM_PAGES:
+                taken += neighbour.acquire(NEIGHBOUR_ROOM_PAGES - taken, min_pages=1)
             rank.request("free", requests=2)
             admitted += rank.request("allocate", requests=4, tokens=TOKENS_PER_PAGE)["allocated"]
             rank.request("step", n=20)
