@@ -76,7 +76,7 @@ from .kvcached_api import LimitState
 from .limits import DirectLimits, LimitChannel, set_own_limit
 from .policy import (Grow, PoolPages, Ramp, Shrink, Watermarks, after_eviction, decide, initial_pages,
                      plan_give_back)
-from .pool_state import AskBook, Asks, GrowPacing, PoolState, limit_after_grant, surplus_pages
+from .pool_state import AskBook, GrowPacing, PoolState, limit_after_grant, surplus_pages
 
 log = announce.logger("kvcached_broker.adapters")
 #: A growth the engine is waiting for (it missed) waits at the broker this long for memory to
@@ -106,7 +106,7 @@ class PoolGovernor:
         self.ramp = Ramp(marks)
         self.state = PoolState(governed=grants is not None, why_ungoverned=why_ungoverned)
         self.counters = {"grows": 0, "refusals": 0, "pages_granted": 0, "pages_released": 0,
-                         "pressure_asks": 0, "misses": 0, "empty_reads": 0, "deferred": 0,
+                         "pressure_asks": 0, "misses": 0, "deferred": 0,
                          "withdrawn": 0}
         self.asks = AskBook(self.counters)  # the only state other threads write
         self.pacing = GrowPacing()
@@ -196,19 +196,6 @@ class PoolGovernor:
             self.asks.missed(math.ceil(need_blocks / blocks_per_page))
             return True
         return self._free_pages() < self.ramp.current(now_s()).low_pages
-
-    def note_available(self, available_blocks: int, block_mem_size: int) -> bool:
-        """After ``available_size()``, which engines read before they allocate (SGLang's
-        admission, vLLM's ``get_num_free_blocks()``), so that they rarely miss: less than a page
-        of blocks, with room to grow, is the engine finding the pool empty (see
-        :meth:`_follow_policy`).  True if the governor's thread should run."""
-        if not self.governed or self._limit_pages() >= self.state.ceiling(self.geometry.virtual_pages):
-            return False
-        blocks_per_page = max(1, self.geometry.page_size // max(1, block_mem_size))
-        if available_blocks >= blocks_per_page or not self.asks.found_empty():
-            return False
-        # in a quiet period the governor's next tick is soon enough: no round per scheduler step
-        return self.pacing.may_grow(now_s(), short=False, empty=True)
 
     def note_free(self) -> bool:
         """After ``free``: True if the governor's thread should run (too much free, deferred, or
@@ -322,9 +309,9 @@ class PoolGovernor:
             self._adopt_lowered_limit(now_s)
         if not self._live():
             return
-        asks = self._answer_asks(manager, now_s)
+        short = self._answer_asks(manager, now_s)
         if self.pending_limit is None and self._live():
-            self._follow_policy(manager, asks.short_pages, now_s, found_empty=asks.found_empty)
+            self._follow_policy(manager, short, now_s)
         if self._live():
             self._end_round(manager)
 
@@ -340,9 +327,9 @@ class PoolGovernor:
         if self.pending_limit is not None:
             self._finish_deferred(manager)
 
-    def _answer_asks(self, manager: Any, now_s: float) -> Asks:
+    def _answer_asks(self, manager: Any, now_s: float) -> int:
         """Give back what the broker asked since the last round (a grant held above the limit
-        first); what was asked, and what the engine found short."""
+        first); the pages the engine's largest missed allocation still needs."""
         polled = self.grants.poll() if self.grants is not None else 0
         asks = self.asks.take(polled)  # pressure that came through the grants: a broadcast pool's board
         asked, soft = asks.pressure_pages, asks.soft_pages
@@ -355,7 +342,7 @@ class PoolGovernor:
             self._give_back(manager, asked, evict=True)
         elif soft > 0 and self._live():
             self._give_back(manager, soft, evict=True, defer=False)
-        return asks
+        return asks.short_pages
 
     def _end_round(self, manager: Any) -> None:
         """Show the limit (segment, status), tell the broker what is mapped and idle, and note
@@ -415,22 +402,16 @@ class PoolGovernor:
         except Exception:  # noqa: BLE001 - a figure for the broker's choice, never a failure
             return 0
 
-    def _follow_policy(self, manager: Any, short_pages: int, now_s: float, *, found_empty: bool = False) -> None:
-        """Grow, give back or hold, as the policy decides.  An engine that found its pool empty
-        (it reads ``available_size()`` before it allocates) is short of a page: its growth is
-        sized and seen as a burst as a miss's is, and waits at the broker (which paces it), but
-        after a pressure ask's quiet period, which leaves what the pool gave back to whoever
-        asked for it."""
+    def _follow_policy(self, manager: Any, short_pages: int, now_s: float) -> None:
         pages = self.pages()
-        short = short_pages if short_pages > 0 else int(found_empty)
-        self.ramp.observed(now_s, pages.inuse, short=short > 0)
-        decision = decide(pages, self.ramp.current(now_s), short_pages=short)
+        self.ramp.observed(now_s, pages.inuse, short=short_pages > 0)
+        decision = decide(pages, self.ramp.current(now_s), short_pages=short_pages)
         if isinstance(decision, Grow):
-            if not self.pacing.may_grow(now_s, short=short_pages > 0, empty=found_empty):
+            if not self.pacing.may_grow(now_s, short=short_pages > 0):
                 return
             # An ask the engine is waiting for waits at the broker (it paces itself there), so a
-            # back-off after refused asks ahead of need does not delay a missed allocation's.
-            self._grow(manager, decision, now_s, waiting=short > 0)
+            # back-off after refused asks ahead of need does not delay it.
+            self._grow(manager, decision, now_s, waiting=short_pages > 0)
         elif isinstance(decision, Shrink):
             if pages.limit > pages.ceiling:
                 self._give_back(manager, pages.limit - pages.ceiling, evict=False)

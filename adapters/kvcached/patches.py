@@ -199,10 +199,7 @@ def _wrap_engine_calls(manager: Any, governor: PoolGovernor) -> None:
         if governor.charge_short():
             runner.wake()
             return 0
-        available = available_size()
-        if governor.note_available(available, manager.block_mem_size):
-            runner.wake()
-        return available
+        return available_size()
 
     def governed_alloc(need_size: int):
         if not at_sync_points and governor.charge_unsettled():  # a short re-assertion not yet asked back

@@ -150,7 +150,6 @@ class Asks:
     pressure_pages: int = 0  # the broker wants these back (idle first, then below what is in use)
     soft_pages: int = 0  # the broker wants these back if idle (free pages, the prefix cache's unused blocks)
     short_pages: int = 0  # what the engine's largest missed allocation still needed
-    found_empty: bool = False  # the engine read less than a page free (``available_size()``)
 
     @property
     def any_pressure(self) -> bool:
@@ -180,7 +179,6 @@ class AskBook:
         self._pressure_pages = 0
         self._soft_pages = 0
         self._short_pages = 0
-        self._found_empty = False
         self._outside_cap_pages: int | None = None
         self._outside_revision = -1  # the newest revision of an outside set_memory_limit
         self._standing_due = False  # a limit channel lowered the limit: the grant above it goes back
@@ -201,17 +199,6 @@ class AskBook:
         with self._lock:
             self._short_pages = max(self._short_pages, short_pages)
             self._counters["misses"] += 1
-
-    def found_empty(self) -> bool:
-        """The engine looked for room and found less than a page free (``available_size()``);
-        True the first time since the governor's last :meth:`take` (the governor's thread is
-        worth waking then only)."""
-        with self._lock:
-            first = not self._found_empty
-            self._found_empty = True
-            if first:
-                self._counters["empty_reads"] += 1
-        return first
 
     def outside_limit(self, cap_pages: int, revision: int) -> bool:
         """An outside ``set_memory_limit`` of ``cap_pages`` with ``revision``; False (nothing
@@ -253,9 +240,8 @@ class AskBook:
         that came through the grants (a broadcast pool's board: counted as one ask); those
         figures are 0 after."""
         with self._lock:
-            asks = Asks(self._pressure_pages + polled_pages, self._soft_pages, self._short_pages, self._found_empty)
+            asks = Asks(self._pressure_pages + polled_pages, self._soft_pages, self._short_pages)
             self._pressure_pages = self._soft_pages = self._short_pages = 0
-            self._found_empty = False
             if polled_pages:
                 self._counters["pressure_asks"] += 1
         return asks
@@ -270,14 +256,10 @@ class GrowPacing:
     refusal_streak: int = 0
     quiet_until_s: float = 0.0
 
-    def may_grow(self, now_s: float, *, short: bool, empty: bool = False) -> bool:
-        """A growth for an allocation that missed always may (it waits at the broker, which
-        paces it); one for an engine that found the pool ``empty`` waits there too, but after a
-        pressure ask's quiet period (what the pool gave back goes to whoever asked for it); one
-        ahead of need waits out a refusal's back-off and the quiet period."""
-        if short:
-            return True
-        return now_s >= self.quiet_until_s and (empty or now_s >= self.next_grow_s)
+    def may_grow(self, now_s: float, *, short: bool) -> bool:
+        """A growth the engine is short of always may (it waits at the broker, which paces it);
+        one ahead of need waits out a refusal's back-off and a pressure ask's quiet period."""
+        return short or (now_s >= self.next_grow_s and now_s >= self.quiet_until_s)
 
     def min_pages(self, pages: int, min_pages: int, *, waiting: bool) -> int:
         """The least to take of an ask for ``pages``: after a refusal, every other ask ahead of

@@ -338,12 +338,10 @@ def test_memory_taken_outside_a_pool_after_it_started_never_hides_in_its_unmappe
     with allocation_lock(usage):  # nothing maps meanwhile: the device's free room against A's unmapped grant
         free_bytes = 4 * GIB - sum(read_shared_usage(usage).values())
     assert free_bytes >= held["limit_bytes"] - held["mapped_bytes"] >= 4 * POOL_PAGE_BYTES
-    missed_before = a.request("status")["misses"]
-    refilled = a.request("fill", blocks=100_000, stall_s=1.0)  # A maps every page of its grant
+    a.request("fill", blocks=100_000, stall_s=1.0)  # A maps every page of its grant
     a.request("settle")
     filled = a.pool()
     assert filled["mapped_bytes"] >= filled["limit_bytes"] - POOL_PAGE_BYTES
-    assert refilled["misses"] > missed_before  # it ran out: the engine's scheduling misses
     # A page A mapped since the broker's last reading of the device is charged twice (measured and
     # promised) until A's next mapped report, so the flag may be up for a moment; B holding memory
     # that A's grant needs would keep it up.

@@ -35,7 +35,6 @@ from kvcached_broker.adapters.kvcached import eviction
 from kvcached_broker.adapters.kvcached.policy import RAMP_AHEAD_S
 from kvcached_broker.adapters.kvcached.pool_state import (
     _NEXT,
-    PRESSURE_QUIET_S,
     AskBook,
     Event,
     GrowPacing,
@@ -355,71 +354,25 @@ def _idle_pool(used_pages: int) -> ModelPool:
     return pool
 
 
-@pytest.mark.parametrize("between_s, ran_out", [(0.03125, "missed"), (0.25, "missed"), (0.03125, "found_empty"),
-                                               (0.03125, "")])
-def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_when_the_engine_runs_out(between_s, ran_out):
-    """The engine takes every free page between two rounds, then runs out: its next allocation
-    misses, or (as SGLang and vLLM do, reading ``available_size()`` first) it finds less than a
-    page free.  Taken in 1/32 s, a rate a batch would not cover: the growth it waits for is what
-    that rate uses in ``RAMP_AHEAD_S`` (a burst), not one batch, so it does not run short again
-    while the governor finds the rate.  Taken in 0.25 s, or with the engine not running out (the
-    pool grows ahead of need as ever): one batch."""
+@pytest.mark.parametrize("between_s, missed", [(0.03125, True), (0.25, True), (0.03125, False)])
+def test_a_burst_on_the_pools_free_pages_is_sized_by_its_rate_when_the_engine_runs_out(between_s, missed):
+    """The engine takes every free page between two rounds, then misses.  Taken in 1/32 s, a
+    rate a batch would not cover: the growth it waits for is what that rate uses in
+    ``RAMP_AHEAD_S`` (a burst), not one batch, so it does not run short again while the
+    governor finds the rate.  Taken in 0.25 s, or with no miss (the pool grows ahead of need
+    as ever): one batch."""
     pool = _idle_pool(10)
     governor, allocator, broker = pool.governor, pool.allocator, pool.broker
     taken = allocator.total - allocator.inuse
     assert allocator.alloc(taken)
-    if ran_out == "missed":
+    if missed:
         governor.note_alloc(1, None, PAGE_SIZE)  # the next allocation found no free page
-    elif ran_out == "found_empty":
-        assert governor.note_available(0, PAGE_SIZE)  # the engine looked: no page free (wake the governor)
-        assert not governor.note_available(0, PAGE_SIZE)  # once a round is enough
     granted = broker.pages
     governor.step(11.0 + between_s)
     rate_batch = math.ceil(taken / between_s * RAMP_AHEAD_S)
-    expected = rate_batch if ran_out and rate_batch > pool.MARKS.batch_pages else pool.MARKS.batch_pages
+    expected = rate_batch if missed and rate_batch > pool.MARKS.batch_pages else pool.MARKS.batch_pages
     assert broker.pages - granted == expected
     assert allocator.total == allocator.inuse + expected  # the limit follows the grant
-
-
-def test_an_engine_that_finds_its_pool_empty_asks_and_waits_at_the_broker_once_pressure_is_quiet():
-    """An engine that reads ``available_size()`` before it allocates never misses; reading less
-    than a page there is it running short: its growth waits at the broker, as a missed
-    allocation's does, and a refusal's back-off does not delay it.  After a pressure ask it keeps
-    the quiet period a growth ahead of need keeps (what the pool gave back goes to whoever asked
-    for it), where a miss would not.  A read that finds a page free says nothing."""
-    pool = _idle_pool(10)
-    governor, allocator, broker = pool.governor, pool.allocator, pool.broker
-    asks: list[float | None] = []
-    acquire = broker.acquire
-
-    def recorded(pages: int, min_pages: int, *, wait_s: float | None = None) -> int | None:
-        asks.append(wait_s)
-        return acquire(pages, min_pages, wait_s=wait_s)
-
-    broker.acquire = recorded
-    governor.ask_back(1)  # the broker wants a page: the free one goes, and a quiet period starts
-    governor.step(12.0)
-    assert allocator.alloc(allocator.total - allocator.inuse)  # the engine takes every free page
-    assert not governor.note_available(1, PAGE_SIZE)  # a page's blocks still free: nothing to say
-    assert governor.note_available(0, PAGE_SIZE)  # none: wake the governor
-    assert not governor.note_available(0, PAGE_SIZE)  # once a round is enough
-    governor.step(12.1)
-    assert asks == []  # quiet
-    assert governor.note_available(0, PAGE_SIZE)
-    before = broker.pages
-    governor.step(12.0 + PRESSURE_QUIET_S)
-    assert asks and asks[0] is not None  # it waits at the broker
-    assert broker.pages > before and allocator.total > allocator.inuse
-    assert governor.status()["empty_reads"] == 2 and governor.status()["misses"] == 0
-    # refused: an ask ahead of need would back off; the engine that finds its pool empty asks again
-    broker.mode = "refuse"
-    assert allocator.alloc(allocator.total - allocator.inuse)
-    governor.note_available(0, PAGE_SIZE)
-    governor.step(12.3 + PRESSURE_QUIET_S)
-    asked = len(asks)
-    assert governor.note_available(0, PAGE_SIZE)  # a refusal's back-off does not hold its wake either
-    governor.step(12.31 + PRESSURE_QUIET_S)
-    assert len(asks) == asked + 1 and asks[-1] is not None
 
 
 # ---------------------------------------------------------------- the governor, property-tested
