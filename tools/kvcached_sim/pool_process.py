@@ -137,7 +137,7 @@ def run_pool(args: argparse.Namespace, gpu) -> None:
                                               args.layers, pool_name="mha")
     interfaces.alloc_kv_cache((args.virtual_tokens, HEADS, HEAD_DIM), torch.float16, "cuda:0", args.layers,
                               page_size=BLOCK_TOKENS)
-    engine = Engine(manager, runner, gpu, evict_oldest=args.evict == "oldest")
+    engine = Engine(manager, gpu, evict_oldest=args.evict == "oldest")
     kvmode.register_eviction_hook(manager, engine)
     engine.time_refusals()
     manager._post_init_done.wait(30)
@@ -187,9 +187,8 @@ def serve(engine: "Engine", manager, runner) -> None:
 class Engine:
     """The engine's side: held blocks, a prefix cache of finished ones, and the eviction hook."""
 
-    def __init__(self, manager, runner, gpu, *, evict_oldest: bool = False):
+    def __init__(self, manager, gpu, *, evict_oldest: bool = False):
         self.manager = manager
-        self.runner = runner
         self.gpu = gpu
         self.evict_oldest = evict_oldest
         self.held: list[list[int]] = []  # one entry per allocation, newest last
@@ -228,11 +227,10 @@ class Engine:
         """One allocation of ``blocks``, made only if ``available_size()`` says they fit, as a
         runtime admits work (with ``reuse_cache``, the own prefix cache makes room first when they
         do not); a miss otherwise, or when kvcached refuses it all the same."""
-        if reuse_cache and self.manager.available_size() < blocks:
-            self._free_cached(blocks)
-        got = None
-        if self.manager.available_size() >= blocks:
-            got = self.spans.call("alloc", self.manager.alloc, blocks)
+        available = self.manager.available_size()
+        if reuse_cache and available < blocks and self._free_cached(blocks):
+            available = self.manager.available_size()
+        got = self.spans.call("alloc", self.manager.alloc, blocks) if available >= blocks else None
         if got is None:
             self.misses += 1
             return False
